@@ -1,0 +1,10 @@
+"""The audit log: one JSON Lines record per egress attempt, run and approval.
+
+- ``records``  builds records as plain dicts (pure; never payloads,
+  credentials or query strings);
+- ``log``      the single appending writer (``JsonlAuditSink``), which fails
+  closed: once a write fails, ``healthy`` is false and the proxy refuses new
+  egress; and the in-memory sink used by tests;
+- ``query``    reading, filtering, following and printing the log for
+  ``egressd audit``.
+"""

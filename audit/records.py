@@ -1,0 +1,317 @@
+"""Audit records as plain dicts, ready for one JSON line each.
+
+Pure: no I/O, no clock (every builder takes ``ts``, epoch seconds), no
+environment. The one exception is ``new_request_id``, which draws from
+``secrets`` because a request id must be unguessable.
+
+What a record may never hold (DESIGN.md, "Audit log"): payloads, credentials
+and query strings. Callers already strip them; the builders here strip them
+again, because a leak into an append-only log cannot be taken back.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+import math
+import re
+import secrets
+from collections.abc import Mapping, Sequence
+
+__all__ = [
+    "APPROVAL_DECIDED",
+    "APPROVAL_REQUESTED",
+    "DECISIONS",
+    "EGRESS",
+    "EGRESS_FIELDS",
+    "EGRESS_KINDS",
+    "RUN_END",
+    "RUN_START",
+    "RecordError",
+    "approval_decided_record",
+    "approval_requested_record",
+    "egress_record",
+    "new_request_id",
+    "rfc3339",
+    "run_record",
+]
+
+EGRESS = "egress"
+RUN_START = "run.start"
+RUN_END = "run.end"
+APPROVAL_REQUESTED = "approval.requested"
+APPROVAL_DECIDED = "approval.decided"
+
+# The design fixes these keys and their order; every egress record carries
+# all of them, null when not applicable, so readers never need .get().
+EGRESS_FIELDS: tuple[str, ...] = (
+    "event",
+    "id",
+    "ts",
+    "run",
+    "kind",
+    "client",
+    "host",
+    "port",
+    "address",
+    "decision",
+    "reason",
+    "rule",
+    "approval",
+    "command",
+    "bytes_up",
+    "bytes_down",
+    "duration_s",
+)
+
+EGRESS_KINDS: frozenset[str] = frozenset({"connect", "http", "tls", "dns"})
+DECISIONS: frozenset[str] = frozenset({"allow", "deny"})
+
+# Substrings of key names whose values are never written. Matching substrings
+# (not whole names) errs towards dropping: losing a harmless "max_tokens" is
+# cheaper than logging a "slack_bot_token".
+_SECRET_KEY_PARTS: tuple[str, ...] = (
+    "token",
+    "password",
+    "passwd",
+    "credential",
+    "secret",
+    "authorization",
+    "api_key",
+    "apikey",
+    "cookie",
+)
+
+# scheme://userinfo@ — the userinfo part (RFC 3986 §3.2.1) is where proxy
+# URLs carry a run's credentials (http://RUN_ID:TOKEN@host:port).
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@\s]*@")
+
+
+class RecordError(ValueError):
+    """A record could not be built from the values given (a caller's bug)."""
+
+
+def new_request_id() -> str:
+    """Return a fresh request id such as ``q-3f9c0a1b2d4e5f60``.
+
+    64 random bits: short enough to read out from a refusal body, unguessable
+    so one client cannot name another's request. URL-safe.
+    """
+    return "q-" + secrets.token_hex(8)
+
+
+def rfc3339(ts: float) -> str:
+    """Format epoch seconds as RFC 3339 UTC with microseconds.
+
+    ``rfc3339(0.5) == "1970-01-01T00:00:00.500000Z"``. Raises ``RecordError``
+    for a value that is not a finite time.
+    """
+    try:
+        moment = _dt.datetime.fromtimestamp(ts, tz=_dt.UTC)
+    except (OverflowError, OSError, ValueError, TypeError) as exc:
+        raise RecordError(f"not a timestamp: {ts!r}") from exc
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def egress_record(
+    *,
+    id: str,  # the design's field name, shadowing the builtin
+    ts: float,
+    run: str | None,
+    kind: str,
+    client: str | None,
+    host: str | None,
+    port: int | None,
+    address: str | None,
+    decision: str,
+    reason: str | None,
+    rule: str | None,
+    approval: Mapping[str, object] | None,
+    command: str | None,
+    bytes_up: int | None,
+    bytes_down: int | None,
+    duration_s: float | None,
+    **extra: object,
+) -> dict[str, object]:
+    """Build the ``egress`` record for one attempt (connection or DNS query).
+
+    The result has every key of ``EGRESS_FIELDS`` in that order, then the
+    ``extra`` keys (``qtype``/``answer`` for DNS, ``status`` for http).
+    ``kind`` must be one of ``EGRESS_KINDS`` and ``decision`` one of
+    ``DECISIONS`` (an ``enum.Enum`` whose value is such a string is accepted);
+    anything else raises ``RecordError``, as does an extra key that would
+    shadow a field. ``host`` loses any userinfo, path or query string the
+    caller forgot to remove; ``duration_s`` is rounded to microseconds.
+    Credential-named keys are dropped from ``approval`` and ``extra``.
+    """
+    kind = _member(kind, EGRESS_KINDS, "kind")
+    decision = _member(decision, DECISIONS, "decision")
+    clash = sorted(set(extra) & set(EGRESS_FIELDS))
+    if clash:
+        raise RecordError(f"extra fields shadow egress fields: {', '.join(clash)}")
+    record: dict[str, object] = {
+        "event": EGRESS,
+        "id": id,
+        "ts": rfc3339(ts),
+        "run": run,
+        "kind": kind,
+        "client": client,
+        "host": _strip_host(host),
+        "port": port,
+        "address": address,
+        "decision": decision,
+        "reason": _plain(reason),
+        "rule": rule,
+        "approval": None if approval is None else _approval(approval),
+        "command": command,
+        "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "duration_s": _seconds(duration_s, "duration_s"),
+    }
+    record.update(_scrub_mapping(extra))
+    return record
+
+
+def run_record(event: str, *, ts: float, run: str, **fields: object) -> dict[str, object]:
+    """Build a ``run.start`` or ``run.end`` record.
+
+    ``fields`` (task, allow, sources, exit status, ...) are copied with every
+    key whose name mentions a credential (token, password, secret,
+    credentials, authorization, ...; case-insensitive, at any depth) dropped
+    and the userinfo removed from any URL inside a string. Raises
+    ``RecordError`` for another event name or a field named event/ts/run.
+    """
+    if event not in (RUN_START, RUN_END):
+        raise RecordError(f"not a run event: {event!r}")
+    clash = sorted(set(fields) & {"event", "ts", "run"})
+    if clash:
+        raise RecordError(f"fields shadow run record keys: {', '.join(clash)}")
+    record: dict[str, object] = {"event": event, "ts": rfc3339(ts), "run": run}
+    record.update(_scrub_mapping(fields))
+    return record
+
+
+def approval_requested_record(
+    *,
+    id: str,  # the design's field name, shadowing the builtin
+    ts: float,
+    run: str | None,
+    host: str,
+    port: int,
+    command: str | None,
+    channels: Sequence[str],
+) -> dict[str, object]:
+    """Build the ``approval.requested`` record: a person was asked.
+
+    ``id`` is the approval's id (what ``egressd allow ID`` takes);
+    ``channels`` names the channels the message went to.
+    """
+    return {
+        "event": APPROVAL_REQUESTED,
+        "id": id,
+        "ts": rfc3339(ts),
+        "run": run,
+        "host": _strip_host(host),
+        "port": port,
+        "command": command,
+        "channels": [str(channel) for channel in channels],
+    }
+
+
+def approval_decided_record(
+    *,
+    id: str,  # the design's field name, shadowing the builtin
+    ts: float,
+    decision: str,
+    reason: str | None,
+    channel: str | None,
+    by: str | None,
+    waited_s: float | None,
+    run: str | None = None,
+) -> dict[str, object]:
+    """Build the ``approval.decided`` record: the answer and who gave it.
+
+    ``decision`` is ``allow`` or ``deny`` (else ``RecordError``); ``reason``
+    is the refusal code for a denial (``denied``, ``approval_timeout``, ...);
+    ``channel`` and ``by`` are null when nobody answered. ``run`` is not in
+    the design's field list but lets ``egressd audit --run`` keep the answer
+    next to its request; pass it when known.
+    """
+    return {
+        "event": APPROVAL_DECIDED,
+        "id": id,
+        "ts": rfc3339(ts),
+        "run": run,
+        "decision": _member(decision, DECISIONS, "decision"),
+        "reason": _plain(reason),
+        "channel": _plain(channel),
+        "by": by,
+        "waited_s": _seconds(waited_s, "waited_s"),
+    }
+
+
+def _approval(approval: Mapping[str, object]) -> dict[str, object]:
+    summary = _scrub_mapping(approval)
+    waited = summary.get("waited_s")
+    if isinstance(waited, float) and math.isfinite(waited):
+        summary["waited_s"] = round(waited, 6)
+    return summary
+
+
+def _member(value: object, allowed: frozenset[str], name: str) -> str:
+    plain = _plain(value)
+    if not isinstance(plain, str) or plain not in allowed:
+        raise RecordError(f"{name} must be one of {', '.join(sorted(allowed))}, not {value!r}")
+    return plain
+
+
+def _plain(value: object) -> object:
+    # An Enum member (say a reason code enum) becomes its value: json.dumps
+    # would write a str-mixin enum as its value anyway, but a plain Enum
+    # would not serialise at all.
+    if isinstance(value, enum.Enum):
+        return value.value
+    return value
+
+
+def _seconds(value: float | None, name: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RecordError(f"{name} must be a finite number of seconds, not {value!r}")
+    return round(float(value), 6)
+
+
+def _strip_host(host: str | None) -> str | None:
+    """Remove userinfo, path, query and fragment from a host string.
+
+    Userinfo goes first, up to the LAST "@": cutting the path first would
+    leave the front of a password that contains "/" in the log.
+    """
+    if host is None:
+        return None
+    host = host.rpartition("@")[2]
+    for stop in "/?#":
+        host = host.partition(stop)[0]
+    return host
+
+
+def _is_secret_key(key: object) -> bool:
+    name = str(key).lower().replace("-", "_")
+    return any(part in name for part in _SECRET_KEY_PARTS)
+
+
+def _scrub_mapping(mapping: Mapping[str, object]) -> dict[str, object]:
+    return {str(key): _scrub(value) for key, value in mapping.items() if not _is_secret_key(key)}
+
+
+def _scrub(value: object) -> object:
+    value = _plain(value)
+    if isinstance(value, Mapping):
+        return _scrub_mapping(value)
+    if isinstance(value, list | tuple | set | frozenset):
+        items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
+        return [_scrub(item) for item in items]
+    if isinstance(value, str):
+        return _URL_USERINFO.sub(r"\g<scheme>", value)
+    return value

@@ -1,0 +1,1 @@
+"""The command line: the one place that wires settings, proxy, approvals and audit together."""

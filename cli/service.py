@@ -1,0 +1,238 @@
+"""An egressd instance wired from settings: proxy, control API, audit, approver.
+
+``egressd serve`` runs one in the foreground; ``egressd run`` and the tests
+embed one in their own event loop. Start-up either completes or raises
+``StartupError`` with one message and leaves nothing running behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+from types import TracebackType
+
+from aiohttp import web
+
+from approvals.deny import DenyApprover, NoApprover
+from approvals.interface import Approver
+from audit.log import AuditError, AuditSink, JsonlAuditSink
+from audit.records import run_record
+from config.presets import UnknownPreset, preset_entries
+from config.settings import Settings, default_state_dir, parse_hostport
+from proxy.control import build_app
+from proxy.gate import Gate
+from proxy.metrics import Metrics
+from proxy.policy import Entry, EntryError, parse_entry
+from proxy.resolver import DnsResolver, Resolver, SystemResolver, parse_server
+from proxy.runs import DEFAULT_RUN_ID, Run, RunRegistry
+from proxy.server import Limits, ProxyServer
+
+log = logging.getLogger("egressd")
+
+
+class StartupError(Exception):
+    """egressd cannot start as configured; the message says which setting and why."""
+
+
+def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
+    """Allow (with presets expanded) and deny entries; StartupError naming a bad one."""
+    try:
+        preset_texts = [text for name in settings.preset for text in preset_entries(name)]
+    except UnknownPreset as exc:
+        raise StartupError(f"bad setting preset: {exc}") from None
+    parsed: list[tuple[Entry, ...]] = []
+    for setting, texts in (("allow", [*settings.allow, *preset_texts]), ("deny", settings.deny)):
+        try:
+            parsed.append(tuple(parse_entry(t) for t in texts))
+        except EntryError as exc:
+            raise StartupError(f"bad setting {setting}: {exc}") from None
+    return parsed[0], parsed[1]
+
+
+def approver_from_settings(settings: Settings) -> Approver:
+    if not settings.approver:
+        return NoApprover()
+    if settings.approver == ["deny"]:
+        return DenyApprover()
+    unavailable = [a for a in settings.approver if a != "deny"]
+    raise StartupError(
+        f"bad setting approver: {', '.join(unavailable)} is not available in this version of egressd"
+    )
+
+
+def token_path(settings: Settings) -> Path:
+    """Where the control token is written for ``egressd pending|allow|deny`` to find."""
+    if settings.control.startswith("unix:"):
+        return Path(settings.control.removeprefix("unix:") + ".token")
+    return default_state_dir() / "control.token"
+
+
+class EgressService:
+    """The proxy, its control API and its audit log, in the running event loop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        approver: Approver | None = None,
+        resolver: Resolver | None = None,
+        audit: AuditSink | None = None,
+    ) -> None:
+        self.settings = settings
+        self._approver = approver
+        self._resolver = resolver
+        self._audit = audit
+        self.runs: RunRegistry | None = None
+        self.gate: Gate | None = None
+        self.proxy: ProxyServer | None = None
+        self._control_runner: web.AppRunner | None = None
+        self.control_token = ""
+        self.control_address: str = ""
+        self._stack = contextlib.AsyncExitStack()
+
+    async def __aenter__(self) -> EgressService:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    @property
+    def proxy_address(self) -> tuple[str, int]:
+        assert self.proxy is not None
+        return self.proxy.address
+
+    @property
+    def default_run(self) -> Run | None:
+        return self.runs.default if self.runs else None
+
+    async def start(self) -> None:
+        try:
+            await self._start()
+        except BaseException:
+            await self.close(grace_s=0)
+            raise
+
+    async def _start(self) -> None:
+        s = self.settings
+        allow, deny = entries_from_settings(s)
+        approver = self._approver or approver_from_settings(s)
+
+        audit = self._audit
+        if audit is None:
+            path = s.audit_path
+            if s.audit_log is None:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                audit = JsonlAuditSink(path, fsync=s.audit_fsync)
+            except AuditError as exc:
+                raise StartupError(f"bad setting audit_log: {exc}") from None
+            self._stack.callback(audit.close)
+        resolver = self._resolver
+        if resolver is None:
+            if s.upstream_dns:
+                resolver = DnsResolver(parse_server(s.upstream_dns))
+                self._stack.push_async_callback(resolver.close)
+            else:
+                resolver = SystemResolver()
+
+        listen_host, listen_port = s.listen_address
+        own = {ipaddress.ip_address(listen_host)} if listen_host != "localhost" else set()
+        own = {a for a in own if not a.is_unspecified}
+        self.gate = Gate(
+            resolver=resolver,
+            approver=approver,
+            audit=audit,
+            metrics=Metrics(),
+            allow_private=s.allow_private_networks,
+            own_addresses=frozenset(own),
+            connect_timeout_s=s.connect_timeout_s,
+        )
+        default = None
+        if not s.require_auth:
+            default = Run(id=DEFAULT_RUN_ID, token=secrets.token_urlsafe(24), task=None, allow=allow, deny=deny, ask=s.ask)
+        self.runs = RunRegistry(default=default)
+
+        self.proxy = ProxyServer(
+            gate=self.gate,
+            runs=self.runs,
+            limits=Limits(
+                max_head_bytes=s.max_head_bytes,
+                head_timeout_s=s.head_timeout_s,
+                idle_timeout_s=s.idle_timeout_s,
+                max_connections=s.max_connections,
+                max_connections_per_run=s.max_connections_per_run,
+            ),
+        )
+        try:
+            await self.proxy.start(listen_host, listen_port)
+        except OSError as exc:
+            raise StartupError(f"bad setting listen: cannot listen on {s.listen}: {exc.strerror}") from None
+        await self._start_control()
+        if default is not None:
+            self._write_run_record(
+                run_record("run.start", ts=time.time(), run=default.id, allow=[e.text for e in allow], deny=[e.text for e in deny])
+            )
+
+    async def _start_control(self) -> None:
+        s = self.settings
+        assert self.gate is not None and self.runs is not None
+        if s.control_token is not None:
+            self.control_token = s.control_token.get_secret_value()
+        else:
+            self.control_token = secrets.token_urlsafe(32)
+            path = token_path(s)
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                with os.fdopen(fd, "w") as fh:
+                    fh.write(self.control_token + "\n")
+            except OSError as exc:
+                raise StartupError(f"bad setting control: cannot write the token file {path}: {exc.strerror}") from None
+        app = build_app(gate=self.gate, runs=self.runs, proxy_address=self.proxy_address, token=self.control_token)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        self._control_runner = runner
+        try:
+            if s.control.startswith("unix:"):
+                path = s.control.removeprefix("unix:")
+                site: web.BaseSite = web.UnixSite(runner, path)
+                await site.start()
+                os.chmod(path, 0o600)
+                self.control_address = s.control
+            else:
+                host, port = parse_hostport(s.control, "control")
+                site = web.TCPSite(runner, host, port, reuse_address=True)
+                await site.start()
+                sockets = runner.addresses
+                bound_port = sockets[0][1] if sockets else port
+                shown = f"[{host}]" if ":" in host else host
+                self.control_address = f"http://{shown}:{bound_port}"
+        except OSError as exc:
+            raise StartupError(f"bad setting control: cannot listen on {s.control}: {exc.strerror}") from None
+
+    def _write_run_record(self, record: dict[str, object]) -> None:
+        assert self.gate is not None
+        with contextlib.suppress(AuditError):
+            self.gate.audit.write(record)
+
+    async def close(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let tunnels finish within the grace period, flush the log."""
+        grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        if self.proxy is not None:
+            await self.proxy.close(grace)
+            self.proxy = None
+        if self._control_runner is not None:
+            await self._control_runner.cleanup()
+            self._control_runner = None
+        if self.runs is not None and self.runs.default is not None and self.gate is not None:
+            self._write_run_record(run_record("run.end", ts=time.time(), run=self.runs.default.id))
+            self.runs = None
+        await self._stack.aclose()

@@ -1,0 +1,225 @@
+"""The one root ``Settings`` object.
+
+Precedence, highest first: the command line (passed in as init values), then
+``EGRESSD_<NAME>`` environment variables, then the TOML file named by
+``--config``/``EGRESSD_CONFIG``, then the defaults below. ``load_settings`` is
+the only way in: it turns every validation failure into one ``SettingsError``
+whose message names the setting and what was wrong, so nothing starts
+half-configured.
+
+Values here are checked for shape (an address is ``HOST:PORT``, a CIDR is a
+network, a number is in range). Whether an allowlist entry is meaningful is
+the proxy's business; ``cli`` checks entries with ``proxy.policy`` and reports
+them in the same form.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+Approver = Literal["terminal", "slack", "webhook", "deny"]
+
+# Lists read from the environment are comma-separated (EGRESSD_ALLOW=a.com,b.org),
+# not JSON: NoDecode stops pydantic-settings from json-decoding them first.
+CsvList = Annotated[list[str], NoDecode]
+
+
+class SettingsError(Exception):
+    """A setting is missing, malformed or out of range; the message names it."""
+
+
+def default_state_dir() -> Path:
+    """Where egressd keeps its audit log and control token when not told otherwise."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "egressd"
+
+
+def parse_hostport(text: str, setting: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT`` to a tuple; ValueError naming the setting otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{setting}: expected HOST:PORT, got {text!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        if host != "localhost":
+            raise ValueError(f"{setting}: {host!r} is not an IP address") from None
+    return host, int(port)
+
+
+class Settings(BaseSettings):
+    """Every option of ``serve``/``run``/``agent``. Field names are the flag
+    names with dashes as underscores; units are in the descriptions and, for
+    the limits that are not part of the design's command line, in the name."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="EGRESSD_",
+        extra="forbid",
+        validate_default=True,
+        case_sensitive=False,
+    )
+
+    # Listeners. Loopback by default: a proxy open to the network would let
+    # anyone on it use this machine's allowlist.
+    listen: str = Field("127.0.0.1:3128", description="HTTP proxy HOST:PORT")
+    control: str = Field("127.0.0.1:3129", description="control API HOST:PORT or unix:PATH")
+    control_token: SecretStr | None = Field(None, description="bearer token for the control API")
+
+    # Policy.
+    allow: CsvList = Field(default_factory=list, description="allowlist entries")
+    deny: CsvList = Field(default_factory=list, description="denylist entries")
+    preset: CsvList = Field(default_factory=list, description="named allowlists")
+    allow_private: CsvList = Field(default_factory=list, description="CIDRs exempt from the private-address check")
+    ask: bool = Field(True, description="ask an approver about unknown domains (--no-ask: refuse them)")
+    require_auth: bool = Field(False, description="no default run: every client needs run credentials")
+
+    # Approvals.
+    approver: Annotated[list[Approver], NoDecode] = Field(default_factory=list)
+    approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
+    max_pending_approvals: int = Field(5, ge=1, le=10000, description="per run")
+
+    # Resolution.
+    upstream_dns: str | None = Field(None, description="HOST:PORT of the DNS server egressd asks; default: the system resolver")
+
+    # Audit.
+    audit_log: Path | None = Field(None, description="JSON Lines file; default: STATE_DIR/audit.jsonl")
+    audit_fsync: bool = Field(False, description="fsync after every record (slower, survives power loss)")
+
+    # Limits. Each default is what a well-behaved client never meets.
+    max_head_bytes: int = Field(64 * 1024, ge=1024, le=1024 * 1024, description="request head size (431 past it)")
+    head_timeout_s: float = Field(10.0, gt=0, le=600, description="time to receive a request head")
+    connect_timeout_s: float = Field(10.0, gt=0, le=600, description="time to connect upstream")
+    idle_timeout_s: float = Field(300.0, gt=0, le=86400, description="a tunnel idle this long both ways is closed")
+    max_connections: int = Field(10000, ge=1, le=1_000_000, description="open client connections overall")
+    max_connections_per_run: int = Field(1000, ge=1, le=1_000_000, description="open client connections per run")
+    shutdown_grace_s: float = Field(10.0, ge=0, le=3600, description="time tunnels get to finish on shutdown")
+
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("allow", "deny", "preset", "allow_private", "approver", mode="before")
+    @classmethod
+    def _split_csv(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("listen")
+    @classmethod
+    def _check_listen(cls, value: str) -> str:
+        parse_hostport(value, "listen")
+        return value
+
+    @field_validator("control")
+    @classmethod
+    def _check_control(cls, value: str) -> str:
+        if value.startswith("unix:"):
+            if len(value) == len("unix:"):
+                raise ValueError("control: unix: needs a socket path")
+            return value
+        parse_hostport(value, "control")
+        return value
+
+    @field_validator("upstream_dns")
+    @classmethod
+    def _check_upstream_dns(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if ":" not in value.replace("::", ""):  # bare host: port 53
+            value = f"{value}:53"
+        parse_hostport(value, "upstream_dns")
+        return value
+
+    @field_validator("allow_private")
+    @classmethod
+    def _check_cidrs(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise ValueError(f"{cidr!r} is not an IP network (CIDR)") from None
+        return value
+
+    @field_validator("approver")
+    @classmethod
+    def _dedupe_approvers(cls, value: list[str]) -> list[str]:
+        return list(dict.fromkeys(value))
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        if settings_cls.model_config.get("toml_file") is not None:
+            sources.append(TomlConfigSettingsSource(settings_cls))
+        return tuple(sources)
+
+    # Derived values, so callers never re-parse.
+    @property
+    def listen_address(self) -> tuple[str, int]:
+        return parse_hostport(self.listen, "listen")
+
+    @property
+    def audit_path(self) -> Path:
+        return self.audit_log if self.audit_log is not None else default_state_dir() / "audit.jsonl"
+
+    @property
+    def allow_private_networks(self) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+        return [ipaddress.ip_network(c, strict=False) for c in self.allow_private]
+
+
+def _format_error(error: ValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        name = ".".join(str(p) for p in item["loc"]) or "settings"
+        msg = item["msg"].removeprefix("Value error, ").removeprefix(f"{name}: ")
+        if item["type"] == "extra_forbidden":
+            msg = "unknown setting"
+        parts.append(f"{name}: {msg}")
+    return "bad setting " + "; ".join(parts)
+
+
+def load_settings(cli_values: Mapping[str, Any], config_file: Path | str | None = None) -> Settings:
+    """Build the settings from the command line, environment and config file.
+
+    ``cli_values`` holds only the options given on the command line (None
+    values are dropped). ``config_file`` falls back to ``EGRESSD_CONFIG``.
+    Raises SettingsError with one message naming every bad setting.
+    """
+    path = config_file or os.environ.get("EGRESSD_CONFIG") or None
+    toml_file: Path | None = None
+    if path is not None:
+        toml_file = Path(path)
+        try:
+            with toml_file.open("rb") as fh:
+                tomllib.load(fh)
+        except FileNotFoundError:
+            raise SettingsError(f"bad setting config: {toml_file} does not exist") from None
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise SettingsError(f"bad setting config: {toml_file}: {exc}") from None
+    bound = type("Settings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": toml_file}})
+    values = {k: v for k, v in cli_values.items() if v is not None}
+    try:
+        return bound(**values)
+    except ValidationError as exc:
+        raise SettingsError(_format_error(exc)) from None

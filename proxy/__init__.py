@@ -1,0 +1,19 @@
+"""The egress gate: everything between a sandboxed client and the world.
+
+A connection flows through these modules, in this order:
+
+1. ``server``   accepts the client, reads the request head (``http1``), and
+   attributes it to a run (``runs``) by credentials or source address;
+2. ``gate``     decides: ``policy.decide`` (pure, the design's decision order)
+   says allow, deny or ask; asking goes through the ``approvals.Approver``
+   interface; an allowed name is resolved (``resolver``) and every address is
+   classified (``addresses``) before anything is dialled;
+3. ``tunnel``   relays bytes both ways (CONNECT), or ``server`` forwards
+   absolute-form HTTP requests one at a time;
+4. every attempt ends as exactly one audit record (``audit``), and refusals are
+   rendered by ``responses``.
+
+``hosts``, ``addresses``, ``policy``, ``http1`` and ``responses`` are pure: no
+I/O, no clock, no environment. ``control`` is the HTTP control API (aiohttp)
+and ``metrics`` its Prometheus counters.
+"""

@@ -1,0 +1,218 @@
+"""The control API (aiohttp): health, metrics and runs, behind a bearer token.
+
+Routes (JSON unless said otherwise):
+
+- ``GET /health``                      no token needed; ``{"status", "audit", "runs"}``
+- ``GET /metrics``                     Prometheus text
+- ``GET /runs``                        every live run
+- ``POST /runs``                       ``{"task", "allow", "deny", "preset", "ask", "sources"}``
+                                       → ``{"id", "token", "proxy_url"}``
+- ``GET /runs/{id}``                   one run
+- ``PUT /runs/{id}/command``           ``{"command": str|null}``: what the run executes now
+- ``GET /runs/{id}/events?cursor=N``   egress records after cursor N → ``{"events", "cursor"}``
+- ``DELETE /runs/{id}``                end the run
+
+Other packages add routes of their own to the application before it starts
+(approvals will); the token check covers every route except those whose path
+is in ``app[PUBLIC_PATHS]``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from audit.log import AuditError
+from audit.records import run_record
+from config.presets import UnknownPreset, preset_entries
+
+from .gate import Gate
+from .policy import Entry, EntryError, parse_entry
+from .runs import Run, RunError, RunRegistry
+
+GATE = web.AppKey("gate", Gate)
+RUNS = web.AppKey("runs", RunRegistry)
+PROXY_ADDRESS = web.AppKey("proxy_address", tuple)
+PUBLIC_PATHS = web.AppKey("public_paths", set)
+TOKEN = web.AppKey("token", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def json_error(status: int, message: str) -> web.HTTPException:
+    """An HTTP error whose body is ``{"error": message}``."""
+    classes: dict[int, type[web.HTTPException]] = {
+        400: web.HTTPBadRequest,
+        401: web.HTTPUnauthorized,
+        404: web.HTTPNotFound,
+        409: web.HTTPConflict,
+    }
+    return classes[status](text=json.dumps({"error": message}), content_type="application/json")
+
+
+@web.middleware
+async def _require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path in request.app[PUBLIC_PATHS]:
+        return await handler(request)
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), request.app[TOKEN].encode()):
+        raise json_error(401, "missing or wrong bearer token")
+    return await handler(request)
+
+
+def parse_entries(texts: Any, what: str) -> tuple[Entry, ...]:
+    """Allow/deny entries from JSON; raises a 400 naming the bad entry."""
+    if texts is None:
+        return ()
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise json_error(400, f"{what} must be a list of strings")
+    try:
+        return tuple(parse_entry(t) for t in texts)
+    except EntryError as exc:
+        raise json_error(400, f"{what}: {exc}") from None
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise json_error(400, "body is not JSON") from None
+    if not isinstance(body, dict):
+        raise json_error(400, "body must be a JSON object")
+    return body
+
+
+def _run(request: web.Request) -> Run:
+    run = request.app[RUNS].get(request.match_info["run_id"])
+    if run is None:
+        raise json_error(404, f"no run {request.match_info['run_id']}")
+    return run
+
+
+def _write_audit(request: web.Request, record: dict[str, Any]) -> None:
+    try:
+        request.app[GATE].audit.write(record)
+    except AuditError:
+        pass  # the sink is now unhealthy and says so; egress is refused from here on
+
+
+async def health(request: web.Request) -> web.Response:
+    healthy = request.app[GATE].audit.healthy
+    return web.json_response(
+        {"status": "ok" if healthy else "degraded", "audit": healthy, "runs": len(request.app[RUNS])},
+        status=200 if healthy else 503,
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gate = request.app[GATE]
+    text = gate.metrics.render(runs=len(request.app[RUNS]), audit_healthy=gate.audit.healthy)
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    return web.json_response({"runs": [run.describe() for run in request.app[RUNS]]})
+
+
+async def create_run(request: web.Request) -> web.Response:
+    body = await _body(request)
+    task = body.get("task")
+    if task is not None and not isinstance(task, str):
+        raise json_error(400, "task must be a string")
+    presets = body.get("preset") or []
+    if not isinstance(presets, list):
+        raise json_error(400, "preset must be a list of names")
+    try:
+        preset_texts = [text for name in presets for text in preset_entries(name)]
+    except UnknownPreset as exc:
+        raise json_error(400, str(exc)) from None
+    allow = parse_entries(body.get("allow") or [], "allow") + parse_entries(preset_texts, "preset")
+    deny = parse_entries(body.get("deny"), "deny")
+    sources_raw = body.get("sources") or []
+    try:
+        sources = [ipaddress.ip_address(s) for s in sources_raw]
+    except (TypeError, ValueError):
+        raise json_error(400, "sources must be a list of IP addresses") from None
+    ask = body.get("ask", True)
+    if not isinstance(ask, bool):
+        raise json_error(400, "ask must be true or false")
+    try:
+        run = request.app[RUNS].create(task=task, allow=allow, deny=deny, ask=ask, sources=sources)
+    except RunError as exc:
+        raise json_error(409, str(exc)) from None
+    _write_audit(
+        request,
+        run_record(
+            "run.start",
+            ts=time.time(),
+            run=run.id,
+            task=task,
+            allow=[e.text for e in allow],
+            deny=[e.text for e in deny],
+            sources=[str(s) for s in sources],
+        ),
+    )
+    host, port = request.app[PROXY_ADDRESS]
+    host = f"[{host}]" if ":" in host else host
+    return web.json_response(
+        {"id": run.id, "token": run.token, "proxy_url": f"http://{run.id}:{run.token}@{host}:{port}"},
+        status=201,
+    )
+
+
+async def get_run(request: web.Request) -> web.Response:
+    return web.json_response(_run(request).describe())
+
+
+async def set_command(request: web.Request) -> web.Response:
+    run = _run(request)
+    command = (await _body(request)).get("command")
+    if command is not None and not isinstance(command, str):
+        raise json_error(400, "command must be a string or null")
+    run.command = command
+    return web.json_response({"id": run.id, "command": run.command})
+
+
+async def run_events(request: web.Request) -> web.Response:
+    run = _run(request)
+    try:
+        cursor = int(request.query.get("cursor", "0"))
+    except ValueError:
+        raise json_error(400, "cursor must be an integer") from None
+    events, cursor = run.events_after(cursor)
+    return web.json_response({"events": events, "cursor": cursor})
+
+
+async def end_run(request: web.Request) -> web.Response:
+    run = _run(request)
+    try:
+        request.app[RUNS].end(run.id)
+    except RunError as exc:
+        raise json_error(404, str(exc)) from None
+    _write_audit(request, run_record("run.end", ts=time.time(), run=run.id))
+    return web.json_response({"id": run.id, "ended": True})
+
+
+def build_app(*, gate: Gate, runs: RunRegistry, proxy_address: tuple[str, int], token: str) -> web.Application:
+    """The control application; the caller may add routes, then serves it."""
+    app = web.Application(middlewares=[_require_token], client_max_size=1024 * 1024)
+    app[GATE] = gate
+    app[RUNS] = runs
+    app[PROXY_ADDRESS] = proxy_address
+    app[TOKEN] = token
+    app[PUBLIC_PATHS] = {"/health"}
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/runs", list_runs)
+    app.router.add_post("/runs", create_run)
+    app.router.add_get("/runs/{run_id}", get_run)
+    app.router.add_put("/runs/{run_id}/command", set_command)
+    app.router.add_get("/runs/{run_id}/events", run_events)
+    app.router.add_delete("/runs/{run_id}", end_run)
+    return app

@@ -1,0 +1,290 @@
+"""The gate: from a request for HOST:PORT in a run to a dialled socket or a refusal.
+
+Every listener (the explicit proxy now; transparent listeners later) goes
+through ``Gate.admit`` and, when admitted, ``Gate.dial``, so they all decide
+the same way:
+
+1. the audit log must be writable (else refuse: nothing happens unrecorded);
+2. ``policy.decide`` — the design's decision order, pure;
+3. ASK → the ``Approver``; an exception there is a denial (fail closed);
+   an allow joins the run's allowlist, a denial sticks for the run;
+4. allowed → resolve (an IP literal is its own address); every address is
+   classified and only those that pass are kept (``private_address`` if none);
+5. ``dial`` connects to exactly those addresses — never a second lookup.
+
+Each attempt is an ``Attempt`` that ``finish`` turns into exactly one audit
+record, one run event and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
+from audit.log import AuditError, AuditSink
+from audit.records import egress_record, new_request_id
+
+from .addresses import forbidden_reason
+from .hosts import parse_ip_literal
+from .metrics import Metrics
+from .policy import Reason, Verdict, decide
+from .resolver import ResolveError, Resolver
+from .runs import Run
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+log = logging.getLogger("egressd.decisions")
+
+_ANSWER_REASONS = {
+    Answer.DENY: Reason.DENIED,
+    Answer.TIMEOUT: Reason.APPROVAL_TIMEOUT,
+    Answer.NO_APPROVER: Reason.NO_APPROVER,
+    Answer.TOO_MANY_PENDING: Reason.TOO_MANY_PENDING,
+}
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One egress attempt on its way to becoming one audit record."""
+
+    id: str
+    kind: str
+    client: str | None
+    ts: float
+    started: float
+    run: Run | None = None
+    host: str | None = None
+    port: int | None = None
+    address: str | None = None
+    decision: str = "deny"
+    reason: str | None = None
+    rule: str | None = None
+    approval: dict[str, Any] | None = None
+    command: str | None = None
+    bytes_up: int = 0
+    bytes_down: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+    decided: bool = False
+    finished: bool = False
+
+    def refuse(self, reason: Reason | str) -> None:
+        self.decision = "deny"
+        self.reason = reason.value if isinstance(reason, Reason) else reason
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """The gate's answer: addresses to dial, or the reason for refusing."""
+
+    reason: Reason | None
+    host: str
+    port: int
+    addresses: tuple[IPAddress, ...] = ()
+
+    @property
+    def allowed(self) -> bool:
+        return self.reason is None
+
+
+class DialError(Exception):
+    """Could not connect upstream; ``reason`` is the code the client sees."""
+
+    def __init__(self, reason: Reason, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class Gate:
+    """Decides, asks, resolves, dials and records, for every listener."""
+
+    def __init__(
+        self,
+        *,
+        resolver: Resolver,
+        approver: Approver,
+        audit: AuditSink,
+        metrics: Metrics,
+        allow_private: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
+        own_addresses: frozenset[IPAddress] = frozenset(),
+        connect_timeout_s: float = 10.0,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.resolver = resolver
+        self.approver = approver
+        self.audit = audit
+        self.metrics = metrics
+        self.allow_private = tuple(allow_private)
+        self.own_addresses = own_addresses
+        self.connect_timeout_s = connect_timeout_s
+        self.clock = clock
+        self.monotonic = monotonic
+
+    def begin(self, kind: str, client: str | None) -> Attempt:
+        return Attempt(
+            id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic()
+        )
+
+    async def admit(self, attempt: Attempt, run: Run, host: str, port: int) -> Admission:
+        """Steps 1-4 of the module docstring; fills the attempt as it goes."""
+        attempt.run = run
+        attempt.command = run.command
+        attempt.host, attempt.port = host, port
+        admission = await self._admit(attempt, run, host, port)
+        attempt.host = admission.host
+        if admission.allowed:
+            attempt.decision, attempt.reason = "allow", None
+        else:
+            attempt.refuse(admission.reason or Reason.BAD_REQUEST)
+        attempt.decided = True
+        self.metrics.decided(attempt.decision, attempt.reason, self.monotonic() - attempt.started)
+        self._log_decision(attempt, admission)
+        return admission
+
+    async def _admit(self, attempt: Attempt, run: Run, host: str, port: int) -> Admission:
+        if not self.audit.healthy:
+            return Admission(Reason.AUDIT_UNAVAILABLE, host, port)
+        decision = decide(run.policy(), host, port)
+        host = decision.host
+        attempt.rule = decision.rule
+        if decision.verdict is Verdict.DENY:
+            return Admission(decision.reason, host, port)
+        if decision.verdict is Verdict.ASK:
+            outcome = await self._ask(run, host, port)
+            attempt.approval = {
+                "id": outcome.approval_id,
+                "channel": outcome.channel,
+                "by": outcome.by,
+                "waited_s": round(outcome.waited_s, 3),
+            }
+            if not outcome.allowed:
+                if outcome.answer is Answer.DENY:
+                    run.deny_host(host)
+                return Admission(_ANSWER_REASONS[outcome.answer], host, port)
+            run.approve(host, port)
+            attempt.rule = "approved"
+        return await self._resolve(attempt, host, port)
+
+    async def _ask(self, run: Run, host: str, port: int) -> ApprovalOutcome:
+        request = ApprovalRequest(
+            run_id=run.id,
+            host=host,
+            port=port,
+            command=run.command,
+            task=run.task,
+            allowed=run.allowed_texts(),
+        )
+        self.metrics.held_requests += 1
+        try:
+            return await self.approver.ask(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Fail closed: an approver that broke has not allowed anything.
+            log.exception("approver failed for %s:%d in run %s; denying", host, port, run.id)
+            return ApprovalOutcome(Answer.NO_APPROVER)
+        finally:
+            self.metrics.held_requests -= 1
+
+    async def _resolve(self, attempt: Attempt, host: str, port: int) -> Admission:
+        literal = parse_ip_literal(host)
+        if literal is not None:
+            candidates: Sequence[IPAddress] = [literal]
+        else:
+            try:
+                candidates = await self.resolver.resolve(host)
+            except ResolveError as exc:
+                attempt.extra["detail"] = str(exc)
+                return Admission(Reason.RESOLVE_FAILED, host, port)
+        passed = tuple(
+            a for a in candidates if forbidden_reason(a, self.allow_private, self.own_addresses) is None
+        )
+        if not passed:
+            attempt.address = str(candidates[0]) if candidates else None
+            return Admission(Reason.PRIVATE_ADDRESS, host, port)
+        return Admission(None, host, port, passed)
+
+    async def dial(self, attempt: Attempt, admission: Admission) -> socket.socket:
+        """Connect to the first admitted address that answers, within the connect timeout.
+
+        Raises DialError (``upstream_unreachable`` or ``upstream_timeout``).
+        """
+        loop = asyncio.get_running_loop()
+        last: OSError | None = None
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                for address in admission.addresses:
+                    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+                    sock = socket.socket(family, socket.SOCK_STREAM)
+                    sock.setblocking(False)
+                    try:
+                        await loop.sock_connect(sock, (str(address), admission.port))
+                    except OSError as exc:
+                        sock.close()
+                        last = exc
+                        continue
+                    except BaseException:
+                        sock.close()
+                        raise
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    attempt.address = str(address)
+                    return sock
+        except TimeoutError:
+            attempt.address = str(admission.addresses[0])
+            raise DialError(Reason.UPSTREAM_TIMEOUT, "connect timed out") from None
+        attempt.address = str(admission.addresses[-1])
+        raise DialError(Reason.UPSTREAM_UNREACHABLE, str(last) if last else "no address")
+
+    def finish(self, attempt: Attempt) -> None:
+        """Write the attempt's one audit record (idempotent), its run event and metrics."""
+        if attempt.finished:
+            return
+        attempt.finished = True
+        run = attempt.run
+        record = egress_record(
+            id=attempt.id,
+            ts=attempt.ts,
+            run=run.id if run else None,
+            kind=attempt.kind,
+            client=attempt.client,
+            host=attempt.host,
+            port=attempt.port,
+            address=attempt.address,
+            decision=attempt.decision,
+            reason=attempt.reason,
+            rule=attempt.rule,
+            approval=attempt.approval,
+            command=attempt.command,
+            bytes_up=attempt.bytes_up,
+            bytes_down=attempt.bytes_down,
+            duration_s=self.monotonic() - attempt.started,
+            **attempt.extra,
+        )
+        if not attempt.decided:  # refused before the policy ran (bad request, auth, limits)
+            self.metrics.decided(attempt.decision, attempt.reason, self.monotonic() - attempt.started)
+        self.metrics.bytes_up += attempt.bytes_up
+        self.metrics.bytes_down += attempt.bytes_down
+        if run is not None:
+            run.record_event(record)
+        try:
+            self.audit.write(record)
+        except AuditError:
+            pass  # the sink has said why once and is now unhealthy: new egress is refused
+
+    def _log_decision(self, attempt: Attempt, admission: Admission) -> None:
+        if not log.isEnabledFor(logging.INFO):
+            return
+        run_id = attempt.run.id if attempt.run else "-"
+        target = f"{admission.host}:{admission.port}"
+        if not target.isprintable():
+            target = ascii(target)  # a hostile host must not repaint the operator's terminal
+        if admission.allowed:
+            log.info("ALLOW %s %s run=%s rule=%s", attempt.kind, target, run_id, attempt.rule)
+        else:
+            log.info("DENY  %s %s run=%s reason=%s", attempt.kind, target, run_id, attempt.reason)

@@ -1,0 +1,80 @@
+"""Prometheus metrics, kept as plain counters and rendered in the text format.
+
+No client library: the handful of series here are cheaper to count by hand
+than to route through a registry on every connection.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+# Decision latency buckets (seconds): a policy-only decision takes microseconds,
+# a resolved one milliseconds, a held one up to the approval timeout.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0, 600.0)
+
+
+@dataclass
+class Metrics:
+    connections_total: Counter[str] = field(default_factory=Counter)  # by kind
+    connections_open: int = 0
+    bytes_up: int = 0
+    bytes_down: int = 0
+    decisions: Counter[tuple[str, str]] = field(default_factory=Counter)  # (decision, reason)
+    held_requests: int = 0
+    latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    latency_sum: float = 0.0
+
+    def decided(self, decision: str, reason: str | None, seconds: float) -> None:
+        self.decisions[(decision, reason or "")] += 1
+        self.latency_sum += seconds
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.latency_counts[i] += 1
+                return
+        self.latency_counts[-1] += 1
+
+    def render(self, *, runs: int, audit_healthy: bool) -> str:
+        lines = [
+            "# HELP egressd_connections_total Client connections accepted, by kind.",
+            "# TYPE egressd_connections_total counter",
+        ]
+        for kind, n in sorted(self.connections_total.items()):
+            lines.append(f'egressd_connections_total{{kind="{kind}"}} {n}')
+        lines += [
+            "# HELP egressd_connections_open Client connections open now.",
+            "# TYPE egressd_connections_open gauge",
+            f"egressd_connections_open {self.connections_open}",
+            "# HELP egressd_bytes_total Bytes relayed, by direction (up: to the destination).",
+            "# TYPE egressd_bytes_total counter",
+            f'egressd_bytes_total{{direction="up"}} {self.bytes_up}',
+            f'egressd_bytes_total{{direction="down"}} {self.bytes_down}',
+            "# HELP egressd_decisions_total Egress decisions, by decision and reason.",
+            "# TYPE egressd_decisions_total counter",
+        ]
+        for (decision, reason), n in sorted(self.decisions.items()):
+            lines.append(f'egressd_decisions_total{{decision="{decision}",reason="{reason}"}} {n}')
+        lines += [
+            "# HELP egressd_held_requests Requests held waiting for an approval now.",
+            "# TYPE egressd_held_requests gauge",
+            f"egressd_held_requests {self.held_requests}",
+            "# HELP egressd_decision_seconds Time from request to decision.",
+            "# TYPE egressd_decision_seconds histogram",
+        ]
+        cumulative = 0
+        for bound, n in zip(LATENCY_BUCKETS, self.latency_counts, strict=False):
+            cumulative += n
+            lines.append(f'egressd_decision_seconds_bucket{{le="{bound}"}} {cumulative}')
+        cumulative += self.latency_counts[-1]
+        lines += [
+            f'egressd_decision_seconds_bucket{{le="+Inf"}} {cumulative}',
+            f"egressd_decision_seconds_sum {self.latency_sum:.6f}",
+            f"egressd_decision_seconds_count {cumulative}",
+            "# HELP egressd_runs Live runs.",
+            "# TYPE egressd_runs gauge",
+            f"egressd_runs {runs}",
+            "# HELP egressd_audit_healthy 1 while the audit log can be written; 0 means egress is refused.",
+            "# TYPE egressd_audit_healthy gauge",
+            f"egressd_audit_healthy {int(audit_healthy)}",
+        ]
+        return "\n".join(lines) + "\n"

@@ -1,0 +1,212 @@
+"""Runs: one sandbox's lifetime, and how a request is attributed to one.
+
+A run holds the state the decision needs (its allowlist, what was approved or
+denied during it, whether to ask), the command it is executing now (for the
+approval message), its credentials and the source addresses bound to it, and
+a bounded window of its recent egress events for the control API.
+
+Attribution order (``RunRegistry.attribute``):
+1. ``Proxy-Authorization: Basic base64(RUN_ID:TOKEN)`` present → that run if
+   the credentials are right, else nothing (the caller answers 407);
+2. the client's source address is bound to a run → that run;
+3. the default run, when there is one (``egressd serve`` without
+   ``--require-auth``);
+4. nothing: the caller refuses with ``auth_required``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+import ipaddress
+import secrets
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .policy import Entry, RunPolicy, approval_ports
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+DEFAULT_RUN_ID = "default"
+# Enough for an agent's step to be read back by the runner; older events stay
+# in the audit log, which is the record of truth.
+EVENT_WINDOW = 10_000
+
+
+class RunError(Exception):
+    """A run could not be created or found (unknown id, address already bound)."""
+
+
+@dataclass(eq=False)
+class Run:
+    """One run's mutable state. Only the event loop thread touches it."""
+
+    id: str
+    token: str
+    task: str | None
+    allow: tuple[Entry, ...]
+    deny: tuple[Entry, ...]
+    ask: bool = True
+    sources: frozenset[IPAddress] = frozenset()
+    command: str | None = None
+    approved: dict[str, frozenset[int]] = field(default_factory=dict)
+    denied: set[str] = field(default_factory=set)
+    open_connections: int = 0
+    pending_approvals: int = 0
+    events: deque[tuple[int, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
+    next_event: int = 1
+    _policy: RunPolicy | None = None
+
+    def policy(self) -> RunPolicy:
+        """The pure decision input; rebuilt only after an approval or denial."""
+        if self._policy is None:
+            self._policy = RunPolicy(
+                allow=self.allow,
+                deny=self.deny,
+                approved=dict(self.approved),
+                denied=frozenset(self.denied),
+                ask=self.ask,
+            )
+        return self._policy
+
+    def approve(self, host: str, port: int) -> None:
+        """Allow host on port (and 80/443) for the rest of the run."""
+        self.approved[host] = self.approved.get(host, frozenset()) | approval_ports(port)
+        self._policy = None
+
+    def deny_host(self, host: str) -> None:
+        """A denial sticks for the rest of the run (``denied_earlier``)."""
+        self.denied.add(host)
+        self._policy = None
+
+    def allowed_texts(self) -> tuple[str, ...]:
+        """The allowlist as a person reads it: entries, then approvals."""
+        return tuple(e.text for e in self.allow) + tuple(sorted(self.approved))
+
+    def record_event(self, record: Mapping[str, Any]) -> None:
+        self.events.append((self.next_event, dict(record)))
+        self.next_event += 1
+
+    def events_after(self, cursor: int, limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
+        """Events with sequence numbers above ``cursor``, and the new cursor."""
+        picked = [(seq, rec) for seq, rec in self.events if seq > cursor][:limit]
+        if not picked:
+            return [], cursor
+        return [rec for _, rec in picked], picked[-1][0]
+
+    def describe(self) -> dict[str, Any]:
+        """The run as the control API shows it (never the token)."""
+        return {
+            "id": self.id,
+            "task": self.task,
+            "allow": [e.text for e in self.allow],
+            "deny": [e.text for e in self.deny],
+            "approved": sorted(self.approved),
+            "denied": sorted(self.denied),
+            "ask": self.ask,
+            "sources": sorted(str(a) for a in self.sources),
+            "command": self.command,
+            "open_connections": self.open_connections,
+        }
+
+
+def parse_proxy_authorization(value: str) -> tuple[str, str] | None:
+    """``Basic base64(id:token)`` → (id, token), or None when malformed."""
+    scheme, _, payload = value.strip().partition(" ")
+    if scheme.lower() != "basic" or not payload:
+        return None
+    try:
+        decoded = base64.b64decode(payload.strip(), validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+    run_id, sep, token = decoded.partition(":")
+    if not sep or not run_id:
+        return None
+    return run_id, token
+
+
+class RunRegistry:
+    """All live runs, by id and by bound source address."""
+
+    def __init__(self, *, default: Run | None = None) -> None:
+        self._runs: dict[str, Run] = {}
+        self._by_source: dict[IPAddress, Run] = {}
+        self.default = default
+        if default is not None:
+            self._runs[default.id] = default
+
+    def __iter__(self) -> Any:
+        return iter(list(self._runs.values()))
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def get(self, run_id: str) -> Run | None:
+        return self._runs.get(run_id)
+
+    def create(
+        self,
+        *,
+        task: str | None,
+        allow: Iterable[Entry],
+        deny: Iterable[Entry] = (),
+        ask: bool = True,
+        sources: Iterable[IPAddress] = (),
+        run_id: str | None = None,
+    ) -> Run:
+        """Register a new run with fresh credentials; its source addresses must be free."""
+        sources = frozenset(sources)
+        for address in sources:
+            if address in self._by_source:
+                raise RunError(f"source address {address} is already bound to run {self._by_source[address].id}")
+        run_id = run_id or f"r-{secrets.token_hex(4)}"
+        if run_id in self._runs:
+            raise RunError(f"run {run_id} exists")
+        run = Run(
+            id=run_id,
+            token=secrets.token_urlsafe(24),
+            task=task,
+            allow=tuple(allow),
+            deny=tuple(deny),
+            ask=ask,
+            sources=sources,
+        )
+        self._runs[run.id] = run
+        for address in sources:
+            self._by_source[address] = run
+        return run
+
+    def end(self, run_id: str) -> Run:
+        run = self._runs.pop(run_id, None)
+        if run is None:
+            raise RunError(f"no run {run_id}")
+        for address in run.sources:
+            self._by_source.pop(address, None)
+        if run is self.default:
+            self.default = None
+        return run
+
+    def authenticate(self, header: str) -> Run | None:
+        """The run whose credentials the header carries, or None."""
+        parsed = parse_proxy_authorization(header)
+        if parsed is None:
+            return None
+        run = self._runs.get(parsed[0])
+        if run is None:
+            # Compare anyway, so a wrong id costs the same time as a wrong token.
+            hmac.compare_digest(parsed[1], "x" * 32)
+            return None
+        return run if hmac.compare_digest(parsed[1].encode(), run.token.encode()) else None
+
+    def attribute(self, source: IPAddress | None, proxy_authorization: str | None) -> Run | None:
+        """Steps 1-4 of the module docstring."""
+        if proxy_authorization is not None:
+            return self.authenticate(proxy_authorization)
+        if source is not None:
+            run = self._by_source.get(source)
+            if run is not None:
+                return run
+        return self.default

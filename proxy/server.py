@@ -1,0 +1,412 @@
+"""The explicit HTTP proxy listener: CONNECT tunnels and absolute-form HTTP.
+
+A thin asyncio shell around the pure parts: ``http1`` parses, ``gate``
+decides and dials, ``tunnel`` relays, ``responses`` renders refusals. Each
+client connection is one task owned by the server; every request on it is
+attributed, decided and recorded on its own (RFC 9112 §9.3 keep-alive and
+pipelining), and any refusal closes the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .gate import Admission, Attempt, DialError, Gate
+from .http1 import (
+    BodyKind,
+    ChunkedScanner,
+    HttpError,
+    RequestHead,
+    forward_request_head,
+    forward_response_head,
+    parse_request_head,
+    parse_response_head,
+    request_body_kind,
+    request_destination,
+    response_body_kind,
+)
+from .policy import Reason
+from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
+from .runs import Run, RunRegistry
+from .tunnel import Tunnel
+
+log = logging.getLogger("egressd.proxy")
+
+RECV_SIZE = 64 * 1024
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The listener's limits; see ``config.settings`` for why each default."""
+
+    max_head_bytes: int = 64 * 1024
+    head_timeout_s: float = 10.0
+    idle_timeout_s: float = 300.0
+    max_connections: int = 10000
+    max_connections_per_run: int = 1000
+
+
+class _Closed(Exception):
+    """The peer closed or broke the connection; nothing more to say to it."""
+
+
+class Peer:
+    """A non-blocking socket with a read buffer."""
+
+    __slots__ = ("sock", "buf", "loop")
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
+        self.sock = sock
+        self.buf = bytearray()
+        self.loop = loop
+
+    async def fill(self) -> bool:
+        """Read more into the buffer; False at EOF."""
+        try:
+            data = await self.loop.sock_recv(self.sock, RECV_SIZE)
+        except OSError as exc:
+            raise _Closed(str(exc)) from exc
+        if not data:
+            return False
+        self.buf += data
+        return True
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        try:
+            await self.loop.sock_sendall(self.sock, data)
+        except OSError as exc:
+            raise _Closed(str(exc)) from exc
+
+    def take(self, n: int | None = None) -> bytes:
+        n = len(self.buf) if n is None else n
+        data = bytes(self.buf[:n])
+        del self.buf[:n]
+        return data
+
+    async def read_head(self, parse: Callable, max_bytes: int):  # type: ignore[no-untyped-def]
+        """The next head, or None on a clean EOF before any byte of it."""
+        while True:
+            if self.buf:
+                parsed = parse(self.buf, max_bytes)
+                if parsed is not None:
+                    head, used = parsed
+                    del self.buf[:used]
+                    return head
+            if not await self.fill():
+                if self.buf:
+                    raise HttpError(400, "connection closed inside a message head")
+                return None
+
+    async def relay_exact(self, n: int, dst: Peer) -> int:
+        """Copy exactly ``n`` body bytes to ``dst``."""
+        left = n
+        while left:
+            if not self.buf and not await self.fill():
+                raise _Closed("peer closed inside a body")
+            chunk = self.take(min(left, len(self.buf)))
+            await dst.send(chunk)
+            left -= len(chunk)
+        return n
+
+    async def relay_chunked(self, dst: Peer) -> int:
+        """Copy a chunked body unchanged, up to and including its last CRLF."""
+        scanner = ChunkedScanner()
+        total = 0
+        while not scanner.done:
+            if not self.buf and not await self.fill():
+                raise _Closed("peer closed inside a chunked body")
+            n = scanner.feed(bytes(self.buf))
+            await dst.send(self.take(n))
+            total += n
+        return total
+
+    async def relay_until_eof(self, dst: Peer) -> int:
+        total = 0
+        while True:
+            if self.buf:
+                chunk = self.take()
+                await dst.send(chunk)
+                total += len(chunk)
+            if not await self.fill():
+                return total
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class ProxyServer:
+    """Accepts clients on one listening socket and serves them until closed."""
+
+    def __init__(self, *, gate: Gate, runs: RunRegistry, limits: Limits) -> None:
+        self.gate = gate
+        self.runs = runs
+        self.limits = limits
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._tunnels: set[Tunnel] = set()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._listener is not None
+        host, port = self._listener.getsockname()[:2]
+        return host, port
+
+    async def start(self, host: str, port: int) -> None:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((host, port))
+            listener.listen(1024)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        self._listener = listener
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(self._listener)
+            except OSError as exc:  # EMFILE and friends: back off instead of spinning
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._serve_client(sock, peer))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Stop accepting, give open connections ``grace_s`` to finish, then end them."""
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+        if self._listener is not None:
+            self._listener.close()
+        if self._tasks and grace_s > 0:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        for tunnel in list(self._tunnels):
+            tunnel.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    # -- one client connection -------------------------------------------------
+
+    async def _serve_client(self, sock: socket.socket, peer: tuple) -> None:  # type: ignore[type-arg]
+        client = Peer(sock, asyncio.get_running_loop())
+        client_text = f"{peer[0]}:{peer[1]}"
+        source = _source_address(peer[0])
+        metrics = self.gate.metrics
+        metrics.connections_open += 1
+        attempt: Attempt | None = None
+        try:
+            if metrics.connections_open > self.limits.max_connections:
+                attempt = self.gate.begin("http", client_text)
+                await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429)
+                return
+            first = True
+            while True:
+                attempt = self.gate.begin("http", client_text)
+                keep_going = await self._serve_request(client, attempt, source, first)
+                first = False
+                if not keep_going:
+                    return
+        except _Closed:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("connection %s failed (request %s)", client_text, attempt.id if attempt else "-")
+        finally:
+            if attempt is not None and attempt.host is not None:
+                self.gate.finish(attempt)
+            metrics.connections_open -= 1
+            client.close()
+
+    async def _serve_request(
+        self, client: Peer, attempt: Attempt, source: ipaddress.IPv4Address | ipaddress.IPv6Address | None, first: bool
+    ) -> bool:
+        """Serve one request; True when the connection may carry another."""
+        try:
+            async with asyncio.timeout(self.limits.head_timeout_s):
+                head = await client.read_head(parse_request_head, self.limits.max_head_bytes)
+        except TimeoutError:
+            if not first and not client.buf:
+                return False  # an idle keep-alive connection, not an attempt
+            await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=408, message="request head too slow")
+            return False
+        except HttpError as exc:
+            reason = Reason.LIMIT_EXCEEDED if exc.status == 431 else Reason.BAD_REQUEST
+            await self._refuse(client, attempt, reason, status=exc.status, message=exc.detail)
+            return False
+        if head is None:
+            return False
+        self.gate.metrics.connections_total[("connect" if head.method == "CONNECT" else "http")] += 1
+        attempt.kind = "connect" if head.method == "CONNECT" else "http"
+        try:
+            destination = request_destination(head)
+        except HttpError as exc:
+            await self._refuse(client, attempt, Reason.BAD_REQUEST, status=exc.status, message=exc.detail)
+            return False
+        attempt.host, attempt.port = destination.host, destination.port
+
+        run = self.runs.attribute(source, head.get("Proxy-Authorization"))
+        if run is None:
+            await self._refuse(client, attempt, Reason.AUTH_REQUIRED)
+            return False
+        attempt.run = run
+        if run.open_connections >= self.limits.max_connections_per_run:
+            await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429)
+            return False
+        run.open_connections += 1
+        try:
+            admission = await self.gate.admit(attempt, run, destination.host, destination.port)
+            if not admission.allowed:
+                await self._refuse(client, attempt, admission.reason)
+                return False
+            if head.method == "CONNECT":
+                await self._tunnel(client, attempt, admission)
+                return False
+            return await self._forward(client, attempt, head, admission, destination)
+        finally:
+            run.open_connections -= 1
+            self.gate.finish(attempt)
+
+    async def _dial(self, client: Peer, attempt: Attempt, admission: Admission) -> Peer | None:
+        try:
+            sock = await self.gate.dial(attempt, admission)
+        except DialError as exc:
+            attempt.extra["detail"] = str(exc)
+            await self._refuse(client, attempt, exc.reason)
+            return None
+        return Peer(sock, client.loop)
+
+    async def _tunnel(self, client: Peer, attempt: Attempt, admission: Admission) -> None:
+        upstream = await self._dial(client, attempt, admission)
+        if upstream is None:
+            return
+        try:
+            await client.send(CONNECT_ESTABLISHED)
+            tunnel = Tunnel(client.sock, upstream.sock, idle_timeout_s=self.limits.idle_timeout_s, loop=client.loop)
+            self._tunnels.add(tunnel)
+            try:
+                tunnel.start(first_up=client.take())
+                await tunnel.wait()
+            finally:
+                self._tunnels.discard(tunnel)
+                attempt.bytes_up += tunnel.bytes_up
+                attempt.bytes_down += tunnel.bytes_down
+        finally:
+            upstream.close()
+
+    async def _forward(
+        self, client: Peer, attempt: Attempt, head: RequestHead, admission: Admission, destination
+    ) -> bool:  # type: ignore[no-untyped-def]
+        upstream = await self._dial(client, attempt, admission)
+        if upstream is None:
+            return False
+        try:
+            if any(v.lower() == "100-continue" for v in head.get_all("Expect")):
+                # We answer the expectation ourselves (RFC 9110 §10.1.1) so a
+                # client waiting for it never stalls behind our relay.
+                head.headers = [(k, v) for k, v in head.headers if k.lower() != "expect"]
+                await client.send(CONTINUE)
+            out = forward_request_head(head, destination)
+            await upstream.send(out)
+            attempt.bytes_up += len(out)
+            kind, length = request_body_kind(head)
+            if kind is BodyKind.LENGTH:
+                attempt.bytes_up += await client.relay_exact(length, upstream)
+            elif kind is BodyKind.CHUNKED:
+                attempt.bytes_up += await client.relay_chunked(upstream)
+            return await self._relay_response(client, attempt, head, upstream)
+        except HttpError as exc:
+            # The origin sent something we cannot frame safely; stop here.
+            attempt.extra["detail"] = f"bad response from upstream: {exc.detail}"
+            if attempt.bytes_down == 0:
+                await self._refuse(client, attempt, Reason.UPSTREAM_UNREACHABLE)
+            return False
+        finally:
+            upstream.close()
+
+    async def _relay_response(self, client: Peer, attempt: Attempt, head: RequestHead, upstream: Peer) -> bool:
+        async with asyncio.timeout(self.limits.idle_timeout_s):
+            while True:
+                response = await upstream.read_head(parse_response_head, self.limits.max_head_bytes)
+                if response is None:
+                    raise HttpError(502, "upstream closed without a response")
+                if 100 <= response.status < 200 and response.status != 101:
+                    continue  # interim responses (we already answered any 100-continue)
+                break
+        attempt.extra["status"] = response.status
+        kind, length = response_body_kind(response, head.method)
+        keep_alive = head.keep_alive and kind is not BodyKind.UNTIL_CLOSE
+        out = forward_response_head(response, keep_alive)
+        await client.send(out)
+        attempt.bytes_down += len(out)
+        if kind is BodyKind.LENGTH:
+            attempt.bytes_down += await upstream.relay_exact(length, client)
+        elif kind is BodyKind.CHUNKED:
+            attempt.bytes_down += await upstream.relay_chunked(client)
+        elif kind is BodyKind.UNTIL_CLOSE:
+            attempt.bytes_down += await upstream.relay_until_eof(client)
+        return keep_alive
+
+    async def _refuse(
+        self,
+        client: Peer,
+        attempt: Attempt,
+        reason: Reason | None,
+        *,
+        status: int | None = None,
+        message: str | None = None,
+    ) -> None:
+        """Answer a refusal as the contract says and record it."""
+        reason = reason or Reason.BAD_REQUEST
+        attempt.refuse(reason)
+        if message:
+            attempt.extra.setdefault("detail", message)
+        run = attempt.run
+        extra: list[tuple[str, str]] = []
+        if status == 429 or (status is None and STATUS_FOR_REASON.get(reason.value) == 429):
+            extra.append(("Retry-After", "1"))
+        data = refusal(
+            status or STATUS_FOR_REASON.get(reason.value, 403),
+            reason.value,
+            attempt.host or "-",
+            attempt.port,
+            run.id if run else None,
+            attempt.id,
+            REASON_MESSAGES.get(reason.value, reason.value),
+            extra,
+        )
+        self.gate.finish(attempt)
+        with contextlib.suppress(_Closed):
+            await client.send(data)
+
+
+def _source_address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address

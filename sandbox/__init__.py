@@ -1,0 +1,1 @@
+"""The launcher: sandboxes whose only way out is egressd (bubblewrap + netns, Docker)."""

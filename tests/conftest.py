@@ -1,0 +1,179 @@
+"""Shared test bed: origins, leak detectors, a fake upstream DNS and egressd itself.
+
+Addresses (all loopback; Linux routes the whole of 127.0.0.0/8 to lo):
+
+- 127.0.0.1        egressd's listeners and the fake DNS server
+- 127.0.0.2        ORIGIN: an echo server and an HTTP origin; the tests'
+                   ``--allow-private`` names exactly 127.0.0.2/32
+- 127.0.0.66       LEAK: listeners that count every connection that arrives;
+                   outside every allowed range, so a correct egressd never
+                   connects there
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from approvals.interface import Approver
+from audit.log import AuditSink, MemoryAuditSink
+from cli.service import EgressService
+from config.settings import load_settings
+from tests.fakedns import FakeDns
+from tests.harness import LEAK, ORIGIN, ORIGIN_RANGE
+
+
+@dataclass
+class Listener:
+    """A TCP server on a fixed loopback address that counts connections."""
+
+    host: str
+    port: int = 0
+    connections: int = 0
+    server: asyncio.AbstractServer | None = None
+    received: list[bytes] = field(default_factory=list)
+
+
+async def _start(listener: Listener, handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]) -> Listener:
+    async def counted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        listener.connections += 1
+        try:
+            await handler(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    listener.server = await asyncio.start_server(counted, listener.host, listener.port)
+    listener.port = listener.server.sockets[0].getsockname()[1]
+    return listener
+
+
+async def _echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    while data := await reader.read(65536):
+        writer.write(data)
+        await writer.drain()
+
+
+async def _record(listener: Listener) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = await reader.read(65536)
+        listener.received.append(data)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nLEAKED")
+        await writer.drain()
+
+    return handler
+
+
+@pytest.fixture
+async def echo_origin() -> AsyncIterator[Listener]:
+    listener = await _start(Listener(ORIGIN), _echo)
+    yield listener
+    assert listener.server is not None
+    listener.server.close()
+    await listener.server.wait_closed()
+
+
+@pytest.fixture
+async def leak() -> AsyncIterator[Listener]:
+    """A listener on LEAK that must never see a connection (it answers like an origin)."""
+    listener = Listener(LEAK)
+    await _start(listener, await _record(listener))
+    yield listener
+    assert listener.server is not None
+    listener.server.close()
+    await listener.server.wait_closed()
+
+
+@dataclass
+class HttpOrigin:
+    port: int
+    requests: list[dict[str, Any]]
+
+
+@pytest.fixture
+async def http_origin() -> AsyncIterator[HttpOrigin]:
+    """An HTTP origin on ORIGIN that records each request's method, path and headers."""
+    requests: list[dict[str, Any]] = []
+
+    async def any_path(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        requests.append({"method": request.method, "path": request.path_qs, "headers": dict(request.headers), "body": body})
+        if request.path == "/chunked":
+            resp = web.StreamResponse(headers={"X-Egress-Decision": "allow", "X-Origin": "yes"})
+            resp.enable_chunked_encoding()
+            await resp.prepare(request)
+            for part in (b"first,", b"second,", b"third"):
+                await resp.write(part)
+            await resp.write_eof()
+            return resp
+        if request.path == "/big":
+            return web.Response(body=b"x" * (1024 * 1024))
+        return web.Response(
+            text=f"hello from origin: {request.method} {request.path_qs} {len(body)}",
+            headers={"X-Egress-Reason": "forged", "X-Origin": "yes"},
+        )
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", any_path)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, ORIGIN, 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    yield HttpOrigin(port, requests)
+    await runner.cleanup()
+
+
+@pytest.fixture
+async def dns() -> AsyncIterator[FakeDns]:
+    async with FakeDns(
+        {
+            "origin.test": [ORIGIN],
+            "leak.test": [LEAK],
+            "sub.example.test": [ORIGIN],
+            "example.test": [ORIGIN],
+            "evilexample.test": [LEAK],
+            "mixed.test": [LEAK, ORIGIN],
+        }
+    ) as server:
+        yield server
+
+
+MakeEgressd = Callable[..., Awaitable[EgressService]]
+
+
+@pytest.fixture
+async def make_egressd(tmp_path: Path, dns: FakeDns) -> AsyncIterator[MakeEgressd]:
+    """Start an egressd in this event loop: ``await make_egressd(allow=[...], ...)``.
+
+    Defaults: ephemeral loopback ports, the fake DNS upstream, ORIGIN's range
+    allowed as private, an in-memory audit sink (``svc.audit_records``).
+    """
+    started: list[EgressService] = []
+
+    async def make(*, approver: Approver | None = None, audit: AuditSink | None = None, **values: Any) -> EgressService:
+        values.setdefault("listen", "127.0.0.1:0")
+        values.setdefault("control", "127.0.0.1:0")
+        values.setdefault("control_token", "test-token")
+        values.setdefault("upstream_dns", f"{dns.address[0]}:{dns.address[1]}")
+        values.setdefault("allow_private", [ORIGIN_RANGE])
+        values.setdefault("audit_log", str(tmp_path / "audit.jsonl"))
+        values.setdefault("log_level", "warning")
+        settings = load_settings(values)
+        sink = audit if audit is not None else MemoryAuditSink()
+        service = EgressService(settings, approver=approver, audit=sink)
+        await service.start()
+        service.audit_records = sink.records  # type: ignore[attr-defined]
+        started.append(service)
+        return service
+
+    yield make
+    for service in started:
+        await service.close(grace_s=0)

@@ -1,0 +1,199 @@
+"""The normal path through the proxy: tunnels, plain HTTP, runs, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+
+import aiohttp
+import pytest
+
+from tests.harness import ORIGIN, connect_via, egress, open_proxy, read_response, wait_until
+
+
+async def test_connect_tunnel_relays_both_ways_and_is_audited(make_egressd, echo_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+    status, headers, _, reader, writer = await connect_via(svc, f"origin.test:{echo_origin.port}")
+    assert status == 200 and "x-egress-decision" not in headers
+    payload = os.urandom(3 * 1024 * 1024)
+
+    async def send() -> None:
+        writer.write(payload)
+        await writer.drain()
+        writer.write_eof()
+
+    sender = asyncio.create_task(send())
+    echoed = await asyncio.wait_for(reader.readexactly(len(payload)), 10)
+    await sender
+    assert echoed == payload
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # half-close passed on, then closed
+    writer.close()
+    await wait_until(lambda: egress(svc))
+    record = egress(svc)[-1]
+    assert record["decision"] == "allow" and record["kind"] == "connect"
+    assert record["host"] == "origin.test" and record["port"] == echo_origin.port
+    assert record["address"] == ORIGIN and record["rule"] == "origin.test:*"
+    assert record["bytes_up"] == len(payload) and record["bytes_down"] == len(payload)
+    assert record["run"] == "default" and record["duration_s"] >= 0
+
+
+async def test_bytes_sent_right_after_connect_are_not_lost(make_egressd, echo_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+    reader, writer = await open_proxy(svc)
+    writer.write(f"CONNECT origin.test:{echo_origin.port} HTTP/1.1\r\n\r\nearly-bytes".encode())
+    status, _, _ = await read_response(reader)
+    assert status == 200
+    assert await asyncio.wait_for(reader.readexactly(11), 5) == b"early-bytes"
+    writer.close()
+
+
+async def test_many_concurrent_tunnels_all_echo(make_egressd, echo_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+
+    async def one(i: int) -> bytes:
+        status, _, _, reader, writer = await connect_via(svc, f"origin.test:{echo_origin.port}")
+        assert status == 200
+        message = f"tunnel-{i:04d}".encode()
+        writer.write(message)
+        data = await asyncio.wait_for(reader.readexactly(len(message)), 10)
+        writer.close()
+        return data
+
+    results = await asyncio.gather(*(one(i) for i in range(200)))
+    assert results == [f"tunnel-{i:04d}".encode() for i in range(200)]
+    await wait_until(lambda: len(egress(svc)) == 200)
+
+
+async def test_plain_http_keep_alive_requests_are_each_decided(make_egressd, http_origin, dns) -> None:
+    svc = await make_egressd(allow=[f"origin.test:{http_origin.port}"], ask=False)
+    reader, writer = await open_proxy(svc)
+    writer.write(f"GET http://origin.test:{http_origin.port}/one HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    status, headers, body = await read_response(reader)
+    assert status == 200 and body.endswith(b"GET /one 0")
+    assert "x-egress-reason" not in headers and headers["x-origin"] == "yes"  # forged header stripped
+    # same connection, a second allowed request, then a refused one
+    writer.write(f"POST http://origin.test:{http_origin.port}/two HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello".encode())
+    status, _, body = await read_response(reader)
+    assert status == 200 and body.endswith(b"POST /two 5")
+    writer.write(b"GET http://leak.test/ HTTP/1.1\r\n\r\n")
+    status, headers, _ = await read_response(reader)
+    assert status == 403 and headers["x-egress-reason"] == "not_allowlisted"
+    writer.close()
+    assert [r["decision"] for r in egress(svc)] == ["allow", "allow", "deny"]
+    assert [r.get("status") for r in egress(svc)][:2] == [200, 200]
+    assert not dns.asked("leak.test")
+
+
+async def test_plain_http_pipelined_requests_are_answered_in_order(make_egressd, http_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+    reader, writer = await open_proxy(svc)
+    writer.write(b"".join(
+        f"GET http://origin.test:{http_origin.port}/p{i} HTTP/1.1\r\n\r\n".encode() for i in range(3)
+    ))
+    bodies = [(await read_response(reader))[2] for _ in range(3)]
+    writer.close()
+    assert [b.rsplit(b" ", 2)[1] for b in bodies] == [b"/p0", b"/p1", b"/p2"]
+
+
+async def test_plain_http_chunked_response_and_hop_by_hop_headers(make_egressd, http_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+    proxy = "http://{}:{}".format(*svc.proxy_address)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(
+            f"http://origin.test:{http_origin.port}/chunked",
+            proxy=proxy,
+            headers={"Connection": "keep-alive, X-Secret", "X-Secret": "hop", "Keep-Alive": "timeout=5"},
+        ) as resp:
+            body = await resp.read()
+            assert resp.status == 200 and body == b"first,second,third"
+            assert "X-Egress-Decision" not in resp.headers
+    seen = http_origin.requests[0]["headers"]
+    assert "X-Secret" not in seen and "Keep-Alive" not in seen and "Proxy-Authorization" not in seen
+
+
+async def test_plain_http_large_response(make_egressd, http_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+    proxy = "http://{}:{}".format(*svc.proxy_address)
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"http://origin.test:{http_origin.port}/big", proxy=proxy) as resp:
+            assert len(await resp.read()) == 1024 * 1024
+    await wait_until(lambda: egress(svc))
+    assert egress(svc)[-1]["bytes_down"] > 1024 * 1024
+
+
+async def test_run_credentials_attribute_requests_and_proxy_authorization_is_not_forwarded(make_egressd, http_origin) -> None:
+    svc = await make_egressd(require_auth=True)
+    run = svc.runs.create(task="fetch", allow=[__import__("proxy.policy", fromlist=["parse_entry"]).parse_entry("origin.test:*")])
+    creds = base64.b64encode(f"{run.id}:{run.token}".encode()).decode()
+    reader, writer = await open_proxy(svc)
+    writer.write(
+        f"GET http://origin.test:{http_origin.port}/r HTTP/1.1\r\nProxy-Authorization: Basic {creds}\r\n\r\n".encode()
+    )
+    status, _, _ = await read_response(reader)
+    assert status == 200
+    bad = base64.b64encode(f"{run.id}:wrong".encode()).decode()
+    writer.write(f"GET http://origin.test:{http_origin.port}/r HTTP/1.1\r\nProxy-Authorization: Basic {bad}\r\n\r\n".encode())
+    status, headers, _ = await read_response(reader)
+    writer.close()
+    assert status == 407 and headers["x-egress-reason"] == "auth_required"
+    assert "Proxy-Authorization" not in http_origin.requests[0]["headers"]
+    assert egress(svc)[0]["run"] == run.id
+    assert run.token not in repr(svc.audit_records)
+
+
+async def test_per_run_connection_cap_answers_429(make_egressd, echo_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"], max_connections_per_run=2)
+    held = [await connect_via(svc, f"origin.test:{echo_origin.port}") for _ in range(2)]
+    assert [h[0] for h in held] == [200, 200]
+    status, headers, _, _, w = await connect_via(svc, f"origin.test:{echo_origin.port}")
+    w.close()
+    assert status == 429 and headers["x-egress-reason"] == "limit_exceeded" and headers["retry-after"]
+    for h in held:
+        h[4].close()
+
+
+async def test_upstream_refusing_the_connection_is_a_502(make_egressd, dns) -> None:
+    from tests.harness import free_port
+
+    svc = await make_egressd(allow=["origin.test:*"])
+    status, headers, _, _, w = await connect_via(svc, f"origin.test:{free_port(ORIGIN)}")
+    w.close()
+    assert status == 502 and headers["x-egress-reason"] == "upstream_unreachable"
+
+
+async def test_unknown_name_is_resolve_failed(make_egressd, dns) -> None:
+    svc = await make_egressd(allow=["nowhere.test"])
+    status, headers, _, _, w = await connect_via(svc, "nowhere.test:443")
+    w.close()
+    assert status == 502 and headers["x-egress-reason"] == "resolve_failed"
+
+
+async def test_shutdown_lets_open_tunnels_finish_then_records_them(make_egressd, echo_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+    status, _, _, reader, writer = await connect_via(svc, f"origin.test:{echo_origin.port}")
+    assert status == 200
+    writer.write(b"before")
+    assert await reader.readexactly(6) == b"before"
+    closing = asyncio.create_task(svc.close(grace_s=5))
+    await asyncio.sleep(0.2)
+    # new connections are refused at once; the open tunnel still works
+    with pytest.raises(OSError):
+        await asyncio.open_connection(*svc.proxy_address)
+    writer.write(b"during")
+    assert await reader.readexactly(6) == b"during"
+    writer.close()
+    await asyncio.wait_for(closing, 5)
+    record = egress(svc)[-1]
+    assert record["bytes_up"] == 12 and record["decision"] == "allow"
+    assert svc.audit_records[-1]["event"] == "run.end"
+
+
+async def test_shutdown_grace_ends_tunnels_that_do_not_finish(make_egressd, echo_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+    status, _, _, reader, writer = await connect_via(svc, f"origin.test:{echo_origin.port}")
+    assert status == 200
+    await asyncio.wait_for(svc.close(grace_s=0.2), 5)
+    assert await asyncio.wait_for(reader.read(), 2) == b""
+    writer.close()
+    assert egress(svc)[-1]["decision"] == "allow"
