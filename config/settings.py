@@ -22,13 +22,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    TomlConfigSettingsSource,
+    InitSettingsSource,
 )
 
 Approver = Literal["terminal", "slack", "webhook", "deny"]
@@ -89,10 +89,28 @@ class Settings(BaseSettings):
     ask: bool = Field(True, description="ask an approver about unknown domains (--no-ask: refuse them)")
     require_auth: bool = Field(False, description="no default run: every client needs run credentials")
 
-    # Approvals.
+    # Approvals (the config file may also group these under an [approvals] table).
     approver: Annotated[list[Approver], NoDecode] = Field(default_factory=list)
     approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
     max_pending_approvals: int = Field(5, ge=1, le=10000, description="per run")
+    webhook_url: str | None = Field(None, description="where approval requests are POSTed")
+    webhook_secret: SecretStr | None = Field(None, description="whsec_ key signing outgoing webhooks")
+    webhook_callback_secret: SecretStr | None = Field(None, description="whsec_ key the callback must be signed with")
+    public_url: str | None = Field(None, description="base URL under which the control server is reachable (webhook callback)")
+    slack_bot_token: SecretStr | None = Field(None, description="xoxb- token")
+    slack_app_token: SecretStr | None = Field(None, description="xapp- token for Socket Mode")
+    slack_signing_secret: SecretStr | None = Field(None, description="verifies the HTTP interactivity endpoint")
+    slack_channel: str | None = Field(None, description="channel id the approval messages go to")
+    slack_approvers: CsvList = Field(default_factory=list, description="Slack user ids (U…) or user-group ids (S…) who may answer")
+    slack_api_url: str | None = Field(None, description="Slack Web API base URL (tests point it at a fake)")
+
+    # The sandbox-facing DNS server and transparent listeners.
+    dns_listen: str | None = Field(None, description="DNS server HOST:PORT (UDP and TCP)")
+    dns_answer: str | None = Field(None, description="the address every A query is answered with")
+    dns_answer6: str | None = Field(None, description="the address AAAA queries are answered with (default: empty answer)")
+    dns_strict: bool = Field(False, description="NXDOMAIN for names the run could never reach")
+    transparent_tls: str | None = Field(None, description="SNI listener HOST:PORT (destination port 443)")
+    transparent_http: str | None = Field(None, description="Host-header listener HOST:PORT (destination port 80)")
 
     # Resolution.
     upstream_dns: str | None = Field(None, description="HOST:PORT of the DNS server egressd asks; default: the system resolver")
@@ -112,17 +130,38 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
-    @field_validator("allow", "deny", "preset", "allow_private", "approver", mode="before")
+    @field_validator("allow", "deny", "preset", "allow_private", "approver", "slack_approvers", mode="before")
     @classmethod
     def _split_csv(cls, value: Any) -> Any:
         if isinstance(value, str):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("listen")
+    @field_validator("listen", "dns_listen", "transparent_tls", "transparent_http")
     @classmethod
-    def _check_listen(cls, value: str) -> str:
-        parse_hostport(value, "listen")
+    def _check_hostport(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is not None:
+            parse_hostport(value, info.field_name or "address")
+        return value
+
+    @field_validator("dns_answer", "dns_answer6")
+    @classmethod
+    def _check_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                ipaddress.ip_address(value)
+            except ValueError:
+                raise ValueError(f"{value!r} is not an IP address") from None
+        return value
+
+    @field_validator("webhook_url", "public_url", "slack_api_url")
+    @classmethod
+    def _check_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        scheme, sep, rest = value.partition("://")
+        if scheme not in ("http", "https") or not sep or not rest or rest.startswith("/") or any(c.isspace() for c in value):
+            raise ValueError(f"{value!r} is not an http(s) URL")
         return value
 
     @field_validator("control")
@@ -169,10 +208,10 @@ class Settings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
-        if settings_cls.model_config.get("toml_file") is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls))
-        return tuple(sources)
+        file_values = getattr(settings_cls, "file_values", None)
+        if not file_values:
+            return (init_settings, env_settings)
+        return (init_settings, env_settings, InitSettingsSource(settings_cls, init_kwargs=dict(file_values)))
 
     # Derived values, so callers never re-parse.
     @property
@@ -199,6 +238,33 @@ def _format_error(error: ValidationError) -> str:
     return "bad setting " + "; ".join(parts)
 
 
+# Tables of the config file whose keys are settings of their own (DESIGN.md:
+# the channel settings live in [approvals]).
+_TABLES = ("approvals",)
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The TOML file's settings, with the ``[approvals]`` table flattened."""
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise SettingsError(f"bad setting config: {path} does not exist") from None
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SettingsError(f"bad setting config: {path}: {exc}") from None
+    for table in _TABLES:
+        section = data.pop(table, None)
+        if section is None:
+            continue
+        if not isinstance(section, dict):
+            raise SettingsError(f"bad setting {table}: expected a table")
+        for key, value in section.items():
+            if key in data:
+                raise SettingsError(f"bad setting {key}: given both at the top level and in [{table}]")
+            data[key] = value
+    return data
+
+
 def load_settings(cli_values: Mapping[str, Any], config_file: Path | str | None = None) -> Settings:
     """Build the settings from the command line, environment and config file.
 
@@ -207,17 +273,15 @@ def load_settings(cli_values: Mapping[str, Any], config_file: Path | str | None 
     Raises SettingsError with one message naming every bad setting.
     """
     path = config_file or os.environ.get("EGRESSD_CONFIG") or None
-    toml_file: Path | None = None
+    file_values: dict[str, Any] = {}
     if path is not None:
-        toml_file = Path(path)
-        try:
-            with toml_file.open("rb") as fh:
-                tomllib.load(fh)
-        except FileNotFoundError:
-            raise SettingsError(f"bad setting config: {toml_file} does not exist") from None
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise SettingsError(f"bad setting config: {toml_file}: {exc}") from None
-    bound = type("Settings", (Settings,), {"model_config": {**Settings.model_config, "toml_file": toml_file}})
+        file_values = read_config_file(Path(path))
+
+    class BoundSettings(Settings):
+        pass
+
+    BoundSettings.file_values = file_values  # type: ignore[attr-defined]
+    bound = BoundSettings
     values = {k: v for k, v in cli_values.items() if v is not None}
     try:
         return bound(**values)
