@@ -125,6 +125,8 @@ class Gate:
         self.connect_timeout_s = connect_timeout_s
         self.clock = clock
         self.monotonic = monotonic
+        # Called with every finished egress record (e.g. `egressd run` prints refusals).
+        self.observers: list[Callable[[dict[str, Any]], None]] = []
 
     def begin(self, kind: str, client: str | None) -> Attempt:
         return Attempt(
@@ -276,6 +278,8 @@ class Gate:
             self.audit.write(record)
         except AuditError:
             pass  # the sink has said why once and is now unhealthy: new egress is refused
+        for observer in self.observers:
+            observer(record)
 
     def _log_decision(self, attempt: Attempt, admission: Admission) -> None:
         if not log.isEnabledFor(logging.INFO):

@@ -1,0 +1,151 @@
+"""Tunnel load generator, run in a process of its own (uvloop, raw sockets).
+
+    python bench/load.py throughput --target H:P [--proxy H:P] --direction down|up --bytes N
+    python bench/load.py setup      --target H:P [--proxy H:P] --count N --concurrency C
+
+Without ``--proxy`` it connects straight to the target (the direct baseline).
+Prints one JSON object. Every loop is bounded by its count and by --max-s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import resource
+import socket
+import sys
+import time
+
+BUF = 1024 * 1024
+
+
+async def open_tunnel(proxy: tuple[str, int] | None, target: tuple[str, int]) -> socket.socket:
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    await loop.sock_connect(sock, proxy or target)
+    if proxy is not None:
+        authority = f"{target[0]}:{target[1]}"
+        await loop.sock_sendall(sock, f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            data = await loop.sock_recv(sock, 4096)
+            if not data:
+                raise ConnectionError("proxy closed during CONNECT")
+            head += data
+        status_line = head.split(b"\r\n", 1)[0]
+        if b" 200 " not in status_line:
+            raise ConnectionError(f"CONNECT refused: {status_line!r}")
+    return sock
+
+
+async def throughput(proxy: tuple[str, int] | None, target: tuple[str, int], direction: str, nbytes: int) -> dict[str, float]:
+    loop = asyncio.get_running_loop()
+    sock = await open_tunnel(proxy, target)
+    start = time.perf_counter()
+    if direction == "down":
+        await loop.sock_sendall(sock, f"down {nbytes}\n".encode())
+        buf = bytearray(BUF)
+        got = 0
+        while got < nbytes:
+            n = await loop.sock_recv_into(sock, buf)
+            if not n:
+                break
+            got += n
+    else:
+        await loop.sock_sendall(sock, f"up {nbytes}\n".encode())
+        block = b"\0" * BUF
+        sent = 0
+        while sent < nbytes:
+            chunk = block if nbytes - sent >= BUF else block[: nbytes - sent]
+            await loop.sock_sendall(sock, chunk)
+            sent += len(chunk)
+        reply = await loop.sock_recv(sock, 16)
+        got = nbytes if reply.startswith(b"ok") else 0
+    seconds = time.perf_counter() - start
+    sock.close()
+    if got < nbytes:
+        raise ConnectionError(f"transferred {got} of {nbytes} bytes")
+    return {"seconds": seconds, "mb_s": nbytes / seconds / 1e6}
+
+
+async def setup(proxy: tuple[str, int] | None, target: tuple[str, int], count: int, concurrency: int, max_s: float) -> dict[str, float]:
+    loop = asyncio.get_running_loop()
+    latencies: list[float] = []
+    errors = 0
+    deadline = time.perf_counter() + max_s
+    todo = iter(range(count))
+    message = b"x" * 64
+
+    async def worker() -> None:
+        nonlocal errors
+        for _ in todo:
+            if time.perf_counter() > deadline:
+                return
+            t0 = time.perf_counter()
+            try:
+                sock = await open_tunnel(proxy, target)
+                try:
+                    await loop.sock_sendall(sock, b"echo\n" + message)
+                    got = b""
+                    while len(got) < len(message):
+                        data = await loop.sock_recv(sock, 256)
+                        if not data:
+                            raise ConnectionError("closed before the echo")
+                        got += data
+                finally:
+                    sock.close()
+            except OSError:
+                errors += 1
+                continue
+            latencies.append(time.perf_counter() - t0)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    seconds = time.perf_counter() - start
+    latencies.sort()
+    done = len(latencies)
+    return {
+        "tunnels": done,
+        "errors": errors,
+        "rate": done / seconds if seconds else 0.0,
+        "p50_ms": latencies[done // 2] * 1000 if done else 0.0,
+        "p99_ms": latencies[min(done - 1, int(done * 0.99))] * 1000 if done else 0.0,
+    }
+
+
+def _hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["throughput", "setup"])
+    parser.add_argument("--target", required=True, type=_hostport)
+    parser.add_argument("--proxy", type=_hostport)
+    parser.add_argument("--direction", choices=["down", "up"], default="down")
+    parser.add_argument("--bytes", type=int, default=1 << 30)
+    parser.add_argument("--count", type=int, default=2000)
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--max-s", type=float, default=60.0)
+    args = parser.parse_args()
+
+    import uvloop
+
+    async def run() -> dict[str, float]:
+        async with asyncio.timeout(args.max_s + 30):
+            if args.mode == "throughput":
+                return await throughput(args.proxy, args.target, args.direction, args.bytes)
+            return await setup(args.proxy, args.target, args.count, args.concurrency, args.max_s)
+
+    result = uvloop.run(run())
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result["cpu_s"] = usage.ru_utime + usage.ru_stime
+    json.dump(result, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""egressd benchmark: figures through egressd as ratios to a direct connection.
+
+    .venv/bin/python bench/run.py [--rounds 3] [--quick]
+
+Builds a loopback test bed (test servers on 127.0.0.2 in their own uvloop
+process), then for each round starts egressd fresh with its normal features
+on (policy check, run attribution, audit log to a file) and measures, in
+interleaved order, the direct connection and egressd:
+
+1. tunnel throughput: one CONNECT tunnel, 1 GiB down and 1 GiB up (MB/s);
+2. tunnel setup: 2,000 tunnels one after another (CONNECT, one 64-byte echo,
+   close), and the same with 50 in flight (tunnels/s, p50/p99 ms);
+3. plain HTTP: wrk with 50 keep-alive connections for 10 s, small responses
+   (requests/s, p50/p99 ms) and 1 MiB responses (MB/s).
+
+Prints a table of medians with min–max spread and the ratio to direct, and
+the CPU seconds used by egressd and by the load generator, so a reader can
+see which was saturated. Every load is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+ORIGIN = "127.0.0.2"
+GiB = 1 << 30
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(host: str, port: int, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex((host, port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {host}:{port}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, from /proc (clock ticks → seconds)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+@dataclass
+class Proxy:
+    """A proxy under test, started fresh for each round."""
+
+    name: str
+    start: Callable[[int, Path], subprocess.Popen]  # type: ignore[type-arg]
+    proc: subprocess.Popen | None = None  # type: ignore[type-arg]
+    port: int = 0
+
+    def __enter__(self) -> Proxy:
+        self.port = free_port()
+        self._dir = tempfile.TemporaryDirectory(prefix=f"bench-{self.name}-")
+        self.proc = self.start(self.port, Path(self._dir.name))
+        wait_port("127.0.0.1", self.port)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._dir.cleanup()
+
+
+def start_egressd(port: int, workdir: Path) -> subprocess.Popen:  # type: ignore[type-arg]
+    egressd = str(Path(PY).with_name("egressd"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(workdir)}
+    return subprocess.Popen(
+        [egressd, "serve", "--listen", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{free_port()}",
+         "--allow", f"{ORIGIN}:*", "--allow-private", f"{ORIGIN}/32",
+         "--audit-log", str(workdir / "audit.jsonl"), "--log-level", "warning",
+         "--max-connections-per-run", "100000"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
+PROXIES = {"egressd": start_egressd}
+
+
+def run_load(args: list[str], proxy_pid: int | None, timeout_s: float) -> dict[str, float]:
+    before = cpu_seconds(proxy_pid) if proxy_pid else 0.0
+    out = subprocess.run([PY, str(HERE / "load.py"), *args], capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"load.py {' '.join(args)} failed: {out.stderr.strip()[-400:]}")
+    result: dict[str, float] = json.loads(out.stdout)
+    result["proxy_cpu_s"] = cpu_seconds(proxy_pid) - before if proxy_pid else 0.0
+    return result
+
+
+_WRK_LUA = """
+wrk.method = "GET"
+wrk.path = "{url}"
+"""
+
+
+def run_wrk(url: str, proxy_port: int | None, proxy_pid: int | None, seconds: int, connections: int) -> dict[str, float]:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as lua:
+        lua.write(_WRK_LUA.format(url=url))
+    target = f"http://127.0.0.1:{proxy_port}/" if proxy_port else url
+    before = cpu_seconds(proxy_pid) if proxy_pid else 0.0
+    t0 = os.times()
+    args = ["wrk", "-t", "1", "-c", str(connections), "-d", f"{seconds}s", "--latency", "--timeout", "5s", target]
+    if proxy_port:
+        args[1:1] = ["-s", lua.name]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=seconds + 30)
+    t1 = os.times()
+    os.unlink(lua.name)
+    text = out.stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))  # type: ignore[union-attr]
+
+    def latency_ms(pct: str) -> float:
+        m = re.search(rf"\s{pct}%\s+([\d.]+)(us|ms|s)", text)
+        if not m:
+            return 0.0
+        value, unit = float(m.group(1)), m.group(2)
+        return value / 1000 if unit == "us" else value * 1000 if unit == "s" else value
+
+    transfer = re.search(r"Transfer/sec:\s+([\d.]+)(\w+)", text)
+    scale = {"B": 1e-6, "KB": 1.024e-3, "MB": 1.048576, "GB": 1073.741824}
+    mb_s = float(transfer.group(1)) * scale.get(transfer.group(2), 0) if transfer else 0.0
+    errors = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", text)
+    if errors and int(errors.group(1)) > 0:
+        raise RuntimeError(f"wrk saw {errors.group(1)} non-2xx responses through {target}")
+    return {
+        "rps": rps,
+        "p50_ms": latency_ms("50"),
+        "p99_ms": latency_ms("99"),
+        "mb_s": mb_s,
+        "cpu_s": (t1.children_user + t1.children_system) - (t0.children_user + t0.children_system),
+        "proxy_cpu_s": cpu_seconds(proxy_pid) - before if proxy_pid else 0.0,
+    }
+
+
+@dataclass
+class Figure:
+    name: str
+    unit: str
+    values: dict[str, list[float]] = field(default_factory=dict)
+    cpu: dict[str, list[tuple[float, float]]] = field(default_factory=dict)
+
+    def add(self, who: str, value: float, load_cpu: float = 0.0, proxy_cpu: float = 0.0) -> None:
+        self.values.setdefault(who, []).append(value)
+        self.cpu.setdefault(who, []).append((proxy_cpu, load_cpu))
+
+
+def measure_round(figures: dict[str, Figure], who: str, proxy: Proxy | None, stream_port: int, http_port: int, quick: bool) -> None:
+    proxy_args = ["--proxy", f"127.0.0.1:{proxy.port}"] if proxy else []
+    pid = proxy.proc.pid if proxy and proxy.proc else None
+    target = ["--target", f"{ORIGIN}:{stream_port}"]
+    nbytes = str(GiB // 8 if quick else GiB)
+    for direction in ("down", "up"):
+        r = run_load(["throughput", *target, *proxy_args, "--direction", direction, "--bytes", nbytes, "--max-s", "120"], pid, 200)
+        figures[f"tput_{direction}"].add(who, r["mb_s"], r["cpu_s"], r["proxy_cpu_s"])
+    count = "500" if quick else "2000"
+    for conc, key in (("1", "setup_serial"), ("50", "setup_50")):
+        r = run_load(["setup", *target, *proxy_args, "--count", count, "--concurrency", conc, "--max-s", "60"], pid, 120)
+        figures[key].add(who, r["rate"], r["cpu_s"], r["proxy_cpu_s"])
+        figures[key + "_p50"].add(who, r["p50_ms"])
+        figures[key + "_p99"].add(who, r["p99_ms"])
+    seconds = 3 if quick else 10
+    r = run_wrk(f"http://{ORIGIN}:{http_port}/small", proxy.port if proxy else None, pid, seconds, 50)
+    figures["http_small"].add(who, r["rps"], r["cpu_s"], r["proxy_cpu_s"])
+    figures["http_small_p50"].add(who, r["p50_ms"])
+    figures["http_small_p99"].add(who, r["p99_ms"])
+    r = run_wrk(f"http://{ORIGIN}:{http_port}/big", proxy.port if proxy else None, pid, seconds, 50)
+    figures["http_big"].add(who, r["mb_s"], r["cpu_s"], r["proxy_cpu_s"])
+
+
+FIGURES = [
+    ("tput_down", "tunnel throughput, 1 GiB down", "MB/s"),
+    ("tput_up", "tunnel throughput, 1 GiB up", "MB/s"),
+    ("setup_serial", "tunnel setup, one after another", "tunnels/s"),
+    ("setup_serial_p50", "  p50 CONNECT-to-first-echo", "ms"),
+    ("setup_serial_p99", "  p99 CONNECT-to-first-echo", "ms"),
+    ("setup_50", "tunnel setup, 50 in flight", "tunnels/s"),
+    ("setup_50_p50", "  p50 CONNECT-to-first-echo", "ms"),
+    ("setup_50_p99", "  p99 CONNECT-to-first-echo", "ms"),
+    ("http_small", "plain HTTP, small responses, 50 conns", "req/s"),
+    ("http_small_p50", "  p50 latency", "ms"),
+    ("http_small_p99", "  p99 latency", "ms"),
+    ("http_big", "plain HTTP, 1 MiB responses, 50 conns", "MB/s"),
+]
+
+
+def render(figures: dict[str, Figure], order: list[str]) -> str:
+    lines = []
+    header = f"| {'figure':42} | {'unit':9} |" + "".join(f" {who:>22} |" for who in order) + " ratio |"
+    lines.append(header)
+    lines.append("|" + "-" * 44 + "|" + "-" * 11 + "|" + "".join("-" * 24 + "|" for _ in order) + "-------|")
+    for key, title, unit in FIGURES:
+        fig = figures[key]
+        cells = []
+        medians = {}
+        for who in order:
+            vals = fig.values.get(who, [])
+            if not vals:
+                cells.append(f" {'-':>22} |")
+                continue
+            med = statistics.median(vals)
+            medians[who] = med
+            cells.append(f" {med:>10.1f} ({min(vals):.0f}–{max(vals):.0f}) |".rjust(24))
+        ratio = ""
+        if "direct" in medians and "egressd" in medians and medians["direct"]:
+            ratio = f"{medians['egressd'] / medians['direct']:.2f}×"
+        lines.append(f"| {title:42} | {unit:9} |" + "".join(cells) + f" {ratio:>5} |")
+    lines.append("")
+    lines.append("CPU seconds per measurement (median; proxy / load generator):")
+    for key in ("tput_down", "tput_up", "setup_serial", "setup_50", "http_small", "http_big"):
+        fig = figures[key]
+        parts = []
+        for who in order:
+            samples = fig.cpu.get(who, [])
+            if samples:
+                parts.append(f"{who} {statistics.median(p for p, _ in samples):.2f} / {statistics.median(c for _, c in samples):.2f}")
+        lines.append(f"  {key:14} " + ";  ".join(parts))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="smaller transfers and shorter runs (a smoke test)")
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        if os.geteuid() == 0 and shutil.which("apt-get"):
+            subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], check=True, stdout=subprocess.DEVNULL)
+        else:
+            print("bench: wrk is needed (apt-get install wrk)", file=sys.stderr)
+            return 1
+
+    stream_port, http_port = free_port(ORIGIN), free_port(ORIGIN)
+    servers = subprocess.Popen([PY, str(HERE / "servers.py"), ORIGIN, str(stream_port), str(http_port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert servers.stdout is not None
+        if servers.stdout.readline().strip() != "ready":
+            raise RuntimeError("test servers did not start")
+        figures = {key: Figure(key, unit) for key, _, unit in FIGURES}
+        order = ["direct", *PROXIES]
+        for rnd in range(args.rounds):
+            for who in order:
+                print(f"round {rnd + 1}/{args.rounds}: {who}", file=sys.stderr, flush=True)
+                if who == "direct":
+                    measure_round(figures, who, None, stream_port, http_port, args.quick)
+                else:
+                    with Proxy(who, PROXIES[who]) as proxy:
+                        measure_round(figures, who, proxy, stream_port, http_port, args.quick)
+    finally:
+        servers.terminate()
+        servers.wait()
+    print(f"egressd benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()}: {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}, {args.rounds} rounds{' (quick)' if args.quick else ''}; medians (min–max)")
+    print(render(figures, order))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""The bubblewrap command line for one sandboxed command (pure).
+
+What the sandbox sees (DESIGN.md, "The two boundaries"):
+
+- ``/work``: the working directory, read-write (the only host path that is);
+- ``/usr`` and the usual top-level links to it, read-only: the toolchain;
+- ``/etc``: only generated files (resolv.conf pointing at egressd, hosts,
+  passwd/group with the sandbox user, nsswitch.conf) plus, read-only, what
+  programs need to run: CA certificates, ``/etc/alternatives``, the dynamic
+  linker's cache;
+- ``/proc`` of its own PID namespace, a minimal ``/dev``, an empty ``/tmp``
+  that vanishes with it; nothing else (no home, no ~/.ssh, no egressd files).
+
+Every namespace but the network one is unshared here; the network namespace
+is egressd's, prepared by ``network`` and entered before bwrap starts. All
+capabilities are dropped, the command runs as an unprivileged user inside, in
+a new session (no TIOCSTI into our terminal), and dies with its parent. bwrap
+sets no_new_privs before loading the seccomp filter.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+SANDBOX_WORKDIR = "/work"
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+SANDBOX_USER = "agent"
+SANDBOX_HOSTNAME = "sandbox"
+
+# Top-level entries that are links into /usr on a merged-/usr system.
+USR_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+# Read-only pieces of the host's /etc that programs need; absent ones are skipped.
+ETC_READONLY = ("ssl", "ca-certificates", "ca-certificates.conf", "alternatives", "ld.so.cache",
+                "ld.so.conf", "ld.so.conf.d", "localtime", "mime.types", "protocols", "services")
+
+
+@dataclass(frozen=True)
+class BwrapSpec:
+    """Everything the command line depends on, as plain values."""
+
+    workdir: str
+    etc_dir: str  # a host directory holding the generated /etc files
+    env: Mapping[str, str]
+    argv: Sequence[str]
+    seccomp_fd: int | None = None
+    usr_links: Mapping[str, str] = field(default_factory=dict)  # name -> link target, e.g. bin -> usr/bin
+    usr_dirs: Sequence[str] = ()  # top-level names that are real directories to bind read-only
+    etc_readonly: Sequence[str] = ()  # names under the host's /etc to bind read-only
+    extra_readonly: Sequence[str] = ()  # other host paths the caller asked for, read-only
+
+
+GENERATED_ETC = ("resolv.conf", "hosts", "passwd", "group", "nsswitch.conf", "hostname")
+
+
+def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
+    """The full argv, ending with ``--`` and the command."""
+    args = [
+        bwrap,
+        "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
+        "--hostname", SANDBOX_HOSTNAME,
+        "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+        "--clearenv",
+        "--ro-bind", "/usr", "/usr",
+    ]
+    for name, target in sorted(spec.usr_links.items()):
+        args += ["--symlink", target, f"/{name}"]
+    for name in spec.usr_dirs:
+        args += ["--ro-bind", f"/{name}", f"/{name}"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/var/tmp"]
+    args += ["--dir", "/etc"]
+    for name in spec.etc_readonly:
+        args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
+    for name in GENERATED_ETC:
+        args += ["--ro-bind", os.path.join(spec.etc_dir, name), f"/etc/{name}"]
+    for path in spec.extra_readonly:
+        args += ["--ro-bind", path, path]
+    args += ["--bind", spec.workdir, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+    for key, value in sorted(spec.env.items()):
+        args += ["--setenv", key, value]
+    if spec.seccomp_fd is not None:
+        args += ["--seccomp", str(spec.seccomp_fd)]
+    args.append("--")
+    args.extend(spec.argv)
+    return args
+
+
+def generated_etc(*, nameserver: str) -> dict[str, str]:
+    """The contents of the generated /etc files."""
+    return {
+        "resolv.conf": f"nameserver {nameserver}\noptions attempts:2 timeout:2\n",
+        "hosts": f"127.0.0.1 localhost\n::1 localhost ip6-localhost\n127.0.1.1 {SANDBOX_HOSTNAME}\n",
+        "passwd": (
+            "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
+            f"{SANDBOX_USER}:x:{SANDBOX_UID}:{SANDBOX_GID}:sandboxed agent:{SANDBOX_WORKDIR}:/bin/sh\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        ),
+        "group": f"root:x:0:\n{SANDBOX_USER}:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
+        "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
+        "hostname": f"{SANDBOX_HOSTNAME}\n",
+    }
+
+
+def base_environment(*, term: str | None, proxy_url: str, extra: Mapping[str, str] = {}) -> dict[str, str]:
+    """The environment, built from nothing: no host variable gets in unless named."""
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
+        "HOME": SANDBOX_WORKDIR,
+        "USER": SANDBOX_USER,
+        "LOGNAME": SANDBOX_USER,
+        "LANG": "C.UTF-8",
+        "TERM": term or "dumb",
+        "TMPDIR": "/tmp",
+        "NO_PROXY": "localhost,127.0.0.1,::1",
+        "no_proxy": "localhost,127.0.0.1,::1",
+        "SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt",
+    }
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+        env[name] = proxy_url
+    env.update(extra)
+    return env
+
+
+def host_layout(root: str = "/") -> tuple[dict[str, str], list[str], list[str]]:
+    """How this host lays out its toolchain: /usr links, real top-level dirs, /etc pieces."""
+    links: dict[str, str] = {}
+    dirs: list[str] = []
+    for name in USR_LINKS:
+        path = os.path.join(root, name)
+        if os.path.islink(path):
+            links[name] = os.readlink(path)
+        elif os.path.isdir(path):
+            dirs.append(name)
+    etc = [name for name in ETC_READONLY if os.path.exists(os.path.join(root, "etc", name))]
+    return links, dirs, etc

@@ -1,0 +1,236 @@
+"""Run commands in a sandbox whose only way out is egressd.
+
+    net = await RunNetwork.create()                    # namespace, veth, nftables
+    ... start egressd on net.plan.host_ip, register a run for net.plan.sandbox_ip ...
+    box = Sandbox(network=net, workdir=..., proxy_url=...)
+    obs = await box.run(["pip", "download", "requests"], limits=Limits(timeout_s=60))
+    box.copy_out(["dist/*.whl"], Path("out"))
+    await box.destroy()                                # and net.destroy()
+
+Each command is a fresh bubblewrap invocation entered into the run's network
+namespace (so /tmp is per command; the working directory persists), inside a
+cgroup of its own, bounded in time (the whole process tree is killed: exit
+124), memory (exit 137), process count and CPU time. The sandbox package
+never imports the proxy: it receives egressd's address as plain values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .bwrap import BwrapSpec, base_environment, bwrap_argv, generated_etc, host_layout
+from .copyout import CopyReport, copy_out
+from .limits import Cgroup, Limits, rlimits_in_child
+from .network import RunNetwork
+from .seccomp import build_filter
+
+EXIT_TIMEOUT = 124
+EXIT_CANNOT_START = 125
+EXIT_MEMORY = 137
+# Captured output beyond this is cut (with a marker): an observation for a model
+# has to fit in its context, and a runaway command must not fill our memory.
+DEFAULT_MAX_OUTPUT = 64 * 1024
+
+
+class SandboxError(Exception):
+    """The sandbox could not be created or the command could not be started."""
+
+
+@dataclass
+class Observation:
+    """What one command did, as the agent runner reports it."""
+
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    memory_exceeded: bool = False
+    duration_s: float = 0.0
+    stdout_truncated: int = 0
+    stderr_truncated: int = 0
+    egress_refusals: list[dict[str, Any]] = field(default_factory=list)
+
+
+class _Bounded:
+    """Keeps the first ``limit`` bytes of a stream and counts the rest."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.data = bytearray()
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.limit - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+        self.dropped += max(0, len(chunk) - max(room, 0))
+
+    def text(self) -> str:
+        text = self.data.decode("utf-8", errors="replace")
+        if self.dropped:
+            text += f"\n[… {self.dropped} more bytes truncated]"
+        return text
+
+
+async def _pump(stream: asyncio.StreamReader | None, sink: _Bounded) -> None:
+    if stream is None:
+        return
+    while chunk := await stream.read(65536):
+        sink.add(chunk)
+
+
+class Sandbox:
+    """A working directory, an environment and a network, ready to run commands."""
+
+    def __init__(
+        self,
+        *,
+        network: RunNetwork,
+        workdir: Path,
+        proxy_url: str,
+        extra_env: Mapping[str, str] = {},
+        extra_readonly: Sequence[str] = (),
+        term: str | None = None,
+        nsenter: str = "nsenter",
+        bwrap: str = "bwrap",
+    ) -> None:
+        self.network = network
+        self.workdir = workdir.resolve()
+        if not self.workdir.is_dir():
+            raise SandboxError(f"working directory {workdir} does not exist")
+        self._etc = Path(tempfile.mkdtemp(prefix=f"egressd-etc-{network.plan.run_key}-"))
+        for name, content in generated_etc(nameserver=str(network.plan.host_ip)).items():
+            (self._etc / name).write_text(content)
+        self.env = base_environment(term=term, proxy_url=proxy_url, extra=extra_env)
+        self.extra_readonly = list(extra_readonly)
+        self._links, self._dirs, self._etc_ro = host_layout()
+        self._seccomp = build_filter()
+        self._nsenter = shutil.which(nsenter) or nsenter
+        self._bwrap = shutil.which(bwrap) or bwrap
+        self._count = 0
+        self._destroyed = False
+
+    def argv(self, command: Sequence[str], seccomp_fd: int | None) -> list[str]:
+        spec = BwrapSpec(
+            workdir=str(self.workdir),
+            etc_dir=str(self._etc),
+            env=self.env,
+            argv=command,
+            seccomp_fd=seccomp_fd,
+            usr_links=self._links,
+            usr_dirs=self._dirs,
+            etc_readonly=self._etc_ro,
+            extra_readonly=self.extra_readonly,
+        )
+        return [self._nsenter, f"--net={self.network.plan.netns_path}", "--", *bwrap_argv(spec, self._bwrap)]
+
+    async def run(
+        self,
+        command: Sequence[str],
+        *,
+        limits: Limits = Limits(),
+        capture: bool = True,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        stdin: int | None = None,
+    ) -> Observation:
+        """Run one command to completion (or its limits) and report what happened.
+
+        ``capture=False`` streams stdout/stderr to ours instead of collecting them.
+        ``stdin`` is a file descriptor to give the command; default /dev/null.
+        """
+        if self._destroyed:
+            raise SandboxError("the sandbox was destroyed")
+        self._count += 1
+        cgroup = Cgroup.create(f"{self.network.plan.run_key}-{self._count}", limits)
+        read_fd, write_fd = os.pipe()
+        os.write(write_fd, self._seccomp)  # small: fits the pipe buffer, bwrap reads it at start
+        os.close(write_fd)
+
+        def in_child() -> None:
+            if cgroup is not None:
+                cgroup.join_self()
+            rlimits_in_child(limits, memory_fallback=cgroup is None)
+
+        started = time.monotonic()
+        out, err = _Bounded(max_output), _Bounded(max_output)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *self.argv(command, read_fd),
+                stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE if capture else None,
+                stderr=asyncio.subprocess.PIPE if capture else None,
+                pass_fds=(read_fd,),
+                preexec_fn=in_child,
+            )
+        except OSError as exc:
+            if cgroup is not None:
+                cgroup.remove()
+            raise SandboxError(f"cannot start the sandbox: {exc}") from exc
+        finally:
+            os.close(read_fd)
+        timed_out = False
+        try:
+            pumps = asyncio.gather(_pump(proc.stdout, out), _pump(proc.stderr, err), proc.wait())
+            try:
+                async with asyncio.timeout(limits.timeout_s):
+                    await asyncio.shield(pumps)
+            except TimeoutError:
+                timed_out = True
+                self._kill(proc, cgroup)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(5):
+                        await pumps
+        except BaseException:
+            self._kill(proc, cgroup)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proc.wait(), 5)
+            raise
+        finally:
+            memory_exceeded = cgroup.oom_killed() if cgroup is not None else False
+            if cgroup is not None:
+                cgroup.remove()
+        code = proc.returncode if proc.returncode is not None else -9
+        if code < 0:
+            code = 128 - code  # killed by a signal: shell convention
+        if timed_out:
+            code = EXIT_TIMEOUT
+        elif memory_exceeded:
+            code = EXIT_MEMORY
+        return Observation(
+            exit_code=code,
+            stdout=out.text(),
+            stderr=err.text(),
+            timed_out=timed_out,
+            memory_exceeded=memory_exceeded,
+            duration_s=time.monotonic() - started,
+            stdout_truncated=out.dropped,
+            stderr_truncated=err.dropped,
+        )
+
+    @staticmethod
+    def _kill(proc: asyncio.subprocess.Process, cgroup: Cgroup | None) -> None:
+        # bwrap's --die-with-parent takes the PID namespace down with it; the
+        # cgroup kill catches anything that slipped out of the process tree.
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        if cgroup is not None:
+            cgroup.kill_all()
+
+    def copy_out(self, patterns: list[str], dest: Path) -> CopyReport:
+        return copy_out(self.workdir, patterns, dest)
+
+    async def destroy(self) -> None:
+        """Remove the sandbox's own files (the network is its creator's to destroy)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        shutil.rmtree(self._etc, ignore_errors=True)
