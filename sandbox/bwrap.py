@@ -70,7 +70,7 @@ def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
         args += ["--symlink", target, f"/{name}"]
     for name in spec.usr_dirs:
         args += ["--ro-bind", f"/{name}", f"/{name}"]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", "/var/tmp"]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
     args += ["--dir", "/etc"]
     for name in spec.etc_readonly:
         args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
@@ -79,6 +79,9 @@ def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
     for path in spec.extra_readonly:
         args += ["--ro-bind", path, path]
     args += ["--bind", spec.workdir, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]
+    # The root bwrap builds is a tmpfs; once everything is mounted it becomes
+    # read-only, so /etc and the top level cannot be written either.
+    args += ["--remount-ro", "/"]
     for key, value in sorted(spec.env.items()):
         args += ["--setenv", key, value]
     if spec.seccomp_fd is not None:

@@ -1,0 +1,278 @@
+"""`egressd run` for real: bubblewrap in a network namespace pinned to egressd, as root.
+
+Each bypass attempt asserts that it failed inside the sandbox and that nothing
+arrived at a leak-detector listener on the host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sandbox.network import PREFIX
+from tests.harness import LEAK, ORIGIN_RANGE, have, require
+
+EGRESSD = str(Path(sys.executable).with_name("egressd"))
+
+
+@pytest.fixture(autouse=True)
+def _needs_root_and_tools() -> None:
+    require(os.geteuid() == 0, "the sandbox tests need root (network namespaces, nftables, cgroups)")
+    for tool in ("bwrap", "nft", "ip", "nsenter", "curl"):
+        require(have(tool), f"{tool} is not installed")
+
+
+class UdpCounter(asyncio.DatagramProtocol):
+    def __init__(self) -> None:
+        self.datagrams = 0
+
+    def datagram_received(self, data: bytes, addr: tuple) -> None:  # type: ignore[type-arg]
+        self.datagrams += 1
+
+
+async def egressd_run(tmp_path: Path, dns, *args: str, timeout: float = 60, env: dict | None = None) -> tuple[int, str, str]:  # type: ignore[no-untyped-def,type-arg]
+    """Run `egressd run` as a user would; returns (exit code, stdout, stderr)."""
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    base_env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "run", "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--allow-private", ORIGIN_RANGE,
+        "--audit-log", str(tmp_path / "audit.jsonl"), *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+        env=base_env | (env or {}),
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def sh(command: str) -> str:
+    import subprocess
+
+    return subprocess.run(command, shell=True, capture_output=True, text=True, timeout=30).stdout
+
+
+async def assert_no_leftovers() -> None:
+    netns = sh("ip netns list")
+    assert f"{PREFIX}-" not in netns
+    links = sh("ip -o link show")
+    assert not [line for line in links.splitlines() if f": {PREFIX}" in line]
+    for base in ("/sys/fs/cgroup/memory/egressd", "/sys/fs/cgroup/pids/egressd", "/sys/fs/cgroup/egressd"):
+        if os.path.isdir(base):
+            assert not [d for d in os.listdir(base) if d.startswith("egd-")]
+    procs = sh("ps -eo args")
+    assert "bwrap --unshare-user" not in procs
+
+
+async def test_allowed_origin_is_reached_through_egressd_with_curl_and_python(tmp_path, dns, http_origin) -> None:
+    script = textwrap.dedent(f"""
+        set -e
+        curl -sS -m 10 http://origin.test:{http_origin.port}/from-curl
+        echo
+        python3 -c "import urllib.request; print(urllib.request.urlopen('http://origin.test:{http_origin.port}/from-python', timeout=10).read().decode())"
+    """)
+    code, out, err = await egressd_run(tmp_path, dns, "--allow", "origin.test:*", "--", "sh", "-c", script)
+    assert code == 0, err
+    assert "hello from origin: GET /from-curl" in out and "hello from origin: GET /from-python" in out
+    await assert_no_leftovers()
+
+
+async def test_unknown_domain_is_blocked_and_reported_on_stderr(tmp_path, dns, leak) -> None:
+    code, out, err = await egressd_run(
+        tmp_path, dns, "--allow", "origin.test", "--", "sh", "-c", "curl -fsS -m 5 http://leak.test/; echo curl=$?"
+    )
+    assert code == 0 and "curl=" in out and "curl=0" not in out
+    assert "egressd: blocked leak.test:80 (no approver attached)" in err
+    assert leak.connections == 0 and not dns.asked("leak.test")
+    await assert_no_leftovers()
+
+
+async def test_network_bypasses_fail_and_reach_nothing(tmp_path, dns, leak) -> None:
+    udp_leak = UdpCounter()
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.create_datagram_endpoint(lambda: udp_leak, local_addr=(LEAK, 0))
+    udp_port = transport.get_extra_info("sockname")[1]
+    probe = textwrap.dedent(f"""
+        import errno, socket, json, subprocess
+        results = {{}}
+        def attempt(name, fn):
+            try:
+                fn()
+                results[name] = "connected"
+            except OSError as exc:
+                results[name] = errno.errorcode.get(exc.errno, str(exc.errno))
+        def tcp(host, port, family=socket.AF_INET):
+            s = socket.socket(family, socket.SOCK_STREAM); s.settimeout(2)
+            try: s.connect((host, port))
+            finally: s.close()
+        gateway = open("/etc/resolv.conf").read().split()[1]
+        attempt("host_loopback", lambda: tcp("{LEAK}", {leak.port}))
+        attempt("veth_other_port", lambda: tcp(gateway, 22))
+        attempt("documentation_address", lambda: tcp("203.0.113.7", 443))
+        attempt("ipv6_loopback_of_host", lambda: tcp("::1", {leak.port}, socket.AF_INET6))
+        attempt("raw_socket", lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP))
+        def udp():
+            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            try:
+                s.sendto(b"x", ("{LEAK}", {udp_port}))
+                s.sendto(b"x", (gateway, 9))
+            finally: s.close()
+        attempt("udp", udp)
+        dig = subprocess.run(["dig", "+time=1", "+tries=1", "@{LEAK}", "-p", "{udp_port}", "leak.test"], capture_output=True, text=True)
+        results["dns_elsewhere"] = "answered" if "ANSWER SECTION" in dig.stdout else "no answer"
+        print(json.dumps(results))
+    """)
+    try:
+        code, out, err = await egressd_run(tmp_path, dns, "--", "python3", "-c", probe)
+    finally:
+        transport.close()
+    assert code == 0, err
+    import json
+
+    results = json.loads(out.strip().splitlines()[-1])
+    assert results["host_loopback"] in ("ECONNREFUSED", "ENETUNREACH")  # the namespace's own loopback, or no route
+    assert results["veth_other_port"] in ("ETIMEDOUT", "EPERM", "ECONNREFUSED", "11", "EAGAIN") or results["veth_other_port"] != "connected"
+    assert results["documentation_address"] == "ENETUNREACH"  # refused by the sandbox's own route table
+    assert results["ipv6_loopback_of_host"] != "connected"
+    assert results["raw_socket"] == "EPERM"
+    assert results["udp"] in ("EPERM", "ENETUNREACH", "connected")  # datagrams may "send", but go nowhere
+    assert results["dns_elsewhere"] == "no answer"
+    assert leak.connections == 0 and udp_leak.datagrams == 0
+    assert not dns.queries
+    await assert_no_leftovers()
+
+
+async def test_the_host_filesystem_secrets_and_processes_stay_out_of_reach(tmp_path, dns) -> None:
+    home_ssh = Path.home() / ".ssh"
+    home_ssh.mkdir(exist_ok=True)
+    key = home_ssh / f"egressd-test-key-{uuid.uuid4().hex}"
+    marker = f"FAKE-PRIVATE-KEY-{uuid.uuid4().hex}"
+    key.write_text(marker)
+    tmp_name = f"egressd-test-{uuid.uuid4().hex}"
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    script = textwrap.dedent(f"""
+        cat {key} 2>&1
+        cat ~/.aws/credentials 2>&1
+        cat {tmp_path}/audit.jsonl 2>&1
+        echo x > /etc/egressd-x 2>&1; echo etc=$?
+        echo x > /usr/egressd-x 2>&1; echo usr=$?
+        echo x > /tmp/{tmp_name}; echo tmp=$?
+        echo inside > /work/made-inside; echo work=$?
+        echo pids=$(ls /proc | grep -c '^[0-9]')
+        env | grep -c EGRESSD_TEST_SECRET || true
+        grep NoNewPrivs /proc/self/status
+        grep CapEff /proc/self/status
+        unshare -U true 2>&1; echo unshare=$?
+    """)
+    try:
+        code, out, err = await egressd_run(
+            tmp_path, dns, "--workdir", str(workdir), "--", "sh", "-c", script, env={"EGRESSD_TEST_SECRET": "s3cret"}
+        )
+    finally:
+        key.unlink()
+    assert marker not in out and marker not in err
+    assert f"cat: {key}: No such file or directory" in out
+    assert "No such file or directory" in out.splitlines()[2]  # the audit log is absent inside
+    assert "etc=0" not in out and "usr=0" not in out
+    assert "tmp=0" in out and not Path(f"/tmp/{tmp_name}").exists()  # a private /tmp
+    assert "work=0" in out and (workdir / "made-inside").read_text() == "inside\n"
+    pids = int(out.split("pids=")[1].split()[0])
+    assert pids < 10  # only the sandbox's own processes
+    assert "s3cret" not in out and "\n0\n" in out  # no host environment
+    assert "NoNewPrivs:\t1" in out and "CapEff:\t0000000000000000" in out
+    assert "unshare=0" not in out  # refused by seccomp
+    assert not Path("/etc/egressd-x").exists() and not Path("/usr/egressd-x").exists()
+    await assert_no_leftovers()
+
+
+async def test_timeout_kills_the_whole_process_tree(tmp_path, dns) -> None:
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    code, _, err = await egressd_run(
+        tmp_path, dns, "--workdir", str(workdir), "--timeout", "1", "--",
+        "sh", "-c", "(sleep 3; touch /work/survivor) & setsid sh -c 'sleep 3; touch /work/survivor2' & sleep 60",
+    )
+    assert code == 124 and "--timeout" in err
+    await asyncio.sleep(3.5)
+    assert not (workdir / "survivor").exists() and not (workdir / "survivor2").exists()
+    await assert_no_leftovers()
+
+
+async def test_memory_limit_ends_the_command_with_137(tmp_path, dns) -> None:
+    code, _, err = await egressd_run(
+        tmp_path, dns, "--memory", "64", "--", "python3", "-c", "x = bytearray(512 * 1024 * 1024); print(len(x))"
+    )
+    assert code == 137 and "--memory" in err
+    await assert_no_leftovers()
+
+
+async def test_exit_status_is_the_commands_own(tmp_path, dns) -> None:
+    code, _, _ = await egressd_run(tmp_path, dns, "--", "sh", "-c", "exit 7")
+    assert code == 7
+
+
+async def test_copy_out_takes_only_safe_regular_files(tmp_path, dns) -> None:
+    workdir, out_dir = tmp_path / "work", tmp_path / "out"
+    workdir.mkdir()
+    out_dir.mkdir()
+    script = "mkdir -p dist && echo wheel > dist/a.whl && ln -s /etc/passwd dist/b.whl && mkfifo dist/c.whl"
+    code, _, err = await egressd_run(
+        tmp_path, dns, "--workdir", str(workdir), "--copy-out", "dist/*.whl", "--copy-out-dir", str(out_dir), "--",
+        "sh", "-c", script,
+    )
+    assert code == 0, err
+    assert (out_dir / "dist" / "a.whl").read_text() == "wheel\n"
+    assert not (out_dir / "dist" / "b.whl").exists() and not (out_dir / "dist" / "c.whl").exists()
+    assert "skipped dist/b.whl" in err and "skipped dist/c.whl" in err
+    code, _, err = await egressd_run(tmp_path, dns, "--copy-out", "../x", "--", "true")
+    assert code == 2 and "'..' is not allowed" in err
+
+
+async def test_interrupting_egressd_run_destroys_the_sandbox(tmp_path, dns) -> None:
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path / "s")}
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=base_env,
+    )
+    for _ in range(100):  # wait until the sandbox runs
+        if "bwrap --unshare-user" in sh("ps -eo args"):
+            break
+        await asyncio.sleep(0.1)
+    proc.send_signal(15)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 128 + 15 and b"destroyed" in err
+    await assert_no_leftovers()
+
+
+async def test_leftovers_of_a_killed_run_are_removed_at_the_next_start(tmp_path, dns) -> None:
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path / "s")}
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=base_env,
+    )
+    for _ in range(100):
+        if f"{PREFIX}-" in sh("ip netns list") and "bwrap --unshare-user" in sh("ps -eo args"):
+            break
+        await asyncio.sleep(0.1)
+    proc.kill()  # no chance to clean up
+    await proc.wait()
+    await asyncio.sleep(0.5)
+    assert f"{PREFIX}-" in sh("ip netns list")  # left behind
+    code, _, err = await egressd_run(tmp_path, dns, "--", "true")
+    assert code == 0, err
+    await assert_no_leftovers()
+
+
+def test_the_sandbox_mounts_nothing_of_the_host_but_the_toolchain_and_workdir() -> None:
+    from sandbox.bwrap import BwrapSpec, bwrap_argv
+
+    argv = bwrap_argv(BwrapSpec(workdir="/w", etc_dir="/e", env={}, argv=["true"]))
+    binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--bind", "--ro-bind")]
+    assert binds[0] == "/usr" and "/w" in binds
+    assert not any(b.startswith(("/root", "/home", "/run", "/var", str(Path.home()))) for b in binds)
