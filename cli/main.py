@@ -19,6 +19,7 @@ from typing import Any
 
 from config.settings import Settings, SettingsError, load_settings
 
+from .run_cmd import add_run_arguments
 from .service import EgressService, StartupError
 
 # Flags shared by serve/run/agent, as (flag, settings field, argparse kwargs).
@@ -113,6 +114,16 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return run_audit(args, settings)
 
 
+def cmd_run_sandbox(args: argparse.Namespace) -> int:
+    from .run_cmd import cmd_run
+
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    settings = _settings(args)
+    _setup_logging(settings.log_level if args.log_level else "warning")
+    return cmd_run(args, settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     try:
         ver = version("egressd")
@@ -124,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         "human approval of new domains, and an audit log of every attempt.",
     )
     parser.add_argument("--version", action="version", version=f"egressd {ver}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="run the proxy and control API in the foreground",
                            description="Run the proxy and its control API in the foreground until SIGINT/SIGTERM.")
@@ -142,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--follow", "-f", action="store_true", help="keep printing new records")
     audit.add_argument("--json", action="store_true", help="print JSON Lines instead of a table")
     audit.set_defaults(func=cmd_audit)
+
+    run = sub.add_parser(
+        "run",
+        help="run one command in a fresh sandbox whose only way out is egressd",
+        description="Run COMMAND in a fresh bubblewrap sandbox in its own network namespace, pinned to an "
+        "embedded egressd; exit with the command's status (124 timeout, 137 memory, 125 no sandbox).",
+        usage="egressd run [options] -- COMMAND [ARG ...]",
+    )
+    _add_common(run)
+    add_run_arguments(run)
+    run.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
+    run.set_defaults(func=cmd_run_sandbox)
     return parser
 
 
