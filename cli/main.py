@@ -124,6 +124,12 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
     return cmd_run(args, settings)
 
 
+def cmd_doctor_checks(args: argparse.Namespace) -> int:
+    from .doctor_cmd import cmd_doctor
+
+    return cmd_doctor(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     try:
         ver = version("egressd")
@@ -165,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
     run.set_defaults(func=cmd_run_sandbox)
+
+    doctor = sub.add_parser("doctor", help="say which sandbox backends and features work here, and why not",
+                            description="Try each feature egressd run needs (bubblewrap, network namespaces, nftables, "
+                            "seccomp, cgroups, Docker) and report what works; exit 1 if a required one does not.")
+    doctor.add_argument("--clean", action="store_true", help="first remove leftovers of runs whose egressd died")
+    doctor.set_defaults(func=cmd_doctor_checks)
     return parser
 
 

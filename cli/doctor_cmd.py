@@ -1,0 +1,28 @@
+"""``egressd doctor [--clean]``: what works here, and removal of dead runs' leftovers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from sandbox.doctor import render, run_checks
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from .main import run_async
+
+    async def main() -> int:
+        if args.clean:
+            if os.geteuid() != 0:
+                print("egressd doctor --clean: needs root to remove namespaces and cgroups")
+                return 1
+            from .run_cmd import clean_stale
+
+            removed = await clean_stale()
+            print(f"removed {len(removed)} leftover(s) of dead runs" + (": " + ", ".join(removed) if removed else ""))
+        checks = await run_checks()
+        for line in render(checks):
+            print(line)
+        return 0 if all(c.ok for c in checks if c.required) else 1
+
+    return run_async(main)

@@ -1,0 +1,175 @@
+"""``egressd doctor``: which sandbox features work on this machine, and why not.
+
+Each check really tries the feature (creates a namespace, starts bubblewrap,
+loads the seccomp filter, makes a cgroup, asks the Docker Engine) and says,
+when it fails, the exact reason and the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import tempfile
+from dataclasses import dataclass
+
+from .limits import Limits, cgroup_mode
+from .seccomp import SeccompUnsupported, build_filter
+
+DOCKER_SOCKET = "/var/run/docker.sock"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = True  # needed by the bwrap backend
+
+
+async def _run(*argv: str, pass_fds: tuple[int, ...] = ()) -> tuple[int, str]:
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, pass_fds=pass_fds
+        )
+    except OSError as exc:
+        return 127, str(exc)
+    out, _ = await proc.communicate()
+    return proc.returncode or 0, out.decode(errors="replace").strip()
+
+
+_BWRAP_PROBE = ["--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
+                "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--unshare-user",
+                "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--cap-drop", "ALL", "--die-with-parent"]
+
+
+async def check_bwrap() -> Check:
+    if shutil.which("bwrap") is None:
+        return Check("bubblewrap", False, "bwrap is not installed", "apt-get install bubblewrap")
+    code, version = await _run("bwrap", "--version")
+    code, out = await _run("bwrap", *_BWRAP_PROBE, "--", "/bin/true")
+    if code != 0:
+        return Check("bubblewrap", False, f"{version} cannot start a sandbox: {out}",
+                     "allow user namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces>0) or run as root")
+    return Check("bubblewrap", True, f"{version}; user, PID, IPC and UTS namespaces work")
+
+
+async def check_netns() -> Check:
+    if os.geteuid() != 0:
+        return Check("network namespaces", False, "not root: creating a namespace and a veth needs CAP_NET_ADMIN", "run egressd run as root")
+    if shutil.which("ip") is None:
+        return Check("network namespaces", False, "ip (iproute2) is not installed", "apt-get install iproute2")
+    name = f"egd-doctor{os.getpid()}"
+    code, out = await _run("ip", "netns", "add", name)
+    if code != 0:
+        return Check("network namespaces", False, f"ip netns add failed: {out}", "run as root on a kernel with network namespaces")
+    try:
+        code, out = await _run("ip", "link", "add", f"egdd{os.getpid() % 100000}h", "type", "veth", "peer", "name", f"egdd{os.getpid() % 100000}s", "netns", name)
+        if code != 0:
+            return Check("network namespaces", False, f"cannot create a veth pair: {out}", "load the veth module (modprobe veth)")
+        return Check("network namespaces", True, "namespaces and veth pairs can be created")
+    finally:
+        await _run("ip", "netns", "del", name)
+        await _run("ip", "link", "del", f"egdd{os.getpid() % 100000}h")
+
+
+async def check_nftables() -> Check:
+    if shutil.which("nft") is None:
+        return Check("nftables", False, "nft is not installed", "apt-get install nftables")
+    if os.geteuid() != 0:
+        return Check("nftables", False, "not root", "run as root")
+    name = f"egd-doctornft{os.getpid()}"
+    code, out = await _run("ip", "netns", "add", name)
+    if code != 0:
+        return Check("nftables", False, f"no namespace to test in: {out}", "see network namespaces")
+    try:
+        code, out = await _run("ip", "netns", "exec", name, "nft", "add", "table", "inet", "egressd_probe")
+        if code != 0:
+            return Check("nftables", False, f"cannot add a table: {out}", "load nf_tables (modprobe nf_tables)")
+        return Check("nftables", True, "tables can be loaded in a namespace")
+    finally:
+        await _run("ip", "netns", "del", name)
+
+
+async def check_cgroups() -> Check:
+    mode, why = cgroup_mode()
+    if mode is None:
+        return Check("cgroup memory limits", False, why + "; falling back to RLIMIT_AS (allocations fail instead of exit 137)",
+                     "run as root on a host with a writable cgroup memory controller", required=False)
+    from .limits import Cgroup
+
+    cg = Cgroup.create(f"doctor{os.getpid()}", Limits(memory_mb=64))
+    if cg is None:
+        return Check("cgroup memory limits", False, f"{why}, but a cgroup could not be created", "check permissions on /sys/fs/cgroup", required=False)
+    cg.remove()
+    return Check("cgroup memory limits", True, why, required=False)
+
+
+async def check_seccomp() -> Check:
+    try:
+        program = build_filter()
+    except SeccompUnsupported as exc:
+        return Check("seccomp", False, str(exc), "run on x86_64", required=False)
+    if shutil.which("bwrap") is None:
+        return Check("seccomp", False, "needs bubblewrap", "apt-get install bubblewrap")
+    with tempfile.TemporaryFile() as fh:
+        fh.write(program)
+        fh.flush()
+        fh.seek(0)
+        fd = fh.fileno()
+        code, out = await _run("bwrap", *_BWRAP_PROBE, "--seccomp", str(fd), "--", "/bin/sh", "-c",
+                               "unshare -U true 2>/dev/null && echo escaped || echo refused", pass_fds=(fd,))
+    if code != 0 or "refused" not in out:
+        return Check("seccomp", False, f"the filter did not load or did not refuse unshare: {out}", "a kernel with seccomp-bpf (CONFIG_SECCOMP_FILTER)")
+    return Check("seccomp", True, "filter loads; unshare, mount, ptrace, bpf, keyctl, ... are refused")
+
+
+async def check_docker() -> Check:
+    if not os.path.exists(DOCKER_SOCKET):
+        return Check("docker", False, f"no Docker Engine socket at {DOCKER_SOCKET}", "install and start Docker Engine", required=False)
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(3):
+            await loop.sock_connect(sock, DOCKER_SOCKET)
+            await loop.sock_sendall(sock, b"GET /version HTTP/1.0\r\nHost: docker\r\n\r\n")
+            data = b""
+            while chunk := await loop.sock_recv(sock, 65536):
+                data += chunk
+    except (OSError, TimeoutError) as exc:
+        return Check("docker", False, f"cannot talk to the Docker Engine: {exc}", "start dockerd; check the socket's permissions", required=False)
+    finally:
+        sock.close()
+    import json
+
+    head, _, body = data.partition(b"\r\n\r\n")
+    try:
+        version = json.loads(body).get("Version", "?")
+    except ValueError:
+        return Check("docker", False, f"unexpected answer from the Docker Engine: {head[:80]!r}", "check dockerd", required=False)
+    return Check("docker", True, f"Docker Engine {version} answers on {DOCKER_SOCKET}", required=False)
+
+
+async def run_checks() -> list[Check]:
+    return [
+        await check_bwrap(),
+        await check_netns(),
+        await check_nftables(),
+        await check_seccomp(),
+        await check_cgroups(),
+        await check_docker(),
+    ]
+
+
+def render(checks: list[Check]) -> list[str]:
+    width = max(len(c.name) for c in checks)
+    lines = []
+    for c in checks:
+        mark = "ok  " if c.ok else ("FAIL" if c.required else "no  ")
+        lines.append(f"{c.name:<{width}}  {mark}  {c.detail}")
+        if not c.ok and c.fix:
+            lines.append(f"{'':<{width}}        fix: {c.fix}")
+    return lines
