@@ -16,7 +16,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             if os.geteuid() != 0:
                 print("egressd doctor --clean: needs root to remove namespaces and cgroups")
                 return 1
-            from .run_cmd import clean_stale
+            from .session import clean_stale
 
             removed = await clean_stale()
             print(f"removed {len(removed)} leftover(s) of dead runs" + (": " + ", ".join(removed) if removed else ""))

@@ -1,16 +1,9 @@
 """``egressd run``: one command in a fresh sandbox pinned to an embedded egressd.
 
-Order of work, and of undoing it (every step is undone whatever happens:
-success, failure, timeout, Ctrl-C, SIGTERM):
-
-1. remove leftovers of runs whose egressd died (namespaces, veths, cgroups);
-2. create the run's network (namespace, veth, nftables fence);
-3. start egressd on the host side of the veth: proxy, DNS, transparent TLS and
-   HTTP, control API on a private unix socket; register the run (allowlist,
-   source address, credentials);
-4. run the command in bubblewrap inside that namespace, printing each egress
-   refusal to stderr as it happens;
-5. copy out what was asked for; destroy sandbox, egressd, network.
+``cli.session.SandboxSession`` sets up and tears down the sandbox (network,
+embedded egressd, run, bubblewrap); this module runs the one command in it,
+printing each egress refusal to stderr as it happens, copies out what was
+asked for, and maps signals and failures to exit statuses.
 
 Exit status: the command's own; 124 past --timeout; 137 killed for memory;
 125 when the sandbox could not be created.
@@ -20,31 +13,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import shlex
-import shutil
 import signal
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from audit.records import run_record
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
-from proxy.runs import Run
 from sandbox.copyout import CopyOutError, check_pattern
-from sandbox.launcher import EXIT_CANNOT_START, Sandbox, SandboxError
-from sandbox.limits import Limits, leftover_cgroups
-from sandbox.network import DEFAULT_RANGE, EgressPorts, NetworkError, RunNetwork, clean_leftovers, owner_alive
+from sandbox.launcher import EXIT_CANNOT_START, SandboxError
+from sandbox.limits import Limits
+from sandbox.network import DEFAULT_RANGE
 
-from .service import EgressService, StartupError, entries_from_settings
-
-
-class RunFailed(Exception):
-    """The sandbox could not be set up; exit 125 with this message."""
+from .service import StartupError
+from .session import SandboxSession, SessionError
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,131 +60,59 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def refusal_printer(run_id: str) -> Any:
-    def observe(record: dict[str, Any]) -> None:
-        if record.get("run") != run_id or record.get("decision") != "deny":
-            return
-        host, port, reason = record.get("host"), record.get("port"), record.get("reason") or ""
-        target = f"{host}:{port}" if port else f"{host}"
-        if not target.isprintable():
-            target = ascii(target)
-        kind = f" ({record.get('kind')})" if record.get("kind") == "dns" else ""
-        print(f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})", file=sys.stderr, flush=True)
-
-    return observe
-
-
-async def clean_stale() -> list[str]:
-    """Leftovers of dead runs: namespaces, veths, cgroups."""
-    removed = await clean_leftovers()
-    live = {p.name for p in Path("/run/egressd/runs").glob("*") if owner_alive(p.name)} if Path("/run/egressd/runs").is_dir() else set()
-    for group in leftover_cgroups(live):
-        with contextlib.suppress(OSError):
-            group.rmdir()
-            removed.append(str(group))
-    return removed
+def refusal_printer(record: dict[str, Any]) -> None:
+    """Print one refusal of the run to stderr as it happens."""
+    if record.get("decision") != "deny":
+        return
+    host, port, reason = record.get("host"), record.get("port"), record.get("reason") or ""
+    target = f"{host}:{port}" if port else f"{host}"
+    if not target.isprintable():
+        target = ascii(target)
+    kind = " (dns)" if record.get("kind") == "dns" else ""
+    print(f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})", file=sys.stderr, flush=True)
 
 
 async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
     if not args.command:
         raise SettingsError("bad argument: no command given (egressd run [options] -- COMMAND ...)")
     if args.backend == "docker":
-        raise RunFailed("the docker backend is not available in this version of egressd; use --backend bwrap")
-    if os.geteuid() != 0:
-        raise RunFailed("egressd run needs root to create network namespaces (see: egressd doctor)")
-    for tool in ("bwrap", "nsenter", "ip", "nft"):
-        if shutil.which(tool) is None:
-            raise RunFailed(f"{tool} is not installed (see: egressd doctor)")
+        raise SessionError("the docker backend is not available in this version of egressd; use --backend bwrap")
     for pattern in args.copy_out:
         try:
             check_pattern(pattern)
         except CopyOutError as exc:
             raise SettingsError(f"bad setting copy_out: {exc}") from None
-    extra_env = parse_env(args.env)
-    allow, deny = entries_from_settings(settings)
-
-    await clean_stale()
-    made_workdir = args.workdir is None
-    workdir = Path(tempfile.mkdtemp(prefix="egressd-work-")) if made_workdir else Path(args.workdir)
-    if not workdir.is_dir():
-        raise RunFailed(f"working directory {workdir} does not exist")
-    private = Path(tempfile.mkdtemp(prefix="egressd-run-"))
-    async with contextlib.AsyncExitStack() as stack:
-        stack.callback(shutil.rmtree, private, True)
-        if made_workdir and not args.keep_workdir:
-            stack.callback(shutil.rmtree, workdir, True)
-        try:
-            net = await RunNetwork.create(pool=args.net_range, ports=EgressPorts())
-        except NetworkError as exc:
-            raise RunFailed(f"cannot create the sandbox network: {exc}") from None
-        stack.push_async_callback(net.destroy)
-        host = str(net.plan.host_ip)
-        ports = net.ports
-        service_settings = settings.model_copy(
-            update={
-                "listen": f"{host}:{ports.proxy}",
-                "dns_listen": f"{host}:{ports.dns}",
-                "transparent_tls": f"{host}:{ports.tls}",
-                "transparent_http": f"{host}:{ports.http}",
-                "dns_answer": host,
-                "control": f"unix:{private / 'control.sock'}",
-                "require_auth": True,
-            }
-        )
-        service = EgressService(service_settings)
-        try:
-            await service.start()
-        except StartupError:
-            raise
-        stack.push_async_callback(service.close, 1.0)
-        assert service.runs is not None and service.gate is not None
-        command_text = shlex.join(args.command)
-        run: Run = service.runs.create(
-            task=args.task or command_text, allow=allow, deny=deny, ask=settings.ask, sources=[net.plan.sandbox_ip]
-        )
-        run.command = command_text
-        service.gate.audit.write(
-            run_record("run.start", ts=time.time(), run=run.id, task=run.task, allow=[e.text for e in allow],
-                       deny=[e.text for e in deny], sources=[str(net.plan.sandbox_ip)], command=command_text)
-        )
-        stack.callback(lambda: _end_run(service, run))
-        service.gate.observers.append(refusal_printer(run.id))
-        try:
-            box = Sandbox(
-                network=net,
-                workdir=workdir,
-                proxy_url=f"http://{run.id}:{run.token}@{host}:{ports.proxy}",
-                extra_env=extra_env,
-                term=os.environ.get("TERM"),
-            )
-        except SandboxError as exc:
-            raise RunFailed(str(exc)) from None
-        stack.push_async_callback(box.destroy)
+    command_text = shlex.join(args.command)
+    session = SandboxSession(
+        settings,
+        workdir=Path(args.workdir) if args.workdir else None,
+        task=args.task or command_text,
+        extra_env=parse_env(args.env),
+        keep_workdir=args.keep_workdir,
+        net_range=args.net_range,
+        term=os.environ.get("TERM"),
+    )
+    async with session:
+        session.set_command(command_text)
+        session.observe(refusal_printer)
+        # A terminal on stdin stays ours (the approval prompt reads it); a pipe is passed in.
         stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.fileno()
         limits = Limits(timeout_s=args.timeout, memory_mb=args.memory, max_pids=args.max_pids, cpu_s=args.cpu)
         try:
-            obs = await box.run(args.command, limits=limits, capture=False, stdin=stdin)
+            obs = await session.box.run(args.command, limits=limits, capture=False, stdin=stdin)
         except SandboxError as exc:
-            raise RunFailed(str(exc)) from None
+            raise SessionError(str(exc)) from None
         if obs.timed_out:
             print(f"egressd: the command ran past --timeout {args.timeout:g}s and was killed", file=sys.stderr)
         if obs.memory_exceeded:
             print(f"egressd: the command exceeded --memory {args.memory} MB and was killed", file=sys.stderr)
         if args.copy_out:
-            report = box.copy_out(args.copy_out, Path(args.copy_out_dir))
+            report = session.box.copy_out(args.copy_out, Path(args.copy_out_dir))
             for line in report.lines():
                 print(f"egressd: copy-out: {line}", file=sys.stderr)
-        if made_workdir and args.keep_workdir:
-            print(f"egressd: working directory kept at {workdir}", file=sys.stderr)
+        if session.made_workdir and args.keep_workdir:
+            print(f"egressd: working directory kept at {session.workdir}", file=sys.stderr)
         return obs.exit_code
-
-
-def _end_run(service: EgressService, run: Run) -> None:
-    if service.runs is not None and service.runs.get(run.id) is not None:
-        service.runs.end(run.id)
-    if service.gate is not None:
-        with contextlib.suppress(Exception):
-            service.gate.audit.write(run_record("run.end", ts=time.time(), run=run.id))
 
 
 def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
@@ -225,10 +137,7 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
                 print("egressd: interrupted; the sandbox was destroyed", file=sys.stderr)
                 return 128 + received[0]
             raise
-        except RunFailed as exc:
-            print(f"egressd: {exc}", file=sys.stderr)
-            return EXIT_CANNOT_START
-        except StartupError as exc:
+        except (SessionError, StartupError) as exc:
             print(f"egressd: {exc}", file=sys.stderr)
             return EXIT_CANNOT_START
 

@@ -103,7 +103,7 @@ async def check_cgroups() -> Check:
     cg = Cgroup.create(f"doctor{os.getpid()}", Limits(memory_mb=64))
     if cg is None:
         return Check("cgroup memory limits", False, f"{why}, but a cgroup could not be created", "check permissions on /sys/fs/cgroup", required=False)
-    cg.remove()
+    await cg.remove()
     return Check("cgroup memory limits", True, why, required=False)
 
 

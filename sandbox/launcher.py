@@ -173,7 +173,7 @@ class Sandbox:
             )
         except OSError as exc:
             if cgroup is not None:
-                cgroup.remove()
+                await cgroup.remove()
             raise SandboxError(f"cannot start the sandbox: {exc}") from exc
         finally:
             os.close(read_fd)
@@ -197,7 +197,7 @@ class Sandbox:
         finally:
             memory_exceeded = cgroup.oom_killed() if cgroup is not None else False
             if cgroup is not None:
-                cgroup.remove()
+                await cgroup.remove()
         code = proc.returncode if proc.returncode is not None else -9
         if code < 0:
             code = 128 - code  # killed by a signal: shell convention

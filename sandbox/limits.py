@@ -13,6 +13,7 @@ process count to nothing we can enforce for a root-mapped user (said by
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import resource
@@ -144,19 +145,25 @@ class Cgroup:
         except OSError:
             return []
 
-    def remove(self) -> None:
+    def try_remove(self) -> bool:
+        """Kill what is left and remove the directories; False while one is still busy."""
         self.kill_all()
+        done = True
         for d in self.dirs:
-            for _ in range(50):
-                try:
-                    d.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:  # still busy for a moment after the last process died
-                    import time
+            try:
+                d.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:  # EBUSY: an OOM-killed process can take a moment to finish dying
+                done = False
+        return done
 
-                    time.sleep(0.01)
+    async def remove(self, timeout_s: float = 10.0) -> None:
+        """``try_remove`` until it succeeds or ``timeout_s`` passes (a leftover for doctor --clean)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not self.try_remove() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
 
 
 def rlimits_in_child(limits: Limits, *, memory_fallback: bool) -> None:

@@ -1,0 +1,211 @@
+"""A sandbox session: network, embedded egressd, registered run and sandbox, as one unit.
+
+``egressd run`` and ``egressd agent`` both use it:
+
+    async with SandboxSession(settings, workdir=..., task=..., extra_env=...) as session:
+        cursor = session.cursor()
+        session.set_command("pip install x")
+        obs = await session.box.run(argv, limits=...)
+        obs.egress_refusals = session.refusals_since(cursor)
+
+Entering it: (1) removes leftovers of dead runs, (2) creates the run's
+network, (3) starts egressd on the host side of the veth (proxy, DNS,
+transparent TLS/HTTP; control API on a private unix socket; runs need
+credentials or the bound source address), (4) registers the run, (5)
+prepares the sandbox. Leaving it undoes all of that in reverse order,
+whatever happened. A failure to set up raises ``SessionError`` (exit 125).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from audit.records import run_record
+from config.settings import Settings
+from proxy.runs import Run
+from sandbox.launcher import Sandbox, SandboxError
+from sandbox.limits import leftover_cgroups
+from sandbox.network import (
+    DEFAULT_RANGE,
+    OWNERS_DIR,
+    EgressPorts,
+    NetworkError,
+    RunNetwork,
+    clean_leftovers,
+    owner_alive,
+)
+
+from .service import EgressService, StartupError, entries_from_settings
+
+
+class SessionError(Exception):
+    """The sandbox could not be set up (the message says why)."""
+
+
+async def clean_stale() -> list[str]:
+    """Remove leftovers of runs whose egressd is gone: namespaces, veths, cgroups."""
+    removed = await clean_leftovers()
+    live = {p.name for p in OWNERS_DIR.glob("*") if owner_alive(p.name)} if OWNERS_DIR.is_dir() else set()
+    for group in leftover_cgroups(live):
+        with contextlib.suppress(OSError):
+            group.rmdir()
+            removed.append(str(group))
+    return removed
+
+
+def check_host() -> None:
+    if os.geteuid() != 0:
+        raise SessionError("egressd needs root to create the sandbox's network namespace (see: egressd doctor)")
+    for tool in ("bwrap", "nsenter", "ip", "nft"):
+        if shutil.which(tool) is None:
+            raise SessionError(f"{tool} is not installed (see: egressd doctor)")
+
+
+class SandboxSession:
+    """Everything one sandboxed run needs, created and destroyed together."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        workdir: Path | None,
+        task: str | None,
+        extra_env: Mapping[str, str] = {},
+        keep_workdir: bool = False,
+        net_range: str = DEFAULT_RANGE,
+        term: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self._workdir_arg = workdir
+        self.task = task
+        self.extra_env = dict(extra_env)
+        self.keep_workdir = keep_workdir
+        self.net_range = net_range
+        self.term = term
+        self.workdir: Path = Path()
+        self.made_workdir = workdir is None
+        self.network: RunNetwork | None = None
+        self.service: EgressService | None = None
+        self.run: Run | None = None
+        self._box: Sandbox | None = None
+        self._stack = contextlib.AsyncExitStack()
+
+    @property
+    def box(self) -> Sandbox:
+        assert self._box is not None, "the session is not entered"
+        return self._box
+
+    async def __aenter__(self) -> SandboxSession:
+        try:
+            await self._enter()
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _enter(self) -> None:
+        check_host()
+        allow, deny = entries_from_settings(self.settings)
+        await clean_stale()
+        stack = self._stack
+        if self._workdir_arg is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="egressd-work-"))
+            if not self.keep_workdir:
+                stack.callback(shutil.rmtree, self.workdir, True)
+        else:
+            self.workdir = Path(self._workdir_arg)
+            if not self.workdir.is_dir():
+                raise SessionError(f"working directory {self.workdir} does not exist")
+        private = Path(tempfile.mkdtemp(prefix="egressd-run-"))
+        stack.callback(shutil.rmtree, private, True)
+        try:
+            self.network = await RunNetwork.create(pool=self.net_range, ports=EgressPorts())
+        except NetworkError as exc:
+            raise SessionError(f"cannot create the sandbox network: {exc}") from None
+        stack.push_async_callback(self.network.destroy)
+        host, ports = str(self.network.plan.host_ip), self.network.ports
+        service_settings = self.settings.model_copy(
+            update={
+                "listen": f"{host}:{ports.proxy}",
+                "dns_listen": f"{host}:{ports.dns}",
+                "transparent_tls": f"{host}:{ports.tls}",
+                "transparent_http": f"{host}:{ports.http}",
+                "dns_answer": host,
+                "control": f"unix:{private / 'control.sock'}",
+                "require_auth": True,
+            }
+        )
+        self.service = EgressService(service_settings)
+        try:
+            await self.service.start()
+        except StartupError as exc:
+            raise SessionError(str(exc)) from None
+        stack.push_async_callback(self.service.close, 1.0)
+        assert self.service.runs is not None and self.service.gate is not None
+        run = self.service.runs.create(task=self.task, allow=allow, deny=deny, ask=self.settings.ask,
+                                       sources=[self.network.plan.sandbox_ip])
+        self.run = run
+        self._audit(run_record("run.start", ts=time.time(), run=run.id, task=self.task, allow=[e.text for e in allow],
+                               deny=[e.text for e in deny], sources=[str(self.network.plan.sandbox_ip)]))
+        stack.callback(self._end_run)
+        try:
+            self._box = Sandbox(
+                network=self.network,
+                workdir=self.workdir,
+                proxy_url=f"http://{run.id}:{run.token}@{host}:{ports.proxy}",
+                extra_env=self.extra_env,
+                term=self.term,
+            )
+        except SandboxError as exc:
+            raise SessionError(str(exc)) from None
+        stack.push_async_callback(self._box.destroy)
+
+    def _audit(self, record: dict[str, Any]) -> None:
+        assert self.service is not None and self.service.gate is not None
+        with contextlib.suppress(Exception):
+            self.service.gate.audit.write(record)
+
+    def _end_run(self) -> None:
+        if self.service is None or self.run is None or self.service.runs is None:
+            return
+        if self.service.runs.get(self.run.id) is not None:
+            self.service.runs.end(self.run.id)
+        self._audit(run_record("run.end", ts=time.time(), run=self.run.id))
+
+    # -- what runners need -------------------------------------------------------
+
+    def set_command(self, command: str | None) -> None:
+        """What the run executes now: shown in approval messages and audit records."""
+        assert self.run is not None
+        self.run.command = command
+
+    def cursor(self) -> int:
+        """A position in the run's egress events; pass it to ``refusals_since``."""
+        assert self.run is not None
+        return self.run.next_event - 1
+
+    def refusals_since(self, cursor: int) -> list[dict[str, Any]]:
+        """Egress refusals recorded after ``cursor``: host, port, reason, kind."""
+        assert self.run is not None
+        events, _ = self.run.events_after(cursor, limit=10_000)
+        return [
+            {"host": e.get("host"), "port": e.get("port"), "reason": e.get("reason"), "kind": e.get("kind")}
+            for e in events
+            if e.get("decision") == "deny"
+        ]
+
+    def observe(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``callback`` with every egress record of this run as it is written."""
+        assert self.service is not None and self.service.gate is not None and self.run is not None
+        run_id = self.run.id
+        self.service.gate.observers.append(lambda record: callback(record) if record.get("run") == run_id else None)
