@@ -1,0 +1,108 @@
+"""pip through egressd: a real `pip download` from a local package index, via `egressd serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from aiohttp import web
+
+from tests.harness import ORIGIN, ORIGIN_RANGE, free_port
+
+EGRESSD = str(Path(sys.executable).with_name("egressd"))
+
+
+def make_wheel(name: str, version: str) -> tuple[str, bytes]:
+    """A minimal, valid pure-Python wheel (PEP 427)."""
+    dist = f"{name.replace('-', '_')}-{version}"
+    files = {
+        f"{name.replace('-', '_')}/__init__.py": b"VALUE = 42\n",
+        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: egressd-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record_lines = []
+    for path, data in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record_lines.append(f"{path},sha256={digest},{len(data)}")
+    record_lines.append(f"{dist}.dist-info/RECORD,,")
+    files[f"{dist}.dist-info/RECORD"] = ("\n".join(record_lines) + "\n").encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for path, data in files.items():
+            zf.writestr(path, data)
+    return f"{dist}-py3-none-any.whl", buf.getvalue()
+
+
+async def test_pip_download_through_egressd_serve(tmp_path: Path, dns) -> None:
+    filename, wheel = make_wheel("demo-pkg", "1.0")
+    sha = hashlib.sha256(wheel).hexdigest()
+
+    async def simple(request: web.Request) -> web.Response:
+        return web.Response(text=f'<html><body><a href="/files/{filename}#sha256={sha}">{filename}</a></body></html>',
+                            content_type="text/html")
+
+    async def files(request: web.Request) -> web.Response:
+        return web.Response(body=wheel, content_type="application/octet-stream")
+
+    app = web.Application()
+    app.router.add_get("/simple/demo-pkg/", simple)
+    app.router.add_get(f"/files/{filename}", files)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, ORIGIN, 0)
+    await site.start()
+    index_port = runner.addresses[0][1]
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy") and not k.startswith(("EGRESSD_", "PIP_"))}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    serve = await asyncio.create_subprocess_exec(
+        EGRESSD, "serve", "--listen", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{free_port()}",
+        "--allow", f"index.test:{index_port}", "--allow-private", ORIGIN_RANGE,
+        "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--audit-log", str(tmp_path / "audit.jsonl"),
+        env=env, stderr=asyncio.subprocess.PIPE,
+    )
+    dns.set("index.test", [ORIGIN])
+    try:
+        for _ in range(100):
+            try:
+                _, w = await asyncio.open_connection("127.0.0.1", port)
+                w.close()
+                break
+            except OSError:
+                await asyncio.sleep(0.05)
+        out_dir = tmp_path / "out"
+        pip = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--disable-pip-version-check",
+            "--proxy", f"http://127.0.0.1:{port}", "--index-url", f"http://index.test:{index_port}/simple/",
+            "--trusted-host", "index.test", "-d", str(out_dir), "demo-pkg",
+            env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await asyncio.wait_for(pip.communicate(), 120)
+        assert pip.returncode == 0, output.decode()
+        assert (out_dir / filename).read_bytes() == wheel
+    finally:
+        serve.terminate()
+        await asyncio.wait_for(serve.wait(), 20)
+        await runner.cleanup()
+    audit = (tmp_path / "audit.jsonl").read_text()
+    assert '"host":"index.test"' in audit and '"decision":"allow"' in audit
+
+
+def test_each_top_level_package_belongs_to_egressd_only() -> None:
+    from importlib.metadata import packages_distributions
+
+    owners = packages_distributions()
+    for package in ("proxy", "approvals", "config", "audit", "sandbox", "agent", "cli"):
+        assert set(owners.get(package, [])) == {"egressd"}, (package, owners.get(package))
+    out = subprocess.run([sys.executable, "-c", "import proxy, cli; print(proxy.__file__, cli.__file__)"],
+                         capture_output=True, text=True, cwd="/", timeout=30)
+    root = str(Path(__file__).resolve().parent.parent)
+    assert out.stdout.startswith(root), out.stdout
