@@ -2,6 +2,7 @@
 
     python bench/load.py throughput --target H:P [--proxy H:P] --direction down|up --bytes N
     python bench/load.py setup      --target H:P [--proxy H:P] --count N --concurrency C
+    python bench/load.py idle       --target H:P [--proxy H:P] --count N
 
 Without ``--proxy`` it connects straight to the target (the direct baseline).
 Prints one JSON object. Every loop is bounded by its count and by --max-s.
@@ -116,6 +117,45 @@ async def setup(proxy: tuple[str, int] | None, target: tuple[str, int], count: i
     }
 
 
+async def idle(proxy: tuple[str, int] | None, target: tuple[str, int], count: int, max_s: float) -> dict[str, float]:
+    """Open ``count`` echo tunnels, say "open" on stdout, wait for a line on stdin, then check each still echoes."""
+    loop = asyncio.get_running_loop()
+    deadline = time.perf_counter() + max_s
+    socks: list[socket.socket] = []
+    try:
+        sem = asyncio.Semaphore(50)
+
+        async def one() -> None:
+            async with sem:
+                if time.perf_counter() > deadline:
+                    return
+                sock = await open_tunnel(proxy, target)
+                await loop.sock_sendall(sock, b"echo\n")
+                socks.append(sock)
+
+        await asyncio.gather(*(one() for _ in range(count)))
+        print("open", len(socks), flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        alive = 0
+        for sock in socks:
+            try:
+                await loop.sock_sendall(sock, b"ping")
+                got = b""
+                async with asyncio.timeout(5):
+                    while len(got) < 4:
+                        data = await loop.sock_recv(sock, 16)
+                        if not data:
+                            break
+                        got += data
+                alive += got == b"ping"
+            except (OSError, TimeoutError):
+                pass
+        return {"opened": len(socks), "alive": alive}
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _hostport(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host, int(port)
@@ -123,7 +163,7 @@ def _hostport(text: str) -> tuple[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["throughput", "setup"])
+    parser.add_argument("mode", choices=["throughput", "setup", "idle"])
     parser.add_argument("--target", required=True, type=_hostport)
     parser.add_argument("--proxy", type=_hostport)
     parser.add_argument("--direction", choices=["down", "up"], default="down")
@@ -135,16 +175,21 @@ def main() -> None:
 
     import uvloop
 
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
     async def run() -> dict[str, float]:
         async with asyncio.timeout(args.max_s + 30):
             if args.mode == "throughput":
                 return await throughput(args.proxy, args.target, args.direction, args.bytes)
+            if args.mode == "idle":
+                return await idle(args.proxy, args.target, args.count, args.max_s)
             return await setup(args.proxy, args.target, args.count, args.concurrency, args.max_s)
 
     result = uvloop.run(run())
     usage = resource.getrusage(resource.RUSAGE_SELF)
     result["cpu_s"] = usage.ru_utime + usage.ru_stime
-    json.dump(result, sys.stdout)
+    print(json.dumps(result), flush=True)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import PEERS, ensure_installed  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
 ORIGIN = "127.0.0.2"
@@ -59,17 +62,47 @@ def wait_port(host: str, port: int, timeout_s: float = 15) -> None:
     raise RuntimeError(f"nothing listening on {host}:{port}")
 
 
+def _tree(pid: int) -> list[int]:
+    """pid and all its descendants (squid and proxy.py work in child processes)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc (clock ticks → seconds)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """utime + stime of a process tree, from /proc (clock ticks → seconds)."""
+    total = 0
+    for p in _tree(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def rss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+    """Resident memory of a process tree, KiB."""
+    total = 0
+    for p in _tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1])
+        except OSError:
+            continue
+    return total
 
 
 @dataclass
@@ -111,7 +144,7 @@ def start_egressd(port: int, workdir: Path) -> subprocess.Popen:  # type: ignore
     )
 
 
-PROXIES = {"egressd": start_egressd}
+PROXIES = {"egressd": start_egressd, **PEERS}
 
 
 def run_load(args: list[str], proxy_pid: int | None, timeout_s: float) -> dict[str, float]:
@@ -194,6 +227,8 @@ def measure_round(figures: dict[str, Figure], who: str, proxy: Proxy | None, str
         figures[key].add(who, r["rate"], r["cpu_s"], r["proxy_cpu_s"])
         figures[key + "_p50"].add(who, r["p50_ms"])
         figures[key + "_p99"].add(who, r["p99_ms"])
+    if proxy is not None and pid is not None:
+        figures["idle_kib"].add(who, measure_idle(proxy, pid, stream_port, 500 if quick else 2000))
     seconds = 3 if quick else 10
     r = run_wrk(f"http://{ORIGIN}:{http_port}/small", proxy.port if proxy else None, pid, seconds, 50)
     figures["http_small"].add(who, r["rps"], r["cpu_s"], r["proxy_cpu_s"])
@@ -201,6 +236,27 @@ def measure_round(figures: dict[str, Figure], who: str, proxy: Proxy | None, str
     figures["http_small_p99"].add(who, r["p99_ms"])
     r = run_wrk(f"http://{ORIGIN}:{http_port}/big", proxy.port if proxy else None, pid, seconds, 50)
     figures["http_big"].add(who, r["mb_s"], r["cpu_s"], r["proxy_cpu_s"])
+
+
+def measure_idle(proxy: Proxy, pid: int, stream_port: int, count: int) -> float:
+    """KiB of proxy memory per idle tunnel: RSS with ``count`` tunnels open minus before."""
+    time.sleep(0.5)
+    before = rss_kib(pid)
+    load = subprocess.Popen([PY, str(HERE / "load.py"), "idle", "--target", f"{ORIGIN}:{stream_port}",
+                             "--proxy", f"127.0.0.1:{proxy.port}", "--count", str(count), "--max-s", "60"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert load.stdin is not None and load.stdout is not None
+    first = load.stdout.readline().split()
+    opened = int(first[1]) if len(first) == 2 and first[0] == "open" else 0
+    time.sleep(1.0)
+    during = rss_kib(pid)
+    load.stdin.write("\n")
+    load.stdin.flush()
+    out, _ = load.communicate(timeout=120)
+    result = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"alive": 0}
+    if not opened or result.get("alive") != opened:
+        print(f"bench: idle tunnels through {proxy.name}: {result.get('alive')} of {opened} still echoed", file=sys.stderr)
+    return (during - before) / opened if opened else float("nan")
 
 
 FIGURES = [
@@ -212,6 +268,7 @@ FIGURES = [
     ("setup_50", "tunnel setup, 50 in flight", "tunnels/s"),
     ("setup_50_p50", "  p50 CONNECT-to-first-echo", "ms"),
     ("setup_50_p99", "  p99 CONNECT-to-first-echo", "ms"),
+    ("idle_kib", "idle tunnels: proxy memory per tunnel", "KiB"),
     ("http_small", "plain HTTP, small responses, 50 conns", "req/s"),
     ("http_small_p50", "  p50 latency", "ms"),
     ("http_small_p99", "  p99 latency", "ms"),
@@ -219,30 +276,41 @@ FIGURES = [
 ]
 
 
+LOWER_IS_BETTER = {"ms", "KiB"}
+
+
 def render(figures: dict[str, Figure], order: list[str]) -> str:
     lines = []
-    header = f"| {'figure':42} | {'unit':9} |" + "".join(f" {who:>22} |" for who in order) + " ratio |"
+    header = (f"| {'figure':42} | {'unit':9} |" + "".join(f" {who:>20} |" for who in order)
+              + " egressd/direct | egressd/best peer |")
     lines.append(header)
-    lines.append("|" + "-" * 44 + "|" + "-" * 11 + "|" + "".join("-" * 24 + "|" for _ in order) + "-------|")
+    lines.append("|" + "-" * 44 + "|" + "-" * 11 + "|" + "".join("-" * 22 + "|" for _ in order) + "-" * 16 + "|" + "-" * 19 + "|")
     for key, title, unit in FIGURES:
         fig = figures[key]
         cells = []
         medians = {}
         for who in order:
-            vals = fig.values.get(who, [])
+            vals = [v for v in fig.values.get(who, []) if v == v]  # drop NaN
             if not vals:
-                cells.append(f" {'-':>22} |")
+                cells.append(f" {'-':>20} |")
                 continue
             med = statistics.median(vals)
             medians[who] = med
-            cells.append(f" {med:>10.1f} ({min(vals):.0f}–{max(vals):.0f}) |".rjust(24))
-        ratio = ""
-        if "direct" in medians and "egressd" in medians and medians["direct"]:
-            ratio = f"{medians['egressd'] / medians['direct']:.2f}×"
-        lines.append(f"| {title:42} | {unit:9} |" + "".join(cells) + f" {ratio:>5} |")
+            precision = 2 if unit in LOWER_IS_BETTER else 0
+            cells.append(f" {med:>8.{precision}f} ({min(vals):.{precision}f}–{max(vals):.{precision}f})".ljust(21)[:21].rjust(21) + "|")
+        ratio_direct = ratio_peer = ""
+        ours = medians.get("egressd")
+        if ours is not None and medians.get("direct"):
+            ratio_direct = f"{ours / medians['direct']:.2f}×"
+        peers = [v for who, v in medians.items() if who not in ("direct", "egressd")]
+        if ours is not None and peers:
+            best = min(peers) if unit in LOWER_IS_BETTER else max(peers)
+            if best:
+                ratio_peer = f"{ours / best:.2f}×"
+        lines.append(f"| {title:42} | {unit:9} |" + "".join(cells) + f" {ratio_direct:>14} | {ratio_peer:>17} |")
     lines.append("")
     lines.append("CPU seconds per measurement (median; proxy / load generator):")
-    for key in ("tput_down", "tput_up", "setup_serial", "setup_50", "http_small", "http_big"):
+    for key in ("tput_down", "tput_up", "setup_serial", "setup_50", "http_small", "http_big"):  # idle has no load
         fig = figures[key]
         parts = []
         for who in order:
@@ -257,13 +325,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="smaller transfers and shorter runs (a smoke test)")
+    parser.add_argument("--proxies", default=",".join(PROXIES), help=f"which to measure (default: {','.join(PROXIES)})")
     args = parser.parse_args()
+    chosen = [p.strip() for p in args.proxies.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in PROXIES]
+    if unknown:
+        parser.error(f"unknown proxies {unknown}; known: {', '.join(PROXIES)}")
+    unavailable = ensure_installed(["wrk", *chosen])
     if shutil.which("wrk") is None:
-        if os.geteuid() == 0 and shutil.which("apt-get"):
-            subprocess.run(["apt-get", "install", "-y", "-qq", "wrk"], check=True, stdout=subprocess.DEVNULL)
-        else:
-            print("bench: wrk is needed (apt-get install wrk)", file=sys.stderr)
-            return 1
+        print("bench: wrk is needed (apt-get install wrk)", file=sys.stderr)
+        return 1
+    for name in unavailable:
+        print(f"bench: {name} could not be installed; leaving it out", file=sys.stderr)
+        chosen.remove(name)
 
     stream_port, http_port = free_port(ORIGIN), free_port(ORIGIN)
     servers = subprocess.Popen([PY, str(HERE / "servers.py"), ORIGIN, str(stream_port), str(http_port)], stdout=subprocess.PIPE, text=True)
@@ -272,7 +346,7 @@ def main() -> int:
         if servers.stdout.readline().strip() != "ready":
             raise RuntimeError("test servers did not start")
         figures = {key: Figure(key, unit) for key, _, unit in FIGURES}
-        order = ["direct", *PROXIES]
+        order = ["direct", *chosen]
         for rnd in range(args.rounds):
             for who in order:
                 print(f"round {rnd + 1}/{args.rounds}: {who}", file=sys.stderr, flush=True)

@@ -1,0 +1,273 @@
+"""Queries per second of egressd's sandbox-facing DNS server, beside dnsmasq on loopback.
+
+    .venv/bin/python bench/bench_dns.py [--seconds 10] [--queries 300000] [--inflight 64]
+
+Both servers answer every A query with one address from no upstream at all:
+dnsmasq with ``--address=/#/127.0.0.1`` (Debian's ``dnsmasq-base``, installed
+with apt when missing and we are root), egressd with its ``DnsServer`` in a
+process of its own, on uvloop when installed, exactly as ``egressd serve``
+builds it: the default run, the policy, one JSON Lines audit record per query
+written to a file, the reply. Only the per-client rate limit is raised, so
+that one load client can saturate the server instead of the limiter.
+
+One load generator (this process, a UDP socket) keeps ``--inflight`` queries
+outstanding against each server in turn, cycling through 1000 names, after a
+warm-up; each run stops at ``--queries`` answers or ``--seconds``, whichever
+comes first. A query unanswered for 0.2 s counts as lost. On a small machine
+the client shares the CPU with the server, and with dnsmasq the Python client
+may be the bottleneck, so the dnsmasq figure is a floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMES = 1000
+WARMUP_S = 1.0
+LOST_AFTER_S = 0.2
+# Safety bounds whatever the flags say: the load loop never runs longer or
+# sends more than this.
+MAX_SECONDS = 120.0
+MAX_QUERIES = 5_000_000
+
+
+@dataclass
+class Result:
+    server: str
+    answered: int
+    lost: int
+    seconds: float
+
+    @property
+    def qps(self) -> float:
+        return self.answered / self.seconds if self.seconds else 0.0
+
+
+def build_queries() -> list[bytes]:
+    from dnslib import DNSRecord
+
+    return [DNSRecord.question(f"host{i}.bench.test", "A").pack() for i in range(NAMES)]
+
+
+def load(address: tuple[str, int], queries: list[bytes], *, seconds: float, limit: int, inflight: int) -> Result:
+    """Keep ``inflight`` queries outstanding until ``limit`` answers or ``seconds``."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    sock.connect(address)
+    sock.settimeout(LOST_AFTER_S)
+    answered = lost = 0
+    outstanding = 0
+    i = 0
+    started = time.perf_counter()
+    deadline = started + min(seconds, MAX_SECONDS)
+    limit = min(limit, MAX_QUERIES)
+    try:
+        while answered < limit:
+            while outstanding < inflight:
+                sock.send(queries[i % len(queries)])
+                i += 1
+                outstanding += 1
+            try:
+                sock.recv(4096)
+            except TimeoutError:
+                lost += outstanding  # on loopback: the server's receive buffer overflowed
+                outstanding = 0
+            else:
+                answered += 1
+                outstanding -= 1
+            if (answered & 0x3FF) == 0 and time.perf_counter() > deadline:
+                break
+    finally:
+        elapsed = time.perf_counter() - started
+        sock.close()
+    return Result("", answered, lost, elapsed)
+
+
+def measure(name: str, address: tuple[str, int], queries: list[bytes], args: argparse.Namespace) -> Result:
+    load(address, queries, seconds=WARMUP_S, limit=args.queries, inflight=args.inflight)
+    result = load(address, queries, seconds=args.seconds, limit=args.queries, inflight=args.inflight)
+    result.server = name
+    return result
+
+
+def free_udp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_dns(address: tuple[str, int], proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    from dnslib import DNSRecord
+
+    probe = DNSRecord.question("probe.bench.test", "A").pack()
+    deadline = time.monotonic() + timeout_s
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(0.2)
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                said = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
+                raise RuntimeError(f"the server exited with status {proc.returncode}: {said}")
+            sock.sendto(probe, address)
+            with contextlib.suppress(TimeoutError, ConnectionRefusedError):
+                sock.recv(4096)
+                return
+    raise RuntimeError(f"no DNS answer from {address} in {timeout_s}s")
+
+
+def ensure_dnsmasq() -> str | None:
+    path = shutil.which("dnsmasq")
+    if path:
+        return path
+    if os.geteuid() == 0 and shutil.which("apt-get"):
+        print("installing dnsmasq-base with apt-get ...", file=sys.stderr)
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "dnsmasq-base"], check=False, env=env, stdout=subprocess.DEVNULL)
+    return shutil.which("dnsmasq")
+
+
+def dnsmasq_version(binary: str) -> str:
+    out = subprocess.run([binary, "--version"], capture_output=True, text=True, check=False).stdout
+    return out.split("\n", 1)[0].replace("Dnsmasq version ", "").split()[0] if out else "?"
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], **kwargs: object):  # type: ignore[no-untyped-def]
+    proc = subprocess.Popen(cmd, **kwargs)  # type: ignore[call-overload]
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def bench_dnsmasq(queries: list[bytes], args: argparse.Namespace) -> Result | str:
+    binary = ensure_dnsmasq()
+    if binary is None:
+        return "dnsmasq is not installed and could not be (needs root and apt-get)"
+    port = free_udp_port()
+    cmd = [
+        binary, "--keep-in-foreground", "--conf-file=/dev/null", "--pid-file=", "--no-resolv", "--no-hosts",
+        f"--port={port}", "--listen-address=127.0.0.1", "--bind-interfaces", "--address=/#/127.0.0.1",
+        "--user=root" if os.geteuid() == 0 else "--user=",
+    ]
+    with running(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+        wait_for_dns(("127.0.0.1", port), proc)
+        return measure(f"dnsmasq {dnsmasq_version(binary)}", ("127.0.0.1", port), queries, args)
+
+
+def bench_egressd(queries: list[bytes], args: argparse.Namespace) -> Result:
+    port = free_udp_port()
+    with tempfile.TemporaryDirectory(prefix="egressd-bench-") as tmp:
+        audit = Path(tmp) / "audit.jsonl"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-egressd", str(port), str(audit)]
+        with running(cmd, cwd=ROOT) as proc:
+            wait_for_dns(("127.0.0.1", port), proc)
+            result = measure("egressd", ("127.0.0.1", port), queries, args)
+        records = sum(1 for _ in audit.open("rb"))
+    result.server = f"egressd ({_loop_name()}, {records} audit records)"
+    return result
+
+
+def _loop_name() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def serve_egressd(port: int, audit_path: str) -> None:
+    """The child process: egressd's DNS server wired as ``egressd serve`` wires it."""
+    sys.path.insert(0, str(ROOT))
+    from ipaddress import IPv4Address
+
+    from approvals.deny import NoApprover
+    from audit.log import JsonlAuditSink
+    from proxy.dnsserver import DnsServer
+    from proxy.gate import Gate
+    from proxy.metrics import Metrics
+    from proxy.policy import parse_entry
+    from proxy.resolver import SystemResolver
+    from proxy.runs import DEFAULT_RUN_ID, Run, RunRegistry
+
+    async def main() -> None:
+        sink = JsonlAuditSink(Path(audit_path))
+        gate = Gate(resolver=SystemResolver(), approver=NoApprover(), audit=sink, metrics=Metrics())
+        run = Run(id=DEFAULT_RUN_ID, token="-", task=None, allow=(parse_entry("pypi.org"),), deny=())
+        server = DnsServer(
+            gate=gate, runs=RunRegistry(default=run), answer4=IPv4Address("127.0.0.1"),
+            rate_qps=1e9, burst=10**9,
+        )
+        await server.start("127.0.0.1", port)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.close()
+        sink.close()
+
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=10.0, help="measuring time per server (max 120)")
+    parser.add_argument("--queries", type=int, default=300_000, help="stop after this many answers")
+    parser.add_argument("--inflight", type=int, default=64, help="queries kept outstanding")
+    parser.add_argument("--serve-egressd", nargs=2, metavar=("PORT", "AUDIT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_egressd:
+        serve_egressd(int(args.serve_egressd[0]), args.serve_egressd[1])
+        return 0
+    sys.path.insert(0, str(ROOT))
+    queries = build_queries()
+    results: list[Result] = []
+    notes: list[str] = []
+    dnsmasq = bench_dnsmasq(queries, args)
+    if isinstance(dnsmasq, str):
+        notes.append(dnsmasq)
+    else:
+        results.append(dnsmasq)
+    results.append(bench_egressd(queries, args))
+
+    print(f"DNS on loopback, UDP, A queries, {args.inflight} in flight, {os.cpu_count()} CPUs, "
+          f"Python {platform.python_version()}, {platform.machine()}")
+    print(f"{'server':<44} {'answered':>10} {'lost':>6} {'seconds':>8} {'queries/s':>10}")
+    for r in results:
+        print(f"{r.server:<44} {r.answered:>10} {r.lost:>6} {r.seconds:>8.2f} {r.qps:>10.0f}")
+    if len(results) == 2 and results[0].qps:
+        print(f"egressd / dnsmasq: {results[1].qps / results[0].qps:.2f}")
+    for note in notes:
+        print(f"note: {note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
