@@ -1,11 +1,27 @@
-"""Asking a person: the interface the proxy asks through, and its answerers.
+"""Asking a person: the interface the proxy asks through, the broker, and its channels.
 
 The proxy holds a request it may not decide alone and calls
 ``Approver.ask(ApprovalRequest)``; whatever answers returns an
-``ApprovalOutcome``. The proxy never imports a channel, and channels never
-import the broker: both sides meet only at ``approvals.interface``.
+``ApprovalOutcome``. The proxy never imports a channel.
 
-- ``interface``  the request/outcome values and the ``Approver`` protocol;
-- ``deny``       the ``deny`` approver (answers every request with a denial at
-  once) and the ``NoApprover`` used when nobody is attached.
+A request flows:  gate → ``ApprovalBroker.ask`` → (``ledger`` opens an
+approval, ``message`` renders it once) → every ``Channel.deliver`` at once
+→ a person answers through a channel or the control API →
+``Answerer.answer`` → the ledger settles it → the waiting requests wake →
+every channel that showed it is told (``Channel.settle``).
+
+- ``interface``  the values and protocols both sides meet at (``Approver``,
+  ``Channel``, ``Answerer``, ``PendingApproval``, ``Settlement``);
+- ``message``    the new-domain approval message, escaping, the "unrelated" rule (pure);
+- ``ledger``     the approval state machine (pure);
+- ``broker``     its asyncio shell: holds, delivers, times out, records;
+- ``control``    the control API's ``/approvals`` routes (``egressd pending|allow|deny``);
+- ``signing``    Standard Webhooks signing and verification (pure);
+- ``terminal``, ``slack``, ``webhook``  the channels;
+- ``deny``       the ``deny`` approver and ``NoApprover``;
+- ``assembly``   settings → an approver (the only module that sees the broker
+  and the channels together).
+
+Channels never import the broker and the broker never imports a channel:
+they meet at ``interface``.
 """

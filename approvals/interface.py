@@ -1,13 +1,30 @@
-"""What the proxy asks and what comes back: the only meeting point of the
-proxy and whatever answers (the ``deny`` approver here, the broker and its
-channels later).
+"""What the proxy asks and what comes back, and where the broker meets its channels.
+
+Two meeting points live here, so that nobody imports across them:
+
+- the proxy and whatever answers: ``Approver.ask(ApprovalRequest) ->
+  ApprovalOutcome`` (the ``deny`` approver, ``NoApprover``, the broker);
+- the broker and its channels: a ``Channel`` is told about a
+  ``PendingApproval`` (``deliver``) and about its ``Settlement``
+  (``settle``); it passes a person's answer back through the ``Answerer`` it
+  was started with. The broker implements ``Answerer`` and holds channels
+  only as ``Channel``; channels hold the broker only as ``Answerer``.
+
+Approvers that need starting, stopping or routes on the control server
+(the broker) are ``ManagedApprover``s; ``cli`` wires those.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+    from .message import ApprovalMessage
 
 
 class Answer(enum.Enum):
@@ -18,6 +35,16 @@ class Answer(enum.Enum):
     TIMEOUT = "timeout"
     NO_APPROVER = "no_approver"
     TOO_MANY_PENDING = "too_many_pending"
+
+
+# The refusal code (DESIGN.md, "What a client sees") each failed answer becomes;
+# the audit log's approval.decided record carries it as ``reason``.
+ANSWER_REASONS: dict[Answer, str] = {
+    Answer.DENY: "denied",
+    Answer.TIMEOUT: "approval_timeout",
+    Answer.NO_APPROVER: "no_approver",
+    Answer.TOO_MANY_PENDING: "too_many_pending",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,3 +80,154 @@ class Approver(Protocol):
     closed)."""
 
     async def ask(self, request: ApprovalRequest) -> ApprovalOutcome: ...
+
+
+# -- the broker and its channels ----------------------------------------------
+
+
+class Decision(enum.Enum):
+    """What a person can answer."""
+
+    ALLOW = "allow"
+    DENY = "deny"
+
+
+class AnswerResult(enum.Enum):
+    """What became of an answer a channel passed on."""
+
+    ACCEPTED = "accepted"  # it decided the approval
+    SETTLED = "settled"  # the approval was already decided (by someone else, a timeout, shutdown)
+    UNKNOWN = "unknown"  # no such approval (a wrong or long-forgotten id)
+
+
+@dataclass(frozen=True, slots=True)
+class Settlement:
+    """How one approval ended: the answer, who gave it where, when, after how long.
+
+    ``channel`` and ``by`` are None when nobody answered (timeout, no
+    approver, shutdown). ``at`` is epoch seconds.
+    """
+
+    answer: Answer
+    channel: str | None
+    by: str | None
+    at: float
+    waited_s: float
+
+    @property
+    def reason(self) -> str | None:
+        """The refusal code, or None for an allow."""
+        return ANSWER_REASONS.get(self.answer)
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The result of ``Answerer.answer``, with the settlement when one is known."""
+
+    result: AnswerResult
+    settlement: Settlement | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PendingApproval:
+    """One approval as a channel sees it.
+
+    ``created_at`` and ``expires_at`` are epoch seconds (for people);
+    ``deadline`` is the same expiry on the event loop's clock
+    (``loop.time()``), for bounding network waits with
+    ``asyncio.timeout_at``.
+    """
+
+    id: str
+    request: ApprovalRequest
+    message: ApprovalMessage
+    created_at: float
+    expires_at: float
+    deadline: float
+
+
+class Answerer(Protocol):
+    """The broker as channels and the control API see it."""
+
+    def answer(self, approval_id: str, decision: Decision, *, channel: str, by: str | None) -> Answered:
+        """Pass on a person's answer. The first valid answer decides; any
+        later one gets ``SETTLED``. Never raises for a bad id."""
+        ...
+
+    def pending(self) -> Sequence[PendingApproval]:
+        """The approvals still waiting, oldest first."""
+        ...
+
+
+Handler = Callable[["web.Request"], Awaitable["web.StreamResponse"]]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A route a channel or the broker serves on the control server.
+
+    ``public`` routes skip the bearer token: their own signature check is the
+    credential (the webhook callback, Slack's interactivity endpoint).
+    """
+
+    method: str
+    path: str
+    handler: Handler
+    public: bool = False
+
+
+class SetupError(Exception):
+    """A configured approval channel cannot work; the message names the setting.
+
+    Stops start-up: nothing starts half-configured.
+    """
+
+
+class ChannelUnavailable(Exception):
+    """The channel has nothing to attach to (no terminal): it is left out, not an error."""
+
+
+class ChannelError(Exception):
+    """A channel could not do what was asked (deliver, settle); the broker treats it as a failure."""
+
+
+class Channel(Protocol):
+    """A way to reach a person: the terminal, Slack, a webhook."""
+
+    name: str
+
+    async def start(self, answerer: Answerer) -> None:
+        """Get ready. Raise ``ChannelUnavailable`` when there is nothing to
+        attach to, ``SetupError`` when the configuration cannot work."""
+        ...
+
+    async def deliver(self, approval: PendingApproval) -> None:
+        """Put the approval in front of a person; return once it is there.
+
+        Raise (anything) when it could not be delivered. The broker bounds
+        the call by the approval's deadline.
+        """
+        ...
+
+    async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
+        """The approval is decided: update or withdraw what was shown."""
+        ...
+
+    async def close(self) -> None: ...
+
+    def routes(self) -> Sequence[Route]:
+        """Routes this channel needs on the control server (may be empty)."""
+        ...
+
+
+@runtime_checkable
+class ManagedApprover(Protocol):
+    """An approver with a lifetime and control routes (the broker)."""
+
+    async def ask(self, request: ApprovalRequest) -> ApprovalOutcome: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def routes(self) -> Sequence[Route]: ...

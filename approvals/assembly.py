@@ -1,0 +1,118 @@
+"""From settings to an approver: the one place in this package that knows every channel.
+
+``approver_from_settings`` reads the approval settings (``--approver``,
+the channel options, ``approval_timeout``, ``max_pending_approvals``):
+
+1. no approver named → ``NoApprover`` (every new domain: ``no_approver``);
+2. ``deny`` → ``DenyApprover`` (alone: with a channel beside it nobody
+   could ever answer, so that is a setting error);
+3. otherwise an ``ApprovalBroker`` over the named channels, each checked
+   here for what it needs (a webhook secret that is a ``whsec_`` key, a
+   Slack channel and approvers, ...). Whether the Slack tokens work is
+   checked when the broker starts (``auth.test``).
+
+Any problem is a ``SetupError`` naming the setting. Only ``cli`` calls this;
+the broker and the channels never import each other, only this module sees
+both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from audit.log import AuditSink
+from config.settings import Settings
+
+from .broker import ApprovalBroker
+from .deny import DenyApprover, NoApprover
+from .interface import Approver, Channel, SetupError
+from .signing import SigningError, parse_secret
+from .slack import SlackChannel
+from .terminal import TerminalChannel
+from .webhook import WebhookChannel
+
+
+def _secret(settings: Settings, name: str) -> str | None:
+    value = getattr(settings, name)
+    return value.get_secret_value() if value is not None else None
+
+
+def _webhook(settings: Settings, clock: Callable[[], float]) -> WebhookChannel:
+    if settings.webhook_url is None:
+        raise SetupError("bad setting webhook_url: --approver webhook needs --webhook-url")
+    secret = _secret(settings, "webhook_secret")
+    if secret is None:
+        raise SetupError("bad setting webhook_secret: --approver webhook needs --webhook-secret (a whsec_ key)")
+    try:
+        key = parse_secret(secret)
+    except SigningError as exc:
+        raise SetupError(f"bad setting webhook_secret: {exc}") from None
+    callback_key = None
+    callback = _secret(settings, "webhook_callback_secret")
+    if callback is not None:
+        try:
+            callback_key = parse_secret(callback)
+        except SigningError as exc:
+            raise SetupError(f"bad setting webhook_callback_secret: {exc}") from None
+    return WebhookChannel(
+        url=settings.webhook_url,
+        secret=key,
+        callback_secret=callback_key,
+        public_url=settings.public_url,
+        clock=clock,
+    )
+
+
+def _slack(settings: Settings, clock: Callable[[], float]) -> SlackChannel:
+    token = _secret(settings, "slack_bot_token")
+    if token is None:
+        raise SetupError("bad setting slack_bot_token: --approver slack needs a bot token (xoxb-…)")
+    if not settings.slack_channel:
+        raise SetupError("bad setting slack_channel: --approver slack needs the channel id the messages go to")
+    return SlackChannel(
+        bot_token=token,
+        channel=settings.slack_channel,
+        approvers=settings.slack_approvers,
+        app_token=_secret(settings, "slack_app_token"),
+        signing_secret=_secret(settings, "slack_signing_secret"),
+        api_url=settings.slack_api_url,
+        clock=clock,
+    )
+
+
+def approver_from_settings(
+    settings: Settings,
+    *,
+    audit: AuditSink,
+    clock: Callable[[], float] = time.time,
+    tty_path: str = "/dev/tty",
+) -> Approver:
+    """Steps 1-3 of the module docstring. A returned broker is not started yet."""
+    names = list(settings.approver)
+    if not names:
+        return NoApprover()
+    if "deny" in names:
+        if len(names) > 1:
+            others = ", ".join(n for n in names if n != "deny")
+            raise SetupError(
+                f"bad setting approver: deny answers every request at once, so {others} could never answer"
+            )
+        return DenyApprover()
+    channels: list[Channel] = []
+    for name in names:
+        if name == "terminal":
+            channels.append(TerminalChannel(tty_path=tty_path, clock=clock))
+        elif name == "slack":
+            channels.append(_slack(settings, clock))
+        elif name == "webhook":
+            channels.append(_webhook(settings, clock))
+        else:
+            raise SetupError(f"bad setting approver: unknown approver {name!r}")
+    return ApprovalBroker(
+        channels,
+        audit=audit,
+        timeout_s=settings.approval_timeout,
+        max_pending_per_run=settings.max_pending_approvals,
+        clock=clock,
+    )

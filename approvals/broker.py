@@ -1,0 +1,389 @@
+"""The approval broker: holds a request, asks every channel at once, returns the first valid answer.
+
+``ApprovalBroker.ask`` (the ``Approver`` the proxy calls):
+
+1. an approval for the same (run, host, port) is open → wait for that one
+   (concurrent requests share one approval, one message);
+2. no channel attached (or the broker is closed) → NO_APPROVER at once;
+3. the run already has ``max_pending_per_run`` approvals open →
+   TOO_MANY_PENDING at once;
+4. otherwise open one: an unguessable id, the message rendered once, an
+   ``approval.requested`` audit record, then one driver task that delivers
+   to every channel concurrently and waits, bounded by the deadline, for the
+   first answer (``answer``, from any channel or the control API). Every
+   channel failing to deliver settles NO_APPROVER at once; the deadline
+   settles TIMEOUT.
+5. The settlement is recorded (``approval.decided``), wakes every waiting
+   request, and every channel that showed the approval is told (the Slack
+   message updated, the terminal prompt withdrawn).
+
+Allow and deny mean what the gate makes of them (this run only; a denial
+sticks). Fail closed: an exception anywhere here ends in a denial, and an
+allow that cannot be recorded in the audit log becomes one.
+
+The state machine is ``ledger.Ledger`` (pure); this module is its asyncio
+shell. It knows channels only through ``interface.Channel``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from audit.log import AuditError, AuditSink
+from audit.records import approval_decided_record, approval_requested_record
+
+from .control import control_routes
+from .interface import (
+    Answer,
+    Answered,
+    AnswerResult,
+    ApprovalOutcome,
+    ApprovalRequest,
+    Channel,
+    ChannelUnavailable,
+    Decision,
+    PendingApproval,
+    Route,
+    Settlement,
+    SetupError,
+)
+from .ledger import Approval, Ledger, key_of
+from .message import bounded, render
+
+log = logging.getLogger("egressd.approvals")
+
+# Channels get this long to start (Slack's auth.test and Socket Mode
+# handshake) before start-up gives up on them with a clear message.
+START_TIMEOUT_S = 20.0
+# Telling a channel an approval is settled (a Slack update) is best effort,
+# but bounded so shutdown and the next approval never wait on it.
+SETTLE_TIMEOUT_S = 10.0
+# Who answered, as shown to other people: long enough for a name and an id.
+MAX_BY_CHARS = 200
+
+
+def new_approval_id() -> str:
+    """An unguessable id (96 random bits), short enough to type: ``a-Xb3kP0…``."""
+    return "a-" + secrets.token_urlsafe(12)
+
+
+@dataclass(slots=True)
+class _Held:
+    """An approval between opening and the end of its driver task."""
+
+    approval: Approval
+    view: PendingApproval
+    future: asyncio.Future[Settlement]
+
+
+class ApprovalBroker:
+    """Steps 1-5 of the module docstring; also the ``Answerer`` its channels call."""
+
+    def __init__(
+        self,
+        channels: Sequence[Channel],
+        *,
+        audit: AuditSink,
+        timeout_s: float = 600.0,
+        max_pending_per_run: int = 5,
+        clock: Callable[[], float] = time.time,
+        new_id: Callable[[], str] = new_approval_id,
+        start_timeout_s: float = START_TIMEOUT_S,
+        settle_timeout_s: float = SETTLE_TIMEOUT_S,
+    ) -> None:
+        names = [c.name for c in channels]
+        if len(set(names)) != len(names):
+            raise ValueError(f"channel names must be unique: {names}")
+        self._configured = tuple(channels)
+        self._channels: tuple[Channel, ...] = ()
+        self._audit = audit
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._new_id = new_id
+        self._start_timeout_s = start_timeout_s
+        self._settle_timeout_s = settle_timeout_s
+        self._ledger = Ledger(max_pending_per_run=max_pending_per_run)
+        self._held: dict[str, _Held] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._started = False
+        self._closed = False
+
+    # -- lifetime -----------------------------------------------------------------
+
+    @property
+    def attached(self) -> tuple[str, ...]:
+        """Names of the channels that started and can be asked."""
+        return tuple(c.name for c in self._channels)
+
+    async def start(self) -> None:
+        """Start every channel concurrently; leave out those with nothing to attach to.
+
+        Raises SetupError (after closing what started) when a channel is
+        configured but cannot work.
+        """
+        if self._started:
+            return
+        self._started = True
+        results = await asyncio.gather(*(self._start_one(c) for c in self._configured), return_exceptions=True)
+        problem: BaseException | None = None
+        attached: list[Channel] = []
+        for channel, result in zip(self._configured, results, strict=True):
+            if result is True:
+                attached.append(channel)
+            elif isinstance(result, BaseException) and problem is None:
+                problem = result
+        self._channels = tuple(attached)
+        if problem is not None:
+            self._channels = self._configured  # close every one, started or not
+            await self.close()
+            if isinstance(problem, SetupError):
+                raise problem
+            raise SetupError(f"bad setting approver: a channel could not start: {problem}") from problem
+        if self._configured and not attached:
+            log.warning("no approval channel attached: requests for new domains are refused (no_approver)")
+
+    async def _start_one(self, channel: Channel) -> bool:
+        try:
+            async with asyncio.timeout(self._start_timeout_s):
+                await channel.start(self)
+        except ChannelUnavailable as exc:
+            log.warning("approval channel %s not attached: %s", channel.name, exc)
+            return False
+        except TimeoutError:
+            raise SetupError(
+                f"bad setting approver: the {channel.name} channel did not start within {self._start_timeout_s:.0f}s"
+            ) from None
+        return True
+
+    async def close(self) -> None:
+        """Deny what is still open (nobody can answer any more), tell the channels, close them.
+
+        Idempotent. Waiting requests get NO_APPROVER at once; channels get
+        ``settle_timeout_s`` to update what they showed.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for approval in self._ledger.pending():
+            self._settled(approval.id, self._ledger.withdraw(approval.id, now=self._clock()))
+        if self._tasks:
+            _, late = await asyncio.wait(set(self._tasks), timeout=self._settle_timeout_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
+        for channel in self._channels:
+            try:
+                async with asyncio.timeout(self._settle_timeout_s):
+                    await channel.close()
+            except Exception:
+                log.exception("approval channel %s did not close cleanly", channel.name)
+        self._channels = ()
+
+    def routes(self) -> list[Route]:
+        """The control API's approval routes and every configured channel's own."""
+        return control_routes(self) + [route for channel in self._configured for route in channel.routes()]
+
+    # -- the Approver -------------------------------------------------------------
+
+    async def ask(self, request: ApprovalRequest) -> ApprovalOutcome:
+        """Hold until the approval for this request's key is settled (module docstring)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        try:
+            joined = self._join_or_open(request)
+            if isinstance(joined, Answer):
+                return ApprovalOutcome(joined)
+            # shield: one waiter going away must not cancel the approval others share.
+            settlement = await asyncio.shield(joined.future)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("approval for %s:%d in run %s failed; denying", request.host, request.port, request.run_id)
+            return ApprovalOutcome(Answer.NO_APPROVER)
+        return ApprovalOutcome(
+            settlement.answer,
+            approval_id=joined.approval.id,
+            channel=settlement.channel,
+            by=settlement.by,
+            waited_s=loop.time() - started,
+        )
+
+    def _join_or_open(self, request: ApprovalRequest) -> _Held | Answer:
+        """Steps 1-4 of the module docstring, without waiting."""
+        existing = self._ledger.find(key_of(request))
+        if existing is not None:
+            return self._held[existing.id]
+        if self._closed or not self._channels:
+            return Answer.NO_APPROVER
+        if not self._ledger.has_room(request.run_id):
+            return Answer.TOO_MANY_PENDING
+        loop = asyncio.get_running_loop()
+        now = self._clock()
+        message = render(
+            host=request.host, port=request.port, command=request.command, task=request.task, allowed=request.allowed
+        )
+        approval = self._ledger.open(request, approval_id=self._new_id(), channels=self.attached, now=now)
+        view = PendingApproval(
+            id=approval.id,
+            request=request,
+            message=message,
+            created_at=now,
+            expires_at=now + self.timeout_s,
+            deadline=loop.time() + self.timeout_s,
+        )
+        held = _Held(approval, view, loop.create_future())
+        self._held[approval.id] = held
+        try:
+            self._audit.write(
+                approval_requested_record(
+                    id=approval.id,
+                    ts=now,
+                    run=request.run_id,
+                    host=request.host,
+                    port=request.port,
+                    command=request.command,
+                    channels=self.attached,
+                )
+            )
+        except AuditError:
+            # Nothing may happen unrecorded: nobody is asked.
+            self._settled(approval.id, self._ledger.withdraw(approval.id, now=now))
+            del self._held[approval.id]
+            return held
+        log.info(
+            "HOLD  %s:%d run=%s approval=%s channels=%s",
+            message.host,
+            request.port,
+            request.run_id,
+            approval.id,
+            ",".join(self.attached),
+        )
+        task = loop.create_task(self._drive(held), name=f"approval {approval.id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return held
+
+    # -- the Answerer -------------------------------------------------------------
+
+    def answer(self, approval_id: str, decision: Decision, *, channel: str, by: str | None) -> Answered:
+        """A person's answer from a channel or the control API; the first one decides."""
+        if not isinstance(approval_id, str) or not isinstance(decision, Decision):
+            return Answered(AnswerResult.UNKNOWN)
+        shown_by = bounded(by, MAX_BY_CHARS) if by else None
+        answered = self._ledger.answer(approval_id, decision, channel=channel, by=shown_by, now=self._clock())
+        if answered.result is AnswerResult.ACCEPTED:
+            return Answered(AnswerResult.ACCEPTED, self._settled(approval_id, answered.settlement))
+        return answered
+
+    def pending(self) -> list[PendingApproval]:
+        return [self._held[a.id].view for a in self._ledger.pending() if a.id in self._held]
+
+    # -- inside -------------------------------------------------------------------
+
+    def _settled(self, approval_id: str, settlement: Settlement | None) -> Settlement | None:
+        """Record a settlement and wake the waiters; returns what they get.
+
+        An allow that cannot be written to the audit log becomes a denial.
+        """
+        held = self._held.get(approval_id)
+        if settlement is None or held is None:
+            return settlement
+        request = held.view.request
+        try:
+            self._audit.write(
+                approval_decided_record(
+                    id=approval_id,
+                    ts=settlement.at,
+                    decision="allow" if settlement.answer is Answer.ALLOW else "deny",
+                    reason=settlement.reason,
+                    channel=settlement.channel,
+                    by=settlement.by,
+                    waited_s=settlement.waited_s,
+                    run=request.run_id,
+                )
+            )
+        except AuditError:
+            if settlement.answer is Answer.ALLOW:
+                log.error("approval %s: the allow could not be recorded; denying", approval_id)
+                settlement = replace(settlement, answer=Answer.NO_APPROVER)
+                self._ledger.amend(approval_id, settlement)
+        held.approval.settlement = settlement
+        log.info(
+            "%s %s:%d run=%s approval=%s channel=%s by=%s waited=%.1fs",
+            "ALLOWED" if settlement.answer is Answer.ALLOW else "DENIED ",
+            held.view.message.host,
+            request.port,
+            request.run_id,
+            approval_id,
+            settlement.channel or "-",
+            settlement.by or "-",
+            settlement.waited_s,
+        )
+        if not held.future.done():
+            held.future.set_result(settlement)
+        return settlement
+
+    async def _drive(self, held: _Held) -> None:
+        """Deliver to every channel, wait for the settlement or the deadline, tell the channels."""
+        view = held.view
+        loop = asyncio.get_running_loop()
+        try:
+            deliveries = [
+                loop.create_task(self._deliver(channel, held), name=f"deliver {view.id} to {channel.name}")
+                for channel in self._channels
+            ]
+            try:
+                async with asyncio.timeout_at(view.deadline):
+                    await asyncio.shield(held.future)
+            except TimeoutError:
+                self._settled(view.id, self._ledger.expire(view.id, now=self._clock()))
+            finally:
+                for task in deliveries:
+                    task.cancel()
+                await asyncio.gather(*deliveries, return_exceptions=True)
+            settlement = held.approval.settlement
+            shown_on = [c for c in self._channels if c.name in held.approval.delivered]
+            if settlement is not None and shown_on:
+                await asyncio.gather(*(self._settle_one(c, view, settlement) for c in shown_on))
+        except asyncio.CancelledError:
+            # Only close() cancels a driver, after withdrawing it; make sure anyway.
+            self._settled(view.id, self._ledger.withdraw(view.id, now=self._clock()))
+            raise
+        except Exception:
+            log.exception("approval %s failed; denying", view.id)
+            self._settled(view.id, self._ledger.withdraw(view.id, now=self._clock()))
+        finally:
+            self._held.pop(view.id, None)
+
+    async def _deliver(self, channel: Channel, held: _Held) -> None:
+        view = held.view
+        try:
+            async with asyncio.timeout_at(view.deadline):
+                await channel.deliver(view)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning(
+                "approval %s: %s could not deliver it: %s", view.id, channel.name, str(exc) or type(exc).__name__
+            )
+            self._settled(view.id, self._ledger.failed(view.id, channel.name, now=self._clock()))
+        else:
+            self._ledger.delivered(held.approval, channel.name)
+
+    async def _settle_one(self, channel: Channel, view: PendingApproval, settlement: Settlement) -> None:
+        try:
+            async with asyncio.timeout(self._settle_timeout_s):
+                await channel.settle(view, settlement)
+        except Exception as exc:
+            log.warning(
+                "approval %s: could not tell %s it is settled: %s",
+                view.id,
+                channel.name,
+                str(exc) or type(exc).__name__,
+            )

@@ -1,0 +1,101 @@
+"""The control API's approval routes, behind its bearer token (``egressd pending|allow|deny`` use them).
+
+- ``GET /approvals``                 every approval still waiting, oldest first
+- ``POST /approvals/{id}/allow``     answer allow; body optional ``{"by": "who"}`` (default ``cli``)
+- ``POST /approvals/{id}/deny``      answer deny; same body
+
+Answers go through the ``Answerer`` (the broker) with channel ``control``:
+200 ``{"id", "decision", "by"}`` when it decided, 409 when the approval was
+already settled (the body says how), 404 for an unknown id.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from audit.records import rfc3339
+
+from .interface import Answerer, AnswerResult, Decision, PendingApproval, Route
+from .message import settled_text
+
+CHANNEL = "control"
+DEFAULT_BY = "cli"
+MAX_BODY_BYTES = 4096
+
+
+def describe(approval: PendingApproval) -> dict[str, Any]:
+    """An approval as JSON: the request, the rendered message, the times."""
+    request = approval.request
+    return {
+        "id": approval.id,
+        "run": request.run_id,
+        "host": request.host,
+        "port": request.port,
+        "command": request.command,
+        "task": request.task,
+        "allowed": list(request.allowed),
+        "unrelated": approval.message.unrelated,
+        "message": approval.message.text,
+        "created_at": rfc3339(approval.created_at),
+        "expires_at": rfc3339(approval.expires_at),
+    }
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+def control_routes(answerer: Answerer) -> list[Route]:
+    """The three routes of the module docstring, bound to ``answerer``."""
+
+    async def list_pending(request: web.Request) -> web.Response:
+        return web.json_response({"approvals": [describe(a) for a in answerer.pending()]})
+
+    async def decide(request: web.Request, decision: Decision) -> web.Response:
+        approval_id = request.match_info["approval_id"]
+        by = DEFAULT_BY
+        raw = await request.content.read(MAX_BODY_BYTES + 1)
+        if len(raw) > MAX_BODY_BYTES:
+            return _error(413, "body too large")
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                return _error(400, "body is not JSON")
+            if not isinstance(body, dict):
+                return _error(400, "body must be a JSON object")
+            given = body.get("by", DEFAULT_BY)
+            if not isinstance(given, str) or not given.strip():
+                return _error(400, "by must be a non-empty string")
+            by = given.strip()
+        answered = answerer.answer(approval_id, decision, channel=CHANNEL, by=by)
+        if answered.result is AnswerResult.UNKNOWN:
+            return _error(404, f"no pending approval {approval_id}")
+        if answered.result is AnswerResult.SETTLED:
+            how = settled_text(answered.settlement) if answered.settlement else "settled"
+            return _error(409, f"approval {approval_id} was already settled: {how}")
+        settlement = answered.settlement
+        return web.json_response(
+            {
+                "id": approval_id,
+                "decision": "allow" if settlement is None or settlement.reason is None else "deny",
+                "by": settlement.by if settlement else by,
+            }
+        )
+
+    async def allow(request: web.Request) -> web.Response:
+        return await decide(request, Decision.ALLOW)
+
+    async def deny(request: web.Request) -> web.Response:
+        return await decide(request, Decision.DENY)
+
+    routes: Sequence[Route] = (
+        Route("GET", "/approvals", list_pending),
+        Route("POST", "/approvals/{approval_id}/allow", allow),
+        Route("POST", "/approvals/{approval_id}/deny", deny),
+    )
+    return list(routes)

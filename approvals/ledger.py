@@ -1,0 +1,169 @@
+"""The approval state machine: open approvals by id and by (run, host, port), and what settles them.
+
+Pure: no asyncio, no clock (every transition takes ``now``, epoch seconds),
+no I/O. The broker is the thin asyncio shell around it.
+
+One approval::
+
+    OPEN ── answer(allow | deny) ─────────▶ SETTLED  ALLOW | DENY
+      ├──── every channel failed to deliver ▶ SETTLED  NO_APPROVER
+      ├──── expire, something was delivered ▶ SETTLED  TIMEOUT
+      ├──── expire, nothing was delivered ──▶ SETTLED  NO_APPROVER
+      └──── withdraw (shutdown) ────────────▶ SETTLED  NO_APPROVER
+
+Only OPEN has transitions: the first one wins and every later answer hears
+``SETTLED``. A settled approval leaves the open maps at once (so the same key
+may be asked again: a timeout does not stick), and its settlement is
+remembered for a while so a late answer can be told who decided.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .interface import Answer, Answered, AnswerResult, ApprovalRequest, Decision, Settlement
+
+Key = tuple[str, str, int]
+
+# Settled approvals remembered for "already settled by X" answers; older ones
+# answer UNKNOWN. A person answers within minutes; a thousand covers that.
+REMEMBERED_SETTLEMENTS = 1000
+
+
+class LedgerError(Exception):
+    """A caller's bug: opening a key that is open, or past the per-run limit."""
+
+
+def key_of(request: ApprovalRequest) -> Key:
+    """Approvals are keyed by (run, host, port): DESIGN.md, "Decision order"."""
+    return (request.run_id, request.host, request.port)
+
+
+@dataclass(slots=True)
+class Approval:
+    """One open approval's bookkeeping."""
+
+    id: str
+    request: ApprovalRequest
+    channels: tuple[str, ...]
+    opened_at: float
+    delivered: set[str] = field(default_factory=set)
+    failed: set[str] = field(default_factory=set)
+    settlement: Settlement | None = None
+
+    @property
+    def key(self) -> Key:
+        return key_of(self.request)
+
+
+class Ledger:
+    """Every open approval, and the recently settled ones."""
+
+    def __init__(self, *, max_pending_per_run: int, remembered: int = REMEMBERED_SETTLEMENTS) -> None:
+        if max_pending_per_run < 1:
+            raise ValueError("max_pending_per_run must be at least 1")
+        self.max_pending_per_run = max_pending_per_run
+        self._open: dict[str, Approval] = {}
+        self._by_key: dict[Key, Approval] = {}
+        self._per_run: dict[str, int] = {}
+        self._settled: OrderedDict[str, Settlement] = OrderedDict()
+        self._remembered = remembered
+
+    def find(self, key: Key) -> Approval | None:
+        """The open approval for a key, if any (concurrent requests share it)."""
+        return self._by_key.get(key)
+
+    def get(self, approval_id: str) -> Approval | None:
+        return self._open.get(approval_id)
+
+    def has_room(self, run_id: str) -> bool:
+        """Whether the run may open another approval (``too_many_pending`` otherwise)."""
+        return self._per_run.get(run_id, 0) < self.max_pending_per_run
+
+    def pending(self) -> list[Approval]:
+        """Open approvals, oldest first."""
+        return sorted(self._open.values(), key=lambda a: a.opened_at)
+
+    def open(self, request: ApprovalRequest, *, approval_id: str, channels: Sequence[str], now: float) -> Approval:
+        """Open an approval; the caller checked ``find`` and ``has_room`` first."""
+        key = key_of(request)
+        if key in self._by_key:
+            raise LedgerError(f"an approval for {key} is already open")
+        if not self.has_room(request.run_id):
+            raise LedgerError(f"run {request.run_id} has {self.max_pending_per_run} approvals pending")
+        if approval_id in self._open or approval_id in self._settled:
+            raise LedgerError("approval id reused")
+        approval = Approval(id=approval_id, request=request, channels=tuple(channels), opened_at=now)
+        self._open[approval_id] = approval
+        self._by_key[key] = approval
+        self._per_run[request.run_id] = self._per_run.get(request.run_id, 0) + 1
+        return approval
+
+    def delivered(self, approval: Approval, channel: str) -> None:
+        """A channel showed the approval to a person (also after it settled: it must then be told)."""
+        approval.delivered.add(channel)
+
+    def failed(self, approval_id: str, channel: str, *, now: float) -> Settlement | None:
+        """A channel could not deliver; settles NO_APPROVER once every channel has failed."""
+        approval = self._open.get(approval_id)
+        if approval is None:
+            return None
+        approval.failed.add(channel)
+        if approval.delivered or not approval.failed.issuperset(approval.channels):
+            return None
+        return self._settle(approval, Answer.NO_APPROVER, None, None, now)
+
+    def answer(self, approval_id: str, decision: Decision, *, channel: str, by: str | None, now: float) -> Answered:
+        """A person's answer: the first one decides."""
+        approval = self._open.get(approval_id)
+        if approval is None:
+            settled = self._settled.get(approval_id)
+            if settled is not None:
+                return Answered(AnswerResult.SETTLED, settled)
+            return Answered(AnswerResult.UNKNOWN)
+        answer = Answer.ALLOW if decision is Decision.ALLOW else Answer.DENY
+        return Answered(AnswerResult.ACCEPTED, self._settle(approval, answer, channel, by, now))
+
+    def expire(self, approval_id: str, *, now: float) -> Settlement | None:
+        """The deadline passed: TIMEOUT, or NO_APPROVER when nothing ever reached a person."""
+        approval = self._open.get(approval_id)
+        if approval is None:
+            return None
+        answer = Answer.TIMEOUT if approval.delivered else Answer.NO_APPROVER
+        return self._settle(approval, answer, None, None, now)
+
+    def withdraw(self, approval_id: str, *, now: float) -> Settlement | None:
+        """egressd is stopping: nobody can answer any more."""
+        approval = self._open.get(approval_id)
+        if approval is None:
+            return None
+        return self._settle(approval, Answer.NO_APPROVER, None, None, now)
+
+    def amend(self, approval_id: str, settlement: Settlement) -> None:
+        """Replace a remembered settlement (the broker turned an unrecordable allow into a denial)."""
+        if approval_id in self._settled:
+            self._settled[approval_id] = settlement
+
+    def settlement(self, approval_id: str) -> Settlement | None:
+        return self._settled.get(approval_id)
+
+    def _settle(
+        self, approval: Approval, answer: Answer, channel: str | None, by: str | None, now: float
+    ) -> Settlement:
+        settlement = Settlement(
+            answer=answer, channel=channel, by=by, at=now, waited_s=max(0.0, now - approval.opened_at)
+        )
+        approval.settlement = settlement
+        del self._open[approval.id]
+        del self._by_key[approval.key]
+        left = self._per_run[approval.request.run_id] - 1
+        if left:
+            self._per_run[approval.request.run_id] = left
+        else:
+            del self._per_run[approval.request.run_id]
+        self._settled[approval.id] = settlement
+        while len(self._settled) > self._remembered:
+            self._settled.popitem(last=False)
+        return settlement

@@ -1,0 +1,414 @@
+"""The terminal channel: a prompt on the controlling terminal, one approval at a time.
+
+It opens ``/dev/tty`` itself (never stdin, which may be the sandboxed
+command's); when there is no controlling terminal the channel is not
+attached. Several approvals queue and are shown one after another.
+
+While a prompt is shown the terminal is in non-canonical, no-echo mode
+(signals still work) and the channel draws the input line itself, so the
+countdown can be redrawn every second without garbling what is typed:
+
+1. showing a prompt first discards input typed before it appeared
+   (``tcflush``): a keystroke meant for something else never answers;
+2. the domain line and the unrelated warning are emphasised; all text from
+   the message is already escaped (``message.escape``), so nothing the
+   agent controls can move the cursor or repaint the prompt;
+3. ``allow`` allows; ``deny``, ``d``, ``n``, ``no`` and a bare Enter deny;
+   anything else asks again;
+4. an approval settled elsewhere (or expired) is withdrawn with a line
+   saying how it ended, and the next one is shown;
+5. when the queue is empty the terminal's modes are restored.
+
+No task is started: input arrives through ``loop.add_reader``, output
+leaves through a buffer drained by ``loop.add_writer`` (a stopped terminal
+must never block the proxy), and the countdown is a ``call_later`` timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import getpass
+import logging
+import os
+import termios
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from .interface import (
+    Answerer,
+    AnswerResult,
+    ChannelError,
+    ChannelUnavailable,
+    Decision,
+    PendingApproval,
+    Route,
+    Settlement,
+)
+from .message import bounded, settled_text
+
+log = logging.getLogger("egressd.approvals.terminal")
+
+BOLD = "\x1b[1m"
+WARN = "\x1b[1;33m"
+RESET = "\x1b[0m"
+CLEAR_LINE = "\r\x1b[K"
+# The longest answer anyone types; input past it is ignored.
+MAX_INPUT = 16
+# Output waiting for a stopped terminal (Ctrl-S); past this the terminal is
+# treated as gone rather than letting memory grow.
+MAX_PENDING_OUTPUT = 256 * 1024
+
+_DENY_WORDS = frozenset({"", "deny", "d", "n", "no"})
+_ALLOW_WORDS = frozenset({"allow"})
+
+
+def countdown(seconds: float) -> str:
+    """``9:58`` (or ``1:02:03`` past an hour) for the time left, never negative."""
+    left = max(0, int(seconds + 0.999))
+    hours, rest = divmod(left, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class TerminalChannel:
+    """The module docstring, as a ``Channel``."""
+
+    name = "terminal"
+
+    def __init__(
+        self,
+        *,
+        tty_path: str = "/dev/tty",
+        clock: Callable[[], float] = time.time,
+        tick_s: float = 1.0,
+        who: str | None = None,
+    ) -> None:
+        self.tty_path = tty_path
+        self._clock = clock
+        self._tick_s = tick_s
+        self._who = who
+        self._fd: int | None = None
+        self._saved_modes: list[object] | None = None
+        self._answerer: Answerer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: deque[PendingApproval] = deque()
+        self._current: PendingApproval | None = None
+        self._typed = ""
+        self._escape_state = ""
+        self._out = bytearray()
+        self._writing = False
+        self._reading = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._broken = False
+
+    # -- lifetime -----------------------------------------------------------------
+
+    async def start(self, answerer: Answerer) -> None:
+        try:
+            fd = os.open(self.tty_path, os.O_RDWR | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ChannelUnavailable(f"no controlling terminal ({self.tty_path}: {exc.strerror})") from None
+        if not os.isatty(fd):
+            os.close(fd)
+            raise ChannelUnavailable(f"{self.tty_path} is not a terminal")
+        self._fd = fd
+        self._answerer = answerer
+        self._loop = asyncio.get_running_loop()
+        if self._who is None:
+            try:
+                self._who = getpass.getuser()
+            except (KeyError, OSError):
+                self._who = "terminal"
+
+    async def close(self) -> None:
+        if self._fd is None:
+            return
+        self._stop_timer()
+        self._stop_reading()
+        if self._current is not None or self._queue:
+            self._write(f"{CLEAR_LINE}egressd stopped: {len(self._queue) + 1} request(s) denied\r\n")
+        self._current = None
+        self._queue.clear()
+        self._restore_modes()
+        self._flush_now()
+        if self._writing and self._loop is not None:
+            self._loop.remove_writer(self._fd)
+            self._writing = False
+        os.close(self._fd)
+        self._fd = None
+
+    def routes(self) -> Sequence[Route]:
+        return []
+
+    # -- the Channel --------------------------------------------------------------
+
+    async def deliver(self, approval: PendingApproval) -> None:
+        """Queue the approval; it is on screen at once when nothing else is."""
+        if self._fd is None or self._broken:
+            raise ChannelError("the terminal is gone")
+        self._queue.append(approval)
+        if self._current is None:
+            self._show_next()
+        else:
+            self._draw_prompt()  # the "N more waiting" count changed
+
+    async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
+        """Withdraw the approval: from the screen (saying how it ended) or from the queue."""
+        if self._current is not None and self._current.id == approval.id:
+            self._finish(f"{settled_text(settlement)}")
+        elif any(a.id == approval.id for a in self._queue):
+            self._queue = deque(a for a in self._queue if a.id != approval.id)
+            self._draw_prompt()
+
+    # -- screen -------------------------------------------------------------------
+
+    def _show_next(self) -> None:
+        if self._fd is None or self._broken:
+            return
+        if not self._queue:
+            self._current = None
+            self._stop_reading()
+            self._stop_timer()
+            self._restore_modes()
+            return
+        self._current = self._queue.popleft()
+        self._typed = ""
+        self._escape_state = ""
+        if self._foreground():
+            self._take_input()
+        message = self._current.message
+        run = bounded(self._current.request.run_id, 64)
+        out = [f"\r\n{BOLD}egressd: approval {self._current.id} for run {run}{RESET}\r\n"]
+        for kind, text in message.lines:
+            if kind == "domain":
+                out.append(f"{BOLD}{text}{RESET}\r\n")
+            elif kind == "unrelated":
+                out.append(f"{WARN}{text}{RESET}\r\n")
+            else:
+                out.append(f"{text}\r\n")
+        self._write("".join(out))
+        self._draw_prompt()
+        self._schedule_tick()
+
+    def _take_input(self) -> None:
+        """Prompt modes, typed-ahead input thrown away (step 1), then read key by key."""
+        assert self._fd is not None
+        self._prompt_modes()
+        try:
+            termios.tcflush(self._fd, termios.TCIFLUSH)
+        except termios.error:
+            pass
+        self._start_reading()
+
+    def _draw_prompt(self) -> None:
+        current = self._current
+        if current is None:
+            return
+        more = f", {len(self._queue)} more waiting" if self._queue else ""
+        left = countdown(current.expires_at - self._clock())
+        self._write(
+            f"{CLEAR_LINE}allow or deny {current.message.domain}? [{left} left{more}; Enter = deny] > {self._typed}"
+        )
+
+    def _finish(self, outcome: str) -> None:
+        """Close the current prompt with one line saying how it ended; show the next."""
+        current = self._current
+        if current is None:
+            return
+        self._write(f"{CLEAR_LINE}{current.message.domain}: {outcome}\r\n")
+        self._current = None
+        self._show_next()
+
+    def _schedule_tick(self) -> None:
+        self._stop_timer()
+        if self._loop is not None and self._current is not None:
+            self._timer = self._loop.call_later(self._tick_s, self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self._current is not None:
+            # Job control may have moved egressd to the background or back (fg).
+            foreground = self._foreground()
+            if foreground and not self._reading:
+                self._take_input()
+            elif not foreground and self._reading:
+                self._stop_reading()
+        self._draw_prompt()
+        self._schedule_tick()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # -- input --------------------------------------------------------------------
+
+    def _start_reading(self) -> None:
+        if not self._reading and self._loop is not None and self._fd is not None:
+            self._loop.add_reader(self._fd, self._on_readable)
+            self._reading = True
+
+    def _stop_reading(self) -> None:
+        if self._reading and self._loop is not None and self._fd is not None:
+            self._loop.remove_reader(self._fd)
+        self._reading = False
+
+    def _on_readable(self) -> None:
+        assert self._fd is not None
+        if not self._foreground():
+            self._stop_reading()  # reading now would stop egressd (SIGTTIN); the tick resumes it
+            return
+        try:
+            data = os.read(self._fd, 1024)
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            self._gone(exc)
+            return
+        if not data:
+            self._gone(None)
+            return
+        shown = self._current
+        for byte in data:
+            self._key(byte)
+            if self._current is not shown:
+                break  # the rest was typed before the next prompt appeared: step 1 drops it
+
+    def _key(self, byte: int) -> None:
+        # Escape sequences (arrow keys, function keys) are skipped whole: ESC,
+        # then '[' or 'O', then parameter bytes up to one final byte.
+        if self._escape_state == "esc":
+            self._escape_state = "csi" if byte in (0x5B, 0x4F) else ""
+            return
+        if self._escape_state == "csi":
+            if 0x40 <= byte <= 0x7E:
+                self._escape_state = ""
+            return
+        if byte == 0x1B:
+            self._escape_state = "esc"
+        elif byte in (0x0A, 0x0D):
+            self._submit()
+        elif byte in (0x7F, 0x08):
+            self._typed = self._typed[:-1]
+            self._draw_prompt()
+        elif byte == 0x15:  # Ctrl-U: kill the line
+            self._typed = ""
+            self._draw_prompt()
+        elif 0x20 <= byte <= 0x7E and len(self._typed) < MAX_INPUT:
+            self._typed += chr(byte)
+            self._draw_prompt()
+
+    def _submit(self) -> None:
+        current = self._current
+        if current is None or self._answerer is None:
+            return
+        word = self._typed.strip().lower()
+        if word in _ALLOW_WORDS:
+            decision = Decision.ALLOW
+        elif word in _DENY_WORDS:
+            decision = Decision.DENY
+        else:
+            self._typed = ""
+            self._write(f"{CLEAR_LINE}type allow or deny (a bare Enter denies)\r\n")
+            self._draw_prompt()
+            return
+        answered = self._answerer.answer(current.id, decision, channel=self.name, by=self._who)
+        if answered.result is AnswerResult.ACCEPTED:
+            self._finish("allowed for this run" if decision is Decision.ALLOW else "denied for this run")
+        elif answered.settlement is not None:
+            self._finish(f"already settled: {settled_text(answered.settlement)}")
+        else:
+            self._finish("no longer pending")
+
+    # -- terminal modes and output ------------------------------------------------------
+
+    def _prompt_modes(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            modes = termios.tcgetattr(self._fd)
+            if self._saved_modes is None:
+                self._saved_modes = [list(m) if isinstance(m, list) else m for m in modes]
+            modes[3] &= ~(termios.ICANON | termios.ECHO)  # lflag: read key by key, we echo ourselves
+            modes[6][termios.VMIN] = 1
+            modes[6][termios.VTIME] = 0
+            termios.tcsetattr(self._fd, termios.TCSANOW, modes)
+        except termios.error as exc:
+            log.warning("cannot set terminal modes: %s", exc)
+
+    def _foreground(self) -> bool:
+        """Whether egressd may read, flush or set modes on the terminal now.
+
+        POSIX job control stops a background process that does (SIGTTIN,
+        SIGTTOU), and with it the proxy. A terminal that is not egressd's
+        controlling terminal (``tcgetpgrp``: ENOTTY) has no job control for it.
+        """
+        if self._fd is None:
+            return False
+        try:
+            return os.tcgetpgrp(self._fd) == os.getpgrp()
+        except OSError:
+            return True
+
+    def _restore_modes(self) -> None:
+        if self._fd is None or self._saved_modes is None:
+            return
+        if not self._foreground():
+            self._saved_modes = None  # the shell restores the modes of a job it stopped
+            return
+        try:
+            termios.tcsetattr(self._fd, termios.TCSANOW, self._saved_modes)
+        except termios.error:
+            pass
+        self._saved_modes = None
+
+    def _write(self, text: str) -> None:
+        if self._fd is None or self._broken:
+            return
+        self._out += text.encode("utf-8", "replace")
+        if len(self._out) > MAX_PENDING_OUTPUT:
+            self._gone(OSError(errno.ENOBUFS, "the terminal stopped reading"))
+            return
+        self._flush_now()
+
+    def _flush_now(self) -> None:
+        if self._fd is None:
+            return
+        while self._out:
+            try:
+                written = os.write(self._fd, self._out)
+            except BlockingIOError:
+                if not self._writing and self._loop is not None:
+                    self._loop.add_writer(self._fd, self._on_writable)
+                    self._writing = True
+                return
+            except OSError as exc:
+                self._out.clear()
+                self._gone(exc)
+                return
+            del self._out[:written]
+        if self._writing and self._loop is not None:
+            self._loop.remove_writer(self._fd)
+            self._writing = False
+
+    def _on_writable(self) -> None:
+        self._flush_now()
+
+    def _gone(self, exc: OSError | None) -> None:
+        """The terminal hung up: stop using it. Open approvals wait for other channels or expire."""
+        if self._broken:
+            return
+        log.warning(
+            "the terminal is gone (%s): it no longer answers approvals", exc.strerror if exc else "end of input"
+        )
+        self._broken = True
+        self._stop_reading()
+        self._stop_timer()
+        self._queue.clear()
+        self._current = None
+        if self._writing and self._loop is not None and self._fd is not None:
+            self._loop.remove_writer(self._fd)
+            self._writing = False
+        self._out.clear()

@@ -1,0 +1,267 @@
+"""The webhook channel: a signed POST per approval, the answer in the response or a signed callback.
+
+Out (DESIGN.md, "Channels"): ``POST --webhook-url`` with the approval as JSON
+(``type: approval.requested``, id, run, host, port, command, task, allowed,
+unrelated, message, expires_at, callback_url), signed the Standard Webhooks
+way with ``--webhook-secret``. Retried with exponential backoff (and the same
+``webhook-id``, re-signed with a fresh timestamp) on network errors, 5xx, 408,
+425 and 429, until the approval expires; any other 4xx means the receiver
+refuses: delivery failed.
+
+Back, either way:
+
+- at once: a 2xx response whose JSON body is ``{"decision": "allow"|"deny"}``
+  (optionally ``"by"``); any other 2xx means "delivered, the answer comes
+  later";
+- later: ``POST {--public-url}/approvals/webhook`` with ``{"id", "decision",
+  "by"}``, signed with ``--webhook-callback-secret`` (a separate key) and a
+  fresh ``webhook-id``. Unsigned, badly signed, stale and replayed callbacks
+  are refused (401/409) and logged. The route answers POST only: nothing is
+  decided by a GET (link previewers open links).
+
+When the approval is settled, one best-effort ``approval.settled`` event is
+POSTed too, so the receiver can close its own prompt.
+
+egressd's own traffic never takes the proxy settings from the environment
+(``trust_env=False``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from audit.records import rfc3339
+
+from .interface import Answerer, AnswerResult, ChannelError, Decision, PendingApproval, Route, Settlement, SetupError
+from .message import bounded
+from .signing import ReplayGuard, VerifyError, signed_headers, verify
+
+log = logging.getLogger("egressd.approvals.webhook")
+
+CALLBACK_PATH = "/approvals/webhook"
+# Backoff between attempts: 1 s doubling to 30 s, so a receiver that comes
+# back is reached within half a minute while the approval is still open.
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+# One attempt may take this long (an immediate answer may need a person).
+ATTEMPT_TIMEOUT_S = 30.0
+# Statuses worth retrying: the receiver is busy or briefly broken (RFC 9110 §15.5.9, §15.6; RFC 8470 §5.2; RFC 6585 §4).
+_RETRY_STATUSES = frozenset({408, 425, 429})
+# Responses and callbacks are small JSON objects, sent at once.
+MAX_BODY_BYTES = 64 * 1024
+BODY_TIMEOUT_S = 10.0
+
+
+def new_message_id() -> str:
+    return "msg_" + secrets.token_urlsafe(18)
+
+
+def request_payload(approval: PendingApproval, callback_url: str | None) -> dict[str, Any]:
+    """The ``approval.requested`` body (DESIGN.md): raw values, plus the rendered, escaped message."""
+    request = approval.request
+    return {
+        "type": "approval.requested",
+        "id": approval.id,
+        "run": request.run_id,
+        "host": request.host,
+        "port": request.port,
+        "command": request.command,
+        "task": request.task,
+        "allowed": list(request.allowed),
+        "unrelated": approval.message.unrelated,
+        "message": approval.message.text,
+        "expires_at": rfc3339(approval.expires_at),
+        "callback_url": callback_url,
+    }
+
+
+def settled_payload(approval: PendingApproval, settlement: Settlement) -> dict[str, Any]:
+    return {
+        "type": "approval.settled",
+        "id": approval.id,
+        "run": approval.request.run_id,
+        "decision": "allow" if settlement.reason is None else "deny",
+        "reason": settlement.reason,
+        "channel": settlement.channel,
+        "by": settlement.by,
+        "at": rfc3339(settlement.at),
+    }
+
+
+def parse_answer(body: bytes) -> tuple[Decision, str | None] | None:
+    """``{"decision": "allow"|"deny", "by"?: str}`` → (decision, by); None when the body holds no answer."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        decision = Decision(data.get("decision"))
+    except ValueError:
+        return None
+    by = data.get("by")
+    return decision, by if isinstance(by, str) and by.strip() else None
+
+
+class WebhookChannel:
+    """The module docstring, as a ``Channel``."""
+
+    name = "webhook"
+
+    def __init__(
+        self,
+        *,
+        url: str,
+        secret: bytes,
+        callback_secret: bytes | None = None,
+        public_url: str | None = None,
+        clock: Callable[[], float] = time.time,
+        new_id: Callable[[], str] = new_message_id,
+        backoff_first_s: float = BACKOFF_FIRST_S,
+        backoff_max_s: float = BACKOFF_MAX_S,
+        attempt_timeout_s: float = ATTEMPT_TIMEOUT_S,
+    ) -> None:
+        if callback_secret is not None and callback_secret == secret:
+            raise SetupError("bad setting webhook_callback_secret: must differ from webhook_secret")
+        self.url = url
+        self._secret = secret
+        self._callback_secret = callback_secret
+        self.callback_url = (
+            public_url.rstrip("/") + CALLBACK_PATH if public_url is not None and callback_secret is not None else None
+        )
+        self._clock = clock
+        self._new_id = new_id
+        self._backoff_first_s = backoff_first_s
+        self._backoff_max_s = backoff_max_s
+        self._attempt_timeout_s = attempt_timeout_s
+        self._replays = ReplayGuard()
+        self._session: aiohttp.ClientSession | None = None
+        self._answerer: Answerer | None = None
+
+    async def start(self, answerer: Answerer) -> None:
+        self._answerer = answerer
+        self._session = aiohttp.ClientSession(trust_env=False)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def routes(self) -> Sequence[Route]:
+        if self._callback_secret is None:
+            return []
+        return [Route("POST", CALLBACK_PATH, self._callback, public=True)]
+
+    # -- out ----------------------------------------------------------------------
+
+    async def deliver(self, approval: PendingApproval) -> None:
+        """POST until a 2xx (an answer in it is passed on), a refusal, or the broker's deadline."""
+        body = json.dumps(request_payload(approval, self.callback_url)).encode()
+        msg_id = self._new_id()
+        delay = self._backoff_first_s
+        attempt = 0
+        while True:
+            attempt += 1
+            status, answer_body, retry_after = await self._post(msg_id, body, approval.deadline)
+            if status is not None and 200 <= status < 300:
+                self._take_answer(approval, answer_body)
+                return
+            if status is not None and 400 <= status < 500 and status not in _RETRY_STATUSES:
+                raise ChannelError(f"the receiver refused the approval with HTTP {status}")
+            wait = min(self._backoff_max_s, max(delay, retry_after or 0.0))
+            log.info(
+                "approval %s: webhook attempt %d failed (%s); retrying in %.1fs",
+                approval.id,
+                attempt,
+                status if status is not None else "no response",
+                wait,
+            )
+            await asyncio.sleep(wait)
+            delay = min(self._backoff_max_s, delay * 2)
+
+    async def _post(self, msg_id: str, body: bytes, deadline: float) -> tuple[int | None, bytes, float | None]:
+        """One signed attempt: (status or None, response body, Retry-After seconds)."""
+        if self._session is None:
+            raise ChannelError("the webhook channel is closed")
+        headers = signed_headers(self._secret, msg_id, int(self._clock()), body)
+        headers["content-type"] = "application/json"
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout_at(min(deadline, loop.time() + self._attempt_timeout_s)):
+                async with self._session.post(self.url, data=body, headers=headers, allow_redirects=False) as resp:
+                    answer = await resp.content.read(MAX_BODY_BYTES)
+                    retry_after = resp.headers.get("Retry-After", "")
+                    return resp.status, answer, float(retry_after) if retry_after.isdigit() else None
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            if loop.time() >= deadline:
+                raise
+            log.debug("webhook POST failed: %s", exc)
+            return None, b"", None
+
+    def _take_answer(self, approval: PendingApproval, body: bytes) -> None:
+        answer = parse_answer(body) if body else None
+        if answer is None or self._answerer is None:
+            return
+        decision, by = answer
+        answered = self._answerer.answer(approval.id, decision, channel=self.name, by=by or "webhook")
+        if answered.result is not AnswerResult.ACCEPTED:
+            log.info("approval %s: the webhook's answer came too late (%s)", approval.id, answered.result.value)
+
+    async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
+        """One signed ``approval.settled`` POST; failures only logged (the broker bounds it)."""
+        body = json.dumps(settled_payload(approval, settlement)).encode()
+        status, _, _ = await self._post(
+            self._new_id(), body, asyncio.get_running_loop().time() + self._attempt_timeout_s
+        )
+        if status is None or not 200 <= status < 300:
+            log.info("approval %s: the webhook did not take the settlement (%s)", approval.id, status)
+
+    # -- back ---------------------------------------------------------------------
+
+    async def _callback(self, request: web.Request) -> web.Response:
+        """The signed callback: verify, refuse replays, then answer once."""
+        assert self._callback_secret is not None
+        peer = request.remote or "-"
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                body = await request.content.read(MAX_BODY_BYTES + 1)
+        except TimeoutError:
+            return web.json_response({"error": "body too slow"}, status=408)
+        if len(body) > MAX_BODY_BYTES:
+            return web.json_response({"error": "body too large"}, status=413)
+        now = self._clock()
+        try:
+            msg_id = verify(self._callback_secret, request.headers, body, now=now)
+        except VerifyError as exc:
+            log.warning("webhook callback from %s rejected: %s", peer, exc.reason)
+            return web.json_response({"error": f"rejected: {exc.reason}"}, status=401)
+        if not self._replays.first_sighting(msg_id, now=now):
+            log.warning("webhook callback from %s rejected: replayed webhook-id %s", peer, bounded(msg_id, 80))
+            return web.json_response({"error": "rejected: replayed webhook-id"}, status=409)
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            data = None
+        answer = parse_answer(body)
+        if not isinstance(data, dict) or not isinstance(data.get("id"), str) or answer is None:
+            return web.json_response({"error": 'expected {"id", "decision": "allow"|"deny", "by"}'}, status=400)
+        if self._answerer is None:
+            return web.json_response({"error": "not started"}, status=503)
+        decision, by = answer
+        answered = self._answerer.answer(data["id"], decision, channel=self.name, by=by or "webhook")
+        if answered.result is AnswerResult.UNKNOWN:
+            return web.json_response({"error": "no such pending approval"}, status=404)
+        if answered.result is AnswerResult.SETTLED:
+            log.warning("webhook callback from %s for %s refused: already settled", peer, bounded(data["id"], 80))
+            return web.json_response({"error": "already settled"}, status=409)
+        return web.json_response({"id": data["id"], "decision": decision.value})

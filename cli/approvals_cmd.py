@@ -1,0 +1,146 @@
+"""``egressd pending``, ``egressd allow ID``, ``egressd deny ID``: a running egressd's approvals, from a shell.
+
+They talk to the control API (``--control``, default ``127.0.0.1:3129``, or
+``unix:PATH``) with the bearer token from ``--control-token`` or the token
+file the running egressd wrote (``service.token_path``). Exit status: 0 done;
+1 the approval is unknown or already settled (stderr says how); 2 egressd
+could not be reached or refused the token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import getpass
+import json
+import sys
+from typing import Any
+
+import aiohttp
+
+from approvals.message import escape
+from config.settings import Settings
+
+from .service import token_path
+
+# The control API answers at once; anything slower means it is not there.
+REQUEST_TIMEOUT_S = 10.0
+
+
+class CommandError(Exception):
+    """egressd could not be asked; the message says why (exit status 2)."""
+
+
+def _token(settings: Settings) -> str:
+    if settings.control_token is not None:
+        return settings.control_token.get_secret_value()
+    path = token_path(settings)
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise CommandError(
+            f"no control token in {path} ({exc.strerror}): is egressd running with --control {settings.control}? "
+            "Or give --control-token"
+        ) from None
+    if not token:
+        raise CommandError(f"the control token file {path} is empty")
+    return token
+
+
+async def _call(
+    settings: Settings, token: str, method: str, path: str, body: dict[str, Any] | None = None
+) -> tuple[int, Any]:
+    if settings.control.startswith("unix:"):
+        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=settings.control.removeprefix("unix:"))
+        base = "http://egressd"
+    else:
+        connector = aiohttp.TCPConnector()
+        host, _, port = settings.control.rpartition(":")
+        base = f"http://{host}:{port}"
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    # trust_env=False: the control API is local; a proxy from the environment must never see the token.
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+        try:
+            async with session.request(
+                method, base + path, json=body, headers={"Authorization": f"Bearer {token}"}
+            ) as resp:
+                try:
+                    data = await resp.json(content_type=None)
+                except json.JSONDecodeError:
+                    data = None
+                return resp.status, data
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise CommandError(
+                f"cannot reach egressd's control API at {settings.control}: {exc or type(exc).__name__}"
+            ) from None
+
+
+def _left(expires_at: str, now: dt.datetime) -> str:
+    try:
+        expires = dt.datetime.fromisoformat(expires_at.replace("Z", "+00:00"))
+    except ValueError:
+        return "?"
+    seconds = max(0, int((expires - now).total_seconds()))
+    return f"{seconds // 60}:{seconds % 60:02d}"
+
+
+def _print_pending(approvals: list[dict[str, Any]]) -> None:
+    if not approvals:
+        print("nothing is waiting for an answer")
+        return
+    now = dt.datetime.now(dt.UTC)
+    rows = [("ID", "RUN", "DOMAIN", "LEFT", "COMMAND")]
+    for a in approvals:
+        domain = escape(f"{a.get('host')}:{a.get('port')}") + (" (unrelated)" if a.get("unrelated") else "")
+        command = escape(str(a.get("command") or "-"))
+        rows.append(
+            (
+                escape(str(a.get("id"))),
+                escape(str(a.get("run"))),
+                domain,
+                _left(str(a.get("expires_at")), now),
+                command[:60] + ("…" if len(command) > 60 else ""),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    for row in rows:
+        print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
+    print("\nanswer with: egressd allow ID   or   egressd deny ID")
+
+
+async def _main(args: argparse.Namespace, settings: Settings, token: str) -> int:
+    action = args.approval_action
+    if action == "pending":
+        status, data = await _call(settings, token, "GET", "/approvals")
+    else:
+        by = args.by or getpass.getuser()
+        status, data = await _call(settings, token, "POST", f"/approvals/{args.approval_id}/{action}", {"by": by})
+    error = data.get("error") if isinstance(data, dict) else None
+    if status == 401:
+        raise CommandError("the control API refused the token (--control-token, or the token file of this egressd)")
+    if status in (404, 409):
+        print(f"egressd: {escape(str(error or status))}", file=sys.stderr)
+        return 1
+    if status != 200 or not isinstance(data, dict):
+        raise CommandError(f"the control API answered {status}: {escape(str(error or data))}")
+    if action == "pending":
+        approvals = data.get("approvals") or []
+        if args.json:
+            print(json.dumps(approvals, indent=2))
+        else:
+            _print_pending(approvals)
+    else:
+        verb = "allowed (this run only)" if data.get("decision") == "allow" else "denied"
+        print(f"{escape(str(data.get('id')))}: {verb} by {escape(str(data.get('by')))}")
+    return 0
+
+
+def run_approvals(args: argparse.Namespace, settings: Settings) -> int:
+    """Entry point for the three subcommands (``args.approval_action``)."""
+    try:
+        token = _token(settings)
+        return asyncio.run(_main(args, settings, token))
+    except CommandError as exc:
+        print(f"egressd: {exc}", file=sys.stderr)
+        return 2
