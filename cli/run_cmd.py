@@ -99,7 +99,11 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
         stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.fileno()
         limits = Limits(timeout_s=args.timeout, memory_mb=args.memory, max_pids=args.max_pids, cpu_s=args.cpu)
         try:
-            obs = await session.box.run(args.command, limits=limits, capture=False, stdin=stdin)
+            # A terminal on stdout/stderr is not handed in either: the command could read
+            # from it (a tty is opened read-write) or scribble over the approval prompt's line.
+            on_tty = any(stream is not None and stream.isatty() for stream in (sys.stdout, sys.stderr))
+            relay = (sys.stdout.fileno(), sys.stderr.fileno()) if on_tty else None
+            obs = await session.box.run(args.command, limits=limits, capture=False, stdin=stdin, relay=relay)
         except SandboxError as exc:
             raise SessionError(str(exc)) from None
         if obs.timed_out:

@@ -133,8 +133,11 @@ class Settings(BaseSettings):
     @field_validator("allow", "deny", "preset", "allow_private", "approver", "slack_approvers", mode="before")
     @classmethod
     def _split_csv(cls, value: Any) -> Any:
+        # "a,b" from the environment, and ["a,b", "c"] from repeated flags, both split.
         if isinstance(value, str):
-            return [part.strip() for part in value.split(",") if part.strip()]
+            value = [value]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return [part.strip() for v in value for part in v.split(",") if part.strip()]
         return value
 
     @field_validator("listen", "dns_listen", "transparent_tls", "transparent_http")

@@ -81,7 +81,25 @@ class _Bounded:
         return text
 
 
-async def _pump(stream: asyncio.StreamReader | None, sink: _Bounded) -> None:
+class _Relay:
+    """Passes a stream on to one of our file descriptors as it arrives."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            try:
+                view = view[os.write(self.fd, view):]
+            except BlockingIOError:
+                continue
+            except OSError:  # our own output is gone (closed pipe): drop, keep draining
+                return
+
+
+async def _pump(stream: asyncio.StreamReader | None, sink: _Bounded | _Relay) -> None:
     if stream is None:
         return
     while chunk := await stream.read(65536):
@@ -141,11 +159,16 @@ class Sandbox:
         capture: bool = True,
         max_output: int = DEFAULT_MAX_OUTPUT,
         stdin: int | None = None,
+        relay: tuple[int, int] | None = None,
     ) -> Observation:
         """Run one command to completion (or its limits) and report what happened.
 
-        ``capture=False`` streams stdout/stderr to ours instead of collecting them.
-        ``stdin`` is a file descriptor to give the command; default /dev/null.
+        ``capture=False`` passes stdout/stderr through instead of collecting
+        them: with ``relay=(out_fd, err_fd)`` through pipes that we copy to
+        those descriptors (use it when they are a terminal: a command handed
+        the terminal itself could read what a person types at the approval
+        prompt), otherwise by inheriting ours. ``stdin`` is a file
+        descriptor to give the command; default /dev/null.
         """
         if self._destroyed:
             raise SandboxError("the sandbox was destroyed")
@@ -156,18 +179,32 @@ class Sandbox:
         os.close(write_fd)
 
         def in_child() -> None:
+            # Nothing of ours crosses into the sandbox but stdio and the filter:
+            # not every event loop closes inherited descriptors before exec (and
+            # closing them here would pull the rug from under its own set-up).
+            for name in os.listdir("/proc/self/fd"):
+                fd = int(name)
+                if fd > 2 and fd != read_fd:
+                    with contextlib.suppress(OSError):
+                        os.set_inheritable(fd, False)
             if cgroup is not None:
                 cgroup.join_self()
             rlimits_in_child(limits, memory_fallback=cgroup is None)
 
         started = time.monotonic()
-        out, err = _Bounded(max_output), _Bounded(max_output)
+        out: _Bounded | _Relay
+        err: _Bounded | _Relay
+        if capture or relay is None:
+            out, err = _Bounded(max_output), _Bounded(max_output)
+        else:
+            out, err = _Relay(relay[0]), _Relay(relay[1])
+        piped = capture or relay is not None
         try:
             proc = await asyncio.create_subprocess_exec(
                 *self.argv(command, read_fd),
                 stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE if capture else None,
-                stderr=asyncio.subprocess.PIPE if capture else None,
+                stdout=asyncio.subprocess.PIPE if piped else None,
+                stderr=asyncio.subprocess.PIPE if piped else None,
                 pass_fds=(read_fd,),
                 preexec_fn=in_child,
             )
@@ -207,8 +244,8 @@ class Sandbox:
             code = EXIT_MEMORY
         return Observation(
             exit_code=code,
-            stdout=out.text(),
-            stderr=err.text(),
+            stdout=out.text() if isinstance(out, _Bounded) else "",
+            stderr=err.text() if isinstance(err, _Bounded) else "",
             timed_out=timed_out,
             memory_exceeded=memory_exceeded,
             duration_s=time.monotonic() - started,

@@ -276,3 +276,21 @@ def test_the_sandbox_mounts_nothing_of_the_host_but_the_toolchain_and_workdir() 
     binds = [argv[i + 1] for i, a in enumerate(argv) if a in ("--bind", "--ro-bind")]
     assert binds[0] == "/usr" and "/w" in binds
     assert not any(b.startswith(("/root", "/home", "/run", "/var", str(Path.home()))) for b in binds)
+
+
+async def test_no_file_descriptor_of_egressd_or_its_parent_reaches_the_sandbox(tmp_path, dns) -> None:
+    secret = tmp_path / "parent-secret"
+    secret.write_text("parent's open file")
+    fd = os.open(secret, os.O_RDONLY)  # inheritable into egressd on purpose
+    os.set_inheritable(fd, True)
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path / "s")}
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sh", "-c", "ls /proc/self/fd",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=base_env, pass_fds=(fd,),
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 0, err
+    assert out.decode().split() == ["0", "1", "2", "3"]  # stdio, and the directory ls itself opened
