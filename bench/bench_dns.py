@@ -104,10 +104,18 @@ def measure(name: str, address: tuple[str, int], queries: list[bytes], args: arg
     return result
 
 
-def free_udp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port() -> int:
+    """A port free on 127.0.0.1 for both UDP and TCP (a DNS server takes both)."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as udp, socket.socket() as tcp:
+            udp.bind(("127.0.0.1", 0))
+            port = int(udp.getsockname()[1])
+            try:
+                tcp.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no port free for both UDP and TCP")
 
 
 def wait_for_dns(address: tuple[str, int], proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
@@ -136,7 +144,9 @@ def ensure_dnsmasq() -> str | None:
         print("installing dnsmasq-base with apt-get ...", file=sys.stderr)
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         subprocess.run(["apt-get", "update", "-qq"], check=False, env=env, stdout=subprocess.DEVNULL)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "dnsmasq-base"], check=False, env=env, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "dnsmasq-base"], check=False, env=env, stdout=subprocess.DEVNULL
+        )
     return shutil.which("dnsmasq")
 
 
@@ -164,10 +174,18 @@ def bench_dnsmasq(queries: list[bytes], args: argparse.Namespace) -> Result | st
     binary = ensure_dnsmasq()
     if binary is None:
         return "dnsmasq is not installed and could not be (needs root and apt-get)"
-    port = free_udp_port()
+    port = free_port()
     cmd = [
-        binary, "--keep-in-foreground", "--conf-file=/dev/null", "--pid-file=", "--no-resolv", "--no-hosts",
-        f"--port={port}", "--listen-address=127.0.0.1", "--bind-interfaces", "--address=/#/127.0.0.1",
+        binary,
+        "--keep-in-foreground",
+        "--conf-file=/dev/null",
+        "--pid-file=",
+        "--no-resolv",
+        "--no-hosts",
+        f"--port={port}",
+        "--listen-address=127.0.0.1",
+        "--bind-interfaces",
+        "--address=/#/127.0.0.1",
         "--user=root" if os.geteuid() == 0 else "--user=",
     ]
     with running(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
@@ -176,7 +194,7 @@ def bench_dnsmasq(queries: list[bytes], args: argparse.Namespace) -> Result | st
 
 
 def bench_egressd(queries: list[bytes], args: argparse.Namespace) -> Result:
-    port = free_udp_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="egressd-bench-") as tmp:
         audit = Path(tmp) / "audit.jsonl"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-egressd", str(port), str(audit)]
@@ -215,8 +233,11 @@ def serve_egressd(port: int, audit_path: str) -> None:
         gate = Gate(resolver=SystemResolver(), approver=NoApprover(), audit=sink, metrics=Metrics())
         run = Run(id=DEFAULT_RUN_ID, token="-", task=None, allow=(parse_entry("pypi.org"),), deny=())
         server = DnsServer(
-            gate=gate, runs=RunRegistry(default=run), answer4=IPv4Address("127.0.0.1"),
-            rate_qps=1e9, burst=10**9,
+            gate=gate,
+            runs=RunRegistry(default=run),
+            answer4=IPv4Address("127.0.0.1"),
+            rate_qps=1e9,
+            burst=10**9,
         )
         await server.start("127.0.0.1", port)
         stop = asyncio.Event()
@@ -257,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         results.append(dnsmasq)
     results.append(bench_egressd(queries, args))
 
-    print(f"DNS on loopback, UDP, A queries, {args.inflight} in flight, {os.cpu_count()} CPUs, "
-          f"Python {platform.python_version()}, {platform.machine()}")
+    print(
+        f"DNS on loopback, UDP, A queries, {args.inflight} in flight, {os.cpu_count()} CPUs, "
+        f"Python {platform.python_version()}, {platform.machine()}"
+    )
     print(f"{'server':<44} {'answered':>10} {'lost':>6} {'seconds':>8} {'queries/s':>10}")
     for r in results:
         print(f"{r.server:<44} {r.answered:>10} {r.lost:>6} {r.seconds:>8.2f} {r.qps:>10.0f}")

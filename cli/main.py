@@ -19,6 +19,7 @@ from typing import Any
 
 from config.settings import Settings, SettingsError, load_settings
 
+from .agent_cmd import add_agent_arguments
 from .run_cmd import add_run_arguments
 from .service import EgressService, StartupError
 
@@ -33,7 +34,24 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--allow-private", "allow_private", {"action": "append", "metavar": "CIDR", "help": "let allowed names resolve into this private/special range (repeatable)"}),
     ("--approver", "approver", {"action": "append", "choices": ["terminal", "slack", "webhook", "deny"], "help": "who answers requests for unknown domains (repeatable)"}),
     ("--approval-timeout", "approval_timeout", {"type": float, "metavar": "SECONDS", "help": "how long a request is held for an answer (default 600)"}),
+    ("--max-pending-approvals", "max_pending_approvals", {"type": int, "metavar": "N", "help": "approvals one run may have waiting; past it: too_many_pending (default 5)"}),
+    ("--webhook-url", "webhook_url", {"metavar": "URL", "help": "webhook approver: where approval requests are POSTed"}),
+    ("--webhook-secret", "webhook_secret", {"metavar": "WHSEC", "help": "webhook approver: whsec_ key signing the requests (better: EGRESSD_WEBHOOK_SECRET)"}),
+    ("--webhook-callback-secret", "webhook_callback_secret", {"metavar": "WHSEC", "help": "webhook approver: a separate whsec_ key the callback must be signed with"}),
+    ("--public-url", "public_url", {"metavar": "URL", "help": "base URL under which the control server is reachable (webhook callback, Slack interactivity)"}),
+    ("--slack-bot-token", "slack_bot_token", {"metavar": "XOXB", "help": "Slack approver: bot token (better: EGRESSD_SLACK_BOT_TOKEN)"}),
+    ("--slack-app-token", "slack_app_token", {"metavar": "XAPP", "help": "Slack approver: app-level token for Socket Mode (no public URL needed)"}),
+    ("--slack-signing-secret", "slack_signing_secret", {"metavar": "SECRET", "help": "Slack approver: signing secret for the HTTP interactivity endpoint"}),
+    ("--slack-channel", "slack_channel", {"metavar": "CHANNEL_ID", "help": "Slack approver: the channel id approval messages go to"}),
+    ("--slack-approvers", "slack_approvers", {"action": "append", "metavar": "ID", "help": "Slack approver: a user id (U…) or user-group id (S…) who may answer (repeatable)"}),
+    ("--slack-api-url", "slack_api_url", {"metavar": "URL", "help": "Slack Web API base URL (default https://slack.com/api/)"}),
     ("--upstream-dns", "upstream_dns", {"metavar": "HOST:PORT", "help": "DNS server egressd asks (default: the system resolver)"}),
+    ("--dns-listen", "dns_listen", {"metavar": "HOST:PORT", "help": "sandbox-facing DNS server, UDP and TCP (default: off)"}),
+    ("--dns-answer", "dns_answer", {"metavar": "ADDRESS", "help": "IPv4 address every A query is answered with (default: the transparent listeners' host)"}),
+    ("--dns-answer6", "dns_answer6", {"metavar": "ADDRESS", "help": "IPv6 address AAAA queries are answered with (default: an empty answer)"}),
+    ("--dns-strict", "dns_strict", {"action": "store_const", "const": True, "help": "answer NXDOMAIN for names the run could never reach"}),
+    ("--transparent-tls", "transparent_tls", {"metavar": "HOST:PORT", "help": "transparent TLS listener: the SNI decides, destination port 443 (default: off)"}),
+    ("--transparent-http", "transparent_http", {"metavar": "HOST:PORT", "help": "transparent HTTP listener: the Host header decides, destination port 80 (default: off)"}),
     ("--audit-log", "audit_log", {"metavar": "PATH", "help": "audit log file (default ~/.local/state/egressd/audit.jsonl)"}),
     ("--max-head-bytes", "max_head_bytes", {"type": int, "metavar": "N", "help": "largest request head (default 65536)"}),
     ("--head-timeout-s", "head_timeout_s", {"type": float, "metavar": "S", "help": "time to send a request head (default 10)"}),
@@ -93,6 +111,13 @@ async def _serve(settings: Settings) -> int:
         host, port, service.control_address, settings.audit_path,
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
     )
+    sandbox_facing = [
+        f"{name} {server.address[0]}:{server.address[1]}"
+        for name, server in (("dns", service.dns), ("tls", service.transparent_tls), ("http", service.transparent_http))
+        if server is not None
+    ]
+    if sandbox_facing:
+        logging.getLogger("egressd").info("transparent: %s", ", ".join(sandbox_facing))
     try:
         await stop.wait()
     finally:
@@ -122,6 +147,20 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level if args.log_level else "warning")
     return cmd_run(args, settings)
+
+
+def cmd_approvals(args: argparse.Namespace) -> int:
+    from .approvals_cmd import run_approvals
+
+    return run_approvals(args, _settings(args))
+
+
+def cmd_agent_run(args: argparse.Namespace) -> int:
+    from .agent_cmd import cmd_agent
+
+    settings = _settings(args)
+    _setup_logging(settings.log_level if args.log_level else "warning")
+    return cmd_agent(args, settings)
 
 
 def cmd_doctor_checks(args: argparse.Namespace) -> int:
@@ -172,12 +211,47 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
     run.set_defaults(func=cmd_run_sandbox)
 
+    agent = sub.add_parser(
+        "agent",
+        help="let a model work on a task, every command it runs in one fresh sandbox",
+        description="Drive a model (OpenAI-compatible, Anthropic, or a script) whose every shell command runs in a "
+        "sandbox pinned to an embedded egressd; print progress on stderr and the final answer on stdout "
+        "(exit 0 final answer, 1 step cap, 124 two timeouts in a row, 3 model failure, 125 no sandbox).",
+    )
+    _add_common(agent)
+    add_agent_arguments(agent)
+    agent.set_defaults(func=cmd_agent_run)
+
+    _add_approval_commands(sub)
+
     doctor = sub.add_parser("doctor", help="say which sandbox backends and features work here, and why not",
                             description="Try each feature egressd run needs (bubblewrap, network namespaces, nftables, "
                             "seccomp, cgroups, Docker) and report what works; exit 1 if a required one does not.")
     doctor.add_argument("--clean", action="store_true", help="first remove leftovers of runs whose egressd died")
     doctor.set_defaults(func=cmd_doctor_checks)
     return parser
+
+
+def _add_approval_commands(sub: Any) -> None:
+    """``egressd pending``, ``allow ID``, ``deny ID``: answer through a running egressd's control API."""
+    pending = sub.add_parser("pending", help="list the approvals waiting for an answer",
+                             description="List the requests a running egressd holds for an answer, oldest first.")
+    allow = sub.add_parser("allow", help="allow a held request (this run only)",
+                           description="Allow the held request APPROVAL_ID: its domain joins the run's allowlist until the run ends.")
+    deny = sub.add_parser("deny", help="deny a held request (sticks for the run)",
+                          description="Deny the held request APPROVAL_ID; the domain stays denied for the rest of the run.")
+    for parser, action in ((pending, "pending"), (allow, "allow"), (deny, "deny")):
+        parser.add_argument("--config", metavar="FILE", help="TOML config file (for control and control_token)")
+        parser.add_argument("--control", dest="control", default=None, metavar="HOST:PORT|unix:PATH",
+                            help="the running egressd's control API (default 127.0.0.1:3129)")
+        parser.add_argument("--control-token", dest="control_token", default=None, metavar="TOKEN",
+                            help="bearer token (default: the token file egressd wrote)")
+        if action == "pending":
+            parser.add_argument("--json", action="store_true", help="print the approvals as JSON")
+        else:
+            parser.add_argument("approval_id", metavar="APPROVAL_ID", help="the id `egressd pending` shows (a-…)")
+            parser.add_argument("--by", metavar="NAME", help="who answers, for the audit log (default: your user name)")
+        parser.set_defaults(func=cmd_approvals, approval_action=action)
 
 
 def _audit_settings_fields(args: argparse.Namespace) -> None:

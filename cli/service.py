@@ -7,6 +7,7 @@ embed one in their own event loop. Start-up either completes or raises
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ipaddress
 import logging
@@ -18,19 +19,21 @@ from types import TracebackType
 
 from aiohttp import web
 
-from approvals.deny import DenyApprover, NoApprover
-from approvals.interface import Approver
+from approvals.assembly import approver_from_settings as _approvals_from_settings
+from approvals.interface import Approver, ManagedApprover, SetupError
 from audit.log import AuditError, AuditSink, JsonlAuditSink
 from audit.records import run_record
 from config.presets import UnknownPreset, preset_entries
 from config.settings import Settings, default_state_dir, parse_hostport
-from proxy.control import build_app
+from proxy.control import PUBLIC_PATHS, build_app
+from proxy.dnsserver import DnsServer
 from proxy.gate import Gate
 from proxy.metrics import Metrics
 from proxy.policy import Entry, EntryError, parse_entry
 from proxy.resolver import DnsResolver, Resolver, SystemResolver, parse_server
 from proxy.runs import DEFAULT_RUN_ID, Run, RunRegistry
 from proxy.server import Limits, ProxyServer
+from proxy.transparent import TransparentHttpServer, TransparentTlsServer
 
 log = logging.getLogger("egressd")
 
@@ -54,15 +57,74 @@ def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[
     return parsed[0], parsed[1]
 
 
-def approver_from_settings(settings: Settings) -> Approver:
-    if not settings.approver:
-        return NoApprover()
-    if settings.approver == ["deny"]:
-        return DenyApprover()
-    unavailable = [a for a in settings.approver if a != "deny"]
-    raise StartupError(
-        f"bad setting approver: {', '.join(unavailable)} is not available in this version of egressd"
-    )
+def approver_from_settings(settings: Settings, *, audit: AuditSink) -> Approver:
+    """The approver the settings name (a broker is not started yet); StartupError naming a bad setting."""
+    try:
+        return _approvals_from_settings(settings, audit=audit)
+    except SetupError as exc:
+        raise StartupError(str(exc)) from None
+
+
+def own_addresses(settings: Settings) -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    """egressd's own addresses, which no allowed name may resolve to (no loops).
+
+    Every listener's host and the addresses the DNS server answers with;
+    ``localhost`` and unspecified hosts (0.0.0.0, ::) name no one address.
+    """
+    texts = [parse_hostport(v, n)[0] for n, v in (
+        ("listen", settings.listen),
+        ("dns_listen", settings.dns_listen),
+        ("transparent_tls", settings.transparent_tls),
+        ("transparent_http", settings.transparent_http),
+    ) if v is not None]
+    texts += [v for v in (settings.dns_answer, settings.dns_answer6) if v is not None]
+    own = set()
+    for text in texts:
+        with contextlib.suppress(ValueError):
+            own.add(ipaddress.ip_address(text))
+    return frozenset(a for a in own if not a.is_unspecified)
+
+
+def dns_answers(settings: Settings) -> tuple[ipaddress.IPv4Address, ipaddress.IPv6Address | None]:
+    """What A and AAAA queries are answered with; StartupError naming the setting.
+
+    ``dns_answer``, else the transparent listeners' host (DESIGN.md: where a
+    tool that resolved a name must land), else the DNS listener's own host.
+    """
+    if settings.dns_answer is not None:
+        answer = ipaddress.ip_address(settings.dns_answer)
+        if answer.version != 4:
+            raise StartupError(
+                f"bad setting dns_answer: {answer} is not an IPv4 address (AAAA answers are dns_answer6)"
+            )
+    else:
+        hosts = {parse_hostport(v, n)[0] for n, v in (
+            ("transparent_tls", settings.transparent_tls),
+            ("transparent_http", settings.transparent_http),
+        ) if v is not None}
+        if len(hosts) > 1:
+            raise StartupError(
+                "bad setting dns_answer: the transparent listeners are on different hosts "
+                f"({', '.join(sorted(hosts))}); name the address the DNS should answer with"
+            )
+        assert settings.dns_listen is not None
+        text = hosts.pop() if hosts else parse_hostport(settings.dns_listen, "dns_listen")[0]
+        try:
+            answer = ipaddress.ip_address("127.0.0.1" if text == "localhost" else text)
+        except ValueError:
+            raise StartupError(f"bad setting dns_answer: cannot answer with {text!r}; set dns_answer") from None
+        if answer.version != 4 or answer.is_unspecified:
+            raise StartupError(
+                f"bad setting dns_answer: the listeners are on {text}, which is no IPv4 address to answer with; "
+                "set dns_answer"
+            )
+    answer6 = None
+    if settings.dns_answer6 is not None:
+        answer6 = ipaddress.ip_address(settings.dns_answer6)
+        if answer6.version != 6:
+            raise StartupError(f"bad setting dns_answer6: {answer6} is not an IPv6 address")
+    assert isinstance(answer, ipaddress.IPv4Address)
+    return answer, answer6
 
 
 def token_path(settings: Settings) -> Path:
@@ -85,11 +147,15 @@ class EgressService:
     ) -> None:
         self.settings = settings
         self._approver = approver
+        self._approvals: ManagedApprover | None = None  # the broker this service started (and stops)
         self._resolver = resolver
         self._audit = audit
         self.runs: RunRegistry | None = None
         self.gate: Gate | None = None
         self.proxy: ProxyServer | None = None
+        self.dns: DnsServer | None = None
+        self.transparent_tls: TransparentTlsServer | None = None
+        self.transparent_http: TransparentHttpServer | None = None
         self._control_runner: web.AppRunner | None = None
         self.control_token = ""
         self.control_address: str = ""
@@ -123,7 +189,6 @@ class EgressService:
     async def _start(self) -> None:
         s = self.settings
         allow, deny = entries_from_settings(s)
-        approver = self._approver or approver_from_settings(s)
 
         audit = self._audit
         if audit is None:
@@ -142,17 +207,24 @@ class EgressService:
                 self._stack.push_async_callback(resolver.close)
             else:
                 resolver = SystemResolver()
+        approver = self._approver
+        if approver is None:
+            approver = approver_from_settings(s, audit=audit)
+            if isinstance(approver, ManagedApprover):
+                self._approvals = approver
+                try:
+                    await approver.start()  # Slack's auth.test and Socket Mode, the terminal, ...
+                except SetupError as exc:
+                    raise StartupError(str(exc)) from None
 
         listen_host, listen_port = s.listen_address
-        own = {ipaddress.ip_address(listen_host)} if listen_host != "localhost" else set()
-        own = {a for a in own if not a.is_unspecified}
         self.gate = Gate(
             resolver=resolver,
             approver=approver,
             audit=audit,
             metrics=Metrics(),
             allow_private=s.allow_private_networks,
-            own_addresses=frozenset(own),
+            own_addresses=own_addresses(s),
             connect_timeout_s=s.connect_timeout_s,
         )
         default = None
@@ -160,26 +232,48 @@ class EgressService:
             default = Run(id=DEFAULT_RUN_ID, token=secrets.token_urlsafe(24), task=None, allow=allow, deny=deny, ask=s.ask)
         self.runs = RunRegistry(default=default)
 
-        self.proxy = ProxyServer(
-            gate=self.gate,
-            runs=self.runs,
-            limits=Limits(
-                max_head_bytes=s.max_head_bytes,
-                head_timeout_s=s.head_timeout_s,
-                idle_timeout_s=s.idle_timeout_s,
-                max_connections=s.max_connections,
-                max_connections_per_run=s.max_connections_per_run,
-            ),
+        limits = Limits(
+            max_head_bytes=s.max_head_bytes,
+            head_timeout_s=s.head_timeout_s,
+            idle_timeout_s=s.idle_timeout_s,
+            max_connections=s.max_connections,
+            max_connections_per_run=s.max_connections_per_run,
         )
+        self.proxy = ProxyServer(gate=self.gate, runs=self.runs, limits=limits)
         try:
             await self.proxy.start(listen_host, listen_port)
         except OSError as exc:
             raise StartupError(f"bad setting listen: cannot listen on {s.listen}: {exc.strerror}") from None
+        await self._start_transparent(limits)
         await self._start_control()
         if default is not None:
             self._write_run_record(
                 run_record("run.start", ts=time.time(), run=default.id, allow=[e.text for e in allow], deny=[e.text for e in deny])
             )
+
+    async def _start_transparent(self, limits: Limits) -> None:
+        """The transparent SNI and Host listeners and the DNS server, each when its setting is given."""
+        s = self.settings
+        assert self.gate is not None and self.runs is not None
+        if s.transparent_tls is not None:
+            self.transparent_tls = TransparentTlsServer(gate=self.gate, runs=self.runs, limits=limits)
+            await self._listen(self.transparent_tls, "transparent_tls", s.transparent_tls)
+        if s.transparent_http is not None:
+            self.transparent_http = TransparentHttpServer(gate=self.gate, runs=self.runs, limits=limits)
+            await self._listen(self.transparent_http, "transparent_http", s.transparent_http)
+        if s.dns_listen is not None:
+            answer4, answer6 = dns_answers(s)
+            self.dns = DnsServer(gate=self.gate, runs=self.runs, answer4=answer4, answer6=answer6, strict=s.dns_strict)
+            await self._listen(self.dns, "dns_listen", s.dns_listen)
+
+    async def _listen(
+        self, server: TransparentTlsServer | TransparentHttpServer | DnsServer, setting: str, value: str
+    ) -> None:
+        host, port = parse_hostport(value, setting)
+        try:
+            await server.start(host, port)
+        except OSError as exc:
+            raise StartupError(f"bad setting {setting}: cannot listen on {value}: {exc.strerror}") from None
 
     async def _start_control(self) -> None:
         s = self.settings
@@ -197,6 +291,13 @@ class EgressService:
             except OSError as exc:
                 raise StartupError(f"bad setting control: cannot write the token file {path}: {exc.strerror}") from None
         app = build_app(gate=self.gate, runs=self.runs, proxy_address=self.proxy_address, token=self.control_token)
+        if isinstance(self.gate.approver, ManagedApprover):
+            # /approvals for `egressd pending|allow|deny`; the webhook callback and
+            # Slack's interactivity endpoint are public: their signature is the credential.
+            for route in self.gate.approver.routes():
+                app.router.add_route(route.method, route.path, route.handler)
+                if route.public:
+                    app[PUBLIC_PATHS].add(route.path)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         self._control_runner = runner
@@ -226,9 +327,18 @@ class EgressService:
     async def close(self, grace_s: float | None = None) -> None:
         """Stop accepting, let tunnels finish within the grace period, flush the log."""
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
-        if self.proxy is not None:
-            await self.proxy.close(grace)
-            self.proxy = None
+        if self._approvals is not None:
+            # Nobody can answer once egressd stops: held requests are denied now, not after the grace.
+            await self._approvals.close()
+            self._approvals = None
+        if self.dns is not None:
+            await self.dns.close()
+            self.dns = None
+        # Every TCP listener gets the same grace at the same time, not one after another.
+        listeners = [x for x in (self.transparent_tls, self.transparent_http, self.proxy) if x is not None]
+        await asyncio.gather(*(listener.close(grace) for listener in listeners))
+        self.transparent_tls = self.transparent_http = None
+        self.proxy = None
         if self._control_runner is not None:
             await self._control_runner.cleanup()
             self._control_runner = None

@@ -3,7 +3,8 @@
 A connection flows through these modules, in this order:
 
 1. ``server``   accepts the client, reads the request head (``http1``), and
-   attributes it to a run (``runs``) by credentials or source address;
+   attributes it to a run (``runs``) by credentials or source address (the
+   transparent listeners: by source address alone);
 2. ``gate``     decides: ``policy.decide`` (pure, the design's decision order)
    says allow, deny or ask; asking goes through the ``approvals.Approver``
    interface; an allowed name is resolved (``resolver``) and every address is
@@ -13,7 +14,13 @@ A connection flows through these modules, in this order:
 4. every attempt ends as exactly one audit record (``audit``), and refusals are
    rendered by ``responses``.
 
-``hosts``, ``addresses``, ``policy``, ``http1`` and ``responses`` are pure: no
-I/O, no clock, no environment. ``control`` is the HTTP control API (aiohttp)
-and ``metrics`` its Prometheus counters.
+The sandbox-facing side: ``dnsserver`` answers every name with egressd's own
+address and forwards nothing; ``transparent`` reads the destination of a
+connection that arrives there from its TLS ClientHello (``clienthello``) or
+its Host header, and from then on everything happens as above.
+
+``hosts``, ``addresses``, ``policy``, ``http1``, ``clienthello`` and
+``responses`` are pure: no I/O, no clock, no environment; so is the answering
+half of ``dnsserver``. ``control`` is the HTTP control API (aiohttp) and
+``metrics`` its Prometheus counters.
 """

@@ -1,8 +1,8 @@
 """The gate: from a request for HOST:PORT in a run to a dialled socket or a refusal.
 
-Every listener (the explicit proxy now; transparent listeners later) goes
-through ``Gate.admit`` and, when admitted, ``Gate.dial``, so they all decide
-the same way:
+Every listener (the explicit proxy, the transparent SNI and Host listeners)
+goes through ``Gate.admit`` and, when admitted, ``Gate.dial``, so they all
+decide the same way:
 
 1. the audit log must be writable (else refuse: nothing happens unrecorded);
 2. ``policy.decide`` — the design's decision order, pure;
@@ -13,7 +13,9 @@ the same way:
 5. ``dial`` connects to exactly those addresses — never a second lookup.
 
 Each attempt is an ``Attempt`` that ``finish`` turns into exactly one audit
-record, one run event and the metrics.
+record, one run event and the metrics. The DNS server records its queries
+through ``begin``/``finish`` too, but never admits: a query is answered
+without asking anyone or resolving anything.
 """
 
 from __future__ import annotations
@@ -169,6 +171,9 @@ class Gate:
                 if outcome.answer is Answer.DENY:
                     run.deny_host(host)
                 return Admission(_ANSWER_REASONS[outcome.answer], host, port)
+            if run.ended:
+                # Allowed after its run ended (the sandbox is gone): its credentials are void.
+                return Admission(Reason.AUTH_REQUIRED, host, port)
             run.approve(host, port)
             attempt.rule = "approved"
         return await self._resolve(attempt, host, port)
@@ -242,6 +247,23 @@ class Gate:
             raise DialError(Reason.UPSTREAM_TIMEOUT, "connect timed out") from None
         attempt.address = str(admission.addresses[-1])
         raise DialError(Reason.UPSTREAM_UNREACHABLE, str(last) if last else "no address")
+
+    def overrule(self, attempt: Attempt, reason: Reason) -> None:
+        """Refuse an attempt after it was admitted, for what its connection did next.
+
+        The CONNECT tunnel whose ClientHello names another server
+        (``sni_mismatch``) is the case: the policy allowed the host, the
+        bytes then asked for a different one. The metrics move the attempt
+        from allow to deny; the record says deny with ``reason``.
+        """
+        if attempt.decided and attempt.decision == "allow":
+            self.metrics.decisions[("allow", "")] -= 1
+            self.metrics.decisions[("deny", reason.value)] += 1
+        attempt.refuse(reason)
+        if log.isEnabledFor(logging.INFO):
+            run_id = attempt.run.id if attempt.run else "-"
+            target = ascii(f"{attempt.host}:{attempt.port}")[1:-1]
+            log.info("DENY  %s %s run=%s reason=%s", attempt.kind, target, run_id, attempt.reason)
 
     def finish(self, attempt: Attempt) -> None:
         """Write the attempt's one audit record (idempotent), its run event and metrics."""

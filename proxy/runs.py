@@ -58,6 +58,7 @@ class Run:
     pending_approvals: int = 0
     events: deque[tuple[int, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
     next_event: int = 1
+    ended: bool = False
     _policy: RunPolicy | None = None
 
     def policy(self) -> RunPolicy:
@@ -111,6 +112,23 @@ class Run:
             "command": self.command,
             "open_connections": self.open_connections,
         }
+
+
+def source_address(text: str) -> IPAddress | None:
+    """The address a client's source is bound by: ``peer[0]`` of a socket, as a value.
+
+    A zone id is dropped and an IPv4-mapped IPv6 address (a dual-stack
+    listener's view of an IPv4 client) becomes the IPv4 address it maps, so
+    one client has one key whichever listener it reached. None when the text
+    is no address (a Unix socket).
+    """
+    try:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 def parse_proxy_authorization(value: str) -> tuple[str, str] | None:
@@ -183,6 +201,7 @@ class RunRegistry:
         run = self._runs.pop(run_id, None)
         if run is None:
             raise RunError(f"no run {run_id}")
+        run.ended = True  # a request held across the end must not go out afterwards
         for address in run.sources:
             self._by_source.pop(address, None)
         if run is self.default:

@@ -5,22 +5,34 @@ decides and dials, ``tunnel`` relays, ``responses`` renders refusals. Each
 client connection is one task owned by the server; every request on it is
 attributed, decided and recorded on its own (RFC 9112 §9.3 keep-alive and
 pipelining), and any refusal closes the connection.
+
+``Listener`` is what every TCP listener shares (accepting, shutdown, the
+spliced tunnels); ``ProxyServer`` adds HTTP. The transparent listeners
+(``transparent``) build on both: the Host-header one is a ``ProxyServer``
+whose destination comes from the Host header, the SNI one a ``Listener``.
+
+After a CONNECT is answered, the first bytes the client sends are checked:
+a TLS ClientHello naming another server than the CONNECT host is closed as
+``sni_mismatch`` (``_sni_agrees``), so an allowed tunnel cannot be steered
+to another name on the same address (domain fronting at the TLS layer).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .clienthello import Alert, ClientHelloError, NotTls, parse_client_hello, tls_alert
 from .gate import Admission, Attempt, DialError, Gate
+from .hosts import HostError, normalise_host
 from .http1 import (
     BodyKind,
     ChunkedScanner,
+    Destination,
     HttpError,
     RequestHead,
     forward_request_head,
@@ -33,7 +45,7 @@ from .http1 import (
 )
 from .policy import Reason
 from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
-from .runs import Run, RunRegistry
+from .runs import IPAddress, Run, RunRegistry, source_address
 from .tunnel import Tunnel
 
 log = logging.getLogger("egressd.proxy")
@@ -53,7 +65,7 @@ class Limits:
     max_connections_per_run: int = 1000
 
 
-class _Closed(Exception):
+class PeerClosed(Exception):
     """The peer closed or broke the connection; nothing more to say to it."""
 
 
@@ -72,7 +84,7 @@ class Peer:
         try:
             data = await self.loop.sock_recv(self.sock, RECV_SIZE)
         except OSError as exc:
-            raise _Closed(str(exc)) from exc
+            raise PeerClosed(str(exc)) from exc
         if not data:
             return False
         self.buf += data
@@ -82,7 +94,7 @@ class Peer:
         try:
             await self.loop.sock_sendall(self.sock, data)
         except OSError as exc:
-            raise _Closed(str(exc)) from exc
+            raise PeerClosed(str(exc)) from exc
 
     def take(self, n: int | None = None) -> bytes:
         n = len(self.buf) if n is None else n
@@ -109,19 +121,23 @@ class Peer:
         left = n
         while left:
             if not self.buf and not await self.fill():
-                raise _Closed("peer closed inside a body")
+                raise PeerClosed("peer closed inside a body")
             chunk = self.take(min(left, len(self.buf)))
             await dst.send(chunk)
             left -= len(chunk)
         return n
 
-    async def relay_chunked(self, dst: Peer) -> int:
-        """Copy a chunked body unchanged, up to and including its last CRLF."""
-        scanner = ChunkedScanner()
+    async def relay_chunked(self, dst: Peer, *, error_status: int = 400) -> int:
+        """Copy a chunked body unchanged, up to and including its last CRLF.
+
+        ``error_status`` is the status of the HttpError for a malformed body:
+        400 when the client sent it, 502 when the upstream did.
+        """
+        scanner = ChunkedScanner(error_status=error_status)
         total = 0
         while not scanner.done:
             if not self.buf and not await self.fill():
-                raise _Closed("peer closed inside a chunked body")
+                raise PeerClosed("peer closed inside a chunked body")
             n = scanner.feed(bytes(self.buf))
             await dst.send(self.take(n))
             total += n
@@ -142,8 +158,12 @@ class Peer:
             self.sock.close()
 
 
-class ProxyServer:
-    """Accepts clients on one listening socket and serves them until closed."""
+class Listener:
+    """Accepts clients on one listening socket and serves each in a task until closed.
+
+    Subclasses implement ``_serve_client``; ``_splice`` relays a decided
+    connection and keeps it where ``close`` can end it.
+    """
 
     def __init__(self, *, gate: Gate, runs: RunRegistry, limits: Limits) -> None:
         self.gate = gate
@@ -207,12 +227,43 @@ class ProxyServer:
         if self._tasks:
             await asyncio.wait(set(self._tasks))
 
+    async def _serve_client(self, sock: socket.socket, peer: tuple) -> None:  # type: ignore[type-arg]
+        raise NotImplementedError
+
+    async def _splice(self, client: Peer, upstream: Peer, attempt: Attempt) -> None:
+        """Relay both ways until the tunnel ends; the client's buffered bytes go first."""
+        tunnel = Tunnel(client.sock, upstream.sock, idle_timeout_s=self.limits.idle_timeout_s, loop=client.loop)
+        self._tunnels.add(tunnel)
+        try:
+            tunnel.start(first_up=client.take())
+            await tunnel.wait()
+        finally:
+            self._tunnels.discard(tunnel)
+            attempt.bytes_up += tunnel.bytes_up
+            attempt.bytes_down += tunnel.bytes_down
+
+
+class ProxyServer(Listener):
+    """The explicit proxy: CONNECT and absolute-form HTTP, decided request by request.
+
+    ``_destination`` and ``_attribute`` are where a request's destination and
+    run come from; the transparent HTTP listener overrides both.
+    """
+
+    def _destination(self, head: RequestHead) -> Destination:
+        """Where the request goes: its request-target alone (HttpError if none)."""
+        return request_destination(head)
+
+    def _attribute(self, source: IPAddress | None, head: RequestHead) -> Run | None:
+        """The request's run: by credentials, else by source address (``runs``)."""
+        return self.runs.attribute(source, head.get("Proxy-Authorization"))
+
     # -- one client connection -------------------------------------------------
 
     async def _serve_client(self, sock: socket.socket, peer: tuple) -> None:  # type: ignore[type-arg]
         client = Peer(sock, asyncio.get_running_loop())
         client_text = f"{peer[0]}:{peer[1]}"
-        source = _source_address(peer[0])
+        source = source_address(peer[0])
         metrics = self.gate.metrics
         metrics.connections_open += 1
         attempt: Attempt | None = None
@@ -228,7 +279,7 @@ class ProxyServer:
                 first = False
                 if not keep_going:
                     return
-        except _Closed:
+        except PeerClosed:
             pass
         except asyncio.CancelledError:
             raise
@@ -240,9 +291,7 @@ class ProxyServer:
             metrics.connections_open -= 1
             client.close()
 
-    async def _serve_request(
-        self, client: Peer, attempt: Attempt, source: ipaddress.IPv4Address | ipaddress.IPv6Address | None, first: bool
-    ) -> bool:
+    async def _serve_request(self, client: Peer, attempt: Attempt, source: IPAddress | None, first: bool) -> bool:
         """Serve one request; True when the connection may carry another."""
         try:
             async with asyncio.timeout(self.limits.head_timeout_s):
@@ -261,13 +310,13 @@ class ProxyServer:
         self.gate.metrics.connections_total[("connect" if head.method == "CONNECT" else "http")] += 1
         attempt.kind = "connect" if head.method == "CONNECT" else "http"
         try:
-            destination = request_destination(head)
+            destination = self._destination(head)
         except HttpError as exc:
             await self._refuse(client, attempt, Reason.BAD_REQUEST, status=exc.status, message=exc.detail)
             return False
         attempt.host, attempt.port = destination.host, destination.port
 
-        run = self.runs.attribute(source, head.get("Proxy-Authorization"))
+        run = self._attribute(source, head)
         if run is None:
             await self._refuse(client, attempt, Reason.AUTH_REQUIRED)
             return False
@@ -304,17 +353,73 @@ class ProxyServer:
             return
         try:
             await client.send(CONNECT_ESTABLISHED)
-            tunnel = Tunnel(client.sock, upstream.sock, idle_timeout_s=self.limits.idle_timeout_s, loop=client.loop)
-            self._tunnels.add(tunnel)
-            try:
-                tunnel.start(first_up=client.take())
-                await tunnel.wait()
-            finally:
-                self._tunnels.discard(tunnel)
-                attempt.bytes_up += tunnel.bytes_up
-                attempt.bytes_down += tunnel.bytes_down
+            if await self._sni_agrees(client, upstream, attempt):
+                await self._splice(client, upstream, attempt)
         finally:
             upstream.close()
+
+    async def _sni_agrees(self, client: Peer, upstream: Peer, attempt: Attempt) -> bool:
+        """Whether the tunnel may carry on after its first bytes (False: refused and recorded).
+
+        1. wait (up to the idle timeout) for whichever side speaks first; the
+           upstream first (SSH, SMTP, ...) → carry on, nothing is held back;
+        2. the client's bytes are not a TLS handshake record → carry on;
+        3. read until the ClientHello is complete (within the head timeout;
+           the upstream speaking meanwhile means it is not TLS → carry on);
+        4. a ClientHello whose SNI, normalised, differs from the CONNECT host
+           → ``sni_mismatch``; one that is malformed → ``bad_request``; both
+           get a fatal TLS alert and the close. No SNI → carry on: the
+           server then answers for the address the policy already checked.
+        """
+        if not client.buf:
+            try:
+                async with asyncio.timeout(self.limits.idle_timeout_s):
+                    if await _first_readable(client, upstream) is upstream:
+                        return True
+            except TimeoutError:
+                return False  # idle as long as a tunnel may be: ends like one
+            if not await client.fill():
+                return True  # the client half-closed at once: relay that
+        try:
+            async with asyncio.timeout(self.limits.head_timeout_s):
+                while True:
+                    try:
+                        hello = parse_client_hello(client.buf)
+                    except NotTls:
+                        return True
+                    except ClientHelloError as exc:
+                        return await self._refuse_tls(client, attempt, Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc))
+                    if hello is not None:
+                        break
+                    if await _first_readable(client, upstream) is upstream:
+                        return True
+                    if not await client.fill():
+                        return True  # an unfinished record the server will reject
+        except TimeoutError:
+            detail = "ClientHello incomplete in time"
+            return await self._refuse_tls(client, attempt, Reason.LIMIT_EXCEEDED, None, detail)
+        if hello.server_name is None:
+            return True
+        try:
+            name = normalise_host(hello.server_name)
+        except HostError:
+            name = None
+        if name == attempt.host:
+            return True
+        attempt.extra["sni"] = name or hello.server_name
+        return await self._refuse_tls(client, attempt, Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, None)
+
+    async def _refuse_tls(
+        self, client: Peer, attempt: Attempt, reason: Reason, alert: Alert | None, detail: str | None
+    ) -> bool:
+        """Refuse an admitted tunnel after its first bytes: an alert, the close, the record."""
+        self.gate.overrule(attempt, reason)
+        if detail:
+            attempt.extra["detail"] = detail
+        if alert is not None:
+            with contextlib.suppress(PeerClosed):
+                await client.send(tls_alert(alert))
+        return False
 
     async def _forward(
         self, client: Peer, attempt: Attempt, head: RequestHead, admission: Admission, destination
@@ -364,7 +469,7 @@ class ProxyServer:
         if kind is BodyKind.LENGTH:
             attempt.bytes_down += await upstream.relay_exact(length, client)
         elif kind is BodyKind.CHUNKED:
-            attempt.bytes_down += await upstream.relay_chunked(client)
+            attempt.bytes_down += await upstream.relay_chunked(client, error_status=502)
         elif kind is BodyKind.UNTIL_CLOSE:
             attempt.bytes_down += await upstream.relay_until_eof(client)
         return keep_alive
@@ -398,15 +503,23 @@ class ProxyServer:
             extra,
         )
         self.gate.finish(attempt)
-        with contextlib.suppress(_Closed):
+        with contextlib.suppress(PeerClosed):
             await client.send(data)
 
 
-def _source_address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+async def _first_readable(*peers: Peer) -> Peer:
+    """The first of ``peers`` with bytes (or EOF) to read; nothing is read."""
+    loop = peers[0].loop
+    ready: asyncio.Future[Peer] = loop.create_future()
+
+    def on_readable(peer: Peer) -> None:
+        if not ready.done():
+            ready.set_result(peer)
+
+    for peer in peers:
+        loop.add_reader(peer.sock.fileno(), on_readable, peer)
     try:
-        address = ipaddress.ip_address(text.split("%", 1)[0])
-    except ValueError:
-        return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
+        return await ready
+    finally:
+        for peer in peers:
+            loop.remove_reader(peer.sock.fileno())

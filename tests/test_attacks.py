@@ -282,3 +282,30 @@ async def test_audit_log_failure_refuses_new_egress(make_egressd, echo_origin) -
     w.close()
     assert status == 503 and headers["x-egress-reason"] == "audit_unavailable"
     assert echo_origin.connections == 1
+
+
+async def test_an_approval_that_arrives_after_its_run_ended_lets_nothing_out(make_egressd, echo_origin) -> None:
+    from approvals.interface import Answer, ApprovalOutcome
+
+    release = asyncio.Event()
+
+    class LateAllow:
+        async def ask(self, request):  # type: ignore[no-untyped-def]
+            await release.wait()
+            return ApprovalOutcome(Answer.ALLOW, approval_id="a-1", channel="test", by="someone")
+
+    svc = await make_egressd(approver=LateAllow(), require_auth=True)
+    run = svc.runs.create(task="t", allow=[])
+    import base64
+
+    creds = base64.b64encode(f"{run.id}:{run.token}".encode()).decode()
+    pending = asyncio.create_task(
+        connect_via(svc, f"origin.test:{echo_origin.port}", f"Proxy-Authorization: Basic {creds}\r\n")
+    )
+    await wait_until(lambda: svc.gate.metrics.held_requests == 1)
+    svc.runs.end(run.id)
+    release.set()
+    status, headers, body, _, w = await pending
+    w.close()
+    assert_refused(status, headers, body, "auth_required", code=407)
+    assert echo_origin.connections == 0

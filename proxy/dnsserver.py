@@ -1,0 +1,633 @@
+"""The sandbox-facing DNS server: every name points at egressd, and nothing goes upstream.
+
+A sandbox's resolver is egressd (DESIGN.md "The two boundaries"), so a tool
+that ignores proxy settings still connects to egressd's transparent
+listeners, which read the real destination from the SNI or the Host header.
+This server never asks anyone else: data hidden in a query's labels stops
+here, and the only thing that leaves is an audit record on the host.
+
+How one query is answered (``DnsServer.handle``), in order:
+
+1. the client's source address is over its rate (a token bucket) → dropped
+   unanswered and counted; the counts are written as summary records;
+2. not a query at all (shorter than a header, or a response) → dropped;
+   an opcode other than QUERY → NOTIMP; no single question, or a question
+   dnslib cannot decode → FORMERR (RFC 1035 §4.1.1);
+3. the source address belongs to no run (``--require-auth``) → REFUSED,
+   ``auth_required``; the audit log cannot be written → REFUSED,
+   ``audit_unavailable``;
+4. a name that is not a well-formed host name (``proxy.hosts``) → FORMERR;
+5. a class other than IN, or a type other than A and AAAA → REFUSED;
+6. strict mode, and the run could never reach the name → NXDOMAIN (see
+   ``unreachable_reason``);
+7. A → the configured IPv4 answer; AAAA → the IPv6 answer if configured,
+   else NOERROR with no records (RFC 2308 §2.2 "NODATA").
+
+Every query that passes step 1 is one ``egress`` record of kind ``dns``
+(through the gate, like every other attempt), with ``host`` the name,
+``port`` null, ``qtype`` and ``answer`` (the address, or the response code
+when no address was given: ``NOERROR``, ``NXDOMAIN``, ``REFUSED``,
+``FORMERR``, ``NOTIMP``; null when dropped). ``decision`` is ``allow`` only
+when egressd's address was given. Once a run has had ``max_names_per_run``
+distinct names recorded, queries for further new names are answered as usual
+but counted instead of recorded one by one; the counts, like the rate
+limit's, are written every ``summary_interval_s`` as one record each (host
+null, ``reason: limit_exceeded``, ``suppressed: N``, ``limit``: which one).
+
+``read_query``, ``query_name``, ``plan_answer``, ``unreachable_reason`` and
+``RateLimiter`` are pure (time is passed in); dnslib is only the codec. The
+asyncio shell answers from protocol callbacks: no task per query, and no
+waiting — a DNS query never triggers an approval (DESIGN.md "Decision order").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import errno
+import logging
+import socket
+import struct
+import time
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address
+
+from dnslib import CLASS, QTYPE, DNSBuffer, DNSError, DNSQuestion
+
+from .gate import Attempt, Gate
+from .hosts import HostError, normalise_host
+from .policy import Reason, Verdict, decide
+from .runs import IPAddress, Run, RunRegistry, source_address
+
+log = logging.getLogger("egressd.dns")
+
+# Every answer points at egressd and never changes while it runs, so caching
+# would be harmless; 5 s still absorbs a tool's burst of lookups, and a cache
+# in the sandbox forgets within seconds when egressd restarts with another
+# answer address or a strict-mode verdict changes (a run denied a name).
+DEFAULT_TTL_S = 5
+# A stub resolver asks A and AAAA for each lookup: 100 queries/s is 50
+# lookups/s sustained, and a burst of 200 covers a parallel package install
+# starting; a flood beyond that is dropped before it costs a parse or a record.
+DEFAULT_RATE_QPS = 100.0
+DEFAULT_BURST = 200
+# A build or an agent session touches tens of hosts, rarely hundreds; past
+# 1000 distinct names a run is enumerating or exfiltrating, and the names
+# (up to 253 bytes each) stop going to the log one by one.
+DEFAULT_MAX_NAMES_PER_RUN = 1000
+# Summaries of what was counted rather than recorded, at most once a minute.
+DEFAULT_SUMMARY_INTERVAL_S = 60.0
+# RFC 7766 §6.2.3: close idle TCP connections after some seconds.
+TCP_IDLE_TIMEOUT_S = 10.0
+# A sandbox needs a handful of TCP connections (truncation fallback, zone-
+# transfer-happy tools); this bounds the file descriptors a flood can hold.
+MAX_TCP_CONNECTIONS = 256
+# Rate-limit state per source address; past this the least recent is
+# forgotten (a forgotten client starts again with a full bucket).
+MAX_TRACKED_CLIENTS = 4096
+# Replies a TCP client has not read yet, before we stop reading its queries.
+_TCP_WRITE_HIGH_WATER = 64 * 1024
+
+_HEADER = struct.Struct("!HHHHHH")
+# An answer record: owner (a compression pointer), type, class, TTL, RDLENGTH.
+_ANSWER = struct.Struct("!HHHIH")
+_POINTER_TO_QUESTION = 0xC000 | 12  # RFC 1035 §4.1.4: the name right after the header
+_QR = 0x8000
+_OPCODE_MASK = 0x7800
+_RD = 0x0100
+_RA = 0x0080
+_TYPE_A = QTYPE.A
+_TYPE_AAAA = QTYPE.AAAA
+_BIND_ATTEMPTS = 50
+
+
+class Rcode(enum.IntEnum):
+    """RFC 1035 §4.1.1 response codes this server sends."""
+
+    NOERROR = 0
+    FORMERR = 1
+    NXDOMAIN = 3
+    NOTIMP = 4
+    REFUSED = 5
+
+
+# Strict mode: the policy reasons that hold for the rest of a run whatever
+# the port, so no connection to the name can ever be let out. ``port_not_allowed``
+# is not here (the host is allowed on another port), nor is ASK (a person may
+# still allow it).
+UNREACHABLE: frozenset[Reason] = frozenset(
+    {Reason.DENYLISTED, Reason.IP_LITERAL, Reason.DENIED_EARLIER, Reason.NOT_ALLOWLISTED}
+)
+
+
+# --- the pure part ---------------------------------------------------------------
+
+
+class DnsQueryError(Exception):
+    """A packet that is not a query we answer; ``reply`` is what to send (None: drop)."""
+
+    def __init__(self, detail: str, reply: bytes | None, rcode: Rcode | None) -> None:
+        super().__init__(detail)
+        self.reply = reply
+        self.rcode = rcode
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """One decoded question. ``name`` is the normalised host, None when the
+    name is not a well-formed host name; ``shown`` is the name as received,
+    escaped (RFC 1035 §5.1 ``\\DDD``) for the audit log; ``question`` is the
+    question section's bytes as received, which the reply repeats."""
+
+    ident: int
+    flags: int
+    question: bytes
+    name: str | None
+    labels: tuple[bytes, ...]
+    qtype: int
+    qclass: int
+
+    @property
+    def shown(self) -> str:
+        return shown_name(self.labels)
+
+    @property
+    def qtype_text(self) -> str:
+        return str(QTYPE[self.qtype])
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to answer: the code, the address (if any), and how to record it."""
+
+    rcode: Rcode
+    address: IPv4Address | IPv6Address | None = None
+    reason: Reason | None = None
+
+    @property
+    def decision(self) -> str:
+        return "allow" if self.address is not None else "deny"
+
+    @property
+    def answer_text(self) -> str:
+        return str(self.address) if self.address is not None else self.rcode.name
+
+
+def header_reply(packet: bytes, rcode: Rcode) -> bytes:
+    """A header-only reply to ``packet`` (at least 12 bytes): its id, opcode and RD, and ``rcode``."""
+    ident, flags = struct.unpack_from("!HH", packet)
+    flags = _QR | (flags & (_OPCODE_MASK | _RD)) | int(rcode)
+    return _HEADER.pack(ident, flags, 0, 0, 0, 0)
+
+
+def read_query(packet: bytes) -> Query:
+    """Decode a query; DnsQueryError says what to answer when it is not one.
+
+    1. shorter than a header, or a response (QR set) → drop: an answer to an
+       answer could loop between two servers;
+    2. an opcode other than QUERY → NOTIMP;
+    3. not exactly one question, or answer/authority records → FORMERR
+       (RFC 9619: QDCOUNT is one; a query carries no answers);
+    4. dnslib cannot decode the question, or its name is compressed (a
+       pointer there could only point into the header) → FORMERR.
+
+    What follows the question (an EDNS OPT record, say) is not decoded: the
+    answer never depends on it, and nothing of it is kept or sent anywhere.
+    """
+    if len(packet) < _HEADER.size:
+        raise DnsQueryError("shorter than a DNS header", None, None)
+    ident, flags, qdcount, ancount, nscount, _arcount = _HEADER.unpack_from(packet)
+    if flags & _QR:
+        raise DnsQueryError("a response, not a query", None, None)
+    if flags & _OPCODE_MASK:
+        raise DnsQueryError("opcode is not QUERY", header_reply(packet, Rcode.NOTIMP), Rcode.NOTIMP)
+    if qdcount != 1 or ancount or nscount:
+        raise DnsQueryError("not exactly one question", header_reply(packet, Rcode.FORMERR), Rcode.FORMERR)
+    buffer = DNSBuffer(packet)
+    buffer.offset = _HEADER.size
+    try:
+        question = DNSQuestion.parse(buffer)
+    except (DNSError, ValueError, IndexError, struct.error) as exc:
+        # dnslib's own error, or one that escaped its checks: either way the
+        # packet is malformed, which is the client's fault.
+        raise DnsQueryError(f"undecodable: {exc}", header_reply(packet, Rcode.FORMERR), Rcode.FORMERR) from exc
+    labels = tuple(question.qname.label)
+    wire_name = b"".join(bytes((len(label),)) + label for label in labels) + b"\x00"
+    end = _HEADER.size + len(wire_name)
+    if packet[_HEADER.size : end] != wire_name:
+        raise DnsQueryError("compressed question name", header_reply(packet, Rcode.FORMERR), Rcode.FORMERR)
+    try:
+        name: str | None = query_name(labels)
+    except HostError:
+        name = None
+    return Query(ident, flags, packet[_HEADER.size : end + 4], name, labels, question.qtype, question.qclass)
+
+
+def query_name(labels: Sequence[bytes]) -> str:
+    """The normalised host a query's labels spell; HostError when they spell none.
+
+    Labels must be ASCII (names on the wire are A-labels) and form a host
+    ``proxy.hosts.normalise_host`` accepts: letters, digits, hyphen and
+    underscore, 63 octets a label, 253 characters in all. The root name is
+    not a host.
+    """
+    if not labels:
+        raise HostError("the root name is not a host")
+    parts = []
+    for label in labels:
+        if not label.isascii() or b"." in label:
+            raise HostError("label is not an ASCII host label")
+        parts.append(label.decode("ascii"))
+    return normalise_host(".".join(parts))
+
+
+# Bytes shown as themselves in a name's audit text; everything else is \\DDD,
+# so no name can look like a path, a query string or a terminal escape.
+_SHOWN: frozenset[int] = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_*")
+
+
+def shown_name(labels: Sequence[bytes]) -> str:
+    """Labels as master-file text (RFC 1035 §5.1), any byte but a letter,
+    digit, ``-``, ``_`` or ``*`` escaped as ``\\DDD``; ``.`` for the root."""
+    if not labels:
+        return "."
+    return ".".join("".join(chr(b) if b in _SHOWN else f"\\{b:03d}" for b in label) for label in labels)
+
+
+def plan_answer(
+    query: Query,
+    *,
+    answer4: IPv4Address,
+    answer6: IPv6Address | None,
+    unreachable: Reason | None,
+) -> Plan:
+    """Steps 4-7 of the module docstring, for a query from an attributed client.
+
+    ``unreachable`` is the strict-mode verdict for the name (None: reachable,
+    or strict mode off).
+    """
+    if query.name is None:
+        return Plan(Rcode.FORMERR, reason=Reason.BAD_REQUEST)
+    if query.qclass != CLASS.IN or query.qtype not in (_TYPE_A, _TYPE_AAAA):
+        return Plan(Rcode.REFUSED)
+    if unreachable is not None:
+        return Plan(Rcode.NXDOMAIN, reason=unreachable)
+    if query.qtype == _TYPE_A:
+        return Plan(Rcode.NOERROR, answer4)
+    if answer6 is not None:
+        return Plan(Rcode.NOERROR, answer6)
+    return Plan(Rcode.NOERROR)
+
+
+def unreachable_reason(run: Run, name: str) -> tuple[Reason | None, str | None]:
+    """Strict mode: why no connection to ``name`` can ever leave in this run.
+
+    The policy's verdict for the name on port 443: a DENY whose reason is in
+    ``UNREACHABLE`` (on the denylist, an IP literal no entry names, denied
+    earlier in the run, or not allowlisted with asking off) holds for every
+    port and for the rest of the run. Allowed names, names allowed on other
+    ports, and names a person could still be asked about are reachable.
+    Returns (reason or None, the rule that matched).
+    """
+    decision = decide(run.policy(), name, 443)
+    if decision.verdict is Verdict.DENY and decision.reason in UNREACHABLE:
+        return decision.reason, decision.rule
+    return None, decision.rule
+
+
+def pack_reply(query: Query, plan: Plan, ttl_s: int) -> bytes:
+    """The reply to ``query`` per ``plan`` (RFC 1035 §4.1).
+
+    The header keeps the query's id, opcode and RD, sets QR and RA (we act as
+    the sandbox's recursive resolver) and the response code; the question is
+    repeated byte for byte (so 0x20 case randomisation survives); the answer,
+    if any, is one record whose owner is a pointer to the question's name
+    (§4.1.4), class IN, ``ttl_s``, and the address. Built here rather than
+    with dnslib's packer: the layout is fixed, and it is the hot path.
+    """
+    flags = _QR | _RA | (query.flags & (_OPCODE_MASK | _RD)) | int(plan.rcode)
+    address = plan.address
+    if address is None:
+        return _HEADER.pack(query.ident, flags, 1, 0, 0, 0) + query.question
+    rdata = address.packed
+    rtype = _TYPE_A if address.version == 4 else _TYPE_AAAA
+    answer = _ANSWER.pack(_POINTER_TO_QUESTION, rtype, CLASS.IN, ttl_s, len(rdata)) + rdata
+    return _HEADER.pack(query.ident, flags, 1, 1, 0, 0) + query.question + answer
+
+
+class RateLimiter:
+    """A token bucket per key: ``rate`` tokens a second, at most ``burst`` saved.
+
+    Pure: ``allow(key, now)`` takes the time. At most ``max_keys`` buckets are
+    kept; the least recently used is forgotten first.
+    """
+
+    def __init__(self, rate: float, burst: int, max_keys: int = MAX_TRACKED_CLIENTS) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("rate must be positive and burst at least 1")
+        self.rate = rate
+        self.burst = float(burst)
+        self.max_keys = max_keys
+        self._buckets: OrderedDict[object, list[float]] = OrderedDict()
+
+    def allow(self, key: object, now: float) -> bool:
+        """Take one token for ``key`` if there is one."""
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            if len(self._buckets) >= self.max_keys:
+                self._buckets.popitem(last=False)
+            bucket = self._buckets[key] = [self.burst, now]
+        else:
+            self._buckets.move_to_end(key)
+            bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+            bucket[1] = now
+        if bucket[0] >= 1.0:
+            bucket[0] -= 1.0
+            return True
+        return False
+
+
+# --- the asyncio shell -----------------------------------------------------------
+
+
+class _RunLedger:
+    """Which names of one run were recorded in full, and what was only counted."""
+
+    __slots__ = ("names", "suppressed")
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.suppressed = 0
+
+
+class DnsServer:
+    """UDP and TCP on one address, answering from callbacks; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        gate: Gate,
+        runs: RunRegistry,
+        answer4: IPv4Address,
+        answer6: IPv6Address | None = None,
+        strict: bool = False,
+        ttl_s: int = DEFAULT_TTL_S,
+        rate_qps: float = DEFAULT_RATE_QPS,
+        burst: int = DEFAULT_BURST,
+        max_names_per_run: int = DEFAULT_MAX_NAMES_PER_RUN,
+        summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gate = gate
+        self.runs = runs
+        self.answer4 = answer4
+        self.answer6 = answer6
+        self.strict = strict
+        self.ttl_s = ttl_s
+        self.max_names_per_run = max_names_per_run
+        self.summary_interval_s = summary_interval_s
+        self._monotonic = monotonic
+        self._limiter = RateLimiter(rate_qps, burst)
+        self._ledgers: weakref.WeakKeyDictionary[Run, _RunLedger] = weakref.WeakKeyDictionary()
+        self._dropped: Counter[IPAddress | None] = Counter()
+        self._sources: dict[str, IPAddress | None] = {}
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.Server | None = None
+        self._tcp_connections: set[_TcpDns] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._address: tuple[str, int] | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) serving both UDP and TCP."""
+        if self._address is None:
+            raise RuntimeError("the DNS server is not started")
+        return self._address
+
+    async def start(self, host: str, port: int) -> None:
+        """Bind UDP, then TCP on the same port (port 0: any port free for both)."""
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        for _ in range(_BIND_ATTEMPTS if port == 0 else 1):
+            udp, _protocol = await loop.create_datagram_endpoint(
+                lambda: _UdpDns(self), local_addr=(host, port), family=family
+            )
+            bound = udp.get_extra_info("sockname")[1]
+            try:
+                self._tcp = await loop.create_server(
+                    lambda: _TcpDns(self), host, bound, family=family, reuse_address=True, backlog=128
+                )
+            except OSError as exc:
+                udp.close()
+                if port == 0 and exc.errno == errno.EADDRINUSE:
+                    continue
+                raise
+            self._udp = udp
+            self._address = (host, bound)
+            self._timer = loop.call_later(self.summary_interval_s, self._tick)
+            return
+        raise OSError(errno.EADDRINUSE, "no port free for both UDP and TCP")
+
+    async def close(self) -> None:
+        """Stop answering, close every TCP connection, write the last summaries."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._udp is not None:
+            self._udp.close()
+            self._udp = None
+        if self._tcp is not None:
+            self._tcp.close()
+            for connection in list(self._tcp_connections):
+                connection.close()
+            await self._tcp.wait_closed()
+            self._tcp = None
+        self.flush_summaries()
+
+    # -- one query ------------------------------------------------------------------
+
+    def handle(self, packet: bytes, peer: tuple[str | int, ...], transport: str) -> bytes | None:
+        """The reply to one query from ``peer`` (None: send nothing); records it."""
+        source = self._source(str(peer[0]))
+        if not self._limiter.allow(source, self._monotonic()):
+            self._dropped[source] += 1
+            self.gate.metrics.decided("deny", Reason.LIMIT_EXCEEDED.value, 0.0)
+            return None
+        attempt = self.gate.begin("dns", f"{peer[0]}:{peer[1]}")
+        attempt.extra.update(qtype=None, answer=None, transport=transport)
+        try:
+            return self._answer(packet, source, attempt)
+        except Exception:
+            # Fail closed: no answer, and the attempt is still recorded.
+            log.exception("DNS query %s from %s failed", attempt.id, attempt.client)
+            attempt.refuse(Reason.BAD_REQUEST)
+            self.gate.finish(attempt)
+            return None
+
+    def _source(self, text: str) -> IPAddress | None:
+        """``runs.source_address``, remembered: a sandbox asks from one address again and again."""
+        try:
+            return self._sources[text]
+        except KeyError:
+            pass
+        if len(self._sources) >= MAX_TRACKED_CLIENTS:
+            self._sources.clear()
+        address = self._sources[text] = source_address(text)
+        return address
+
+    def _answer(self, packet: bytes, source: IPAddress | None, attempt: Attempt) -> bytes | None:
+        try:
+            query = read_query(packet)
+        except DnsQueryError as exc:
+            attempt.refuse(Reason.BAD_REQUEST)
+            attempt.extra["detail"] = str(exc)
+            attempt.extra["answer"] = exc.rcode.name if exc.rcode is not None else None
+            self.gate.finish(attempt)
+            return exc.reply
+        attempt.host = query.name if query.name is not None else query.shown
+        attempt.extra["qtype"] = query.qtype_text
+        run = self.runs.attribute(source, None)
+        if run is None:
+            plan = Plan(Rcode.REFUSED, reason=Reason.AUTH_REQUIRED)
+        else:
+            attempt.run = run
+            attempt.command = run.command
+            if not self.gate.audit.healthy:
+                plan = Plan(Rcode.REFUSED, reason=Reason.AUDIT_UNAVAILABLE)
+            else:
+                unreachable = None
+                if self.strict and query.name is not None:
+                    unreachable, attempt.rule = unreachable_reason(run, query.name)
+                plan = plan_answer(query, answer4=self.answer4, answer6=self.answer6, unreachable=unreachable)
+        attempt.decision = plan.decision
+        attempt.reason = plan.reason.value if plan.reason is not None else None
+        attempt.extra["answer"] = plan.answer_text
+        if attempt.run is None or self._record_in_full(attempt.run, attempt.host):
+            self.gate.finish(attempt)
+        else:
+            self.gate.metrics.decided(attempt.decision, attempt.reason, self.gate.monotonic() - attempt.started)
+        # At most 12 + 259 + 28 = 299 octets (one question, one address
+        # record), under RFC 1035 §4.2.1's 512: never truncated.
+        return pack_reply(query, plan, self.ttl_s)
+
+    def _record_in_full(self, run: Run, name: str) -> bool:
+        """Whether this query gets its own record: its name is one of the run's first N."""
+        ledger = self._ledgers.get(run)
+        if ledger is None:
+            ledger = self._ledgers[run] = _RunLedger()
+        if name in ledger.names:
+            return True
+        if len(ledger.names) < self.max_names_per_run:
+            ledger.names.add(name)
+            return True
+        ledger.suppressed += 1
+        return False
+
+    # -- summaries ------------------------------------------------------------------
+
+    def flush_summaries(self) -> None:
+        """Write one record per client that was rate limited and per run over its name cap."""
+        dropped, self._dropped = self._dropped, Counter()
+        for source, count in dropped.items():
+            run = self.runs.attribute(source, None)
+            self._summary(run, str(source) if source is not None else None, count, "rate_per_client")
+        for run, ledger in list(self._ledgers.items()):
+            if ledger.suppressed:
+                count, ledger.suppressed = ledger.suppressed, 0
+                self._summary(run, None, count, "names_per_run")
+
+    def _summary(self, run: Run | None, client: str | None, count: int, limit: str) -> None:
+        attempt = self.gate.begin("dns", client)
+        attempt.run = run
+        attempt.command = run.command if run is not None else None
+        attempt.refuse(Reason.LIMIT_EXCEEDED)
+        attempt.decided = True  # each query was counted in the metrics as it came
+        attempt.extra.update(qtype=None, answer=None, suppressed=count, limit=limit)
+        self.gate.finish(attempt)
+
+    def _tick(self) -> None:
+        self.flush_summaries()
+        self._timer = asyncio.get_running_loop().call_later(self.summary_interval_s, self._tick)
+
+
+class _UdpDns(asyncio.DatagramProtocol):
+    def __init__(self, server: DnsServer) -> None:
+        self._server = server
+        self._transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is no DatagramTransport subclass
+
+    def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+        reply = self._server.handle(data, addr, "udp")
+        if reply is not None and self._transport is not None:
+            self._transport.sendto(reply, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        # An ICMP error for a reply whose client has gone: nothing to do.
+        pass
+
+
+class _TcpDns(asyncio.Protocol):
+    """RFC 1035 §4.2.2 / RFC 7766: 2-byte length framing, several queries per connection."""
+
+    def __init__(self, server: DnsServer) -> None:
+        self._server = server
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._peer: tuple[str | int, ...] = ("", 0)
+        self._idle: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio's: no isinstance check.
+        self._transport = transport  # type: ignore[assignment]
+        if len(self._server._tcp_connections) >= MAX_TCP_CONNECTIONS:
+            transport.abort()
+            return
+        self._server._tcp_connections.add(self)
+        self._peer = transport.get_extra_info("peername") or ("", 0)
+        transport.set_write_buffer_limits(high=_TCP_WRITE_HIGH_WATER)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+        self._idle = asyncio.get_running_loop().call_later(TCP_IDLE_TIMEOUT_S, self.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._transport is None:
+            return
+        self._buffer += data
+        while len(self._buffer) >= 2:
+            length = int.from_bytes(self._buffer[:2], "big")
+            if len(self._buffer) < 2 + length:
+                break
+            message = bytes(self._buffer[2 : 2 + length])
+            del self._buffer[: 2 + length]
+            reply = self._server.handle(message, self._peer, "tcp")
+            if self._transport.is_closing():
+                return
+            if reply is not None:
+                self._transport.write(len(reply).to_bytes(2, "big") + reply)
+        self._arm()
+
+    def pause_writing(self) -> None:
+        # The client is not reading its answers: stop reading its questions.
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+        self._server._tcp_connections.discard(self)
