@@ -45,6 +45,17 @@ from sandbox.network import (
 from .service import EgressService, StartupError, entries_from_settings
 
 
+def is_refusal(record: dict[str, Any]) -> bool:
+    """A refused egress attempt worth telling the user or the model about.
+
+    A DNS "deny" without a reason is an empty AAAA answer or a refused query
+    type: egressd answered as designed and nothing was refused.
+    """
+    if record.get("decision") != "deny":
+        return False
+    return not (record.get("kind") == "dns" and record.get("reason") is None)
+
+
 class SessionError(Exception):
     """The sandbox could not be set up (the message says why)."""
 
@@ -201,7 +212,7 @@ class SandboxSession:
         return [
             {"host": e.get("host"), "port": e.get("port"), "reason": e.get("reason"), "kind": e.get("kind")}
             for e in events
-            if e.get("decision") == "deny"
+            if is_refusal(e)
         ]
 
     def observe(self, callback: Callable[[dict[str, Any]], None]) -> None:
