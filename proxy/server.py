@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from .clienthello import Alert, ClientHelloError, NotTls, parse_client_hello, tls_alert
@@ -31,7 +30,6 @@ from .gate import Admission, Attempt, DialError, Gate
 from .hosts import HostError, normalise_host
 from .http1 import (
     BodyKind,
-    ChunkedScanner,
     Destination,
     HttpError,
     RequestHead,
@@ -46,11 +44,11 @@ from .http1 import (
 from .policy import Reason
 from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
 from .runs import IPAddress, Run, RunRegistry, source_address
+from .stream import Peer, PeerClosed, connect_peer, first_readable
 from .tunnel import Tunnel
 
 log = logging.getLogger("egressd.proxy")
 
-RECV_SIZE = 64 * 1024
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
@@ -65,99 +63,6 @@ class Limits:
     max_connections_per_run: int = 1000
 
 
-class PeerClosed(Exception):
-    """The peer closed or broke the connection; nothing more to say to it."""
-
-
-class Peer:
-    """A non-blocking socket with a read buffer."""
-
-    __slots__ = ("sock", "buf", "loop")
-
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop) -> None:
-        self.sock = sock
-        self.buf = bytearray()
-        self.loop = loop
-
-    async def fill(self) -> bool:
-        """Read more into the buffer; False at EOF."""
-        try:
-            data = await self.loop.sock_recv(self.sock, RECV_SIZE)
-        except OSError as exc:
-            raise PeerClosed(str(exc)) from exc
-        if not data:
-            return False
-        self.buf += data
-        return True
-
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            await self.loop.sock_sendall(self.sock, data)
-        except OSError as exc:
-            raise PeerClosed(str(exc)) from exc
-
-    def take(self, n: int | None = None) -> bytes:
-        n = len(self.buf) if n is None else n
-        data = bytes(self.buf[:n])
-        del self.buf[:n]
-        return data
-
-    async def read_head(self, parse: Callable, max_bytes: int):  # type: ignore[no-untyped-def]
-        """The next head, or None on a clean EOF before any byte of it."""
-        while True:
-            if self.buf:
-                parsed = parse(self.buf, max_bytes)
-                if parsed is not None:
-                    head, used = parsed
-                    del self.buf[:used]
-                    return head
-            if not await self.fill():
-                if self.buf:
-                    raise HttpError(400, "connection closed inside a message head")
-                return None
-
-    async def relay_exact(self, n: int, dst: Peer) -> int:
-        """Copy exactly ``n`` body bytes to ``dst``."""
-        left = n
-        while left:
-            if not self.buf and not await self.fill():
-                raise PeerClosed("peer closed inside a body")
-            chunk = self.take(min(left, len(self.buf)))
-            await dst.send(chunk)
-            left -= len(chunk)
-        return n
-
-    async def relay_chunked(self, dst: Peer, *, error_status: int = 400) -> int:
-        """Copy a chunked body unchanged, up to and including its last CRLF.
-
-        ``error_status`` is the status of the HttpError for a malformed body:
-        400 when the client sent it, 502 when the upstream did.
-        """
-        scanner = ChunkedScanner(error_status=error_status)
-        total = 0
-        while not scanner.done:
-            if not self.buf and not await self.fill():
-                raise PeerClosed("peer closed inside a chunked body")
-            n = scanner.feed(bytes(self.buf))
-            await dst.send(self.take(n))
-            total += n
-        return total
-
-    async def relay_until_eof(self, dst: Peer) -> int:
-        total = 0
-        while True:
-            if self.buf:
-                chunk = self.take()
-                await dst.send(chunk)
-                total += len(chunk)
-            if not await self.fill():
-                return total
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-
-
 class Listener:
     """Accepts clients on one listening socket and serves each in a task until closed.
 
@@ -169,55 +74,36 @@ class Listener:
         self.gate = gate
         self.runs = runs
         self.limits = limits
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._address: tuple[str, int] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
 
     @property
     def address(self) -> tuple[str, int]:
-        assert self._listener is not None
-        host, port = self._listener.getsockname()[:2]
-        return host, port
+        assert self._address is not None, "not started"
+        return self._address
 
     async def start(self, host: str, port: int) -> None:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind((host, port))
-            listener.listen(1024)
-            listener.setblocking(False)
-        except OSError:
-            listener.close()
-            raise
-        self._listener = listener
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
-
-    async def _accept_loop(self) -> None:
-        assert self._listener is not None
         loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, peer = await loop.sock_accept(self._listener)
-            except OSError as exc:  # EMFILE and friends: back off instead of spinning
-                log.warning("accept failed: %s", exc)
-                await asyncio.sleep(0.1)
-                continue
-            sock.setblocking(False)
+        self._server = await loop.create_server(
+            lambda: Peer(on_connect=self._accepted), host, port, backlog=1024, reuse_address=True
+        )
+        bound = self._server.sockets[0].getsockname()
+        self._address = (bound[0], bound[1])
+
+    def _accepted(self, client: Peer) -> None:
+        sock = client.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = loop.create_task(self._serve_client(sock, peer))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        task = asyncio.get_running_loop().create_task(self._serve_client(client))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def close(self, grace_s: float = 0.0) -> None:
         """Stop accepting, give open connections ``grace_s`` to finish, then end them."""
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
-        if self._listener is not None:
-            self._listener.close()
+        if self._server is not None:
+            self._server.close()  # stop accepting; open connections are ours to end
         if self._tasks and grace_s > 0:
             await asyncio.wait(set(self._tasks), timeout=grace_s)
         for tunnel in list(self._tunnels):
@@ -227,15 +113,15 @@ class Listener:
         if self._tasks:
             await asyncio.wait(set(self._tasks))
 
-    async def _serve_client(self, sock: socket.socket, peer: tuple) -> None:  # type: ignore[type-arg]
+    async def _serve_client(self, client: Peer) -> None:
         raise NotImplementedError
 
     async def _splice(self, client: Peer, upstream: Peer, attempt: Attempt) -> None:
-        """Relay both ways until the tunnel ends; the client's buffered bytes go first."""
-        tunnel = Tunnel(client.sock, upstream.sock, idle_timeout_s=self.limits.idle_timeout_s, loop=client.loop)
+        """Relay both ways until the tunnel ends; bytes already buffered on either side go first."""
+        tunnel = Tunnel(client, upstream, idle_timeout_s=self.limits.idle_timeout_s)
         self._tunnels.add(tunnel)
         try:
-            tunnel.start(first_up=client.take())
+            tunnel.start()
             await tunnel.wait()
         finally:
             self._tunnels.discard(tunnel)
@@ -260,8 +146,8 @@ class ProxyServer(Listener):
 
     # -- one client connection -------------------------------------------------
 
-    async def _serve_client(self, sock: socket.socket, peer: tuple) -> None:  # type: ignore[type-arg]
-        client = Peer(sock, asyncio.get_running_loop())
+    async def _serve_client(self, client: Peer) -> None:
+        peer = client.peername or ("", 0)
         client_text = f"{peer[0]}:{peer[1]}"
         source = source_address(peer[0])
         metrics = self.gate.metrics
@@ -345,7 +231,7 @@ class ProxyServer(Listener):
             attempt.extra["detail"] = str(exc)
             await self._refuse(client, attempt, exc.reason)
             return None
-        return Peer(sock, client.loop)
+        return await connect_peer(sock)
 
     async def _tunnel(self, client: Peer, attempt: Attempt, admission: Admission) -> None:
         upstream = await self._dial(client, attempt, admission)
@@ -374,11 +260,11 @@ class ProxyServer(Listener):
         if not client.buf:
             try:
                 async with asyncio.timeout(self.limits.idle_timeout_s):
-                    if await _first_readable(client, upstream) is upstream:
+                    if await first_readable(client, upstream) is upstream:
                         return True
             except TimeoutError:
                 return False  # idle as long as a tunnel may be: ends like one
-            if not await client.fill():
+            if not client.buf:
                 return True  # the client half-closed at once: relay that
         try:
             async with asyncio.timeout(self.limits.head_timeout_s):
@@ -391,10 +277,10 @@ class ProxyServer(Listener):
                         return await self._refuse_tls(client, attempt, Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc))
                     if hello is not None:
                         break
-                    if await _first_readable(client, upstream) is upstream:
-                        return True
-                    if not await client.fill():
+                    if client.eof:
                         return True  # an unfinished record the server will reject
+                    if await first_readable(client, upstream, more=client) is upstream:
+                        return True
         except TimeoutError:
             detail = "ClientHello incomplete in time"
             return await self._refuse_tls(client, attempt, Reason.LIMIT_EXCEEDED, None, detail)
@@ -505,21 +391,3 @@ class ProxyServer(Listener):
         self.gate.finish(attempt)
         with contextlib.suppress(PeerClosed):
             await client.send(data)
-
-
-async def _first_readable(*peers: Peer) -> Peer:
-    """The first of ``peers`` with bytes (or EOF) to read; nothing is read."""
-    loop = peers[0].loop
-    ready: asyncio.Future[Peer] = loop.create_future()
-
-    def on_readable(peer: Peer) -> None:
-        if not ready.done():
-            ready.set_result(peer)
-
-    for peer in peers:
-        loop.add_reader(peer.sock.fileno(), on_readable, peer)
-    try:
-        return await ready
-    finally:
-        for peer in peers:
-            loop.remove_reader(peer.sock.fileno())

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello, tls_alert
 from .gate import Attempt, DialError, Gate
@@ -37,7 +36,8 @@ from .http1 import Destination, HttpError, RequestHead, request_destination
 from .policy import Reason
 from .responses import STATUS_FOR_REASON
 from .runs import IPAddress, Run, RunRegistry, source_address
-from .server import Limits, Listener, Peer, PeerClosed, ProxyServer
+from .server import Limits, Listener, ProxyServer
+from .stream import Peer, PeerClosed, connect_peer
 
 log = logging.getLogger("egressd.transparent")
 
@@ -146,8 +146,8 @@ class TransparentTlsServer(Listener):
         super().__init__(gate=gate, runs=runs, limits=limits)
         self.dest_port = dest_port
 
-    async def _serve_client(self, sock: socket.socket, peer: tuple) -> None:  # type: ignore[type-arg]
-        client = Peer(sock, asyncio.get_running_loop())
+    async def _serve_client(self, client: Peer) -> None:
+        peer = client.peername or ("", 0)
         metrics = self.gate.metrics
         metrics.connections_open += 1
         metrics.connections_total["tls"] += 1
@@ -231,7 +231,7 @@ class TransparentTlsServer(Listener):
                 sock = await self.gate.dial(attempt, admission)
             except DialError as exc:
                 raise _Refusal(exc.reason, Alert.INTERNAL_ERROR, str(exc)) from None
-            upstream = Peer(sock, client.loop)
+            upstream = await connect_peer(sock)
             try:
                 await self._splice(client, upstream, attempt)
             finally:

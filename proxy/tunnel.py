@@ -1,74 +1,65 @@
-"""Relay bytes both ways between two connected non-blocking sockets.
+"""Relay bytes both ways between two connected peers (a spliced tunnel).
 
-The relay is driven by readiness callbacks, not by tasks: an idle tunnel
-costs two registered file descriptors and one small object, no coroutine
-frames and no buffers. Each direction reads a chunk, writes what the other
-side accepts, and while a remainder is pending it stops reading (backpressure:
-a slow reader slows the writer, memory stays bounded by one chunk per
-direction). An EOF in one direction is passed on as a half-close
-(``shutdown(SHUT_WR)``), so protocols that half-close keep working; the tunnel
-ends when both directions have ended, on any error, or after
-``idle_timeout_s`` with no byte in either direction.
+Once spliced, each peer's ``data_received`` hands its bytes straight to the
+other transport's ``write``: no coroutine wakes per chunk, and on uvloop the
+whole path is C. Backpressure: when one side's outgoing buffer passes its
+high-water mark (``pause_writing``), we stop reading from the other side
+until it drains (``resume_writing``), so memory stays bounded by the
+transports' buffers. An EOF in one direction is passed on as a half-close
+(``write_eof``), so protocols that half-close keep working; the tunnel ends
+when both directions have ended, when either connection is lost, or after
+``idle_timeout_s`` with no byte either way.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
-# One read's worth per direction: large enough that a bulk transfer is a few
-# syscalls per MiB, small enough that a stalled direction holds little memory.
-CHUNK = 256 * 1024
-
-
-class _Direction:
-    __slots__ = ("src", "dst", "pending", "done", "count")
-
-    def __init__(self, src: socket.socket, dst: socket.socket) -> None:
-        self.src = src
-        self.dst = dst
-        self.pending: memoryview | None = None
-        self.done = False
-        self.count = 0
+from .stream import Peer
 
 
 class Tunnel:
-    """A running relay; ``await tunnel.wait()`` until it has ended."""
+    """A running relay between ``client`` and ``upstream``; ``await wait()`` until it ends."""
 
-    def __init__(
-        self,
-        client: socket.socket,
-        upstream: socket.socket,
-        *,
-        idle_timeout_s: float,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
+    __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_eof", "_ended", "_timer",
+                 "_idle_timeout_s", "_last", "_loop", "error", "idle_expired")
+
+    def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.client = client
+        self.upstream = upstream
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._eof: set[Peer] = set()
         self._loop = loop or asyncio.get_running_loop()
-        self._up = _Direction(client, upstream)
-        self._down = _Direction(upstream, client)
-        self._idle_timeout_s = idle_timeout_s
-        self._last = time.monotonic()
         self._ended: asyncio.Future[None] = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
-        self.error: OSError | None = None
+        self._idle_timeout_s = idle_timeout_s
+        self._last = time.monotonic()
+        self.error: Exception | None = None
         self.idle_expired = False
 
-    @property
-    def bytes_up(self) -> int:
-        return self._up.count
-
-    @property
-    def bytes_down(self) -> int:
-        return self._down.count
-
     def start(self, first_up: bytes = b"", first_down: bytes = b"") -> None:
-        """Begin relaying; ``first_up``/``first_down`` are bytes already read."""
-        for direction, data in ((self._up, first_up), (self._down, first_down)):
-            if data:
-                self._write(direction, memoryview(data))
-            elif not direction.done:
-                self._loop.add_reader(direction.src.fileno(), self._on_readable, direction)
+        """Begin relaying; ``first_up``/``first_down`` are bytes already read from each side."""
+        first_up = first_up + self.client.take()
+        first_down = first_down + self.upstream.take()
+        self.client.relay = self
+        self.upstream.relay = self
+        for peer in (self.client, self.upstream):
+            if peer._read_paused:  # a coroutine had paused it; we read from here on
+                peer._read_paused = False
+                peer.transport.resume_reading()  # type: ignore[union-attr]
+        if first_up:
+            self.forward(self.client, first_up)
+        if first_down:
+            self.forward(self.upstream, first_down)
+        for peer in (self.client, self.upstream):
+            if peer.closed:
+                self.peer_lost(peer, None)
+                return
+            if peer.eof:
+                self.peer_eof(peer)
         self._timer = self._loop.call_later(self._idle_timeout_s, self._check_idle)
 
     async def wait(self) -> None:
@@ -79,80 +70,51 @@ class Tunnel:
             raise
 
     def close(self) -> None:
-        """End the tunnel now (shutdown, cancellation); idempotent."""
+        """End the tunnel now (shutdown, cancellation, idle); idempotent."""
         if self._ended.done():
             return
-        for fd in {self._up.src.fileno(), self._down.src.fileno()}:
-            if fd >= 0:
-                self._loop.remove_reader(fd)
-                self._loop.remove_writer(fd)
         if self._timer is not None:
             self._timer.cancel()
+        self.client.relay = None
+        self.upstream.relay = None
         self._ended.set_result(None)
 
-    def _on_readable(self, d: _Direction) -> None:
-        try:
-            data = d.src.recv(CHUNK)
-        except (BlockingIOError, InterruptedError):
+    # -- called by the peers ------------------------------------------------------
+
+    def forward(self, source: Peer, data: bytes) -> None:
+        target = self.upstream if source is self.client else self.client
+        if target.closed or target.transport is None:
             return
-        except OSError as exc:
-            self._fail(exc)
-            return
-        if not data:
-            self._loop.remove_reader(d.src.fileno())
-            self._end_direction(d)
-            return
+        target.transport.write(data)
         self._last = time.monotonic()
-        self._write(d, memoryview(data))
+        if source is self.client:
+            self.bytes_up += len(data)
+        else:
+            self.bytes_down += len(data)
 
-    def _write(self, d: _Direction, view: memoryview) -> None:
-        try:
-            sent = d.dst.send(view)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError as exc:
-            self._fail(exc)
-            return
-        d.count += sent
-        if sent == len(view):
-            d.pending = None
-            self._loop.add_reader(d.src.fileno(), self._on_readable, d)
-            return
-        # The other side is slower: stop reading until it has taken the rest.
-        d.pending = view[sent:]
-        self._loop.remove_reader(d.src.fileno())
-        self._loop.add_writer(d.dst.fileno(), self._on_writable, d)
-
-    def _on_writable(self, d: _Direction) -> None:
-        assert d.pending is not None
-        try:
-            sent = d.dst.send(d.pending)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as exc:
-            self._fail(exc)
-            return
-        d.count += sent
-        self._last = time.monotonic()
-        if sent < len(d.pending):
-            d.pending = d.pending[sent:]
-            return
-        d.pending = None
-        self._loop.remove_writer(d.dst.fileno())
-        self._loop.add_reader(d.src.fileno(), self._on_readable, d)
-
-    def _end_direction(self, d: _Direction) -> None:
-        d.done = True
-        try:
-            d.dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass  # the peer is already gone; the other direction will notice
-        if self._up.done and self._down.done:
+    def peer_eof(self, source: Peer) -> None:
+        self._eof.add(source)
+        target = self.upstream if source is self.client else self.client
+        if target.transport is not None and not target.transport.is_closing() and target.transport.can_write_eof():
+            target.transport.write_eof()
+        if len(self._eof) == 2:
             self.close()
 
-    def _fail(self, exc: OSError) -> None:
-        self.error = exc
+    def peer_lost(self, source: Peer, exc: Exception | None) -> None:
+        if exc is not None:
+            self.error = exc
         self.close()
+
+    def pause_from(self, target: Peer) -> None:
+        """``target`` cannot take more for now: stop reading from the other side."""
+        source = self.upstream if target is self.client else self.client
+        if source.transport is not None and not source.closed:
+            source.transport.pause_reading()
+
+    def resume_from(self, target: Peer) -> None:
+        source = self.upstream if target is self.client else self.client
+        if source.transport is not None and not source.closed and source not in self._eof:
+            source.transport.resume_reading()
 
     def _check_idle(self) -> None:
         idle = time.monotonic() - self._last

@@ -1,0 +1,237 @@
+"""A connection as seen by the listeners: an asyncio protocol with a read buffer.
+
+Why a protocol and not ``loop.sock_recv``: the transport keeps its socket
+registered with the event loop for the connection's whole life, so reading
+costs no per-call (un)registration, and on uvloop the reads and writes are
+done in C. Coroutines wait on the buffer (``fill``, ``read_head``, the
+``relay_*`` helpers) while a request head or body is being handled; once a
+tunnel is spliced (``tunnel``), bytes go from one transport to the other in
+``data_received`` without waking any coroutine.
+
+Flow control both ways: a buffer holding more than ``HIGH_WATER`` unread
+bytes pauses reading from that peer, and a peer whose outgoing buffer is
+full makes ``send`` wait (``pause_writing``/``resume_writing``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from .http1 import ChunkedScanner, HttpError
+
+# Unread bytes a peer may hold before we stop reading from it: one large
+# request head plus some body, and no more.
+HIGH_WATER = 256 * 1024
+
+
+class PeerClosed(Exception):
+    """The peer closed or broke the connection; nothing more to say to it."""
+
+
+class Peer(asyncio.Protocol):
+    """One TCP connection (client or upstream) with a read buffer."""
+
+    def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.eof = False
+        self.closed = False
+        self.peername: Any = None
+        self._on_connect = on_connect
+        self._read_waiter: asyncio.Future[None] | None = None
+        self._write_waiter: asyncio.Future[None] | None = None
+        self._write_paused = False
+        self._read_paused = False
+        # Set while spliced: bytes go straight to the other peer (see tunnel.py).
+        self.relay: Any = None
+
+    # -- protocol callbacks ---------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
+        self.peername = transport.get_extra_info("peername")
+        if self._on_connect is not None:
+            self._on_connect(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self.relay is not None:
+            self.relay.forward(self, data)
+            return
+        self.buf += data
+        if len(self.buf) > HIGH_WATER and not self._read_paused:
+            self._read_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+        self._wake_reader()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        if self.relay is not None:
+            self.relay.peer_eof(self)
+        self._wake_reader()
+        return True  # keep our side open: a half-closed peer may still read
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.eof = True
+        if self.relay is not None:
+            self.relay.peer_lost(self, exc)
+        self._wake_reader()
+        self._wake_writer()
+
+    def pause_writing(self) -> None:
+        self._write_paused = True
+        if self.relay is not None:
+            self.relay.pause_from(self)
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        if self.relay is not None:
+            self.relay.resume_from(self)
+        self._wake_writer()
+
+    # -- what coroutines use -----------------------------------------------------
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
+    async def fill(self) -> bool:
+        """Wait for more bytes in the buffer; False at EOF (nothing more will come)."""
+        if self.eof:
+            return False
+        size = len(self.buf)
+        if self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        while len(self.buf) == size and not self.eof:
+            self._read_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._read_waiter
+            finally:
+                self._read_waiter = None
+        return len(self.buf) > size
+
+    def readable(self, min_size: int = 1) -> asyncio.Future[None]:
+        """A future done when the buffer holds ``min_size`` bytes, or more arrive, or EOF.
+
+        (It may be done by fewer bytes than ``min_size``: re-check after it.)
+        """
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if len(self.buf) >= min_size or self.eof:
+            fut.set_result(None)
+        else:
+            self._read_waiter = fut
+        return fut
+
+    async def send(self, data: bytes | bytearray | memoryview) -> None:
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise PeerClosed("connection closed")
+        self.transport.write(data)
+        while self._write_paused and not self.closed:
+            self._write_waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._write_waiter
+            finally:
+                self._write_waiter = None
+        if self.closed:
+            raise PeerClosed("connection closed")
+
+    def take(self, n: int | None = None) -> bytes:
+        n = len(self.buf) if n is None else n
+        data = bytes(self.buf[:n])
+        del self.buf[:n]
+        return data
+
+    async def read_head(self, parse: Callable, max_bytes: int):  # type: ignore[no-untyped-def]
+        """The next head, or None on a clean EOF before any byte of it."""
+        while True:
+            if self.buf:
+                parsed = parse(self.buf, max_bytes)
+                if parsed is not None:
+                    head, used = parsed
+                    del self.buf[:used]
+                    return head
+            if not await self.fill():
+                if self.buf:
+                    raise HttpError(400, "connection closed inside a message head")
+                return None
+
+    async def relay_exact(self, n: int, dst: Peer) -> int:
+        """Copy exactly ``n`` body bytes to ``dst``."""
+        left = n
+        while left:
+            if not self.buf and not await self.fill():
+                raise PeerClosed("peer closed inside a body")
+            chunk = self.take(min(left, len(self.buf)))
+            await dst.send(chunk)
+            left -= len(chunk)
+        return n
+
+    async def relay_chunked(self, dst: Peer, *, error_status: int = 400) -> int:
+        """Copy a chunked body unchanged, up to and including its last CRLF.
+
+        ``error_status`` is the status of the HttpError for a malformed body:
+        400 when the client sent it, 502 when the upstream did.
+        """
+        scanner = ChunkedScanner(error_status=error_status)
+        total = 0
+        while not scanner.done:
+            if not self.buf and not await self.fill():
+                raise PeerClosed("peer closed inside a chunked body")
+            n = scanner.feed(bytes(self.buf))
+            await dst.send(self.take(n))
+            total += n
+        return total
+
+    async def relay_until_eof(self, dst: Peer) -> int:
+        total = 0
+        while True:
+            if self.buf:
+                chunk = self.take()
+                await dst.send(chunk)
+                total += len(chunk)
+            if not await self.fill():
+                return total
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _wake_reader(self) -> None:
+        waiter = self._read_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _wake_writer(self) -> None:
+        waiter = self._write_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+async def first_readable(*peers: Peer, more: Peer | None = None) -> Peer:
+    """The first of ``peers`` with bytes (or EOF) to read; nothing is consumed.
+
+    ``more``, one of ``peers``, counts only once bytes beyond what it holds now arrive.
+    """
+    futures = {peer.readable(len(peer.buf) + 1 if peer is more else 1): peer for peer in peers}
+    try:
+        done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for fut, peer in futures.items():
+            if not fut.done():
+                fut.cancel()
+            if peer._read_waiter is fut:
+                peer._read_waiter = None
+    return futures[next(iter(done))]
+
+
+async def connect_peer(sock: Any) -> Peer:
+    """Wrap a connected socket (from ``Gate.dial``) as a Peer."""
+    _, peer = await asyncio.get_running_loop().create_connection(Peer, sock=sock)
+    return peer
