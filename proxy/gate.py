@@ -36,7 +36,7 @@ from audit.records import egress_record, new_request_id
 from .addresses import forbidden_reason
 from .hosts import parse_ip_literal
 from .metrics import Metrics
-from .policy import Reason, Verdict, decide
+from .policy import Reason, Verdict
 from .resolver import ResolveError, Resolver
 from .runs import Run
 
@@ -127,6 +127,8 @@ class Gate:
         self.connect_timeout_s = connect_timeout_s
         self.clock = clock
         self.monotonic = monotonic
+        self._literals: dict[str, IPAddress | None] = {}
+        self._address_ok: dict[IPAddress, bool] = {}
         # Called with every finished egress record (e.g. `egressd run` prints refusals).
         self.observers: list[Callable[[dict[str, Any]], None]] = []
 
@@ -154,7 +156,7 @@ class Gate:
     async def _admit(self, attempt: Attempt, run: Run, host: str, port: int) -> Admission:
         if not self.audit.healthy:
             return Admission(Reason.AUDIT_UNAVAILABLE, host, port)
-        decision = decide(run.policy(), host, port)
+        decision = run.decide(host, port)
         host = decision.host
         attempt.rule = decision.rule
         if decision.verdict is Verdict.DENY:
@@ -200,7 +202,7 @@ class Gate:
             self.metrics.held_requests -= 1
 
     async def _resolve(self, attempt: Attempt, host: str, port: int) -> Admission:
-        literal = parse_ip_literal(host)
+        literal = self._literal(host)
         if literal is not None:
             candidates: Sequence[IPAddress] = [literal]
         else:
@@ -209,13 +211,35 @@ class Gate:
             except ResolveError as exc:
                 attempt.extra["detail"] = str(exc)
                 return Admission(Reason.RESOLVE_FAILED, host, port)
-        passed = tuple(
-            a for a in candidates if forbidden_reason(a, self.allow_private, self.own_addresses) is None
-        )
+        passed = tuple(a for a in candidates if self._dialable(a))
         if not passed:
             attempt.address = str(candidates[0]) if candidates else None
             return Admission(Reason.PRIVATE_ADDRESS, host, port)
         return Admission(None, host, port, passed)
+
+    # Both checks below are pure functions of their argument (and of this gate's
+    # fixed settings), so their answers are remembered; bounded like a cache.
+    def _literal(self, host: str) -> IPAddress | None:
+        try:
+            return self._literals[host]
+        except KeyError:
+            pass
+        literal = parse_ip_literal(host)
+        if len(self._literals) >= 4096:
+            self._literals.clear()
+        self._literals[host] = literal
+        return literal
+
+    def _dialable(self, address: IPAddress) -> bool:
+        try:
+            return self._address_ok[address]
+        except KeyError:
+            pass
+        ok = forbidden_reason(address, self.allow_private, self.own_addresses) is None
+        if len(self._address_ok) >= 4096:
+            self._address_ok.clear()
+        self._address_ok[address] = ok
+        return ok
 
     async def dial(self, attempt: Attempt, admission: Admission) -> socket.socket:
         """Connect to the first admitted address that answers, within the connect timeout.

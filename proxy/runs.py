@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .policy import Entry, RunPolicy, approval_ports
+from .policy import Decision, Entry, RunPolicy, approval_ports, decide
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -34,6 +34,8 @@ DEFAULT_RUN_ID = "default"
 # Enough for an agent's step to be read back by the runner; older events stay
 # in the audit log, which is the record of truth.
 EVENT_WINDOW = 10_000
+# Distinct (host, port) decisions remembered per run; a flood of new names only empties it.
+DECISION_CACHE = 4096
 
 
 class RunError(Exception):
@@ -60,6 +62,8 @@ class Run:
     next_event: int = 1
     ended: bool = False
     _policy: RunPolicy | None = None
+    # decide() is pure, so its answers for this policy are kept until the policy changes.
+    _decisions: dict[tuple[str, int], Decision] = field(default_factory=dict)
 
     def policy(self) -> RunPolicy:
         """The pure decision input; rebuilt only after an approval or denial."""
@@ -73,15 +77,28 @@ class Run:
             )
         return self._policy
 
+    def decide(self, host: str, port: int) -> Decision:
+        """``policy.decide`` for this run, remembered per (host, port) until the policy changes."""
+        key = (host, port)
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = decide(self.policy(), host, port)
+            if len(self._decisions) >= DECISION_CACHE:
+                self._decisions.clear()
+            self._decisions[key] = decision
+        return decision
+
     def approve(self, host: str, port: int) -> None:
         """Allow host on port (and 80/443) for the rest of the run."""
         self.approved[host] = self.approved.get(host, frozenset()) | approval_ports(port)
         self._policy = None
+        self._decisions.clear()
 
     def deny_host(self, host: str) -> None:
         """A denial sticks for the rest of the run (``denied_earlier``)."""
         self.denied.add(host)
         self._policy = None
+        self._decisions.clear()
 
     def allowed_texts(self) -> tuple[str, ...]:
         """The allowlist as a person reads it: entries, then approvals."""

@@ -33,6 +33,7 @@ from .http1 import (
     Destination,
     HttpError,
     RequestHead,
+    ResponseHead,
     forward_request_head,
     forward_response_head,
     parse_request_head,
@@ -175,6 +176,9 @@ class ProxyServer(Listener):
             if attempt is not None and attempt.host is not None:
                 self.gate.finish(attempt)
             metrics.connections_open -= 1
+            if client.pooled is not None:
+                client.pooled[1].close()
+                client.pooled = None
             client.close()
 
     async def _serve_request(self, client: Peer, attempt: Attempt, source: IPAddress | None, first: bool) -> bool:
@@ -308,44 +312,101 @@ class ProxyServer(Listener):
         return False
 
     async def _forward(
-        self, client: Peer, attempt: Attempt, head: RequestHead, admission: Admission, destination
-    ) -> bool:  # type: ignore[no-untyped-def]
-        upstream = await self._dial(client, attempt, admission)
-        if upstream is None:
-            return False
-        try:
-            if any(v.lower() == "100-continue" for v in head.get_all("Expect")):
-                # We answer the expectation ourselves (RFC 9110 §10.1.1) so a
-                # client waiting for it never stalls behind our relay.
-                head.headers = [(k, v) for k, v in head.headers if k.lower() != "expect"]
-                await client.send(CONTINUE)
-            out = forward_request_head(head, destination)
-            await upstream.send(out)
-            attempt.bytes_up += len(out)
-            kind, length = request_body_kind(head)
-            if kind is BodyKind.LENGTH:
-                attempt.bytes_up += await client.relay_exact(length, upstream)
-            elif kind is BodyKind.CHUNKED:
-                attempt.bytes_up += await client.relay_chunked(upstream)
-            return await self._relay_response(client, attempt, head, upstream)
-        except HttpError as exc:
-            # The origin sent something we cannot frame safely; stop here.
-            attempt.extra["detail"] = f"bad response from upstream: {exc.detail}"
-            if attempt.bytes_down == 0:
-                await self._refuse(client, attempt, Reason.UPSTREAM_UNREACHABLE)
-            return False
-        finally:
-            upstream.close()
+        self, client: Peer, attempt: Attempt, head: RequestHead, admission: Admission, destination: Destination
+    ) -> bool:
+        """Forward one request and its response; True when the client connection may carry another.
 
-    async def _relay_response(self, client: Peer, attempt: Attempt, head: RequestHead, upstream: Peer) -> bool:
+        The upstream connection is kept for the client's next request to the
+        same host and port (keep-alive on both sides, RFC 9112 §9.3). A kept
+        connection the origin has meanwhile closed is replaced once, for a
+        request without a body (nothing is lost by sending it again).
+        """
+        if any(v.lower() == "100-continue" for v in head.get_all("Expect")):
+            # We answer the expectation ourselves (RFC 9110 §10.1.1) so a
+            # client waiting for it never stalls behind our relay.
+            head.headers = [(k, v) for k, v in head.headers if k.lower() != "expect"]
+            await client.send(CONTINUE)
+        out = forward_request_head(head, destination)
+        kind, length = request_body_kind(head)
+        key = (admission.host, admission.port)
+        for try_again in (True, False):
+            upstream = self._kept(client, key, admission)
+            reused = upstream is not None
+            if upstream is None:
+                upstream = await self._dial(client, attempt, admission)
+                if upstream is None:
+                    return False
+                upstream.dialled = attempt.address
+            else:
+                attempt.address = upstream.dialled
+            keep_upstream = False
+            try:
+                response = None
+                try:
+                    await upstream.send(out)
+                    if kind is BodyKind.NONE:
+                        response = await self._response_head(upstream)
+                except PeerClosed:
+                    pass
+                if response is None and reused and try_again and kind is BodyKind.NONE:
+                    continue  # a stale kept connection: dial a fresh one
+                attempt.bytes_up += len(out)
+                if kind is BodyKind.LENGTH:
+                    attempt.bytes_up += await client.relay_exact(length, upstream)
+                elif kind is BodyKind.CHUNKED:
+                    attempt.bytes_up += await client.relay_chunked(upstream)
+                if response is None:
+                    response = await self._response_head(upstream)
+                if response is None:
+                    raise HttpError(502, "upstream closed without a response")
+                keep_client, keep_upstream = await self._relay_response(client, attempt, head, upstream, response)
+                return keep_client
+            except HttpError as exc:
+                # The origin sent something we cannot frame safely; stop here.
+                attempt.extra["detail"] = f"bad response from upstream: {exc.detail}"
+                if attempt.bytes_down == 0:
+                    await self._refuse(client, attempt, Reason.UPSTREAM_UNREACHABLE)
+                return False
+            finally:
+                if keep_upstream:
+                    client.pooled = (key, upstream)
+                else:
+                    upstream.close()
+        return False
+
+    @staticmethod
+    def _kept(client: Peer, key: tuple[str, int], admission: Admission) -> Peer | None:
+        """The client's kept upstream connection, if it serves this request; else None (and closed)."""
+        pooled = client.pooled
+        if pooled is None:
+            return None
+        client.pooled = None
+        pooled_key, upstream = pooled
+        usable = (
+            pooled_key == key
+            and not upstream.closed
+            and not upstream.eof
+            and not upstream.buf  # an unrequested byte means the stream is out of step
+            and any(str(a) == upstream.dialled for a in admission.addresses)
+        )
+        if usable:
+            return upstream
+        upstream.close()
+        return None
+
+    async def _response_head(self, upstream: Peer) -> ResponseHead | None:
+        """The final response head (interim 1xx skipped); None if the upstream closed first."""
         async with asyncio.timeout(self.limits.idle_timeout_s):
             while True:
                 response = await upstream.read_head(parse_response_head, self.limits.max_head_bytes)
-                if response is None:
-                    raise HttpError(502, "upstream closed without a response")
-                if 100 <= response.status < 200 and response.status != 101:
-                    continue  # interim responses (we already answered any 100-continue)
-                break
+                if response is None or not (100 <= response.status < 200 and response.status != 101):
+                    return response
+                # interim responses: we already answered any 100-continue ourselves
+
+    async def _relay_response(
+        self, client: Peer, attempt: Attempt, head: RequestHead, upstream: Peer, response: ResponseHead
+    ) -> tuple[bool, bool]:
+        """Send the response on; (client may carry another request, upstream may be kept)."""
         attempt.extra["status"] = response.status
         kind, length = response_body_kind(response, head.method)
         keep_alive = head.keep_alive and kind is not BodyKind.UNTIL_CLOSE
@@ -358,7 +419,8 @@ class ProxyServer(Listener):
             attempt.bytes_down += await upstream.relay_chunked(client, error_status=502)
         elif kind is BodyKind.UNTIL_CLOSE:
             attempt.bytes_down += await upstream.relay_until_eof(client)
-        return keep_alive
+        keep_upstream = keep_alive and response.keep_alive and response.status != 101
+        return keep_alive, keep_upstream
 
     async def _refuse(
         self,

@@ -46,6 +46,10 @@ class Peer(asyncio.Protocol):
         self._read_paused = False
         # Set while spliced: bytes go straight to the other peer (see tunnel.py).
         self.relay: Any = None
+        # Plain HTTP: the address an upstream peer was dialled at, and the
+        # upstream a client connection keeps for its next request.
+        self.dialled: str | None = None
+        self.pooled: tuple[tuple[str, int], Peer] | None = None
 
     # -- protocol callbacks ---------------------------------------------------
 

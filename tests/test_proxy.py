@@ -197,3 +197,42 @@ async def test_shutdown_grace_ends_tunnels_that_do_not_finish(make_egressd, echo
     assert await asyncio.wait_for(reader.read(), 2) == b""
     writer.close()
     assert egress(svc)[-1]["decision"] == "allow"
+
+
+async def _counting_origin(close_after_first: bool) -> tuple[asyncio.AbstractServer, list[int]]:
+    """An origin that counts connections; optionally drops each one after its first response."""
+    connections: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(1)
+        try:
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                await writer.drain()
+                if close_after_first:
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, ORIGIN, 0)
+    return server, connections
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["kept", "kept-but-closed-by-the-origin"])
+async def test_upstream_connection_is_kept_for_the_next_request(make_egressd, stale: bool) -> None:
+    server, connections = await _counting_origin(close_after_first=stale)
+    port = server.sockets[0].getsockname()[1]
+    svc = await make_egressd(allow=["origin.test:*"])
+    reader, writer = await open_proxy(svc)
+    for i in range(3):
+        writer.write(f"GET http://origin.test:{port}/{i} HTTP/1.1\r\n\r\n".encode())
+        status, _, body = await read_response(reader)
+        assert (status, body) == (200, b"ok")
+        await asyncio.sleep(0.05)
+    writer.close()
+    server.close()
+    assert len(connections) == (3 if stale else 1)
+    assert [r["decision"] for r in egress(svc)] == ["allow"] * 3
