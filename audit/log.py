@@ -29,6 +29,10 @@ logger = logging.getLogger("egressd.audit")
 _FILE_MODE = 0o600
 
 
+# One encoder for every line: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 class AuditError(Exception):
     """A record could not be written, or the sink could not be opened."""
 
@@ -130,7 +134,7 @@ class JsonlAuditSink:
             # fails to encode (lone surrogates from hostile input), and a
             # terminal reading the file sees no raw control characters.
             # allow_nan=False: NaN is not JSON, and strict readers reject it.
-            line = json.dumps(record, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+            line = _ENCODER.encode(record)
         except (TypeError, ValueError) as exc:
             raise AuditError(f"audit record does not serialise to JSON: {exc}") from exc
         data = line.encode("ascii") + b"\n"

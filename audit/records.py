@@ -106,11 +106,22 @@ def rfc3339(ts: float) -> str:
     ``rfc3339(0.5) == "1970-01-01T00:00:00.500000Z"``. Raises ``RecordError``
     for a value that is not a finite time.
     """
+    # One record per connection calls this: the formatted second is kept and
+    # only the microseconds are formatted anew while the second stays the same.
     try:
-        moment = _dt.datetime.fromtimestamp(ts, tz=_dt.UTC)
+        second = int(ts // 1)
+        micros = round((ts - second) * 1_000_000)
+        if micros == 1_000_000:
+            second, micros = second + 1, 0
+        if second != _last_second[0]:
+            moment = _dt.datetime.fromtimestamp(second, tz=_dt.UTC)
+            _last_second[:] = [second, moment.strftime("%Y-%m-%dT%H:%M:%S")]
     except (OverflowError, OSError, ValueError, TypeError) as exc:
         raise RecordError(f"not a timestamp: {ts!r}") from exc
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return f"{_last_second[1]}.{micros:06d}Z"
+
+
+_last_second: list = [None, ""]  # [epoch second, its formatted text]
 
 
 def egress_record(

@@ -411,11 +411,13 @@ class ProxyServer(Listener):
         kind, length = response_body_kind(response, head.method)
         keep_alive = head.keep_alive and kind is not BodyKind.UNTIL_CLOSE
         out = forward_response_head(response, keep_alive)
-        await client.send(out)
         attempt.bytes_down += len(out)
         if kind is BodyKind.LENGTH:
-            attempt.bytes_down += await upstream.relay_exact(length, client)
-        elif kind is BodyKind.CHUNKED:
+            # The head and the body bytes already here go out in one write.
+            attempt.bytes_down += await upstream.relay_exact(length, client, head=out)
+            return keep_alive, keep_alive and response.keep_alive
+        await client.send(out)
+        if kind is BodyKind.CHUNKED:
             attempt.bytes_down += await upstream.relay_chunked(client, error_status=502)
         elif kind is BodyKind.UNTIL_CLOSE:
             attempt.bytes_down += await upstream.relay_until_eof(client)

@@ -162,9 +162,13 @@ class Peer(asyncio.Protocol):
                     raise HttpError(400, "connection closed inside a message head")
                 return None
 
-    async def relay_exact(self, n: int, dst: Peer) -> int:
-        """Copy exactly ``n`` body bytes to ``dst``."""
+    async def relay_exact(self, n: int, dst: Peer, *, head: bytes = b"") -> int:
+        """Copy exactly ``n`` body bytes to ``dst``, after ``head`` (sent in the same write when it can be)."""
         left = n
+        if head:
+            chunk = self.take(min(left, len(self.buf)))
+            await dst.send(head + chunk if chunk else head)
+            left -= len(chunk)
         while left:
             if not self.buf and not await self.fill():
                 raise PeerClosed("peer closed inside a body")
