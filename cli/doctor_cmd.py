@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sandbox.doctor import render, run_checks
+from sandbox.doctor import clean_docker, render, run_checks
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -19,6 +19,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             from .session import clean_stale
 
             removed = await clean_stale()
+            removed += await clean_docker()
             print(f"removed {len(removed)} leftover(s) of dead runs" + (": " + ", ".join(removed) if removed else ""))
         checks = await run_checks()
         for line in render(checks):

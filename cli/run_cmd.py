@@ -1,7 +1,9 @@
 """``egressd run``: one command in a fresh sandbox pinned to an embedded egressd.
 
 ``cli.session.SandboxSession`` sets up and tears down the sandbox (network,
-embedded egressd, run, bubblewrap); this module runs the one command in it,
+embedded egressd, run, bubblewrap), ``cli.docker_session.DockerSession`` its
+Docker counterpart (``--backend docker``: networks, egressd's container or
+``--connect``, the sandbox's containers); this module runs the one command in it,
 printing each egress refusal to stderr as it happens, copies out what was
 asked for, and maps signals and failures to exit statuses.
 
@@ -23,10 +25,12 @@ from typing import Any
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
 from sandbox.copyout import CopyOutError, check_pattern
+from sandbox.docker import DEFAULT_DOCKER_RANGE
 from sandbox.launcher import EXIT_CANNOT_START, SandboxError
 from sandbox.limits import Limits
 from sandbox.network import DEFAULT_RANGE
 
+from .docker_session import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerSession, copy_out
 from .service import StartupError
 from .session import SandboxSession, SessionError
 
@@ -41,9 +45,31 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-out", action="append", default=[], metavar="GLOB", help="copy matching files out of the working directory (repeatable)")
     parser.add_argument("--copy-out-dir", default=".", metavar="DIR", help="where --copy-out puts files (default: the current directory)")
     parser.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]", help="pass a variable into the sandbox (repeatable); nothing else from the host gets in")
-    parser.add_argument("--backend", choices=["bwrap", "docker"], default="bwrap", help="sandbox backend (default bwrap)")
-    parser.add_argument("--net-range", default=DEFAULT_RANGE, metavar="CIDR", help=f"where per-run /30 subnets come from (default {DEFAULT_RANGE})")
+    add_backend_arguments(parser)
     parser.add_argument("--task", help="what the run is for (shown in approval messages)")
+
+
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sandbox backend's options (``egressd run`` and ``egressd agent``); ``open_session`` reads them."""
+    parser.add_argument("--backend", choices=["bwrap", "docker"], default="bwrap", help="sandbox backend (default bwrap)")
+    parser.add_argument("--net-range", default=DEFAULT_RANGE, metavar="CIDR", help=f"where per-run subnets come from (default {DEFAULT_RANGE}: /30s; with --backend docker {DEFAULT_DOCKER_RANGE}: /28s)")
+    parser.add_argument("--image", default=DEFAULT_IMAGE, metavar="IMAGE", help=f"--backend docker: the sandbox's toolchain image (default {DEFAULT_IMAGE})")
+    parser.add_argument("--egressd-image", default=DEFAULT_EGRESSD_IMAGE, metavar="IMAGE", help=f"--backend docker: egressd's own image, run beside the sandbox (default {DEFAULT_EGRESSD_IMAGE})")
+    parser.add_argument("--connect", metavar="URL", help="--backend docker: use the running egressd whose control API is at URL (its --control-token) instead of starting one")
+
+
+def open_session(args: argparse.Namespace, settings: Settings, **common: Any) -> SandboxSession | DockerSession:
+    """The session of the backend ``add_backend_arguments`` chose (not entered yet).
+
+    ``common`` is what both take: workdir, task, extra_env, keep_workdir, term.
+    """
+    if args.connect and args.backend != "docker":
+        raise SettingsError("bad argument: --connect needs --backend docker")
+    if args.backend == "docker":
+        net_range = DEFAULT_DOCKER_RANGE if args.net_range == DEFAULT_RANGE else args.net_range
+        return DockerSession(settings, image=args.image, egressd_image=args.egressd_image, connect=args.connect,
+                             net_range=net_range, **common)
+    return SandboxSession(settings, net_range=args.net_range, **common)
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -75,23 +101,20 @@ def refusal_printer(record: dict[str, Any]) -> None:
 async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
     if not args.command:
         raise SettingsError("bad argument: no command given (egressd run [options] -- COMMAND ...)")
-    if args.backend == "docker":
-        raise SessionError("the docker backend is not available in this version of egressd; use --backend bwrap")
     for pattern in args.copy_out:
         try:
             check_pattern(pattern)
         except CopyOutError as exc:
             raise SettingsError(f"bad setting copy_out: {exc}") from None
     command_text = shlex.join(args.command)
-    session = SandboxSession(
-        settings,
-        workdir=Path(args.workdir) if args.workdir else None,
-        task=args.task or command_text,
-        extra_env=parse_env(args.env),
-        keep_workdir=args.keep_workdir,
-        net_range=args.net_range,
-        term=os.environ.get("TERM"),
-    )
+    common: dict[str, Any] = {
+        "workdir": Path(args.workdir) if args.workdir else None,
+        "task": args.task or command_text,
+        "extra_env": parse_env(args.env),
+        "keep_workdir": args.keep_workdir,
+        "term": os.environ.get("TERM"),
+    }
+    session = open_session(args, settings, **common)
     async with session:
         session.set_command(command_text)
         session.observe(refusal_printer)
@@ -111,7 +134,10 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
         if obs.memory_exceeded:
             print(f"egressd: the command exceeded --memory {args.memory} MB and was killed", file=sys.stderr)
         if args.copy_out:
-            report = session.box.copy_out(args.copy_out, Path(args.copy_out_dir))
+            try:
+                report = await copy_out(session.box, args.copy_out, Path(args.copy_out_dir))
+            except SandboxError as exc:
+                raise SessionError(f"copy-out failed: {exc}") from None
             for line in report.lines():
                 print(f"egressd: copy-out: {line}", file=sys.stderr)
         if session.made_workdir and args.keep_workdir:

@@ -150,7 +150,34 @@ async def check_docker() -> Check:
         version = json.loads(body).get("Version", "?")
     except ValueError:
         return Check("docker", False, f"unexpected answer from the Docker Engine: {head[:80]!r}", "check dockerd", required=False)
-    return Check("docker", True, f"Docker Engine {version} answers on {DOCKER_SOCKET}", required=False)
+    detail = f"Docker Engine {version} answers on {DOCKER_SOCKET}"
+    return Check("docker", True, detail + await _docker_images(), required=False)
+
+
+async def _docker_images() -> str:
+    """Whether the images ``egressd run --backend docker`` uses by default are here."""
+    from .docker import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerEngine, DockerUnavailable
+
+    try:
+        async with DockerEngine.connect() as engine:
+            images = (DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE)
+            missing = [image for image in images if not await engine.image_exists(image)]
+    except DockerUnavailable as exc:
+        return f"; cannot list images: {exc}"
+    if missing:
+        return f"; {' and '.join(missing)} not built yet (bash docker/build.sh)"
+    return f"; images {DEFAULT_EGRESSD_IMAGE} and {DEFAULT_IMAGE} are here"
+
+
+async def clean_docker() -> list[str]:
+    """Remove containers, networks and volumes of Docker runs whose egressd died ([] without Docker)."""
+    from .docker import DockerEngine, DockerUnavailable, clean_leftovers
+
+    try:
+        async with DockerEngine.connect() as engine:
+            return await clean_leftovers(engine)
+    except DockerUnavailable:
+        return []
 
 
 async def run_checks() -> list[Check]:

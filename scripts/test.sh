@@ -9,6 +9,14 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     for pkg_bin in bubblewrap:bwrap nftables:nft iproute2:ip curl:curl dnsutils:dig; do
         command -v "${pkg_bin#*:}" >/dev/null || need+=("${pkg_bin%%:*}")
     done
+    # The Docker tests: debootstrap makes the images' base (docker/build.sh),
+    # and the compose example needs a compose (the plugin or docker-compose).
+    if command -v docker >/dev/null; then
+        command -v debootstrap >/dev/null || need+=(debootstrap)
+        if ! command -v docker-compose >/dev/null && ! docker compose version >/dev/null 2>&1; then
+            need+=(docker-compose)
+        fi
+    fi
     if [ ${#need[@]} -gt 0 ]; then
         apt-get update -qq
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
@@ -17,4 +25,10 @@ fi
 
 bash scripts/install.sh
 .venv/bin/lint-imports --no-cache
+# egressd's images, built offline and cached (a second run rebuilds only what changed).
+if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
+    bash docker/build.sh
+else
+    echo "test.sh: no Docker Engine answers here: the Docker tests will say so" >&2
+fi
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"

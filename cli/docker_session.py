@@ -1,0 +1,688 @@
+"""A Docker sandbox session: ``cli.session.SandboxSession``'s counterpart for ``--backend docker``.
+
+``egressd run --backend docker`` and ``egressd agent --backend docker`` use it
+exactly like the bubblewrap session:
+
+    async with DockerSession(settings, workdir=..., task=..., image=...) as session:
+        cursor = session.cursor()
+        session.set_command("pip install x")
+        obs = await session.box.run(argv, limits=...)
+        obs.egress_refusals = session.refusals_since(cursor)
+        report = await session.box.copy_out(["dist/*"], Path("out"))
+
+Entering it: (1) connects to the Docker Engine and removes leftovers of dead
+runs (by label), (2) creates the run's internal and outgoing networks, (3)
+starts egressd's container from the egressd image, configured by EGRESSD_*
+variables (``--require-auth``: the sandbox's traffic is bound to its source
+address; the control API on the host's loopback with a fresh bearer token) —
+or, with ``--connect URL``, uses a running egressd and joins the sandbox to
+its internal network — (4) registers the run through the control API, (5)
+prepares the sandbox. Leaving it ends the run, appends egressd's audit
+records to the host's audit log, and removes every container, network and
+volume of the run, whatever happened. A failure to set up raises
+``SessionError`` (exit 125).
+
+Approvals from the terminal where the session was started (``--approver
+terminal``): egressd in its container has no terminal, so ``TerminalRelay``
+stands in for one — egressd delivers each approval by a signed webhook to a
+listener of ours on the outgoing network's host address, the prompt appears
+on our terminal (``approvals.terminal``), and the answer goes back through
+the control API (``POST /approvals/ID/allow|deny``).
+
+The run's events come through the control API (``GET /runs/ID/events``):
+polled while a command runs (for refusals printed as they happen) and once
+more when it ends, so ``refusals_since`` is complete when ``box.run`` returns.
+``set_command`` is recorded at once and sent (``PUT /runs/ID/command``)
+before the next command starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import datetime as dt
+import ipaddress
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from pydantic import SecretStr
+from yarl import URL
+
+from approvals.interface import (
+    ANSWER_REASONS,
+    Answer,
+    Answered,
+    AnswerResult,
+    ApprovalRequest,
+    ChannelError,
+    ChannelUnavailable,
+    Decision,
+    PendingApproval,
+    Settlement,
+)
+from approvals.message import render
+from approvals.signing import ReplayGuard, VerifyError, verify
+from approvals.terminal import TerminalChannel
+from audit.log import AuditError, JsonlAuditSink
+from config.settings import Settings
+from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
+from sandbox.copyout import CopyReport
+from sandbox.docker import (
+    CONTROL_PORT,
+    DEFAULT_DOCKER_RANGE,
+    DEFAULT_EGRESSD_IMAGE,
+    DEFAULT_IMAGE,
+    EGRESSD_STATE,
+    PROXY_PORT,
+    DockerEngine,
+    DockerRun,
+    DockerRunNetwork,
+    DockerSandbox,
+    DockerUnavailable,
+    clean_leftovers,
+    read_file,
+    start_egressd,
+)
+from sandbox.launcher import Observation, SandboxError
+
+from .service import StartupError, entries_from_settings, token_path
+from .session import SessionError
+
+# The control API answers at once; anything slower means it is not there.
+CONTROL_TIMEOUT_S = 10.0
+# While a command runs, refusals are printed this soon after they happen.
+POLL_INTERVAL_S = 0.25
+MAX_AUDIT_BYTES = 256 * 1024 * 1024
+# Settings the sidecar takes from ours as they are. The rest is per run (the
+# allowlist goes in POST /runs) or fixed by the session (listeners, control).
+PASSTHROUGH = (
+    "allow_private", "approver", "approval_timeout", "max_pending_approvals", "webhook_url",
+    "webhook_secret", "webhook_callback_secret", "public_url", "slack_bot_token", "slack_app_token",
+    "slack_signing_secret", "slack_channel", "slack_approvers", "slack_api_url", "dns_strict",
+    "upstream_dns", "audit_fsync", "max_head_bytes", "head_timeout_s", "connect_timeout_s",
+    "idle_timeout_s", "max_connections", "max_connections_per_run", "shutdown_grace_s", "log_level",
+)
+
+
+def env_value(value: Any) -> str:
+    """A setting's value as an EGRESSD_* variable holds it (pure)."""
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return ",".join(str(v) for v in value)
+    return str(value)
+
+
+def sidecar_environment(
+    settings: Settings,
+    *,
+    egressd_ip: str,
+    control_ip: str,
+    token: str,
+) -> dict[str, str]:
+    """egressd's configuration in its container, as EGRESSD_* variables (pure).
+
+    Our settings that differ from the defaults are passed on (policy
+    exemptions, approval channels, limits); the listeners are fixed: proxy,
+    DNS and transparent TLS/HTTP on the internal network's address only,
+    the control API on the outgoing network's address only (published on
+    the host's loopback), every client bound to a run.
+    """
+    env: dict[str, str] = {}
+    for name in PASSTHROUGH:
+        value = getattr(settings, name)
+        default = Settings.model_fields[name].get_default(call_default_factory=True)
+        if value is None or value == default:
+            continue
+        if name == "approver":
+            # A terminal is ours, not the container's: the sidecar would find none.
+            value = [a for a in value if a != "terminal"]
+            if not value:
+                continue
+        env[f"EGRESSD_{name.upper()}"] = env_value(value)
+    env.update(
+        {
+            "EGRESSD_LISTEN": f"{egressd_ip}:{PROXY_PORT}",
+            "EGRESSD_DNS_LISTEN": f"{egressd_ip}:53",
+            "EGRESSD_TRANSPARENT_TLS": f"{egressd_ip}:443",
+            "EGRESSD_TRANSPARENT_HTTP": f"{egressd_ip}:80",
+            "EGRESSD_DNS_ANSWER": egressd_ip,
+            "EGRESSD_CONTROL": f"{control_ip}:{CONTROL_PORT}",
+            "EGRESSD_CONTROL_TOKEN": token,
+            "EGRESSD_REQUIRE_AUTH": "true",
+            "EGRESSD_AUDIT_LOG": f"{EGRESSD_STATE}/audit.jsonl",
+        }
+    )
+    return env
+
+
+class ControlClient:
+    """egressd's control API over HTTP with its bearer token; every call bounded."""
+
+    def __init__(self, url: str, token: str) -> None:
+        self.url = url.rstrip("/")
+        self._token = token
+        # trust_env=False: the control API is local; a proxy from the environment must never see the token.
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S), trust_env=False)
+
+    async def close(self) -> None:
+        await self._http.close()
+
+    async def call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        try:
+            async with self._http.request(
+                method, self.url + path, json=body, headers={"Authorization": f"Bearer {self._token}"}
+            ) as resp:
+                text = await resp.text()
+                data = json.loads(text) if text else None
+                if resp.status >= 400:
+                    error = data.get("error") if isinstance(data, dict) else text[:200]
+                    raise SessionError(f"egressd's control API refused {method} {path}: {resp.status} {error}")
+                return data
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            why = exc or type(exc).__name__
+            raise SessionError(f"cannot reach egressd's control API at {self.url}: {why}") from None
+
+
+def _epoch(text: Any, default: float) -> float:
+    try:
+        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return default
+
+
+class TerminalRelay:
+    """``--approver terminal`` for egressd in a container: its approvals, our terminal.
+
+    egressd's webhook channel delivers each ``approval.requested`` here
+    (signed with a key made for this run; anything unsigned, stale or
+    replayed is refused); the approval is shown by an ``approvals.terminal``
+    prompt, whose answer this relay — the prompt's ``Answerer`` — sends to
+    the control API. ``approval.settled`` withdraws a prompt answered
+    elsewhere or expired.
+    """
+
+    def __init__(self, *, address: str, tty_path: str = "/dev/tty") -> None:
+        self.address = address
+        self.key = secrets.token_bytes(32)
+        self.secret = "whsec_" + base64.b64encode(self.key).decode()
+        self.terminal = TerminalChannel(tty_path=tty_path)
+        self.control: ControlClient | None = None  # set once the run is registered
+        self.url = ""
+        self._pending: dict[str, PendingApproval] = {}
+        self._answers: asyncio.Queue[tuple[str, Decision, str | None]] = asyncio.Queue()
+        self._guard = ReplayGuard()
+        self._runner: web.AppRunner | None = None
+        self._sender: asyncio.Task[None] | None = None
+
+    async def start(self) -> bool:
+        """Open the terminal and listen; False when there is no terminal (the channel is not attached)."""
+        try:
+            await self.terminal.start(self)
+        except ChannelUnavailable:
+            return False
+        app = web.Application(client_max_size=64 * 1024)
+        app.router.add_post("/approvals", self._hook)
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.address, 0).start()
+        self.url = f"http://{self.address}:{self._runner.addresses[0][1]}/approvals"
+        self._sender = asyncio.ensure_future(self._send_answers())
+        return True
+
+    async def close(self) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sender
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.terminal.close()
+
+    # -- the Answerer the prompt answers through ------------------------------------------
+
+    def answer(self, approval_id: str, decision: Decision, *, channel: str, by: str | None) -> Answered:
+        if self._pending.pop(approval_id, None) is None:
+            return Answered(AnswerResult.UNKNOWN)
+        self._answers.put_nowait((approval_id, decision, by))
+        return Answered(AnswerResult.ACCEPTED)
+
+    def pending(self) -> list[PendingApproval]:
+        return list(self._pending.values())
+
+    async def _send_answers(self) -> None:
+        while True:
+            approval_id, decision, by = await self._answers.get()
+            if self.control is None:
+                continue
+            try:
+                await self.control.call("POST", f"/approvals/{approval_id}/{decision.value}", {"by": by or "terminal"})
+            except Exception as exc:  # a task boundary: settled meanwhile, or egressd gone (the request fails closed)
+                print(f"egressd: the answer to {approval_id} was not taken: {exc}", file=sys.stderr)
+
+    # -- what egressd's webhook channel sends ------------------------------------------------
+
+    async def _hook(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        now = time.time()
+        try:
+            msg_id = verify(self.key, request.headers, body, now=now)
+        except VerifyError:
+            return web.Response(status=401)
+        if not self._guard.first_sighting(msg_id, now=now):
+            return web.Response(status=409)
+        try:
+            payload = json.loads(body)
+            kind, approval_id = payload["type"], str(payload["id"])
+        except (ValueError, KeyError, TypeError):
+            return web.Response(status=400)
+        try:
+            if kind == "approval.requested":
+                await self._requested(approval_id, payload, now)
+            elif kind == "approval.settled":
+                await self._settled(approval_id, payload, now)
+        except ChannelError:
+            return web.Response(status=503)  # the terminal is gone: nobody here answers
+        return web.Response(status=202)
+
+    async def _requested(self, approval_id: str, payload: dict[str, Any], now: float) -> None:
+        if approval_id in self._pending:
+            return  # a retry of what is on screen already
+        host, port = str(payload.get("host")), int(payload.get("port") or 0)
+        command, task = payload.get("command"), payload.get("task")
+        allowed = tuple(str(a) for a in payload.get("allowed") or ())
+        expires = _epoch(payload.get("expires_at"), now + 600)
+        approval = PendingApproval(
+            id=approval_id,
+            request=ApprovalRequest(run_id=str(payload.get("run")), host=host, port=port, command=command,
+                                    task=task, allowed=allowed),
+            message=render(host=host, port=port, command=command, task=task, allowed=allowed),
+            created_at=now,
+            expires_at=expires,
+            deadline=asyncio.get_running_loop().time() + max(0.0, expires - now),
+        )
+        self._pending[approval_id] = approval
+        await self.terminal.deliver(approval)
+
+    async def _settled(self, approval_id: str, payload: dict[str, Any], now: float) -> None:
+        approval = self._pending.pop(approval_id, None)
+        if approval is None:
+            return
+        reasons = {reason: answer for answer, reason in ANSWER_REASONS.items()}
+        answer = Answer.ALLOW if payload.get("reason") is None else reasons.get(str(payload["reason"]), Answer.DENY)
+        at = _epoch(payload.get("at"), now)
+        settlement = Settlement(answer=answer, channel=payload.get("channel"), by=payload.get("by"), at=at,
+                                waited_s=max(0.0, at - approval.created_at))
+        await self.terminal.settle(approval, settlement)
+
+
+def _connect_token(settings: Settings) -> str:
+    if settings.control_token is not None:
+        return settings.control_token.get_secret_value()
+    path = token_path(settings)
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise SessionError(f"--connect needs the control token: give --control-token or write it to {path} "
+                           f"({exc.strerror})") from None
+
+
+@dataclass(frozen=True)
+class RemoteRun:
+    """The run as egressd's control API created it (``SandboxSession.run``'s counterpart)."""
+
+    id: str
+    proxy_url: str
+
+
+class _SessionBox:
+    """The sandbox as runners see it: ``run`` also sends the command and collects its events."""
+
+    def __init__(self, session: DockerSession, sandbox: DockerSandbox) -> None:
+        self._session = session
+        self.sandbox = sandbox
+
+    @property
+    def workdir(self) -> Path:
+        return self.sandbox.workdir
+
+    async def run(self, command: Sequence[str], **kwargs: Any) -> Observation:
+        await self._session.flush_command()
+        self._session.polling = True
+        try:
+            return await self.sandbox.run(command, **kwargs)
+        finally:
+            self._session.polling = False
+            await self._session.poll()
+
+    async def copy_out(self, patterns: list[str], dest: Path) -> CopyReport:
+        return await self.sandbox.copy_out(patterns, dest)
+
+
+class DockerSession:
+    """Everything one sandboxed run on Docker needs, created and destroyed together."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        workdir: Path | None,
+        task: str | None,
+        extra_env: Mapping[str, str] = {},
+        keep_workdir: bool = False,
+        term: str | None = None,
+        image: str = DEFAULT_IMAGE,
+        egressd_image: str = DEFAULT_EGRESSD_IMAGE,
+        connect: str | None = None,
+        net_range: str = DEFAULT_DOCKER_RANGE,
+        labels: Mapping[str, str] = {},
+        docker_url: str | None = None,
+        tty_path: str = "/dev/tty",
+    ) -> None:
+        self.settings = settings
+        self._workdir_arg = workdir
+        self.task = task
+        self.extra_env = dict(extra_env)
+        self.keep_workdir = keep_workdir
+        self.term = term
+        self.image = image
+        self.egressd_image = egressd_image
+        self.connect = connect
+        self.net_range = net_range
+        self.labels = dict(labels)
+        self.docker_url = docker_url
+        self.tty_path = tty_path
+        self.relay: TerminalRelay | None = None
+        self.workdir: Path = Path()
+        self.made_workdir = workdir is None
+        self.engine: DockerEngine | None = None
+        self.resources: DockerRun | None = None
+        self.control: ControlClient | None = None
+        self.egressd_container: str | None = None
+        self.run_id: str | None = None
+        self.run: RemoteRun | None = None
+        self.polling = False
+        self._box: _SessionBox | None = None
+        self._events: list[dict[str, Any]] = []
+        self._server_cursor = 0
+        self._observers: list[Callable[[dict[str, Any]], None]] = []
+        self._command: str | None = None
+        self._command_sent = True
+        self._poll_lock = asyncio.Lock()
+        self._stack = contextlib.AsyncExitStack()
+
+    @property
+    def box(self) -> _SessionBox:
+        assert self._box is not None, "the session is not entered"
+        return self._box
+
+    async def __aenter__(self) -> DockerSession:
+        try:
+            await self._enter()
+        except (SandboxError, StartupError) as exc:
+            await self._stack.aclose()
+            raise SessionError(str(exc)) from None
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+    async def _enter(self) -> None:
+        entries_from_settings(self.settings)  # a bad entry stops us before anything is created
+        stack = self._stack
+        self.engine = await stack.enter_async_context(DockerEngine.connect(self.docker_url))
+        await self.engine.version()
+        await clean_leftovers(self.engine)
+        for image in (self.image,) + (() if self.connect else (self.egressd_image,)):
+            if not await self.engine.image_exists(image):
+                raise SessionError(f"the image {image} is not on this Docker Engine: build it "
+                                   "(bash docker/build.sh, or docker build -f docker/Dockerfile ...) or name another")
+        runtime = "runsc" if "runsc" in await self.engine.runtimes() else None
+        self._prepare_workdir()
+        if self.connect:
+            network, address, dns = await self._join_running_egressd()
+        else:
+            network, address, dns = await self._start_sidecar()
+        assert self.control is not None and self.run_id is not None
+        self._box = _SessionBox(self, DockerSandbox(
+            engine=self.engine, network=network, address=address, dns=dns, image=self.image,
+            workdir=self.workdir, proxy_url=self._proxy_url, labels=self.resources_labels("command"),
+            extra_env=self.extra_env, term=self.term, runtime=runtime,
+        ))
+        stack.push_async_callback(self._box.sandbox.destroy)
+        poller = asyncio.ensure_future(self._poll_forever())
+
+        async def stop_poller() -> None:
+            poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await poller
+
+        stack.push_async_callback(stop_poller)
+
+    def resources_labels(self, role: str) -> dict[str, str]:
+        assert self.resources is not None
+        return self.resources.labels_for(role)
+
+    def _prepare_workdir(self) -> None:
+        if self._workdir_arg is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="egressd-work-"))
+            # The sandbox runs as an unprivileged user; a fresh directory is theirs.
+            os.chown(self.workdir, SANDBOX_UID, SANDBOX_GID)
+            if not self.keep_workdir:
+                self._stack.callback(shutil.rmtree, self.workdir, True)
+        else:
+            self.workdir = Path(self._workdir_arg)
+            if not self.workdir.is_dir():
+                raise SessionError(f"working directory {self.workdir} does not exist")
+
+    async def _start_sidecar(self) -> tuple[str, str, str]:
+        assert self.engine is not None
+        net = await DockerRunNetwork.create(self.engine, pool=self.net_range, labels=self.labels)
+        self.resources = net
+        self._stack.push_async_callback(net.destroy)
+        if net.note:
+            print(f"egressd: {net.note}", file=sys.stderr)
+        p = net.plan
+        token = secrets.token_urlsafe(32)
+        settings = await self._with_terminal_relay(str(p.outgoing.network_address + 1))
+        env = sidecar_environment(settings, egressd_ip=str(p.egressd_ip), control_ip=str(p.egressd_outgoing_ip),
+                                  token=token)
+        sidecar = await start_egressd(net, image=self.egressd_image, env=env)
+        self.egressd_container = sidecar.id
+        self._stack.push_async_callback(self._save_audit)
+        await self._register(sidecar.control_url, token, p.sandbox_ip)
+        return p.internal_name, str(p.sandbox_ip), str(p.egressd_ip)
+
+    async def _with_terminal_relay(self, gateway: str) -> Settings:
+        """Our settings for the sidecar, its terminal approver relayed to ours (see ``TerminalRelay``)."""
+        if "terminal" not in self.settings.approver:
+            return self.settings
+        if "webhook" in self.settings.approver:
+            raise SessionError("with --backend docker the terminal approver is relayed over egressd's webhook "
+                               "channel, so --approver terminal and --approver webhook cannot both be given")
+        relay = TerminalRelay(address=gateway, tty_path=self.tty_path)
+        if not await relay.start():
+            return self.settings  # no terminal: the channel is not attached, as with bubblewrap
+        self.relay = relay
+        self._stack.push_async_callback(relay.close)
+        approvers = [a for a in self.settings.approver if a != "terminal"] + ["webhook"]
+        return self.settings.model_copy(update={"approver": approvers, "webhook_url": relay.url,
+                                                "webhook_secret": SecretStr(relay.secret)})
+
+    async def _join_running_egressd(self) -> tuple[str, str, str]:
+        """``--connect``: the sandbox joins the internal network where that egressd's proxy listens."""
+        assert self.engine is not None and self.connect is not None
+        self.resources = DockerRun(self.engine, secrets.token_hex(4), self.labels)
+        self._stack.push_async_callback(self.resources.destroy)
+        control = ControlClient(self.connect, _connect_token(self.settings))
+        self._stack.push_async_callback(control.close)
+        health = await control.call("GET", "/health")
+        if not isinstance(health, dict) or health.get("status") != "ok":
+            raise SessionError(f"egressd at {self.connect} is not healthy: {health}")
+        # The proxy's address names the network: register a probe-free run once we know it.
+        networks = await self._internal_networks()
+        probe = await control.call("POST", "/runs", {"task": "address probe", "allow": [], "ask": False})
+        await control.call("DELETE", f"/runs/{probe['id']}")
+        proxy_host = ipaddress.ip_address(URL(probe["proxy_url"]).host or "")
+        found = [(name, subnet, used) for name, subnet, used in networks if proxy_host in subnet]
+        if not found:
+            raise SessionError(f"egressd at {self.connect} listens on {proxy_host}, which is on no internal Docker "
+                               "network of this engine: the sandbox could not reach it without a route elsewhere")
+        name, subnet, used = found[0]
+        free = [a for a in subnet.hosts() if a not in used and a != subnet.network_address + 1]
+        if not free:
+            raise SessionError(f"no free address left on {name}")
+        address = secrets.choice(free)
+        await self._register_with(control, address)
+        return name, str(address), str(proxy_host)
+
+    async def _internal_networks(self) -> list[tuple[str, ipaddress.IPv4Network, set[ipaddress.IPv4Address]]]:
+        assert self.engine is not None
+        found = []
+        with contextlib.suppress(DockerUnavailable):
+            for summary in await self.engine.client.networks.list(filters={"driver": ["bridge"]}):
+                if not summary.get("Internal"):
+                    continue
+                detail = await (await self.engine.client.networks.get(summary["Id"])).show()
+                used = {ipaddress.ip_address(c["IPv4Address"].split("/")[0])
+                        for c in (detail.get("Containers") or {}).values() if c.get("IPv4Address")}
+                for config in (detail.get("IPAM") or {}).get("Config") or []:
+                    with contextlib.suppress(ValueError, KeyError):
+                        subnet = ipaddress.ip_network(config["Subnet"])
+                        if isinstance(subnet, ipaddress.IPv4Network):
+                            found.append((detail["Name"], subnet, used))  # type: ignore[arg-type]
+        return found
+
+    async def _register(self, control_url: str, token: str, address: ipaddress.IPv4Address) -> None:
+        control = ControlClient(control_url, token)
+        self._stack.push_async_callback(control.close)
+        await self._register_with(control, address)
+
+    async def _register_with(self, control: ControlClient, address: ipaddress.IPv4Address) -> None:
+        s = self.settings
+        created = await control.call("POST", "/runs", {
+            "task": self.task, "allow": list(s.allow), "deny": list(s.deny), "preset": list(s.preset),
+            "ask": s.ask, "sources": [str(address)],
+        })
+        self.control = control
+        if self.relay is not None:
+            self.relay.control = control
+        self.run_id = str(created["id"])
+        self._proxy_url = str(created["proxy_url"])
+        self.run = RemoteRun(self.run_id, self._proxy_url)
+        self._stack.push_async_callback(self._end_run)
+
+    async def _end_run(self) -> None:
+        assert self.control is not None
+        with contextlib.suppress(SessionError):
+            await self.poll()
+            await self.control.call("DELETE", f"/runs/{self.run_id}")
+
+    async def _save_audit(self) -> None:
+        """Append the sidecar's audit records to ours, before its volume goes."""
+        assert self.engine is not None and self.egressd_container is not None
+        try:
+            data = await read_file(self.engine, self.egressd_container, f"{EGRESSD_STATE}/audit.jsonl", MAX_AUDIT_BYTES)
+        except (SandboxError, OSError) as exc:
+            print(f"egressd: could not read the run's audit records: {exc}", file=sys.stderr)
+            return
+        if not data:
+            return
+        path = self.settings.audit_path
+        try:
+            if self.settings.audit_log is None:
+                path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            sink = JsonlAuditSink(path, fsync=self.settings.audit_fsync)
+        except (AuditError, OSError) as exc:
+            print(f"egressd: could not append the run's audit records to {path}: {exc}", file=sys.stderr)
+            return
+        try:
+            for line in data.decode("utf-8", errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    record = json.loads(line)
+                    if isinstance(record, dict):
+                        sink.write(record)
+        except AuditError as exc:
+            print(f"egressd: could not append the run's audit records to {path}: {exc}", file=sys.stderr)
+        finally:
+            sink.close()
+
+    # -- events --------------------------------------------------------------------
+
+    async def poll(self) -> None:
+        """Fetch the run's new events from egressd (and tell the observers)."""
+        if self.control is None or self.run_id is None:
+            return
+        async with self._poll_lock:
+            for _ in range(100):  # 1000 events a call: bounded, and more than a command makes
+                data = await self.control.call("GET", f"/runs/{self.run_id}/events?cursor={self._server_cursor}")
+                events = data.get("events") or []
+                self._server_cursor = int(data.get("cursor", self._server_cursor))
+                for event in events:
+                    self._events.append(event)
+                    for observer in self._observers:
+                        observer(event)
+                if not events:
+                    return
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_INTERVAL_S)
+            if self.polling:
+                with contextlib.suppress(SessionError):
+                    await self.poll()
+
+    async def flush_command(self) -> None:
+        if self._command_sent or self.control is None:
+            return
+        await self.control.call("PUT", f"/runs/{self.run_id}/command", {"command": self._command})
+        self._command_sent = True
+
+    # -- what runners need (the same surface as SandboxSession) ------------------------
+
+    def set_command(self, command: str | None) -> None:
+        """What the run executes now: sent to egressd before the next command starts."""
+        self._command = command
+        self._command_sent = False
+
+    def cursor(self) -> int:
+        """A position in the run's egress events; pass it to ``refusals_since``."""
+        return len(self._events)
+
+    def refusals_since(self, cursor: int) -> list[dict[str, Any]]:
+        """Egress refusals recorded after ``cursor``: host, port, reason, kind."""
+        return [
+            {"host": e.get("host"), "port": e.get("port"), "reason": e.get("reason"), "kind": e.get("kind")}
+            for e in self._events[cursor:]
+            if e.get("decision") == "deny"
+        ]
+
+    def observe(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``callback`` with every egress record of this run as it arrives."""
+        self._observers.append(callback)
+
+
+async def copy_out(box: Any, patterns: list[str], dest: Path) -> CopyReport:
+    """``box.copy_out`` for either backend (the bubblewrap one is synchronous, Docker's a coroutine)."""
+    report = box.copy_out(patterns, dest)
+    if asyncio.iscoroutine(report):
+        report = await report
+    assert isinstance(report, CopyReport)
+    return report
