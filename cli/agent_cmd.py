@@ -39,9 +39,9 @@ from proxy.responses import REASON_MESSAGES
 from sandbox.copyout import CopyOutError, check_pattern
 from sandbox.launcher import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
-from sandbox.network import DEFAULT_RANGE
 
-from .run_cmd import parse_env
+from .docker_session import DockerSession, copy_out
+from .run_cmd import add_backend_arguments, open_session, parse_env
 from .service import StartupError, entries_from_settings
 from .session import SandboxSession, SessionError
 
@@ -145,12 +145,7 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME[=VALUE]",
         help="pass a variable into the sandbox (repeatable); never the model's API key",
     )
-    parser.add_argument(
-        "--net-range",
-        default=DEFAULT_RANGE,
-        metavar="CIDR",
-        help=f"where per-run /30 subnets come from (default {DEFAULT_RANGE})",
-    )
+    add_backend_arguments(parser)
 
 
 def _shown(text: str, limit: int = SHOWN_CHARS) -> str:
@@ -183,7 +178,7 @@ def shell_argv() -> list[str]:
 class SandboxExecutor:
     """``agent.loop.Executor`` on a SandboxSession: one ``sh -c COMMAND`` per call."""
 
-    def __init__(self, session: SandboxSession, *, limits: Limits, max_output: int, shell: list[str]) -> None:
+    def __init__(self, session: SandboxSession | DockerSession, *, limits: Limits, max_output: int, shell: list[str]) -> None:
         self.session = session
         self.limits = limits
         self.max_output = max_output
@@ -380,13 +375,13 @@ async def _run(
         ),
         task=args.task,
     )
-    session = SandboxSession(
+    session = open_session(
+        args,
         settings,
         workdir=Path(args.workdir) if args.workdir else None,
         task=args.task,
         extra_env=extra_env,
         keep_workdir=args.keep_workdir,
-        net_range=args.net_range,
         term=None,
     )
     tally = EgressTally()
@@ -409,7 +404,7 @@ async def _run(
                 transcript.final(outcome.final, outcome.stop)
             _say(_STOP_WORDS[outcome.stop].format(max_steps=args.max_steps, timeout=args.timeout, error=outcome.error))
             if args.copy_out:
-                report = session.box.copy_out(args.copy_out, Path(args.copy_out_dir))
+                report = await copy_out(session.box, args.copy_out, Path(args.copy_out_dir))
                 for line in report.lines():
                     _say(f"copy-out: {line}")
             if session.made_workdir and args.keep_workdir:

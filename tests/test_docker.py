@@ -479,6 +479,33 @@ async def test_egressd_run_copies_out_through_the_engine(engine: DockerEngine, t
     assert "copy-out: skipped dist/b.whl: a link (not followed)" in err
 
 
+async def test_egressd_agent_runs_its_commands_in_a_docker_sandbox(engine: DockerEngine, tmp_path: Path) -> None:
+    script = tmp_path / "steps.json"
+    script.write_text(json.dumps([
+        {"command": "echo built > report.txt && cat /etc/hostname > /dev/null && id -u"},
+        {"command": "cat /root/.ssh/id_rsa"},
+        {"final": "done"},
+    ]))
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    env = _clean_env(tmp_path / "s")
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "agent", "--backend", "docker", "--audit-log", str(tmp_path / "audit.jsonl"),
+        "--task", "write a report", "--model", f"script:{script}", "--transcript", str(tmp_path / "t.jsonl"),
+        "--copy-out", "report.txt", "--copy-out-dir", str(out_dir),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 180)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().strip() == "done"
+    steps = [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert steps[0]["exit_code"] == 0 and steps[0]["stdout"].strip() == "1000"
+    assert steps[1]["exit_code"] != 0
+    assert steps[-1] == {"final": "done", "stop": "final"}
+    assert (out_dir / "report.txt").read_text() == "built\n"
+    assert await leftovers(engine, "egressd.run", owner_pid=proc.pid) == []
+
+
 async def _wait_for_run_containers(engine: DockerEngine, pid: int, count: int = 2) -> None:
     for _ in range(300):  # 30 s at most
         containers, _, _ = await engine.labelled("egressd.run")
