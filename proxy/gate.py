@@ -27,7 +27,7 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
 from audit.log import AuditError, AuditSink
@@ -42,6 +42,7 @@ from .runs import Run
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 log = logging.getLogger("egressd.decisions")
+P = TypeVar("P", bound=asyncio.Protocol)
 
 _ANSWER_REASONS = {
     Answer.DENY: Reason.DENIED,
@@ -241,9 +242,12 @@ class Gate:
         self._address_ok[address] = ok
         return ok
 
-    async def dial(self, attempt: Attempt, admission: Admission) -> socket.socket:
+    async def dial(self, attempt: Attempt, admission: Admission, protocol: Callable[[], P]) -> P:
         """Connect to the first admitted address that answers, within the connect timeout.
 
+        Returns the connection's ``protocol()`` instance (the event loop
+        connects in its own code: on uvloop no Python socket is involved).
+        The address is passed as a literal, so nothing is looked up again.
         Raises DialError (``upstream_unreachable`` or ``upstream_timeout``).
         """
         loop = asyncio.get_running_loop()
@@ -251,21 +255,16 @@ class Gate:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 for address in admission.addresses:
-                    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
-                    sock = socket.socket(family, socket.SOCK_STREAM)
-                    sock.setblocking(False)
                     try:
-                        await loop.sock_connect(sock, (str(address), admission.port))
+                        transport, peer = await loop.create_connection(protocol, str(address), admission.port)
                     except OSError as exc:
-                        sock.close()
                         last = exc
                         continue
-                    except BaseException:
-                        sock.close()
-                        raise
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock = transport.get_extra_info("socket")
+                    if sock is not None:
+                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     attempt.address = str(address)
-                    return sock
+                    return peer
         except TimeoutError:
             attempt.address = str(admission.addresses[0])
             raise DialError(Reason.UPSTREAM_TIMEOUT, "connect timed out") from None

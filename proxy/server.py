@@ -45,7 +45,7 @@ from .http1 import (
 from .policy import Reason
 from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
 from .runs import IPAddress, Run, RunRegistry, source_address
-from .stream import Peer, PeerClosed, connect_peer, first_readable
+from .stream import Peer, PeerClosed, first_readable
 from .tunnel import Tunnel
 
 log = logging.getLogger("egressd.proxy")
@@ -230,12 +230,11 @@ class ProxyServer(Listener):
 
     async def _dial(self, client: Peer, attempt: Attempt, admission: Admission) -> Peer | None:
         try:
-            sock = await self.gate.dial(attempt, admission)
+            return await self.gate.dial(attempt, admission, Peer)
         except DialError as exc:
             attempt.extra["detail"] = str(exc)
             await self._refuse(client, attempt, exc.reason)
             return None
-        return await connect_peer(sock)
 
     async def _tunnel(self, client: Peer, attempt: Attempt, admission: Admission) -> None:
         upstream = await self._dial(client, attempt, admission)

@@ -237,9 +237,3 @@ async def first_readable(*peers: Peer, more: Peer | None = None) -> Peer:
             if peer._read_waiter is fut:
                 peer._read_waiter = None
     return futures[next(iter(done))]
-
-
-async def connect_peer(sock: Any) -> Peer:
-    """Wrap a connected socket (from ``Gate.dial``) as a Peer."""
-    _, peer = await asyncio.get_running_loop().create_connection(Peer, sock=sock)
-    return peer

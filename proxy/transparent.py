@@ -37,7 +37,7 @@ from .policy import Reason
 from .responses import STATUS_FOR_REASON
 from .runs import IPAddress, Run, RunRegistry, source_address
 from .server import Limits, Listener, ProxyServer
-from .stream import Peer, PeerClosed, connect_peer
+from .stream import Peer, PeerClosed
 
 log = logging.getLogger("egressd.transparent")
 
@@ -228,10 +228,9 @@ class TransparentTlsServer(Listener):
                 reason = admission.reason or Reason.BAD_REQUEST
                 raise _Refusal(reason, _alert_for(reason))
             try:
-                sock = await self.gate.dial(attempt, admission)
+                upstream = await self.gate.dial(attempt, admission, Peer)
             except DialError as exc:
                 raise _Refusal(exc.reason, Alert.INTERNAL_ERROR, str(exc)) from None
-            upstream = await connect_peer(sock)
             try:
                 await self._splice(client, upstream, attempt)
             finally:
