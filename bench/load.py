@@ -3,6 +3,7 @@
     python bench/load.py throughput --target H:P [--proxy H:P] --direction down|up --bytes N
     python bench/load.py setup      --target H:P [--proxy H:P] --count N --concurrency C
     python bench/load.py idle       --target H:P [--proxy H:P] --count N
+    python bench/load.py hold       --target H:P --proxy H:P --count N
 
 Without ``--proxy`` it connects straight to the target (the direct baseline).
 Prints one JSON object. Every loop is bounded by its count and by --max-s.
@@ -156,6 +157,34 @@ async def idle(proxy: tuple[str, int] | None, target: tuple[str, int], count: in
             sock.close()
 
 
+async def hold(proxy: tuple[str, int], count: int, max_s: float) -> dict[str, float]:
+    """Send ``count`` CONNECTs to distinct unknown names (each held for approval), say "held", wait for stdin."""
+    loop = asyncio.get_running_loop()
+    socks: list[socket.socket] = []
+    deadline = time.perf_counter() + max_s
+    try:
+        for i in range(count):
+            if time.perf_counter() > deadline:
+                break
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, proxy)
+            await loop.sock_sendall(sock, f"CONNECT h{i}.held.test:443 HTTP/1.1\r\n\r\n".encode())
+            socks.append(sock)
+        print("held", len(socks), flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        answered = 0
+        for sock in socks:
+            try:
+                answered += bool(sock.recv(1))
+            except BlockingIOError:
+                pass
+        return {"sent": len(socks), "answered_while_held": answered}
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def _hostport(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host, int(port)
@@ -163,7 +192,7 @@ def _hostport(text: str) -> tuple[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["throughput", "setup", "idle"])
+    parser.add_argument("mode", choices=["throughput", "setup", "idle", "hold"])
     parser.add_argument("--target", required=True, type=_hostport)
     parser.add_argument("--proxy", type=_hostport)
     parser.add_argument("--direction", choices=["down", "up"], default="down")
@@ -182,6 +211,8 @@ def main() -> None:
         async with asyncio.timeout(args.max_s + 30):
             if args.mode == "throughput":
                 return await throughput(args.proxy, args.target, args.direction, args.bytes)
+            if args.mode == "hold":
+                return await hold(args.proxy, args.count, args.max_s)
             if args.mode == "idle":
                 return await idle(args.proxy, args.target, args.count, args.max_s)
             return await setup(args.proxy, args.target, args.count, args.concurrency, args.max_s)

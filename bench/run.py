@@ -21,6 +21,7 @@ see which was saturated. Every load is bounded in count and time.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import platform
@@ -117,7 +118,8 @@ class Proxy:
     def __enter__(self) -> Proxy:
         self.port = free_port()
         self._dir = tempfile.TemporaryDirectory(prefix=f"bench-{self.name}-")
-        self.proc = self.start(self.port, Path(self._dir.name))
+        self.workdir = Path(self._dir.name)
+        self.proc = self.start(self.port, self.workdir)
         wait_port("127.0.0.1", self.port)
         return self
 
@@ -132,16 +134,66 @@ class Proxy:
         self._dir.cleanup()
 
 
+# Where egressd's webhook channel posts approvals: the bench HTTP server's /hook,
+# which answers "later" (202) and never does, so requests for unknown names stay held.
+HOOK_URL: list[str] = []
+CONTROL_TOKEN = "bench-control-token"
+
+
 def start_egressd(port: int, workdir: Path) -> subprocess.Popen:  # type: ignore[type-arg]
     egressd = str(Path(PY).with_name("egressd"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(workdir)}
-    return subprocess.Popen(
-        [egressd, "serve", "--listen", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{free_port()}",
-         "--allow", f"{ORIGIN}:*", "--allow-private", f"{ORIGIN}/32",
-         "--audit-log", str(workdir / "audit.jsonl"), "--log-level", "warning",
-         "--max-connections-per-run", "100000"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    control = free_port()
+    (workdir / "control.port").write_text(str(control))
+    argv = [egressd, "serve", "--listen", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{control}",
+            "--control-token", CONTROL_TOKEN,
+            "--allow", f"{ORIGIN}:*", "--allow-private", f"{ORIGIN}/32",
+            "--audit-log", str(workdir / "audit.jsonl"), "--log-level", "warning",
+            "--max-connections-per-run", "100000"]
+    if HOOK_URL:
+        argv += ["--approver", "webhook", "--webhook-url", HOOK_URL[0],
+                 "--webhook-secret", "whsec_" + base64.b64encode(b"bench-webhook-secret-32-bytes!!!").decode(),
+                 "--max-pending-approvals", "5000", "--max-connections", "100000"]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def held_requests(workdir: Path) -> int:
+    """egressd's held-requests gauge, from its control API."""
+    import urllib.request
+
+    port = (workdir / "control.port").read_text().strip()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {CONTROL_TOKEN}"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        for line in resp.read().decode().splitlines():
+            if line.startswith("egressd_held_requests "):
+                return int(float(line.split()[1]))
+    return 0
+
+
+def measure_held(figures: dict[str, Figure], proxy: Proxy, pid: int, stream_port: int, http_port: int, quick: bool) -> None:
+    """Figures 2 and 3 again while 1,000 requests are held waiting for an approval."""
+    count = 1000
+    load = subprocess.Popen([PY, str(HERE / "load.py"), "hold", "--target", f"{ORIGIN}:{stream_port}",
+                             "--proxy", f"127.0.0.1:{proxy.port}", "--count", str(count), "--max-s", "60"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert load.stdin is not None and load.stdout is not None
+    try:
+        load.stdout.readline()
+        deadline = time.monotonic() + 60
+        while held_requests(proxy.workdir) < count and time.monotonic() < deadline:
+            time.sleep(0.2)
+        held = held_requests(proxy.workdir)
+        if held < count:
+            print(f"bench: only {held} of {count} requests were held", file=sys.stderr)
+        target = ["--target", f"{ORIGIN}:{stream_port}", "--proxy", f"127.0.0.1:{proxy.port}"]
+        r = run_load(["setup", *target, "--count", "500" if quick else "2000", "--concurrency", "50", "--max-s", "60"], pid, 120)
+        figures["held_setup_50"].add("egressd", r["rate"], r["cpu_s"], r["proxy_cpu_s"])
+        r = run_wrk(f"http://{ORIGIN}:{http_port}/small", proxy.port, pid, 3 if quick else 10, 50)
+        figures["held_http_small"].add("egressd", r["rps"], r["cpu_s"], r["proxy_cpu_s"])
+    finally:
+        load.stdin.write("\n")
+        load.stdin.flush()
+        load.communicate(timeout=60)
 
 
 PROXIES = {"egressd": start_egressd, **PEERS}
@@ -236,6 +288,8 @@ def measure_round(figures: dict[str, Figure], who: str, proxy: Proxy | None, str
     figures["http_small_p99"].add(who, r["p99_ms"])
     r = run_wrk(f"http://{ORIGIN}:{http_port}/big", proxy.port if proxy else None, pid, seconds, 50)
     figures["http_big"].add(who, r["mb_s"], r["cpu_s"], r["proxy_cpu_s"])
+    if who == "egressd" and proxy is not None and pid is not None:
+        measure_held(figures, proxy, pid, stream_port, http_port, quick)
 
 
 def measure_idle(proxy: Proxy, pid: int, stream_port: int, count: int) -> float:
@@ -273,6 +327,8 @@ FIGURES = [
     ("http_small_p50", "  p50 latency", "ms"),
     ("http_small_p99", "  p99 latency", "ms"),
     ("http_big", "plain HTTP, 1 MiB responses, 50 conns", "MB/s"),
+    ("held_setup_50", "with 1,000 held: tunnel setup, 50 in flight", "tunnels/s"),
+    ("held_http_small", "with 1,000 held: plain HTTP, small", "req/s"),
 ]
 
 
@@ -308,6 +364,12 @@ def render(figures: dict[str, Figure], order: list[str]) -> str:
             if best:
                 ratio_peer = f"{ours / best:.2f}×"
         lines.append(f"| {title:42} | {unit:9} |" + "".join(cells) + f" {ratio_direct:>14} | {ratio_peer:>17} |")
+    for held, unloaded in (("held_setup_50", "setup_50"), ("held_http_small", "http_small")):
+        with_held = [v for v in figures[held].values.get("egressd", []) if v == v]
+        without = [v for v in figures[unloaded].values.get("egressd", []) if v == v]
+        if with_held and without:
+            lines.append(f"held approvals: egressd {unloaded} with 1,000 held / unloaded = "
+                         f"{statistics.median(with_held) / statistics.median(without):.2f}×")
     lines.append("")
     lines.append("CPU seconds per measurement (median; proxy / load generator):")
     for key in ("tput_down", "tput_up", "setup_serial", "setup_50", "http_small", "http_big"):  # idle has no load
@@ -340,6 +402,7 @@ def main() -> int:
         chosen.remove(name)
 
     stream_port, http_port = free_port(ORIGIN), free_port(ORIGIN)
+    HOOK_URL.append(f"http://{ORIGIN}:{http_port}/hook")
     servers = subprocess.Popen([PY, str(HERE / "servers.py"), ORIGIN, str(stream_port), str(http_port)], stdout=subprocess.PIPE, text=True)
     try:
         assert servers.stdout is not None

@@ -5,7 +5,8 @@ never the bottleneck.
   bytes and closes; ``up N\\n`` → it reads N bytes, answers ``ok\\n``;
   ``echo\\n`` → it echoes everything until EOF;
 - the *http* server answers every keep-alive request at once: ``/small`` with
-  a 13-byte body, ``/big`` with 1 MiB. Heads are found with one ``find`` per
+  a 13-byte body, ``/big`` with 1 MiB, ``/hook`` (a webhook receiver that
+  answers later, i.e. never) with 202. Heads are found with one ``find`` per
   request; no framework, so its cost is a few microseconds per request.
 
 Usage: ``python bench/servers.py HOST STREAM_PORT HTTP_PORT`` (prints "ready").
@@ -19,6 +20,8 @@ import sys
 CHUNK = 1024 * 1024
 PAYLOAD = b"\0" * CHUNK
 SMALL = b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\nContent-Type: text/plain\r\n\r\nhello, world\n"
+# A webhook receiver that will answer later (and never does): approvals stay held.
+HOOK = b"HTTP/1.1 202 Accepted\r\nContent-Length: 0\r\n\r\n"
 BIG = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nContent-Type: application/octet-stream\r\n\r\n" % CHUNK + PAYLOAD
 
 
@@ -91,8 +94,16 @@ class Http(asyncio.Protocol):
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return
-            head, self.buf = self.buf[:end], self.buf[end + 4 :]
-            self.transport.write(BIG if b" /big" in head[:200] else SMALL)
+            head = self.buf[:end]
+            length = 0
+            marker = head.lower().find(b"content-length:")
+            if marker >= 0:
+                length = int(head[marker + 15 :].split(b"\r\n", 1)[0])
+            if len(self.buf) < end + 4 + length:
+                return  # the body is still on its way
+            self.buf = self.buf[end + 4 + length :]
+            line = head[:200]
+            self.transport.write(HOOK if b" /hook" in line else BIG if b" /big" in line else SMALL)
 
 
 async def main(host: str, stream_port: int, http_port: int) -> None:

@@ -118,6 +118,10 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
     async with session:
         session.set_command(command_text)
         session.observe(refusal_printer)
+        control = getattr(session, "control_address", None)
+        if settings.approver and control:
+            print(f"egressd: answer this run's approvals from another terminal with "
+                  f"egressd pending|allow ID|deny ID --control {control}", file=sys.stderr, flush=True)
         # A terminal on stdin stays ours (the approval prompt reads it); a pipe is passed in.
         stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.fileno()
         limits = Limits(timeout_s=args.timeout, memory_mb=args.memory, max_pids=args.max_pids, cpu_s=args.cpu)

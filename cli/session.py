@@ -195,6 +195,12 @@ class SandboxSession:
 
     # -- what runners need -------------------------------------------------------
 
+    @property
+    def control_address(self) -> str:
+        """Where this run's egressd answers ``egressd pending|allow|deny --control ...``."""
+        assert self.service is not None
+        return self.service.control_address
+
     def set_command(self, command: str | None) -> None:
         """What the run executes now: shown in approval messages and audit records."""
         assert self.run is not None

@@ -294,3 +294,46 @@ async def test_no_file_descriptor_of_egressd_or_its_parent_reaches_the_sandbox(t
         os.close(fd)
     assert proc.returncode == 0, err
     assert out.decode().split() == ["0", "1", "2", "3"]  # stdio, and the directory ls itself opened
+
+
+async def test_a_held_request_is_allowed_with_egressd_allow_from_another_process(tmp_path, dns, http_origin) -> None:
+    import json
+
+    from tests.webhookreceiver import WebhookReceiver, make_secret
+
+    secret, key = make_secret()
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path / "s")}
+    async with WebhookReceiver(key, mode="later") as receiver:  # a channel that answers later: the request is held
+        proc = await asyncio.create_subprocess_exec(
+            EGRESSD, "run", "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--allow-private", ORIGIN_RANGE,
+            "--audit-log", str(tmp_path / "audit.jsonl"), "--approver", "webhook", "--webhook-url", receiver.url,
+            "--webhook-secret", secret, "--",
+            "curl", "-fsS", "-m", "30", f"http://origin.test:{http_origin.port}/held",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=base_env,
+        )
+        assert proc.stderr is not None
+        line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+        assert "--control unix:" in line, line
+        control = line.rsplit("--control ", 1)[1].strip()
+        approvals: list = []
+        for _ in range(100):
+            pending = await asyncio.create_subprocess_exec(
+                EGRESSD, "pending", "--json", "--control", control, stdout=asyncio.subprocess.PIPE, env=base_env)
+            out, _ = await pending.communicate()
+            approvals = json.loads(out or b"[]")
+            if approvals:
+                break
+            await asyncio.sleep(0.1)
+        assert [a["host"] for a in approvals] == ["origin.test"]
+        assert http_origin.requests == []  # held: nothing went out yet
+        allow = await asyncio.create_subprocess_exec(
+            EGRESSD, "allow", approvals[0]["id"], "--control", control, stdout=asyncio.subprocess.PIPE, env=base_env)
+        await allow.communicate()
+        assert allow.returncode == 0
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err
+    assert b"hello from origin: GET /held" in out
+    records = [json.loads(x) for x in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    decided = [r for r in records if r.get("event") == "approval.decided"]
+    assert decided and decided[0]["decision"] == "allow"
+    await assert_no_leftovers()
