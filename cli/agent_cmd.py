@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import sys
 from collections import Counter
 from pathlib import Path
@@ -41,9 +40,9 @@ from sandbox.launcher import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
 
 from .docker_session import DockerSession, copy_out
-from .run_cmd import add_backend_arguments, open_session, parse_env
+from .run_cmd import add_backend_arguments, open_session, parse_env, run_sandboxed
 from .service import StartupError, entries_from_settings
-from .session import SandboxSession, SessionError
+from .session import SandboxSession
 
 EXIT_MAX_STEPS = 1
 EXIT_MODEL_FAILED = 3
@@ -419,29 +418,4 @@ async def _run(
 
 
 def cmd_agent(args: argparse.Namespace, settings: Settings) -> int:
-    from .main import run_async
-
-    async def main() -> int:
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        received: list[int] = []
-
-        def stop(signum: int) -> None:
-            received.append(signum)
-            task.cancel()
-
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            loop.add_signal_handler(sig, stop, sig)
-        try:
-            return await run_agent_in_sandbox(args, settings)
-        except asyncio.CancelledError:
-            if received:
-                _say("interrupted; the sandbox was destroyed")
-                return 128 + received[0]
-            raise
-        except (SessionError, StartupError) as exc:
-            _say(str(exc))
-            return EXIT_CANNOT_START
-
-    return run_async(main)
+    return run_sandboxed(lambda: run_agent_in_sandbox(args, settings), _say)

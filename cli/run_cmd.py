@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from config.settings import Settings, SettingsError
@@ -149,7 +150,13 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
         return obs.exit_code
 
 
-def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+def run_sandboxed(work: Callable[[], Awaitable[int]], say: Callable[[str], None]) -> int:
+    """Run ``work`` (a sandboxed run) on the event loop, as ``egressd run`` and ``egressd agent`` do.
+
+    SIGINT, SIGTERM and SIGHUP cancel it, so its sessions are torn down, and
+    the exit status is 128 + the signal; a sandbox that could not be set up
+    is exit 125, with the reason said once.
+    """
     from .main import run_async
 
     async def main() -> int:
@@ -165,14 +172,22 @@ def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.add_signal_handler(sig, stop, sig)
         try:
-            return await run_in_sandbox(args, settings)
+            return await work()
         except asyncio.CancelledError:
             if received:
-                print("egressd: interrupted; the sandbox was destroyed", file=sys.stderr)
+                say("interrupted; the sandbox was destroyed")
                 return 128 + received[0]
             raise
         except (SessionError, StartupError) as exc:
-            print(f"egressd: {exc}", file=sys.stderr)
+            say(str(exc))
             return EXIT_CANNOT_START
 
     return run_async(main)
+
+
+def _say(line: str) -> None:
+    print(f"egressd: {line}", file=sys.stderr, flush=True)
+
+
+def cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    return run_sandboxed(lambda: run_in_sandbox(args, settings), _say)
