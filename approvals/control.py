@@ -29,20 +29,7 @@ MAX_BODY_BYTES = 4096
 
 def describe(approval: PendingApproval) -> dict[str, Any]:
     """An approval as JSON: the request, the rendered message, the times."""
-    request = approval.request
-    return {
-        "id": approval.id,
-        "run": request.run_id,
-        "host": request.host,
-        "port": request.port,
-        "command": request.command,
-        "task": request.task,
-        "allowed": list(request.allowed),
-        "unrelated": approval.message.unrelated,
-        "message": approval.message.text,
-        "created_at": rfc3339(approval.created_at),
-        "expires_at": rfc3339(approval.expires_at),
-    }
+    return approval.fields() | {"created_at": rfc3339(approval.created_at)}
 
 
 def _error(status: int, message: str) -> web.Response:

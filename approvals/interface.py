@@ -19,7 +19,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from audit.records import rfc3339
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -144,6 +146,25 @@ class PendingApproval:
     created_at: float
     expires_at: float
     deadline: float
+
+    def fields(self) -> dict[str, Any]:
+        """The approval as JSON fields: the raw request, the rendered (escaped) message, the expiry.
+
+        The webhook body and the control API's listing both start from these.
+        """
+        request = self.request
+        return {
+            "id": self.id,
+            "run": request.run_id,
+            "host": request.host,
+            "port": request.port,
+            "command": request.command,
+            "task": request.task,
+            "allowed": list(request.allowed),
+            "unrelated": self.message.unrelated,
+            "message": self.message.text,
+            "expires_at": rfc3339(self.expires_at),
+        }
 
 
 class Answerer(Protocol):

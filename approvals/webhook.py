@@ -67,21 +67,7 @@ def new_message_id() -> str:
 
 def request_payload(approval: PendingApproval, callback_url: str | None) -> dict[str, Any]:
     """The ``approval.requested`` body (DESIGN.md): raw values, plus the rendered, escaped message."""
-    request = approval.request
-    return {
-        "type": "approval.requested",
-        "id": approval.id,
-        "run": request.run_id,
-        "host": request.host,
-        "port": request.port,
-        "command": request.command,
-        "task": request.task,
-        "allowed": list(request.allowed),
-        "unrelated": approval.message.unrelated,
-        "message": approval.message.text,
-        "expires_at": rfc3339(approval.expires_at),
-        "callback_url": callback_url,
-    }
+    return {"type": "approval.requested", **approval.fields(), "callback_url": callback_url}
 
 
 def settled_payload(approval: PendingApproval, settlement: Settlement) -> dict[str, Any]:
