@@ -136,7 +136,7 @@ async def test_network_bypasses_fail_and_reach_nothing(tmp_path, dns, leak) -> N
 
     results = json.loads(out.strip().splitlines()[-1])
     assert results["host_loopback"] in ("ECONNREFUSED", "ENETUNREACH")  # the namespace's own loopback, or no route
-    assert results["veth_other_port"] in ("ETIMEDOUT", "EPERM", "ECONNREFUSED", "11", "EAGAIN") or results["veth_other_port"] != "connected"
+    assert results["veth_other_port"] != "connected"  # dropped by the namespace's nftables fence
     assert results["documentation_address"] == "ENETUNREACH"  # refused by the sandbox's own route table
     assert results["ipv6_loopback_of_host"] != "connected"
     assert results["raw_socket"] == "EPERM"

@@ -32,6 +32,16 @@ NAMES = ["origin.test", "sub.example.test", "example.test", "other.test"]
 ALERT_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"
 
 
+
+async def curl(*args: str) -> tuple[int, bytes, bytes]:
+    """curl as a user runs it (silent but for errors, 10 s at most): (exit code, stdout, stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        "curl", "-sS", "--max-time", "10", *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out, err
+
 @pytest.fixture(scope="session")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return make_pki(tmp_path_factory.mktemp("pki"), NAMES)
@@ -159,23 +169,11 @@ async def test_curl_through_the_sni_listener(
     require(have("curl"), "curl is not installed")
     svc = await transparent(allow=["*.example.test"])
     host, port = svc.transparent_tls.address
-    proc = await asyncio.create_subprocess_exec(
-        "curl",
-        "-sS",
-        "--max-time",
-        "10",
-        "--cacert",
-        str(pki.ca_pem),
-        "--tls-max",
-        tls_max,
-        "--connect-to",
-        f"sub.example.test:443:{host}:{port}",
-        "https://sub.example.test/via-curl?x=1",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
+    code, out, err = await curl(
+        "--cacert", str(pki.ca_pem), "--tls-max", tls_max,
+        "--connect-to", f"sub.example.test:443:{host}:{port}", "https://sub.example.test/via-curl?x=1",
     )
-    out, err = await proc.communicate()
-    assert proc.returncode == 0, err
+    assert code == 0, err
     assert out == b"hello from tls origin sub.example.test /via-curl?x=1"
     await wait_until(lambda: egress(svc))
     assert (last(svc, "tls")["host"], last(svc, "tls")["rule"]) == ("sub.example.test", "*.example.test")
@@ -395,20 +393,8 @@ async def test_curl_through_the_host_listener(transparent, http80, leak_web, dns
     require(have("curl"), "curl is not installed")
     svc = await transparent(allow=["origin.test"])
     host, port = svc.transparent_http.address
-    proc = await asyncio.create_subprocess_exec(
-        "curl",
-        "-sS",
-        "-i",
-        "--max-time",
-        "10",
-        "--connect-to",
-        f"origin.test:80:{host}:{port}",
-        "http://origin.test/path?q=1",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    assert proc.returncode == 0, err
+    code, out, err = await curl("-i", "--connect-to", f"origin.test:80:{host}:{port}", "http://origin.test/path?q=1")
+    assert code == 0, err
     assert out.endswith(b"hello from port 80: GET /path?q=1") and b"X-Egress-Reason" not in out
     assert http80[0]["headers"]["Host"] == "origin.test"
     await wait_until(lambda: egress(svc))
@@ -509,21 +495,8 @@ async def test_curl_through_the_proxy_passes_the_sni_check(make_egressd, tls_ori
     require(have("curl"), "curl is not installed")
     svc = await make_egressd(allow=["origin.test"])
     host, port = svc.proxy_address
-    proc = await asyncio.create_subprocess_exec(
-        "curl",
-        "-sS",
-        "--max-time",
-        "10",
-        "--cacert",
-        str(pki.ca_pem),
-        "-x",
-        f"http://{host}:{port}",
-        "https://origin.test/proxied",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await proc.communicate()
-    assert proc.returncode == 0, err
+    code, out, err = await curl("--cacert", str(pki.ca_pem), "-x", f"http://{host}:{port}", "https://origin.test/proxied")
+    assert code == 0, err
     assert out == b"hello from tls origin origin.test /proxied"
 
 
