@@ -64,6 +64,8 @@ EGRESS_FIELDS: tuple[str, ...] = (
     "duration_s",
 )
 
+_EGRESS_FIELD_SET: frozenset[str] = frozenset(EGRESS_FIELDS)
+
 EGRESS_KINDS: frozenset[str] = frozenset({"connect", "http", "tls", "dns"})
 DECISIONS: frozenset[str] = frozenset({"allow", "deny"})
 
@@ -97,7 +99,17 @@ def new_request_id() -> str:
     64 random bits: short enough to read out from a refusal body, unguessable
     so one client cannot name another's request. URL-safe.
     """
-    return "q-" + secrets.token_hex(8)
+    # Drawn from a pool of the OS's randomness, refilled 4 KiB at a time: one
+    # getrandom call per 512 ids instead of one per id (one id per connection).
+    global _id_pool, _id_at
+    if _id_at >= len(_id_pool):
+        _id_pool, _id_at = secrets.token_bytes(4096), 0
+    start, _id_at = _id_at, _id_at + 8
+    return "q-" + _id_pool[start:_id_at].hex()
+
+
+_id_pool = b""
+_id_at = 0
 
 
 def rfc3339(ts: float) -> str:
@@ -108,20 +120,23 @@ def rfc3339(ts: float) -> str:
     """
     # One record per connection calls this: the formatted second is kept and
     # only the microseconds are formatted anew while the second stays the same.
+    global _last_second, _last_text
     try:
         second = int(ts // 1)
         micros = round((ts - second) * 1_000_000)
         if micros == 1_000_000:
             second, micros = second + 1, 0
-        if second != _last_second[0]:
+        if second != _last_second:
             moment = _dt.datetime.fromtimestamp(second, tz=_dt.UTC)
-            _last_second[:] = [second, moment.strftime("%Y-%m-%dT%H:%M:%S")]
+            _last_second, _last_text = second, moment.strftime("%Y-%m-%dT%H:%M:%S")
     except (OverflowError, OSError, ValueError, TypeError) as exc:
         raise RecordError(f"not a timestamp: {ts!r}") from exc
-    return f"{_last_second[1]}.{micros:06d}Z"
+    return f"{_last_text}.{micros:06d}Z"
 
 
-_last_second: list = [None, ""]  # [epoch second, its formatted text]
+# The epoch second rfc3339 formatted last, and its text.
+_last_second: int | None = None
+_last_text = ""
 
 
 def egress_record(
@@ -155,10 +170,14 @@ def egress_record(
     caller forgot to remove; ``duration_s`` is rounded to microseconds.
     Credential-named keys are dropped from ``approval`` and ``extra``.
     """
-    kind = _member(kind, EGRESS_KINDS, "kind")
-    decision = _member(decision, DECISIONS, "decision")
-    clash = sorted(set(extra) & set(EGRESS_FIELDS))
-    if clash:
+    # One record per connection and per DNS query: each check below has a
+    # fast path for the common value and the thorough one for the rest.
+    if kind.__class__ is not str or kind not in EGRESS_KINDS:
+        kind = _member(kind, EGRESS_KINDS, "kind")
+    if decision.__class__ is not str or decision not in DECISIONS:
+        decision = _member(decision, DECISIONS, "decision")
+    if extra and not _EGRESS_FIELD_SET.isdisjoint(extra):
+        clash = sorted(set(extra) & _EGRESS_FIELD_SET)
         raise RecordError(f"extra fields shadow egress fields: {', '.join(clash)}")
     record: dict[str, object] = {
         "event": EGRESS,
@@ -171,7 +190,7 @@ def egress_record(
         "port": port,
         "address": address,
         "decision": decision,
-        "reason": _plain(reason),
+        "reason": reason if reason.__class__ is str else _plain(reason),
         "rule": rule,
         "approval": None if approval is None else _approval(approval),
         "command": command,
@@ -254,7 +273,7 @@ def approval_decided_record(
         "ts": rfc3339(ts),
         "run": run,
         "decision": _member(decision, DECISIONS, "decision"),
-        "reason": _plain(reason),
+        "reason": reason if reason.__class__ is str else _plain(reason),
         "channel": _plain(channel),
         "by": by,
         "waited_s": _seconds(waited_s, "waited_s"),
@@ -288,6 +307,8 @@ def _plain(value: object) -> object:
 def _seconds(value: float | None, name: str) -> float | None:
     if value is None:
         return None
+    if value.__class__ is float and value - value == 0.0:  # finite: inf - inf and NaN are NaN
+        return round(value, 6)
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise RecordError(f"{name} must be a finite number of seconds, not {value!r}")
     return round(float(value), 6)
@@ -299,24 +320,55 @@ def _strip_host(host: str | None) -> str | None:
     Userinfo goes first, up to the LAST "@": cutting the path first would
     leave the front of a password that contains "/" in the log.
     """
-    if host is None:
-        return None
+    if host is None or not _HOST_EXTRAS.search(host):
+        return host
     host = host.rpartition("@")[2]
     for stop in "/?#":
         host = host.partition(stop)[0]
     return host
 
 
+_HOST_EXTRAS = re.compile(r"[@/?#]")
+
+
 def _is_secret_key(key: object) -> bool:
+    try:
+        return _secret_keys[key]
+    except (KeyError, TypeError):
+        pass
     name = str(key).lower().replace("-", "_")
-    return any(part in name for part in _SECRET_KEY_PARTS)
+    secret = any(part in name for part in _SECRET_KEY_PARTS)
+    # Records reuse a handful of key names; remember the answers, bounded.
+    if len(_secret_keys) >= 1024:
+        _secret_keys.clear()
+    try:
+        _secret_keys[key] = secret
+    except TypeError:
+        pass  # an unhashable key: answered, not remembered
+    return secret
+
+
+_secret_keys: dict[object, bool] = {}
 
 
 def _scrub_mapping(mapping: Mapping[str, object]) -> dict[str, object]:
-    return {str(key): _scrub(value) for key, value in mapping.items() if not _is_secret_key(key)}
+    scrubbed: dict[str, object] = {}
+    for key, value in mapping.items():
+        secret = _secret_keys.get(key)
+        if secret is None:
+            secret = _is_secret_key(key)
+        if not secret:
+            scrubbed[key if key.__class__ is str else str(key)] = _scrub(value)
+    return scrubbed
 
 
 def _scrub(value: object) -> object:
+    cls = value.__class__
+    if value is None or cls is int or cls is bool or cls is float:
+        return value
+    if cls is str:
+        # Only a URL can carry userinfo; most strings have no "://" at all.
+        return _URL_USERINFO.sub(r"\g<scheme>", value) if "://" in value else value
     value = _plain(value)
     if isinstance(value, Mapping):
         return _scrub_mapping(value)
