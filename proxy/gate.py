@@ -75,6 +75,8 @@ class Attempt:
     extra: dict[str, Any] = field(default_factory=dict)
     decided: bool = False
     finished: bool = False
+    # A spliced tunnel now owns the connection: it finishes the attempt when it ends.
+    handed_off: bool = False
 
     def refuse(self, reason: Reason | str) -> None:
         self.decision = "deny"

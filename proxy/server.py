@@ -51,6 +51,8 @@ from .tunnel import Tunnel
 log = logging.getLogger("egressd.proxy")
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# How often a graceful shutdown looks whether the spliced tunnels have ended.
+_SHUTDOWN_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +67,11 @@ class Limits:
 
 
 class Listener:
-    """Accepts clients on one listening socket and serves each in a task until closed.
+    """Accepts clients on one listening socket and serves each in a task until it is spliced or closed.
 
-    Subclasses implement ``_serve_client``; ``_splice`` relays a decided
-    connection and keeps it where ``close`` can end it.
+    Subclasses implement ``_serve_client``; ``_splice`` hands a decided
+    connection to a tunnel (no task from then on) and keeps it where
+    ``close`` can end it.
     """
 
     def __init__(self, *, gate: Gate, runs: RunRegistry, limits: Limits) -> None:
@@ -105,8 +108,13 @@ class Listener:
         """Stop accepting, give open connections ``grace_s`` to finish, then end them."""
         if self._server is not None:
             self._server.close()  # stop accepting; open connections are ours to end
-        if self._tasks and grace_s > 0:
-            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        if grace_s > 0:
+            deadline = asyncio.get_running_loop().time() + grace_s
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=grace_s)
+            # Spliced tunnels have no task to wait on; they end by callback.
+            while self._tunnels and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(_SHUTDOWN_POLL_S)
         for tunnel in list(self._tunnels):
             tunnel.close()
         for task in list(self._tasks):
@@ -117,17 +125,39 @@ class Listener:
     async def _serve_client(self, client: Peer) -> None:
         raise NotImplementedError
 
-    async def _splice(self, client: Peer, upstream: Peer, attempt: Attempt) -> None:
-        """Relay both ways until the tunnel ends; bytes already buffered on either side go first."""
-        tunnel = Tunnel(client, upstream, idle_timeout_s=self.limits.idle_timeout_s)
+    def _splice(self, client: Peer, upstream: Peer, attempt: Attempt) -> None:
+        """Hand a decided connection to a tunnel, which relays both ways from now on.
+
+        Returns at once: the caller's coroutine ends, and the tunnel owns the
+        client, the upstream and the attempt (``attempt.handed_off``), which
+        ``_tunnel_ended`` records and releases. Bytes already buffered on
+        either side go first.
+        """
+        attempt.handed_off = True
+        tunnel = Tunnel(client, upstream, idle_timeout_s=self.limits.idle_timeout_s,
+                        on_end=self._tunnel_ended, owner=attempt)
         self._tunnels.add(tunnel)
-        try:
-            tunnel.start()
-            await tunnel.wait()
-        finally:
-            self._tunnels.discard(tunnel)
-            attempt.bytes_up += tunnel.bytes_up
-            attempt.bytes_down += tunnel.bytes_down
+        tunnel.start()
+
+    def _tunnel_ended(self, tunnel: Tunnel) -> None:
+        """Everything the spliced connection's coroutine would have done when it finished."""
+        self._tunnels.discard(tunnel)
+        attempt: Attempt = tunnel.owner  # type: ignore[assignment]
+        attempt.bytes_up += tunnel.bytes_up
+        attempt.bytes_down += tunnel.bytes_down
+        tunnel.upstream.close()
+        if attempt.run is not None:
+            attempt.run.open_connections -= 1
+        self.gate.finish(attempt)
+        self.gate.metrics.connections_open -= 1
+        self._close_client(tunnel.client)
+
+    @staticmethod
+    def _close_client(client: Peer) -> None:
+        if client.pooled is not None:
+            client.pooled[1].close()
+            client.pooled = None
+        client.close()
 
 
 class ProxyServer(Listener):
@@ -173,13 +203,11 @@ class ProxyServer(Listener):
         except Exception:
             log.exception("connection %s failed (request %s)", client_text, attempt.id if attempt else "-")
         finally:
-            if attempt is not None and attempt.host is not None:
-                self.gate.finish(attempt)
-            metrics.connections_open -= 1
-            if client.pooled is not None:
-                client.pooled[1].close()
-                client.pooled = None
-            client.close()
+            if attempt is None or not attempt.handed_off:
+                if attempt is not None and attempt.host is not None:
+                    self.gate.finish(attempt)
+                metrics.connections_open -= 1
+                self._close_client(client)
 
     async def _serve_request(self, client: Peer, attempt: Attempt, source: IPAddress | None, first: bool) -> bool:
         """Serve one request; True when the connection may carry another."""
@@ -225,8 +253,9 @@ class ProxyServer(Listener):
                 return False
             return await self._forward(client, attempt, head, admission, destination)
         finally:
-            run.open_connections -= 1
-            self.gate.finish(attempt)
+            if not attempt.handed_off:
+                run.open_connections -= 1
+                self.gate.finish(attempt)
 
     async def _dial(self, client: Peer, attempt: Attempt, admission: Admission) -> Peer | None:
         try:
@@ -243,9 +272,10 @@ class ProxyServer(Listener):
         try:
             await client.send(CONNECT_ESTABLISHED)
             if await self._sni_agrees(client, upstream, attempt):
-                await self._splice(client, upstream, attempt)
+                self._splice(client, upstream, attempt)
         finally:
-            upstream.close()
+            if not attempt.handed_off:
+                upstream.close()
 
     async def _sni_agrees(self, client: Peer, upstream: Peer, attempt: Attempt) -> bool:
         """Whether the tunnel may carry on after its first bytes (False: refused and recorded).

@@ -180,10 +180,11 @@ class TransparentTlsServer(Listener):
             if not attempt.decided:
                 attempt.refuse(Reason.BAD_REQUEST)
         finally:
-            if record:
-                self.gate.finish(attempt)
-            metrics.connections_open -= 1
-            client.close()
+            if not attempt.handed_off:
+                if record:
+                    self.gate.finish(attempt)
+                metrics.connections_open -= 1
+                client.close()
 
     async def _read_hello(self, client: Peer) -> ClientHello | None:
         """The ClientHello, within the head timeout; None when the client closed at once."""
@@ -231,9 +232,7 @@ class TransparentTlsServer(Listener):
                 upstream = await self.gate.dial(attempt, admission, Peer)
             except DialError as exc:
                 raise _Refusal(exc.reason, Alert.INTERNAL_ERROR, str(exc)) from None
-            try:
-                await self._splice(client, upstream, attempt)
-            finally:
-                upstream.close()
+            self._splice(client, upstream, attempt)
         finally:
-            run.open_connections -= 1
+            if not attempt.handed_off:
+                run.open_connections -= 1

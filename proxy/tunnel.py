@@ -9,6 +9,11 @@ transports' buffers. An EOF in one direction is passed on as a half-close
 (``write_eof``), so protocols that half-close keep working; the tunnel ends
 when both directions have ended, when either connection is lost, or after
 ``idle_timeout_s`` with no byte either way.
+
+A tunnel runs on callbacks alone: no task waits for it. Whoever spliced it
+passes ``on_end``, which runs once when it ends, so the thousands of idle
+tunnels a build can hold cost two transports, two peers and this object,
+not a suspended coroutine chain each.
 """
 
 from __future__ import annotations
@@ -16,24 +21,31 @@ from __future__ import annotations
 import asyncio
 import time
 
+from collections.abc import Callable
+
 from .stream import Peer
 
 
 class Tunnel:
-    """A running relay between ``client`` and ``upstream``; ``await wait()`` until it ends."""
+    """A running relay between ``client`` and ``upstream``; ``on_end(tunnel)`` runs once when it ends."""
 
-    __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_eof", "_ended", "_timer",
-                 "_idle_timeout_s", "_last", "_loop", "error", "idle_expired")
+    __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_client_eof", "_upstream_eof", "ended",
+                 "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired", "owner")
 
     def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
+                 on_end: Callable[[Tunnel], None] | None = None, owner: object = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.client = client
         self.upstream = upstream
         self.bytes_up = 0
         self.bytes_down = 0
-        self._eof: set[Peer] = set()
+        self._client_eof = False
+        self._upstream_eof = False
+        self.ended = False
+        self._on_end = on_end
+        # What the splicer needs back when the tunnel ends (its attempt, say).
+        self.owner = owner
         self._loop = loop or asyncio.get_running_loop()
-        self._ended: asyncio.Future[None] = self._loop.create_future()
         self._timer: asyncio.TimerHandle | None = None
         self._idle_timeout_s = idle_timeout_s
         self._last = time.monotonic()
@@ -60,24 +72,23 @@ class Tunnel:
                 return
             if peer.eof:
                 self.peer_eof(peer)
+                if self.ended:
+                    return
         self._timer = self._loop.call_later(self._idle_timeout_s, self._check_idle)
 
-    async def wait(self) -> None:
-        try:
-            await asyncio.shield(self._ended)
-        except asyncio.CancelledError:
-            self.close()
-            raise
-
     def close(self) -> None:
-        """End the tunnel now (shutdown, cancellation, idle); idempotent."""
-        if self._ended.done():
+        """End the tunnel now (shutdown, idle, a peer gone); idempotent. Runs ``on_end`` once."""
+        if self.ended:
             return
+        self.ended = True
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
         self.client.relay = None
         self.upstream.relay = None
-        self._ended.set_result(None)
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end(self)
 
     # -- called by the peers ------------------------------------------------------
 
@@ -93,11 +104,15 @@ class Tunnel:
             self.bytes_down += len(data)
 
     def peer_eof(self, source: Peer) -> None:
-        self._eof.add(source)
-        target = self.upstream if source is self.client else self.client
+        if source is self.client:
+            self._client_eof = True
+            target = self.upstream
+        else:
+            self._upstream_eof = True
+            target = self.client
         if target.transport is not None and not target.transport.is_closing() and target.transport.can_write_eof():
             target.transport.write_eof()
-        if len(self._eof) == 2:
+        if self._client_eof and self._upstream_eof:
             self.close()
 
     def peer_lost(self, source: Peer, exc: Exception | None) -> None:
@@ -113,7 +128,8 @@ class Tunnel:
 
     def resume_from(self, target: Peer) -> None:
         source = self.upstream if target is self.client else self.client
-        if source.transport is not None and not source.closed and source not in self._eof:
+        ended = self._client_eof if source is self.client else self._upstream_eof
+        if source.transport is not None and not source.closed and not ended:
             source.transport.resume_reading()
 
     def _check_idle(self) -> None:
