@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -257,15 +256,14 @@ class Gate:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 for address in admission.addresses:
+                    text = str(address)
                     try:
-                        transport, peer = await loop.create_connection(protocol, str(address), admission.port)
+                        # Both asyncio and uvloop set TCP_NODELAY on every TCP transport.
+                        _transport, peer = await loop.create_connection(protocol, text, admission.port)
                     except OSError as exc:
                         last = exc
                         continue
-                    sock = transport.get_extra_info("socket")
-                    if sock is not None:
-                        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    attempt.address = str(address)
+                    attempt.address = text
                     return peer
         except TimeoutError:
             attempt.address = str(admission.addresses[0])

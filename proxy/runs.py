@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hmac
 import ipaddress
 import secrets
@@ -131,6 +132,7 @@ class Run:
         }
 
 
+@functools.lru_cache(maxsize=4096)  # a client connects from the same few addresses again and again
 def source_address(text: str) -> IPAddress | None:
     """The address a client's source is bound by: ``peer[0]`` of a socket, as a value.
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from dataclasses import dataclass
 
 from .clienthello import Alert, ClientHelloError, NotTls, parse_client_hello, tls_alert
@@ -51,8 +50,6 @@ from .tunnel import Tunnel
 log = logging.getLogger("egressd.proxy")
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-# How often a graceful shutdown looks whether the spliced tunnels have ended.
-_SHUTDOWN_POLL_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +79,7 @@ class Listener:
         self._address: tuple[str, int] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
+        self._all_ended: asyncio.Event | None = None  # while close() waits for the tunnels
 
     @property
     def address(self) -> tuple[str, int]:
@@ -97,9 +95,7 @@ class Listener:
         self._address = (bound[0], bound[1])
 
     def _accepted(self, client: Peer) -> None:
-        sock = client.transport.get_extra_info("socket")  # type: ignore[union-attr]
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
         task = asyncio.get_running_loop().create_task(self._serve_client(client))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -109,12 +105,15 @@ class Listener:
         if self._server is not None:
             self._server.close()  # stop accepting; open connections are ours to end
         if grace_s > 0:
-            deadline = asyncio.get_running_loop().time() + grace_s
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace_s
             if self._tasks:
                 await asyncio.wait(set(self._tasks), timeout=grace_s)
-            # Spliced tunnels have no task to wait on; they end by callback.
-            while self._tunnels and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(_SHUTDOWN_POLL_S)
+            # Spliced tunnels have no task to wait on: the last to end sets this.
+            self._all_ended = asyncio.Event()
+            if self._tunnels:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._all_ended.wait(), max(0.0, deadline - loop.time()))
         for tunnel in list(self._tunnels):
             tunnel.close()
         for task in list(self._tasks):
@@ -142,6 +141,8 @@ class Listener:
     def _tunnel_ended(self, tunnel: Tunnel) -> None:
         """Everything the spliced connection's coroutine would have done when it finished."""
         self._tunnels.discard(tunnel)
+        if not self._tunnels and self._all_ended is not None:
+            self._all_ended.set()
         attempt: Attempt = tunnel.owner  # type: ignore[assignment]
         attempt.bytes_up += tunnel.bytes_up
         attempt.bytes_down += tunnel.bytes_down

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-
 from collections.abc import Callable
 
 from .stream import Peer
