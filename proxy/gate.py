@@ -90,6 +90,7 @@ class Admission:
     host: str
     port: int
     addresses: tuple[IPAddress, ...] = ()
+    texts: tuple[str, ...] = ()  # the addresses as text, in the same order
 
     @property
     def allowed(self) -> bool:
@@ -131,6 +132,7 @@ class Gate:
         self.monotonic = monotonic
         self._literals: dict[str, IPAddress | None] = {}
         self._address_ok: dict[IPAddress, bool] = {}
+        self._texts: dict[IPAddress, str] = {}
         # Called with every finished egress record (e.g. `egressd run` prints refusals).
         self.observers: list[Callable[[dict[str, Any]], None]] = []
 
@@ -217,7 +219,7 @@ class Gate:
         if not passed:
             attempt.address = str(candidates[0]) if candidates else None
             return Admission(Reason.PRIVATE_ADDRESS, host, port)
-        return Admission(None, host, port, passed)
+        return Admission(None, host, port, passed, tuple(map(self._text, passed)))
 
     # Both checks below are pure functions of their argument (and of this gate's
     # fixed settings), so their answers are remembered; bounded like a cache.
@@ -231,6 +233,16 @@ class Gate:
             self._literals.clear()
         self._literals[host] = literal
         return literal
+
+    def _text(self, address: IPAddress) -> str:
+        try:
+            return self._texts[address]
+        except KeyError:
+            pass
+        if len(self._texts) >= 4096:
+            self._texts.clear()
+        text = self._texts[address] = str(address)
+        return text
 
     def _dialable(self, address: IPAddress) -> bool:
         try:
@@ -255,8 +267,7 @@ class Gate:
         last: OSError | None = None
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                for address in admission.addresses:
-                    text = str(address)
+                for text in admission.texts:
                     try:
                         # Both asyncio and uvloop set TCP_NODELAY on every TCP transport.
                         _transport, peer = await loop.create_connection(protocol, text, admission.port)
@@ -266,9 +277,9 @@ class Gate:
                     attempt.address = text
                     return peer
         except TimeoutError:
-            attempt.address = str(admission.addresses[0])
+            attempt.address = admission.texts[0]
             raise DialError(Reason.UPSTREAM_TIMEOUT, "connect timed out") from None
-        attempt.address = str(admission.addresses[-1])
+        attempt.address = admission.texts[-1]
         raise DialError(Reason.UPSTREAM_UNREACHABLE, str(last) if last else "no address")
 
     def overrule(self, attempt: Attempt, reason: Reason) -> None:

@@ -417,7 +417,7 @@ class ProxyServer(Listener):
             and not upstream.closed
             and not upstream.eof
             and not upstream.buf  # an unrequested byte means the stream is out of step
-            and any(str(a) == upstream.dialled for a in admission.addresses)
+            and upstream.dialled in admission.texts
         )
         if usable:
             return upstream
