@@ -12,7 +12,8 @@ How one query is answered (``DnsServer.handle``), in order:
    unanswered and counted; the counts are written as summary records;
 2. not a query at all (shorter than a header, or a response) → dropped;
    an opcode other than QUERY → NOTIMP; no single question, or a question
-   dnslib cannot decode → FORMERR (RFC 1035 §4.1.1);
+   that cannot be decoded (cut short, a compressed name, a label that is
+   not UTF-8) → FORMERR (RFC 1035 §4.1.1);
 3. the source address belongs to no run (``--require-auth``) → REFUSED,
    ``auth_required``; the audit log cannot be written → REFUSED,
    ``audit_unavailable``;
@@ -35,7 +36,9 @@ limit's, are written every ``summary_interval_s`` as one record each (host
 null, ``reason: limit_exceeded``, ``suppressed: N``, ``limit``: which one).
 
 ``read_query``, ``query_name``, ``plan_answer``, ``unreachable_reason`` and
-``RateLimiter`` are pure (time is passed in); dnslib is only the codec. The
+``RateLimiter`` are pure (time is passed in); the question is read and the
+reply packed here (the layout is fixed, and it is the hot path), and dnslib
+gives only the names of query types. The
 asyncio shell answers from protocol callbacks: no task per query, and no
 waiting — a DNS query never triggers an approval (DESIGN.md "Decision order").
 """
@@ -54,8 +57,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
+from typing import NamedTuple
 
-from dnslib import CLASS, QTYPE, DNSBuffer, DNSError, DNSQuestion
+from dnslib import CLASS, QTYPE
 
 from .gate import Attempt, Gate
 from .hosts import HostError, normalise_host
@@ -102,6 +106,10 @@ _RA = 0x0080
 _TYPE_A = QTYPE.A
 _TYPE_AAAA = QTYPE.AAAA
 _BIND_ATTEMPTS = 50
+# Outcomes kept per server: a handful in use (A, AAAA, REFUSED, FORMERR and
+# the strict-mode NXDOMAINs); the bound is for a client cycling through types.
+_MAX_OUTCOMES = 1024
+_LIMIT_EXCEEDED = Reason.LIMIT_EXCEEDED.value
 
 
 class Rcode(enum.IntEnum):
@@ -135,12 +143,14 @@ class DnsQueryError(Exception):
         self.rcode = rcode
 
 
-@dataclass(frozen=True, slots=True)
-class Query:
+class Query(NamedTuple):
     """One decoded question. ``name`` is the normalised host, None when the
     name is not a well-formed host name; ``shown`` is the name as received,
     escaped (RFC 1035 §5.1 ``\\DDD``) for the audit log; ``question`` is the
-    question section's bytes as received, which the reply repeats."""
+    question section's bytes as received, which the reply repeats.
+
+    A named tuple rather than a frozen dataclass: one is built per query,
+    and a tuple is the cheapest immutable record to build."""
 
     ident: int
     flags: int
@@ -149,14 +159,11 @@ class Query:
     labels: tuple[bytes, ...]
     qtype: int
     qclass: int
-
-    @property
-    def shown(self) -> str:
-        return shown_name(self.labels)
+    shown: str
 
     @property
     def qtype_text(self) -> str:
-        return str(QTYPE[self.qtype])
+        return qtype_text(self.qtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +190,10 @@ def header_reply(packet: bytes, rcode: Rcode) -> bytes:
     return _HEADER.pack(ident, flags, 0, 0, 0, 0)
 
 
+def _formerr(packet: bytes, detail: str) -> DnsQueryError:
+    return DnsQueryError(detail, header_reply(packet, Rcode.FORMERR), Rcode.FORMERR)
+
+
 def read_query(packet: bytes) -> Query:
     """Decode a query; DnsQueryError says what to answer when it is not one.
 
@@ -191,13 +202,17 @@ def read_query(packet: bytes) -> Query:
     2. an opcode other than QUERY → NOTIMP;
     3. not exactly one question, or answer/authority records → FORMERR
        (RFC 9619: QDCOUNT is one; a query carries no answers);
-    4. dnslib cannot decode the question, or its name is compressed (a
-       pointer there could only point into the header) → FORMERR.
+    4. the question cannot be decoded (``read_name``: cut short, a label
+       that is not UTF-8, or a compressed name — a pointer there could only
+       point into the header), or the packet ends inside its type or class
+       → FORMERR.
 
     What follows the question (an EDNS OPT record, say) is not decoded: the
     answer never depends on it, and nothing of it is kept or sent anywhere.
     """
-    if len(packet) < _HEADER.size:
+    if packet.__class__ is not bytes:
+        packet = bytes(packet)  # a bytearray (dnslib packs into one) is no cache key
+    if len(packet) < 12:
         raise DnsQueryError("shorter than a DNS header", None, None)
     ident, flags, qdcount, ancount, nscount, _arcount = _HEADER.unpack_from(packet)
     if flags & _QR:
@@ -205,25 +220,91 @@ def read_query(packet: bytes) -> Query:
     if flags & _OPCODE_MASK:
         raise DnsQueryError("opcode is not QUERY", header_reply(packet, Rcode.NOTIMP), Rcode.NOTIMP)
     if qdcount != 1 or ancount or nscount:
-        raise DnsQueryError("not exactly one question", header_reply(packet, Rcode.FORMERR), Rcode.FORMERR)
-    buffer = DNSBuffer(packet)
-    buffer.offset = _HEADER.size
+        raise _formerr(packet, "not exactly one question")
+    # The name ends at its root label, a zero octet. A name whose labels hold
+    # no zero octet ends at the first one after the header: try that end in
+    # the cache of names already read; a hit is a name read before, which
+    # reads the same again (only names that end at their first zero octet
+    # are kept). A miss, or a name with a zero octet inside a label, is read
+    # label by label.
+    end = packet.find(0, 12) + 1
+    known = _NAMES.get(packet[12:end]) if end else None
+    if known is None:
+        labels, end = read_name(packet, 12)
+        known = _name_texts(packet, labels, end)
+    tail = end + 4
+    if len(packet) < tail:
+        raise _formerr(packet, "undecodable: the packet ends inside the question's type or class")
+    qtype, qclass = _TYPE_CLASS.unpack_from(packet, end)
+    return Query(ident, flags, packet[12:tail], known[1], known[0], qtype, qclass, known[2])
+
+
+def read_name(packet: bytes, offset: int) -> tuple[tuple[bytes, ...], int]:
+    """The labels of the uncompressed name at ``offset``, and the offset after it.
+
+    RFC 1035 §4.1.2 / §3.1: length-prefixed labels up to a zero octet. A
+    length octet with both top bits set is a compression pointer (§4.1.4),
+    which is FORMERR in a question: the only name before it is the header.
+    Other length octets are read as lengths, up to 191 (as dnslib did: a
+    label over 63 octets, or a name over 255, reads, and is no host name, so
+    it is answered FORMERR all the same, with the name in the record); a
+    label must be UTF-8. Raises DnsQueryError (FORMERR) when the packet ends
+    first. Needs ``packet`` to hold a header (its id goes into the error reply).
+    """
+    labels: list[bytes] = []
+    size = len(packet)
+    while True:
+        if offset >= size:
+            raise _formerr(packet, "undecodable: the packet ends inside the question's name")
+        length = packet[offset]
+        if length == 0:
+            return tuple(labels), offset + 1
+        if length >= 0xC0:
+            raise _formerr(packet, "compressed question name")
+        start = offset + 1
+        offset = start + length
+        if offset > size:
+            raise _formerr(packet, "undecodable: the packet ends inside a label of the question's name")
+        label = packet[start:offset]
+        if not label.isascii():
+            try:
+                label.decode()
+            except UnicodeDecodeError:
+                raise _formerr(packet, "undecodable: a label of the question's name is not UTF-8") from None
+        labels.append(label)
+
+
+# Wire name (its labels and root octet) → (labels, normalised name or None,
+# shown text): a pure function of the bytes, and a sandbox asks the same few
+# names again and again. Bounded like the gate's caches: cleared when full.
+_NAMES: dict[bytes, tuple[tuple[bytes, ...], str | None, str]] = {}
+_MAX_NAMES_CACHED = 4096
+_TYPE_CLASS = struct.Struct("!HH")
+
+
+def _name_texts(packet: bytes, labels: tuple[bytes, ...], end: int) -> tuple[tuple[bytes, ...], str | None, str]:
+    """(labels, host or None, shown) for the name in ``packet[12:end]``, cached when the fast path can find it."""
     try:
-        question = DNSQuestion.parse(buffer)
-    except (DNSError, ValueError, IndexError, struct.error) as exc:
-        # dnslib's own error, or one that escaped its checks: either way the
-        # packet is malformed, which is the client's fault.
-        raise DnsQueryError(f"undecodable: {exc}", header_reply(packet, Rcode.FORMERR), Rcode.FORMERR) from exc
-    labels = tuple(question.qname.label)
-    wire_name = b"".join(bytes((len(label),)) + label for label in labels) + b"\x00"
-    end = _HEADER.size + len(wire_name)
-    if packet[_HEADER.size : end] != wire_name:
-        raise DnsQueryError("compressed question name", header_reply(packet, Rcode.FORMERR), Rcode.FORMERR)
-    try:
-        name: str | None = query_name(labels)
+        host: str | None = query_name(labels)
     except HostError:
-        name = None
-    return Query(ident, flags, packet[_HEADER.size : end + 4], name, labels, question.qtype, question.qclass)
+        host = None
+    known = (labels, host, shown_name(labels))
+    if packet.find(0, 12) + 1 == end:  # no zero octet inside a label
+        if len(_NAMES) >= _MAX_NAMES_CACHED:
+            _NAMES.clear()
+        _NAMES[packet[12:end]] = known
+    return known
+
+
+# The text of the types a sandbox asks for, and dnslib's table for the rest
+# (``TYPEnnn`` for a number it does not know, RFC 3597 §5).
+_QTYPE_TEXT: dict[int, str] = {code: str(text) for code, text in QTYPE.forward.items()}
+
+
+def qtype_text(qtype: int) -> str:
+    """A query type as master-file text: ``A``, ``AAAA``, ``TYPE65280``."""
+    text = _QTYPE_TEXT.get(qtype)
+    return text if text is not None else str(QTYPE[qtype])
 
 
 def query_name(labels: Sequence[bytes]) -> str:
@@ -308,14 +389,37 @@ def pack_reply(query: Query, plan: Plan, ttl_s: int) -> bytes:
     (§4.1.4), class IN, ``ttl_s``, and the address. Built here rather than
     with dnslib's packer: the layout is fixed, and it is the hot path.
     """
-    flags = _QR | _RA | (query.flags & (_OPCODE_MASK | _RD)) | int(plan.rcode)
-    address = plan.address
-    if address is None:
-        return _HEADER.pack(query.ident, flags, 1, 0, 0, 0) + query.question
-    rdata = address.packed
-    rtype = _TYPE_A if address.version == 4 else _TYPE_AAAA
-    answer = _ANSWER.pack(_POINTER_TO_QUESTION, rtype, CLASS.IN, ttl_s, len(rdata)) + rdata
-    return _HEADER.pack(query.ident, flags, 1, 1, 0, 0) + query.question + answer
+    return Outcome(plan, ttl_s).reply(query)
+
+
+class Outcome:
+    """A plan with what the server writes for it worked out once: the
+    record's decision, reason and answer text, and the reply's flags and
+    answer record. Immutable by convention; the server keeps one per
+    distinct plan, so a query costs no Plan, no ``str(address)``, no packing
+    of the address."""
+
+    __slots__ = ("plan", "decision", "reason", "answer", "_flags", "_ancount", "_record")
+
+    def __init__(self, plan: Plan, ttl_s: int) -> None:
+        self.plan = plan
+        self.decision = plan.decision
+        self.reason = plan.reason.value if plan.reason is not None else None
+        self.answer = plan.answer_text
+        self._flags = _QR | _RA | int(plan.rcode)
+        address = plan.address
+        if address is None:
+            self._ancount, self._record = 0, b""
+        else:
+            rdata = address.packed
+            rtype = _TYPE_A if address.version == 4 else _TYPE_AAAA
+            self._ancount = 1
+            self._record = _ANSWER.pack(_POINTER_TO_QUESTION, rtype, CLASS.IN, ttl_s, len(rdata)) + rdata
+
+    def reply(self, query: Query) -> bytes:
+        """The reply to ``query``: see ``pack_reply``."""
+        flags = self._flags | (query.flags & (_OPCODE_MASK | _RD))
+        return _HEADER.pack(query.ident, flags, 1, self._ancount, 0, 0) + query.question + self._record
 
 
 class RateLimiter:
@@ -383,10 +487,10 @@ class DnsServer:
     ) -> None:
         self.gate = gate
         self.runs = runs
-        self.answer4 = answer4
-        self.answer6 = answer6
+        self._answer4 = answer4
+        self._answer6 = answer6
         self.strict = strict
-        self.ttl_s = ttl_s
+        self._ttl_s = ttl_s
         self.max_names_per_run = max_names_per_run
         self.summary_interval_s = summary_interval_s
         self._monotonic = monotonic
@@ -399,6 +503,24 @@ class DnsServer:
         self._tcp_connections: set[_TcpDns] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._address: tuple[str, int] | None = None
+        # plan_answer is a pure function of (the name is None, class, type,
+        # unreachable) and the fixed answers: its outcomes are kept, bounded.
+        self._outcomes: dict[tuple[bool, int, int, Reason | None], Outcome] = {}
+        self._auth_required = Outcome(Plan(Rcode.REFUSED, reason=Reason.AUTH_REQUIRED), ttl_s)
+        self._audit_unavailable = Outcome(Plan(Rcode.REFUSED, reason=Reason.AUDIT_UNAVAILABLE), ttl_s)
+
+    # Fixed at construction: the kept outcomes are worked out from them.
+    @property
+    def answer4(self) -> IPv4Address:
+        return self._answer4
+
+    @property
+    def answer6(self) -> IPv6Address | None:
+        return self._answer6
+
+    @property
+    def ttl_s(self) -> int:
+        return self._ttl_s
 
     @property
     def address(self) -> tuple[str, int]:
@@ -451,13 +573,17 @@ class DnsServer:
 
     def handle(self, packet: bytes, peer: tuple[str | int, ...], transport: str) -> bytes | None:
         """The reply to one query from ``peer`` (None: send nothing); records it."""
-        source = self._source(str(peer[0]))
+        host = peer[0]
+        try:
+            source = self._sources[host]  # type: ignore[index]
+        except KeyError:
+            source = self._source(str(host))
         if not self._limiter.allow(source, self._monotonic()):
             self._dropped[source] += 1
-            self.gate.metrics.decided("deny", Reason.LIMIT_EXCEEDED.value, 0.0)
+            self.gate.metrics.decided("deny", _LIMIT_EXCEEDED, 0.0)
             return None
-        attempt = self.gate.begin("dns", f"{peer[0]}:{peer[1]}")
-        attempt.extra.update(qtype=None, answer=None, transport=transport)
+        attempt = self.gate.begin("dns", f"{host}:{peer[1]}")
+        attempt.extra = {"qtype": None, "answer": None, "transport": transport}
         try:
             return self._answer(packet, source, attempt)
         except Exception:
@@ -487,31 +613,46 @@ class DnsServer:
             attempt.extra["answer"] = exc.rcode.name if exc.rcode is not None else None
             self.gate.finish(attempt)
             return exc.reply
-        attempt.host = query.name if query.name is not None else query.shown
-        attempt.extra["qtype"] = query.qtype_text
+        name = query.name
+        attempt.host = host = name if name is not None else query.shown
+        extra = attempt.extra
+        extra["qtype"] = qtype_text(query.qtype)
         run = self.runs.attribute(source, None)
         if run is None:
-            plan = Plan(Rcode.REFUSED, reason=Reason.AUTH_REQUIRED)
+            outcome = self._auth_required
         else:
             attempt.run = run
             attempt.command = run.command
             if not self.gate.audit.healthy:
-                plan = Plan(Rcode.REFUSED, reason=Reason.AUDIT_UNAVAILABLE)
+                outcome = self._audit_unavailable
             else:
                 unreachable = None
-                if self.strict and query.name is not None:
-                    unreachable, attempt.rule = unreachable_reason(run, query.name)
-                plan = plan_answer(query, answer4=self.answer4, answer6=self.answer6, unreachable=unreachable)
-        attempt.decision = plan.decision
-        attempt.reason = plan.reason.value if plan.reason is not None else None
-        attempt.extra["answer"] = plan.answer_text
-        if attempt.run is None or self._record_in_full(attempt.run, attempt.host):
+                if self.strict and name is not None:
+                    unreachable, attempt.rule = unreachable_reason(run, name)
+                outcome = self._outcome(query, unreachable)
+        attempt.decision = outcome.decision
+        attempt.reason = outcome.reason
+        extra["answer"] = outcome.answer
+        if run is None or self._record_in_full(run, host):
             self.gate.finish(attempt)
         else:
             self.gate.metrics.decided(attempt.decision, attempt.reason, self.gate.monotonic() - attempt.started)
         # At most 12 + 259 + 28 = 299 octets (one question, one address
         # record), under RFC 1035 §4.2.1's 512: never truncated.
-        return pack_reply(query, plan, self.ttl_s)
+        return outcome.reply(query)
+
+    def _outcome(self, query: Query, unreachable: Reason | None) -> Outcome:
+        """``plan_answer`` for ``query``, as an Outcome kept for the next query like it."""
+        key = (query.name is None, query.qclass, query.qtype, unreachable)
+        try:
+            return self._outcomes[key]
+        except KeyError:
+            pass
+        plan = plan_answer(query, answer4=self._answer4, answer6=self._answer6, unreachable=unreachable)
+        if len(self._outcomes) >= _MAX_OUTCOMES:
+            self._outcomes.clear()
+        outcome = self._outcomes[key] = Outcome(plan, self._ttl_s)
+        return outcome
 
     def _record_in_full(self, run: Run, name: str) -> bool:
         """Whether this query gets its own record: its name is one of the run's first N."""

@@ -13,7 +13,7 @@ import struct
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
 import pytest
-from dnslib import QTYPE, RCODE, DNSLabel, DNSRecord
+from dnslib import EDNS0, QTYPE, RCODE, DNSBuffer, DNSError, DNSLabel, DNSQuestion, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +26,8 @@ from proxy.dnsserver import (
     Plan,
     RateLimiter,
     Rcode,
+    header_reply,
+    pack_reply,
     plan_answer,
     query_name,
     read_query,
@@ -121,6 +123,168 @@ def test_names_that_are_no_host_have_no_name_and_are_shown_escaped(labels: list[
 def test_shown_name_escapes_the_way_master_files_do() -> None:
     assert shown_name((b"a b", b"x/y", b"ok")) == "a\\032b.x\\047y.ok"
     assert shown_name(()) == "."
+
+
+# --- the question parser: its edges, on real packets, and agreement with dnslib ---------------
+
+
+def _header(ident: int = 0x1234, flags: int = 0x0100, counts: tuple[int, int, int, int] = (1, 0, 0, 0)) -> bytes:
+    return struct.pack("!HHHHHH", ident, flags, *counts)
+
+
+def _formerr_for(packet: bytes) -> DnsQueryError:
+    with pytest.raises(DnsQueryError) as caught:
+        read_query(packet)
+    assert caught.value.rcode is Rcode.FORMERR
+    reply = DNSRecord.parse(caught.value.reply)
+    assert reply.header.rcode == RCODE.FORMERR and reply.header.id == struct.unpack_from("!H", packet)[0]
+    return caught.value
+
+
+def test_a_label_cut_short_is_formerr() -> None:
+    packet = query("abcdef.test")
+    for cut in range(13, len(packet)):  # every cut inside the name, the type or the class
+        _formerr_for(packet[:cut])
+    assert "name" in str(_formerr_for(packet[:15]))  # "\x06ab": the label says 6 octets, 2 follow
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(b"\xc0\x0c", id="the whole name a pointer to itself"),
+        pytest.param(b"\x03www\xc0\x0c", id="a pointer after a label, back to the question"),
+        pytest.param(b"\x03www\xc0\x40", id="a pointer forwards"),
+        pytest.param(b"\x03www\xff\xff", id="a pointer out of the packet"),
+    ],
+)
+def test_a_pointer_in_the_question_name_is_formerr(name: bytes) -> None:
+    exc = _formerr_for(_header() + name + struct.pack("!HH", 1, 1) + b"\x00" * 64)
+    assert str(exc) == "compressed question name"
+
+
+def test_a_64_octet_label_reads_but_is_no_host() -> None:
+    assert read_query(raw_query([b"x" * 63, b"test"])).name == "x" * 63 + ".test"
+    q = read_query(raw_query([b"x" * 64, b"test"]))
+    assert q.name is None and q.shown == "x" * 64 + ".test"
+    assert plan_answer(q, answer4=ANSWER, answer6=None, unreachable=None).rcode is Rcode.FORMERR
+
+
+def test_a_name_over_255_octets_reads_but_is_no_host() -> None:
+    longest = [b"a" * 63, b"b" * 63, b"c" * 63, b"d" * 61]  # 255 octets on the wire, 253 characters
+    assert read_query(raw_query(longest)).name == b".".join(longest).decode()
+    q = read_query(raw_query([*longest[:3], b"d" * 62]))  # 256 octets
+    assert q.name is None and len(q.question) == 256 + 4
+    assert plan_answer(q, answer4=ANSWER, answer6=None, unreachable=None).rcode is Rcode.FORMERR
+
+
+def _with_edns(packet: bytes) -> bytes:
+    record = DNSRecord.parse(packet)
+    record.add_ar(EDNS0(udp_len=1232, flags="do"))
+    return bytes(record.pack())
+
+
+def test_an_edns_opt_record_after_the_question_is_ignored() -> None:
+    plain = query("origin.test")
+    with_opt = _with_edns(plain)
+    assert len(with_opt) > len(plain) and struct.unpack_from("!H", with_opt, 10)[0] == 1
+    q = read_query(with_opt)
+    assert q.question == plain[12:] and q.name == "origin.test"
+    reply = DNSRecord.parse(pack_reply(q, Plan(Rcode.NOERROR, ANSWER), 5))
+    assert reply.ar == [] and [str(rr.rdata) for rr in reply.rr] == ["127.0.0.1"]
+    assert read_query(plain + os.urandom(40)).question == plain[12:]  # whatever follows, it is not read
+
+
+def test_a_label_holding_a_zero_octet_reads_the_same_every_time() -> None:
+    # Its first zero octet is inside a label, so the cached-name fast path cannot apply.
+    packet = raw_query([b"a\x00b", b"test"])
+    first, second = read_query(packet), read_query(packet)
+    assert first == second and first.name is None and first.shown == "a\\000b.test"
+    assert first.labels == (b"a\x00b", b"test")
+
+
+def test_a_name_read_before_reads_the_same_with_another_id_type_and_case() -> None:
+    read_query(query("cached.test"))
+    q = read_query(raw_query([b"cached", b"test"], qtype=28, ident=7))
+    assert (q.ident, q.qtype, q.name, q.question[-4:]) == (7, 28, "cached.test", b"\x00\x1c\x00\x01")
+    assert read_query(query("CaChEd.test")).shown == "CaChEd.test"
+
+
+def test_query_types_are_named_as_dnslib_names_them() -> None:
+    assert [read_query(query("t.test", qtype)).qtype_text for qtype in ("A", "AAAA", "HTTPS", "ANY")] == [
+        "A",
+        "AAAA",
+        "HTTPS",
+        "ANY",
+    ]
+    assert read_query(raw_query([b"t"], qtype=65280)).qtype_text == "TYPE65280"
+
+
+def _as_dnslib_read_it(packet: bytes) -> tuple:
+    """What read_query answered when dnslib decoded the question (the reference)."""
+    if len(packet) < 12:
+        return ("error", None, None)
+    ident, flags, qdcount, ancount, nscount, _ = struct.unpack_from("!HHHHHH", packet)
+    if flags & 0x8000:
+        return ("error", None, None)
+    if flags & 0x7800:
+        return ("error", Rcode.NOTIMP, header_reply(packet, Rcode.NOTIMP))
+    formerr = ("error", Rcode.FORMERR, header_reply(packet, Rcode.FORMERR))
+    if qdcount != 1 or ancount or nscount:
+        return formerr
+    buffer = DNSBuffer(packet)
+    buffer.offset = 12
+    try:
+        question = DNSQuestion.parse(buffer)
+    except (DNSError, ValueError, IndexError, struct.error):
+        return formerr
+    labels = tuple(question.qname.label)
+    wire = b"".join(bytes((len(label),)) + label for label in labels) + b"\x00"
+    if packet[12 : 12 + len(wire)] != wire:
+        return formerr
+    try:
+        name = query_name(labels)
+    except HostError:
+        name = None
+    query = (ident, flags, packet[12 : 12 + len(wire) + 4], name, labels, question.qtype, question.qclass)
+    return ("query", *query, shown_name(labels), str(QTYPE[question.qtype]))
+
+
+def _as_read_now(packet: bytes) -> tuple:
+    try:
+        q = read_query(packet)
+    except DnsQueryError as exc:
+        return ("error", exc.rcode, exc.reply)
+    return ("query", q.ident, q.flags, q.question, q.name, q.labels, q.qtype, q.qclass, q.shown, q.qtype_text)
+
+
+_length_octets = st.one_of(
+    st.integers(1, 63), st.sampled_from([0, 64, 100, 191, 0x40, 0x80, 0xBF, 0xC0, 0xC1, 0xFF]), st.integers(0, 255)
+)
+_label_bodies = st.one_of(
+    st.binary(max_size=70),
+    st.text("abcXYZ09-_.", max_size=70).map(str.encode),
+    st.text(max_size=20).map(str.encode),  # UTF-8, not ASCII
+)
+
+
+@st.composite
+def _questions(draw: st.DrawFn) -> bytes:
+    flags = draw(st.sampled_from([0x0100, 0x0000, 0x0110, 0x8100, 0x2100]))
+    counts = draw(st.sampled_from([(1, 0, 0, 0), (1, 0, 0, 1), (1, 0, 0, 0), (2, 0, 0, 0), (1, 1, 0, 0)]))
+    name = b""
+    for length, body in draw(st.lists(st.tuples(_length_octets, _label_bodies), max_size=6)):
+        name += bytes([length]) + (body * (length // max(len(body), 1) + 1))[:length]
+    if draw(st.booleans()):
+        name += b"\x00"
+    packet = _header(draw(st.integers(0, 0xFFFF)), flags, counts) + name + draw(st.binary(max_size=8))
+    return packet[: draw(st.integers(0, len(packet)))] if draw(st.booleans()) else packet
+
+
+@settings(max_examples=1500, deadline=None)
+@given(st.one_of(_questions(), st.binary(max_size=80), st.binary(max_size=600)))
+def test_the_parser_reads_every_packet_as_dnslib_did(packet: bytes) -> None:
+    assert _as_read_now(packet) == _as_dnslib_read_it(packet)
+    assert _as_read_now(packet) == _as_dnslib_read_it(packet)  # again, now that the name may be cached
 
 
 PLANS = [
@@ -504,6 +668,77 @@ async def _small_server(svc, **kw) -> DnsServer:
     server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, **kw)
     await server.start("127.0.0.1", 0)
     return server
+
+
+async def test_the_question_is_echoed_byte_for_byte_with_0x20_case(make_egressd, dns: FakeDns) -> None:
+    svc = await make_egressd()
+    server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, answer6=IPv6Address("fd00::53"))
+    for qtype in ("A", "AAAA", "TXT"):
+        packet = query("oRiGiN.ExAmPlE.tEsT", qtype, id=0xBEEF)
+        reply = server.handle(packet, ("127.0.0.1", 5300), "udp")
+        assert reply is not None and reply[:2] == b"\xbe\xef"
+        assert reply[12 : len(packet)] == packet[12:]  # the question, exactly as asked
+    assert {r["host"] for r in dns_records(svc)} == {"origin.example.test"}
+    assert dns.queries == []
+
+
+@pytest.mark.parametrize(
+    "packet",
+    [
+        pytest.param(raw_query([b"x" * 64, b"test"]), id="a 64-octet label"),
+        pytest.param(raw_query([b"a" * 63, b"b" * 63, b"c" * 63, b"d" * 62]), id="a 256-octet name"),
+        pytest.param(raw_query([b"a\x00b", b"test"]), id="a zero octet in a label"),
+    ],
+)
+async def test_names_dns_cannot_carry_are_formerr_and_recorded_as_shown(make_egressd, dns: FakeDns, packet) -> None:
+    svc = await make_egressd()
+    server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER)
+    reply = DNSRecord.parse(server.handle(packet, ("127.0.0.1", 5300), "udp"))
+    assert reply.header.rcode == RCODE.FORMERR and reply.rr == [] and reply.header.q == 1
+    [record] = dns_records(svc)
+    assert record["host"] == read_query(packet).shown and record["run"] == "default"
+    assert (record["decision"], record["reason"], record["answer"], record["qtype"]) == (
+        "deny",
+        "bad_request",
+        "FORMERR",
+        "A",
+    )
+
+
+async def test_the_server_answers_and_records_as_the_pure_functions_say(make_egressd, dns: FakeDns) -> None:
+    svc = await make_egressd(allow=["ok.test"], deny=["bad.test"], ask=False)
+    plain = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, ttl_s=7)
+    strict = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, answer6=IPv6Address("fd00::1"), strict=True)
+    packets = [
+        query(name, qtype, rd=rd)
+        for name in ("ok.test", "OK.test", "bad.test", "other.test")
+        for qtype in ("A", "AAAA", "TXT", "ANY")
+        for rd in (0, 1)
+    ] + [raw_query([b"bad name"]), DNSRecord.question("ok.test", "A", "CH").pack()]
+    for server in (plain, strict, plain, strict):  # twice: the second time from the kept outcomes
+        for packet in packets:
+            reply = server.handle(packet, ("127.0.0.1", 5300), "udp")
+            q = read_query(packet)
+            unreachable = unreachable_reason(svc.default_run, q.name)[0] if server.strict and q.name else None
+            plan = plan_answer(q, answer4=server.answer4, answer6=server.answer6, unreachable=unreachable)
+            assert reply == pack_reply(q, plan, server.ttl_s)
+            record = dns_records(svc)[-1]
+            assert (record["decision"], record["answer"], record["qtype"]) == (
+                plan.decision,
+                plan.answer_text,
+                q.qtype_text,
+            )
+            assert record["reason"] == (plan.reason.value if plan.reason else None)
+            assert list(record)[-3:] == ["qtype", "answer", "transport"]
+    assert dns.queries == []
+
+
+async def test_an_edns_query_is_answered_through_the_server(dns_egressd, dns: FakeDns) -> None:
+    svc = await dns_egressd()
+    reply = await exchange(svc.dns.address, _with_edns(query("origin.test")))
+    assert reply is not None and reply.header.rcode == RCODE.NOERROR
+    assert [str(rr.rdata) for rr in reply.rr] == ["127.0.0.1"] and reply.ar == []
+    assert dns.queries == []
 
 
 async def test_a_flood_from_one_client_is_dropped_and_summarised(make_egressd, dns: FakeDns) -> None:
