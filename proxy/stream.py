@@ -121,18 +121,6 @@ class Peer(asyncio.Protocol):
                 self._read_waiter = None
         return len(self.buf) > size
 
-    def readable(self, min_size: int = 1) -> asyncio.Future[None]:
-        """A future done when the buffer holds ``min_size`` bytes, or more arrive, or EOF.
-
-        (It may be done by fewer bytes than ``min_size``: re-check after it.)
-        """
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        if len(self.buf) >= min_size or self.eof:
-            fut.set_result(None)
-        else:
-            self._read_waiter = fut
-        return fut
-
     async def send(self, data: bytes | bytearray | memoryview) -> None:
         if self.closed or self.transport is None or self.transport.is_closing():
             raise PeerClosed("connection closed")
@@ -229,15 +217,21 @@ class Peer(asyncio.Protocol):
 async def first_readable(*peers: Peer, more: Peer | None = None) -> Peer:
     """The first of ``peers`` with bytes (or EOF) to read; nothing is consumed.
 
-    ``more``, one of ``peers``, counts only once bytes beyond what it holds now arrive.
+    ``more``, one of ``peers``, counts only once bytes beyond what it holds now
+    arrive. One future serves as every peer's read waiter, so whichever peer
+    is woken first wakes us (no ``asyncio.wait``, once per tunnel set-up).
     """
-    futures = {peer.readable(len(peer.buf) + 1 if peer is more else 1): peer for peer in peers}
-    try:
-        done, _ = await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for fut, peer in futures.items():
-            if not fut.done():
-                fut.cancel()
-            if peer._read_waiter is fut:
-                peer._read_waiter = None
-    return futures[next(iter(done))]
+    wanted = [len(peer.buf) + 1 if peer is more else 1 for peer in peers]
+    while True:
+        for peer, size in zip(peers, wanted, strict=True):
+            if len(peer.buf) >= size or peer.eof:
+                return peer
+        waiter = asyncio.get_running_loop().create_future()
+        for peer in peers:
+            peer._read_waiter = waiter
+        try:
+            await waiter
+        finally:
+            for peer in peers:
+                if peer._read_waiter is waiter:
+                    peer._read_waiter = None
