@@ -213,8 +213,8 @@ class ProxyServer(Listener):
     async def _serve_request(self, client: Peer, attempt: Attempt, source: IPAddress | None, first: bool) -> bool:
         """Serve one request; True when the connection may carry another."""
         try:
-            async with asyncio.timeout(self.limits.head_timeout_s):
-                head = await client.read_head(parse_request_head, self.limits.max_head_bytes)
+            deadline = asyncio.get_running_loop().time() + self.limits.head_timeout_s
+            head = await client.read_head(parse_request_head, self.limits.max_head_bytes, deadline)
         except TimeoutError:
             if not first and not client.buf:
                 return False  # an idle keep-alive connection, not an attempt
@@ -291,30 +291,30 @@ class ProxyServer(Listener):
            get a fatal TLS alert and the close. No SNI → carry on: the
            server then answers for the address the policy already checked.
         """
+        loop = asyncio.get_running_loop()
         if not client.buf:
             try:
-                async with asyncio.timeout(self.limits.idle_timeout_s):
-                    if await first_readable(client, upstream) is upstream:
-                        return True
+                if await first_readable(client, upstream, deadline=loop.time() + self.limits.idle_timeout_s) is upstream:
+                    return True
             except TimeoutError:
                 return False  # idle as long as a tunnel may be: ends like one
             if not client.buf:
                 return True  # the client half-closed at once: relay that
+        deadline = loop.time() + self.limits.head_timeout_s
         try:
-            async with asyncio.timeout(self.limits.head_timeout_s):
-                while True:
-                    try:
-                        hello = parse_client_hello(client.buf)
-                    except NotTls:
-                        return True
-                    except ClientHelloError as exc:
-                        return await self._refuse_tls(client, attempt, Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc))
-                    if hello is not None:
-                        break
-                    if client.eof:
-                        return True  # an unfinished record the server will reject
-                    if await first_readable(client, upstream, more=client) is upstream:
-                        return True
+            while True:
+                try:
+                    hello = parse_client_hello(client.buf)
+                except NotTls:
+                    return True
+                except ClientHelloError as exc:
+                    return await self._refuse_tls(client, attempt, Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc))
+                if hello is not None:
+                    break
+                if client.eof:
+                    return True  # an unfinished record the server will reject
+                if await first_readable(client, upstream, more=client, deadline=deadline) is upstream:
+                    return True
         except TimeoutError:
             detail = "ClientHello incomplete in time"
             return await self._refuse_tls(client, attempt, Reason.LIMIT_EXCEEDED, None, detail)
@@ -426,12 +426,12 @@ class ProxyServer(Listener):
 
     async def _response_head(self, upstream: Peer) -> ResponseHead | None:
         """The final response head (interim 1xx skipped); None if the upstream closed first."""
-        async with asyncio.timeout(self.limits.idle_timeout_s):
-            while True:
-                response = await upstream.read_head(parse_response_head, self.limits.max_head_bytes)
-                if response is None or not (100 <= response.status < 200 and response.status != 101):
-                    return response
-                # interim responses: we already answered any 100-continue ourselves
+        deadline = asyncio.get_running_loop().time() + self.limits.idle_timeout_s
+        while True:
+            response = await upstream.read_head(parse_response_head, self.limits.max_head_bytes, deadline)
+            if response is None or not (100 <= response.status < 200 and response.status != 101):
+                return response
+            # interim responses: we already answered any 100-continue ourselves
 
     async def _relay_response(
         self, client: Peer, attempt: Attempt, head: RequestHead, upstream: Peer, response: ResponseHead

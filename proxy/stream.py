@@ -105,8 +105,14 @@ class Peer(asyncio.Protocol):
     def loop(self) -> asyncio.AbstractEventLoop:
         return asyncio.get_running_loop()
 
-    async def fill(self) -> bool:
-        """Wait for more bytes in the buffer; False at EOF (nothing more will come)."""
+    async def fill(self, deadline: float | None = None) -> bool:
+        """Wait for more bytes in the buffer; False at EOF (nothing more will come).
+
+        ``deadline`` (the loop's clock) raises TimeoutError if nothing came by
+        then. A timer is armed only when there is something to wait for, and
+        it is one loop timer, not an ``asyncio.timeout`` (which costs several
+        times more, once or twice per request).
+        """
         if self.eof:
             return False
         size = len(self.buf)
@@ -114,11 +120,15 @@ class Peer(asyncio.Protocol):
             self._read_paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
         while len(self.buf) == size and not self.eof:
-            self._read_waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = self._read_waiter = loop.create_future()
+            timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
             try:
-                await self._read_waiter
+                await waiter
             finally:
                 self._read_waiter = None
+                if timer is not None:
+                    timer.cancel()
         return len(self.buf) > size
 
     async def send(self, data: bytes | bytearray | memoryview) -> None:
@@ -140,8 +150,8 @@ class Peer(asyncio.Protocol):
         del self.buf[:n]
         return data
 
-    async def read_head(self, parse: Callable, max_bytes: int):  # type: ignore[no-untyped-def]
-        """The next head, or None on a clean EOF before any byte of it."""
+    async def read_head(self, parse: Callable, max_bytes: int, deadline: float | None = None):  # type: ignore[no-untyped-def]
+        """The next head, or None on a clean EOF before any byte of it; TimeoutError past ``deadline``."""
         while True:
             if self.buf:
                 parsed = parse(self.buf, max_bytes)
@@ -149,7 +159,7 @@ class Peer(asyncio.Protocol):
                     head, used = parsed
                     del self.buf[:used]
                     return head
-            if not await self.fill():
+            if not await self.fill(deadline):
                 if self.buf:
                     raise HttpError(400, "connection closed inside a message head")
                 return None
@@ -214,24 +224,34 @@ class Peer(asyncio.Protocol):
             waiter.set_result(None)
 
 
-async def first_readable(*peers: Peer, more: Peer | None = None) -> Peer:
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+async def first_readable(*peers: Peer, more: Peer | None = None, deadline: float | None = None) -> Peer:
     """The first of ``peers`` with bytes (or EOF) to read; nothing is consumed.
 
     ``more``, one of ``peers``, counts only once bytes beyond what it holds now
-    arrive. One future serves as every peer's read waiter, so whichever peer
-    is woken first wakes us (no ``asyncio.wait``, once per tunnel set-up).
+    arrive; TimeoutError past ``deadline`` (the loop's clock). One future
+    serves as every peer's read waiter, so whichever peer is woken first
+    wakes us (no ``asyncio.wait``, once per tunnel set-up).
     """
     wanted = [len(peer.buf) + 1 if peer is more else 1 for peer in peers]
     while True:
         for peer, size in zip(peers, wanted, strict=True):
             if len(peer.buf) >= size or peer.eof:
                 return peer
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         for peer in peers:
             peer._read_waiter = waiter
+        timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
         try:
             await waiter
         finally:
+            if timer is not None:
+                timer.cancel()
             for peer in peers:
                 if peer._read_waiter is waiter:
                     peer._read_waiter = None

@@ -188,22 +188,22 @@ class TransparentTlsServer(Listener):
 
     async def _read_hello(self, client: Peer) -> ClientHello | None:
         """The ClientHello, within the head timeout; None when the client closed at once."""
+        deadline = asyncio.get_running_loop().time() + self.limits.head_timeout_s
         try:
-            async with asyncio.timeout(self.limits.head_timeout_s):
-                while True:
+            while True:
+                if client.buf:
+                    try:
+                        hello = parse_client_hello(client.buf)
+                    except NotTls:
+                        raise _Refusal(Reason.BAD_REQUEST, None, "not a TLS ClientHello") from None
+                    except ClientHelloError as exc:
+                        raise _Refusal(Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc)) from None
+                    if hello is not None:
+                        return hello
+                if not await client.fill(deadline):
                     if client.buf:
-                        try:
-                            hello = parse_client_hello(client.buf)
-                        except NotTls:
-                            raise _Refusal(Reason.BAD_REQUEST, None, "not a TLS ClientHello") from None
-                        except ClientHelloError as exc:
-                            raise _Refusal(Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc)) from None
-                        if hello is not None:
-                            return hello
-                    if not await client.fill():
-                        if client.buf:
-                            raise _Refusal(Reason.BAD_REQUEST, None, "closed inside the ClientHello")
-                        return None
+                        raise _Refusal(Reason.BAD_REQUEST, None, "closed inside the ClientHello")
+                    return None
         except TimeoutError:
             raise _Refusal(Reason.LIMIT_EXCEEDED, None, "no complete ClientHello in time") from None
 
