@@ -294,7 +294,8 @@ class ProxyServer(Listener):
         loop = asyncio.get_running_loop()
         if not client.buf:
             try:
-                if await first_readable(client, upstream, deadline=loop.time() + self.limits.idle_timeout_s) is upstream:
+                first = await first_readable(client, upstream, deadline=loop.time() + self.limits.idle_timeout_s)
+                if first is upstream:
                     return True
             except TimeoutError:
                 return False  # idle as long as a tunnel may be: ends like one
