@@ -34,7 +34,7 @@ class Peer(asyncio.Protocol):
     """One TCP connection (client or upstream) with a read buffer."""
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
-    __slots__ = ("transport", "buf", "eof", "closed", "peername", "_on_connect", "_read_waiter", "_write_waiter",
+    __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
                  "_write_paused", "_read_paused", "relay", "dialled", "pooled")
 
     def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
@@ -42,7 +42,6 @@ class Peer(asyncio.Protocol):
         self.buf = bytearray()
         self.eof = False
         self.closed = False
-        self.peername: Any = None
         self._on_connect = on_connect
         self._read_waiter: asyncio.Future[None] | None = None
         self._write_waiter: asyncio.Future[None] | None = None
@@ -59,7 +58,6 @@ class Peer(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
-        self.peername = transport.get_extra_info("peername")
         if self._on_connect is not None:
             self._on_connect(self)
 
@@ -100,6 +98,11 @@ class Peer(asyncio.Protocol):
         self._wake_writer()
 
     # -- what coroutines use -----------------------------------------------------
+
+    @property
+    def peername(self) -> Any:
+        """The other end's address (a system call, so asked only where it is needed: clients)."""
+        return self.transport.get_extra_info("peername") if self.transport is not None else None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
