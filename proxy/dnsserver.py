@@ -147,7 +147,8 @@ class Query(NamedTuple):
     """One decoded question. ``name`` is the normalised host, None when the
     name is not a well-formed host name; ``shown`` is the name as received,
     escaped (RFC 1035 §5.1 ``\\DDD``) for the audit log; ``question`` is the
-    question section's bytes as received, which the reply repeats.
+    question section's bytes as received, which the reply repeats. (read_query
+    builds it from a tuple in this field order.)
 
     A named tuple rather than a frozen dataclass: one is built per query,
     and a tuple is the cheapest immutable record to build."""
@@ -222,21 +223,40 @@ def read_query(packet: bytes) -> Query:
     if qdcount != 1 or ancount or nscount:
         raise _formerr(packet, "not exactly one question")
     # The name ends at its root label, a zero octet. A name whose labels hold
-    # no zero octet ends at the first one after the header: try that end in
-    # the cache of names already read; a hit is a name read before, which
-    # reads the same again (only names that end at their first zero octet
-    # are kept). A miss, or a name with a zero octet inside a label, is read
-    # label by label.
-    end = packet.find(0, 12) + 1
-    known = _NAMES.get(packet[12:end]) if end else None
+    # no zero octet ends at the first one after the header: the question
+    # there (name, type, class) is looked up among those read before. A hit
+    # is a question read before, which reads the same again (only questions
+    # whose name ends at its first zero octet are kept; a packet cut short
+    # gives a shorter key, which matches none). A miss, or a name with a
+    # zero octet inside a label, is read label by label.
+    end = packet.find(0, 12) + 5
+    known = _QUESTIONS.get(packet[12:end]) if end > 4 else None
     if known is None:
-        labels, end = read_name(packet, 12)
-        known = _name_texts(packet, labels, end)
+        known = _read_question(packet)
+    return _new_query(Query, (ident, flags, *known))
+
+
+def _read_question(packet: bytes) -> tuple[bytes, str | None, tuple[bytes, ...], int, int, str]:
+    """(question, host or None, labels, type, class, shown) of the question at offset 12; kept when it can be found."""
+    labels, end = read_name(packet, 12)
     tail = end + 4
     if len(packet) < tail:
         raise _formerr(packet, "undecodable: the packet ends inside the question's type or class")
     qtype, qclass = _TYPE_CLASS.unpack_from(packet, end)
-    return Query(ident, flags, packet[12:tail], known[1], known[0], qtype, qclass, known[2])
+    try:
+        host: str | None = query_name(labels)
+    except HostError:
+        host = None
+    question = packet[12:tail]
+    known = (question, host, labels, qtype, qclass, shown_name(labels))
+    # Kept when the fast path can find it (no zero octet inside a label) and
+    # no longer than a name can be (RFC 1035 §3.1: 255 octets), so the cache
+    # holds at most _MAX_QUESTIONS_CACHED × 259 octets of keys.
+    if end - 12 <= 255 and packet.find(0, 12) + 1 == end:
+        if len(_QUESTIONS) >= _MAX_QUESTIONS_CACHED:
+            _QUESTIONS.clear()
+        _QUESTIONS[question] = known
+    return known
 
 
 def read_name(packet: bytes, offset: int) -> tuple[tuple[bytes, ...], int]:
@@ -274,26 +294,14 @@ def read_name(packet: bytes, offset: int) -> tuple[tuple[bytes, ...], int]:
         labels.append(label)
 
 
-# Wire name (its labels and root octet) → (labels, normalised name or None,
-# shown text): a pure function of the bytes, and a sandbox asks the same few
-# names again and again. Bounded like the gate's caches: cleared when full.
-_NAMES: dict[bytes, tuple[tuple[bytes, ...], str | None, str]] = {}
-_MAX_NAMES_CACHED = 4096
+# Question section (name, type, class) → what read_query makes of it: a pure
+# function of the bytes, and a sandbox asks the same few names again and
+# again. Bounded like the gate's caches: cleared when full.
+_QUESTIONS: dict[bytes, tuple[bytes, str | None, tuple[bytes, ...], int, int, str]] = {}
+_MAX_QUESTIONS_CACHED = 4096
 _TYPE_CLASS = struct.Struct("!HH")
-
-
-def _name_texts(packet: bytes, labels: tuple[bytes, ...], end: int) -> tuple[tuple[bytes, ...], str | None, str]:
-    """(labels, host or None, shown) for the name in ``packet[12:end]``, cached when the fast path can find it."""
-    try:
-        host: str | None = query_name(labels)
-    except HostError:
-        host = None
-    known = (labels, host, shown_name(labels))
-    if packet.find(0, 12) + 1 == end:  # no zero octet inside a label
-        if len(_NAMES) >= _MAX_NAMES_CACHED:
-            _NAMES.clear()
-        _NAMES[packet[12:end]] = known
-    return known
+# Builds a Query from one tuple without NamedTuple's Python-level __new__.
+_new_query = tuple.__new__
 
 
 # The text of the types a sandbox asks for, and dnslib's table for the rest
@@ -439,18 +447,23 @@ class RateLimiter:
 
     def allow(self, key: object, now: float) -> bool:
         """Take one token for ``key`` if there is one."""
-        bucket = self._buckets.get(key)
+        buckets = self._buckets
+        bucket = buckets.get(key)
         if bucket is None:
-            if len(self._buckets) >= self.max_keys:
-                self._buckets.popitem(last=False)
-            bucket = self._buckets[key] = [self.burst, now]
+            if len(buckets) >= self.max_keys:
+                buckets.popitem(last=False)
+            tokens = self.burst
+            bucket = buckets[key] = [tokens, now]
         else:
-            self._buckets.move_to_end(key)
-            bucket[0] = min(self.burst, bucket[0] + (now - bucket[1]) * self.rate)
+            buckets.move_to_end(key)
+            tokens = bucket[0] + (now - bucket[1]) * self.rate
+            if tokens > self.burst:
+                tokens = self.burst
             bucket[1] = now
-        if bucket[0] >= 1.0:
-            bucket[0] -= 1.0
+        if tokens >= 1.0:
+            bucket[0] = tokens - 1.0
             return True
+        bucket[0] = tokens
         return False
 
 
@@ -497,7 +510,13 @@ class DnsServer:
         self._limiter = RateLimiter(rate_qps, burst)
         self._ledgers: weakref.WeakKeyDictionary[Run, _RunLedger] = weakref.WeakKeyDictionary()
         self._dropped: Counter[IPAddress | None] = Counter()
-        self._sources: dict[str, IPAddress | None] = {}
+        # peer[0] → (its source address, the rate limiter's key for it): the
+        # address's text, one string per address whatever its spelling, so the
+        # limiter hashes a string (its hash kept) rather than an ip_address.
+        self._sources: dict[str, tuple[IPAddress | None, str | None]] = {}
+        # The last run a query came from and its ledger: a sandbox's queries
+        # come from one run, and a WeakKeyDictionary lookup builds a weakref.
+        self._last_ledger: tuple[weakref.ref[Run], _RunLedger] | None = None
         self._udp: asyncio.DatagramTransport | None = None
         self._tcp: asyncio.Server | None = None
         self._tcp_connections: set[_TcpDns] = set()
@@ -575,10 +594,10 @@ class DnsServer:
         """The reply to one query from ``peer`` (None: send nothing); records it."""
         host = peer[0]
         try:
-            source = self._sources[host]  # type: ignore[index]
+            source, key = self._sources[host]  # type: ignore[index]
         except KeyError:
-            source = self._source(str(host))
-        if not self._limiter.allow(source, self._monotonic()):
+            source, key = self._source(str(host))
+        if not self._limiter.allow(key, self._monotonic()):
             self._dropped[source] += 1
             self.gate.metrics.decided("deny", _LIMIT_EXCEEDED, 0.0)
             return None
@@ -593,16 +612,18 @@ class DnsServer:
             self.gate.finish(attempt)
             return None
 
-    def _source(self, text: str) -> IPAddress | None:
-        """``runs.source_address``, remembered: a sandbox asks from one address again and again."""
+    def _source(self, text: str) -> tuple[IPAddress | None, str | None]:
+        """``runs.source_address`` and the limiter's key, remembered: a sandbox asks from one address again
+        and again."""
         try:
             return self._sources[text]
         except KeyError:
             pass
         if len(self._sources) >= MAX_TRACKED_CLIENTS:
             self._sources.clear()
-        address = self._sources[text] = source_address(text)
-        return address
+        address = source_address(text)
+        known = self._sources[text] = (address, str(address) if address is not None else None)
+        return known
 
     def _answer(self, packet: bytes, source: IPAddress | None, attempt: Attempt) -> bytes | None:
         try:
@@ -656,9 +677,14 @@ class DnsServer:
 
     def _record_in_full(self, run: Run, name: str) -> bool:
         """Whether this query gets its own record: its name is one of the run's first N."""
-        ledger = self._ledgers.get(run)
-        if ledger is None:
-            ledger = self._ledgers[run] = _RunLedger()
+        last = self._last_ledger
+        if last is not None and last[0]() is run:
+            ledger = last[1]
+        else:
+            ledger = self._ledgers.get(run)
+            if ledger is None:
+                ledger = self._ledgers[run] = _RunLedger()
+            self._last_ledger = (weakref.ref(run), ledger)
         if name in ledger.names:
             return True
         if len(ledger.names) < self.max_names_per_run:

@@ -209,6 +209,19 @@ def test_a_name_read_before_reads_the_same_with_another_id_type_and_case() -> No
     assert read_query(query("CaChEd.test")).shown == "CaChEd.test"
 
 
+def test_the_questions_kept_are_bounded_in_number_and_size(monkeypatch) -> None:
+    from proxy import dnsserver
+
+    monkeypatch.setattr(dnsserver, "_QUESTIONS", {})
+    monkeypatch.setattr(dnsserver, "_MAX_QUESTIONS_CACHED", 3)
+    too_long = raw_query([b"a" * 63] * 5)  # 321 octets of name: read, never kept
+    assert read_query(too_long).name is None and dnsserver._QUESTIONS == {}
+    for i in range(7):
+        read_query(query(f"n{i}.test"))
+        assert 1 <= len(dnsserver._QUESTIONS) <= 3
+    assert bytes(query("n6.test")[12:]) in dnsserver._QUESTIONS
+
+
 def test_query_types_are_named_as_dnslib_names_them() -> None:
     assert [read_query(query("t.test", qtype)).qtype_text for qtype in ("A", "AAAA", "HTTPS", "ANY")] == [
         "A",
@@ -783,6 +796,25 @@ async def test_names_past_the_per_run_cap_are_answered_but_only_counted(make_egr
         None,
     )
     assert dns.queries == []
+
+
+async def test_the_name_cap_is_per_run_when_runs_take_turns(make_egressd, dns: FakeDns) -> None:
+    svc = await make_egressd()
+    other = svc.runs.create(task="t", allow=[], sources=[ip_address("127.0.0.5")])
+    server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, max_names_per_run=2)
+    for i in range(4):
+        for source in ("127.0.0.1", "127.0.0.5"):
+            assert server.handle(query(f"n{i}.test"), (source, 5300), "udp") is not None
+    assert [(r["run"], r["host"]) for r in dns_records(svc)] == [
+        ("default", "n0.test"),
+        (other.id, "n0.test"),
+        ("default", "n1.test"),
+        (other.id, "n1.test"),
+    ]
+    server.flush_summaries()
+    assert sorted((r["run"], r["suppressed"]) for r in dns_records(svc) if r.get("limit")) == sorted(
+        [("default", 2), (other.id, 2)]
+    )
 
 
 async def test_summaries_are_written_on_a_timer(make_egressd, dns: FakeDns) -> None:
