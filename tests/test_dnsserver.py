@@ -746,6 +746,33 @@ async def test_the_server_answers_and_records_as_the_pure_functions_say(make_egr
     assert dns.queries == []
 
 
+async def test_a_query_that_breaks_the_server_is_unanswered_and_still_recorded(
+    make_egressd, dns: FakeDns, monkeypatch, caplog
+) -> None:
+    svc = await make_egressd()
+    server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("attribution broke")
+
+    monkeypatch.setattr(svc.runs, "attribute", broken)
+    with caplog.at_level("ERROR", logger="egressd.dns"):
+        assert server.handle(query("origin.test", "AAAA"), ("127.0.0.1", 5300), "tcp") is None  # fail closed
+    [record] = dns_records(svc)
+    assert (record["host"], record["run"], record["decision"], record["reason"]) == (
+        "origin.test",
+        None,
+        "deny",
+        "bad_request",
+    )
+    assert {k: record[k] for k in ("qtype", "answer", "transport")} == {
+        "qtype": "AAAA",
+        "answer": None,
+        "transport": "tcp",
+    }
+    assert "attribution broke" in caplog.text
+
+
 async def test_an_edns_query_is_answered_through_the_server(dns_egressd, dns: FakeDns) -> None:
     svc = await dns_egressd()
     reply = await exchange(svc.dns.address, _with_edns(query("origin.test")))
