@@ -613,8 +613,7 @@ class DnsServer:
             return None
 
     def _source(self, text: str) -> tuple[IPAddress | None, str | None]:
-        """``runs.source_address`` and the limiter's key, remembered: a sandbox asks from one address again
-        and again."""
+        """``runs.source_address`` and the limiter's key, remembered: a sandbox asks from one address."""
         try:
             return self._sources[text]
         except KeyError:
