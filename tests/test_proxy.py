@@ -236,3 +236,62 @@ async def test_upstream_connection_is_kept_for_the_next_request(make_egressd, st
     server.close()
     assert len(connections) == (3 if stale else 1)
     assert [r["decision"] for r in egress(svc)] == ["allow"] * 3
+
+
+async def test_a_large_response_to_a_client_that_stops_reading_holds_the_origin_back(make_egressd) -> None:
+    """Backpressure through a Content-Length body: while the client reads nothing,
+    egressd stops reading the origin (bounded memory), and once it reads, every
+    byte arrives in order."""
+    total_mib = 64
+    chunk = bytes(range(256)) * 4096  # 1 MiB with a pattern, so order is checked too
+    written: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(f"HTTP/1.1 200 OK\r\nContent-Length: {total_mib << 20}\r\n\r\n".encode())
+            for _ in range(total_mib):
+                writer.write(chunk)
+                await writer.drain()
+                written.append(1)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, ORIGIN, 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        svc = await make_egressd(allow=["origin.test:*"])
+        reader, writer = await open_proxy(svc)
+        writer.transport.pause_reading()  # the client's own buffer stays small too
+        writer.write(f"GET http://origin.test:{port}/big HTTP/1.1\r\n\r\n".encode())
+        await asyncio.sleep(1.0)
+        held_back = len(written)
+        # Socket buffers on loopback take some MiB; far from the whole body.
+        assert held_back < total_mib - 16, f"the origin wrote {held_back} of {total_mib} MiB to a client reading nothing"
+        writer.transport.resume_reading()
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        body = await asyncio.wait_for(reader.readexactly(total_mib << 20), 30)
+        assert body == chunk * total_mib
+        writer.close()
+        await wait_until(lambda: egress(svc))
+        assert egress(svc)[-1]["bytes_down"] > total_mib << 20
+    finally:
+        server.close()
+
+
+async def test_a_large_upload_arrives_whole(make_egressd, http_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+    reader, writer = await open_proxy(svc)
+    body = os.urandom(900 * 1024)  # under the test origin's 1 MiB request limit, many reads all the same
+    writer.write(
+        f"POST http://origin.test:{http_origin.port}/upload HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    )
+    for i in range(0, len(body), 1 << 16):
+        writer.write(body[i : i + (1 << 16)])
+        await writer.drain()
+    status, _, _ = await read_response(reader)
+    writer.close()
+    assert status == 200
+    assert http_origin.requests[-1]["body"] == body
