@@ -138,6 +138,10 @@ class Peer(asyncio.Protocol):
         if self.closed or self.transport is None or self.transport.is_closing():
             raise PeerClosed("connection closed")
         self.transport.write(data)
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Wait while our outgoing buffer is over its high-water mark; PeerClosed if the peer went."""
         while self._write_paused and not self.closed:
             self._write_waiter = asyncio.get_running_loop().create_future()
             try:
@@ -175,12 +179,38 @@ class Peer(asyncio.Protocol):
             await dst.send(head + chunk if chunk else head)
             left -= len(chunk)
         while left:
-            if not self.buf and not await self.fill():
-                raise PeerClosed("peer closed inside a body")
+            if not self.buf:
+                # Nothing buffered: pass what arrives straight on, from the
+                # callbacks, until the body is done or ``dst`` is full.
+                left = await self._pass_on(left, dst)
+                continue
             chunk = self.take(min(left, len(self.buf)))
             await dst.send(chunk)
             left -= len(chunk)
         return n
+
+    async def _pass_on(self, left: int, dst: Peer) -> int:
+        """Write the next of ``left`` body bytes to ``dst`` as they arrive; the bytes still to come.
+
+        Returns once the body is done or ``dst``'s buffer is full (the caller
+        then waits for it through ``send``); no coroutine wakes per chunk,
+        and a chunk is written as received, never copied into our buffer.
+        """
+        await dst.drain()
+        if self.buf:
+            return left  # bytes came while we waited: they go first, from the buffer
+        if self.eof:
+            raise PeerClosed("peer closed inside a body")
+        if self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        passing = _PassOn(self, dst, left)
+        self.relay = passing
+        try:
+            await passing.done
+        finally:
+            self.relay = None
+        return passing.left
 
     async def relay_chunked(self, dst: Peer, *, error_status: int = 400) -> int:
         """Copy a chunked body unchanged, up to and including its last CRLF.
@@ -225,6 +255,50 @@ class Peer(asyncio.Protocol):
         waiter = self._write_waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+
+class _PassOn:
+    """``Peer._pass_on``'s relay: the source's bytes go to ``dst`` until ``left`` reaches 0 or ``dst`` is full."""
+
+    __slots__ = ("source", "dst", "left", "done")
+
+    def __init__(self, source: Peer, dst: Peer, left: int) -> None:
+        self.source = source
+        self.dst = dst
+        self.left = left
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def forward(self, source: Peer, data: bytes) -> None:
+        dst = self.dst
+        if self.done.done():
+            source.buf += data  # between the end and the coroutine's resumption
+            return
+        if dst.closed or dst.transport is None:
+            source.buf += data
+            self.done.set_exception(PeerClosed("connection closed"))
+            return
+        if len(data) > self.left:
+            # The body ends inside this chunk: the rest is the next message's.
+            source.buf += data[self.left :]
+            data = data[: self.left]
+        dst.transport.write(data)
+        self.left -= len(data)
+        if not self.left or dst._write_paused:
+            source.relay = None
+            self.done.set_result(None)
+
+    def peer_eof(self, source: Peer) -> None:
+        if not self.done.done():
+            self.done.set_exception(PeerClosed("peer closed inside a body"))
+
+    def peer_lost(self, source: Peer, exc: Exception | None) -> None:
+        self.peer_eof(source)
+
+    def pause_from(self, target: Peer) -> None:
+        pass  # the source's own sending; nothing of ours
+
+    def resume_from(self, target: Peer) -> None:
+        pass
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:
