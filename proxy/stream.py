@@ -283,6 +283,11 @@ class _PassOn:
             data = data[: self.left]
         dst.transport.write(data)
         self.left -= len(data)
+        if dst._write_paused and self.left:
+            # Leave the rest in the kernel rather than in our buffer: the
+            # coroutine resumes reading once ``dst`` has drained.
+            source._read_paused = True
+            source.transport.pause_reading()  # type: ignore[union-attr]
         if not self.left or dst._write_paused:
             source.relay = None
             self.done.set_result(None)
