@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 
-from audit.query import AuditFilter, follow_records, format_json, format_table, read_records_from, parse_since
+from audit.query import AuditFilter, follow_records, format_json, format_table, parse_since, read_records_from
 from config.settings import Settings, SettingsError
 
 

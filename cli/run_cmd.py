@@ -19,8 +19,8 @@ import os
 import shlex
 import signal
 import sys
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from config.settings import Settings, SettingsError

@@ -25,10 +25,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    InitSettingsSource,
 )
 
 Approver = Literal["terminal", "slack", "webhook", "deny"]
