@@ -309,7 +309,8 @@ async def test_a_held_request_is_allowed_with_egressd_allow_from_another_process
             "--audit-log", str(tmp_path / "audit.jsonl"), "--approver", "webhook", "--webhook-url", receiver.url,
             "--webhook-secret", secret, "--",
             "curl", "-fsS", "-m", "30", f"http://origin.test:{http_origin.port}/held",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=base_env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+            env=base_env,
         )
         assert proc.stderr is not None
         line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
