@@ -43,7 +43,9 @@ async def open_tunnel(proxy: tuple[str, int] | None, target: tuple[str, int]) ->
     return sock
 
 
-async def throughput(proxy: tuple[str, int] | None, target: tuple[str, int], direction: str, nbytes: int) -> dict[str, float]:
+async def throughput(
+    proxy: tuple[str, int] | None, target: tuple[str, int], direction: str, nbytes: int
+) -> dict[str, float]:
     loop = asyncio.get_running_loop()
     sock = await open_tunnel(proxy, target)
     start = time.perf_counter()
@@ -73,7 +75,9 @@ async def throughput(proxy: tuple[str, int] | None, target: tuple[str, int], dir
     return {"seconds": seconds, "mb_s": nbytes / seconds / 1e6}
 
 
-async def setup(proxy: tuple[str, int] | None, target: tuple[str, int], count: int, concurrency: int, max_s: float) -> dict[str, float]:
+async def setup(
+    proxy: tuple[str, int] | None, target: tuple[str, int], count: int, concurrency: int, max_s: float
+) -> dict[str, float]:
     loop = asyncio.get_running_loop()
     latencies: list[float] = []
     errors = 0

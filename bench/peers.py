@@ -36,7 +36,9 @@ def ensure_installed(names: list[str]) -> list[str]:
             # Debian starts the daemons it installs; the benchmark runs its own.
             for service in ("squid", "tinyproxy", "dnsmasq"):
                 subprocess.run(["systemctl", "stop", service], check=False, stderr=subprocess.DEVNULL)
-                subprocess.run(["service", service, "stop"], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run(
+                    ["service", service, "stop"], check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                )
     if any(n in ("pproxy", "proxy.py") for n in names) and not (PEERS_VENV / "bin" / "pproxy").exists():
         subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
         subprocess.run([str(PEERS_VENV / "bin" / "pip"), "install", "-q", *PIP_PACKAGES], check=True)
@@ -69,7 +71,9 @@ def start_squid(port: int, workdir: Path) -> subprocess.Popen:  # type: ignore[t
         "shutdown_lifetime 1 seconds\n"
         "dns_v4_first on\n"
     )
-    return subprocess.Popen([_binary("squid"), "-N", "-f", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [_binary("squid"), "-N", "-f", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 def start_tinyproxy(port: int, workdir: Path) -> subprocess.Popen:  # type: ignore[type-arg]
@@ -79,7 +83,9 @@ def start_tinyproxy(port: int, workdir: Path) -> subprocess.Popen:  # type: igno
         f"Port {port}\nListen 127.0.0.1\nTimeout 600\nMaxClients 4000\nLogLevel Warning\n"
         f"LogFile \"{workdir}/tinyproxy.log\"\nPidFile \"{workdir}/tinyproxy.pid\"\n"
     )
-    return subprocess.Popen([_binary("tinyproxy"), "-d", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [_binary("tinyproxy"), "-d", "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 def start_pproxy(port: int, workdir: Path) -> subprocess.Popen:  # type: ignore[type-arg]

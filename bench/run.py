@@ -162,7 +162,9 @@ def held_requests(workdir: Path) -> int:
     import urllib.request
 
     port = (workdir / "control.port").read_text().strip()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {CONTROL_TOKEN}"})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {CONTROL_TOKEN}"}
+    )
     with urllib.request.urlopen(request, timeout=5) as resp:
         for line in resp.read().decode().splitlines():
             if line.startswith("egressd_held_requests "):
@@ -170,7 +172,9 @@ def held_requests(workdir: Path) -> int:
     return 0
 
 
-def measure_held(figures: dict[str, Figure], proxy: Proxy, pid: int, stream_port: int, http_port: int, quick: bool) -> None:
+def measure_held(
+    figures: dict[str, Figure], proxy: Proxy, pid: int, stream_port: int, http_port: int, quick: bool
+) -> None:
     """Figures 2 and 3 again while 1,000 requests are held waiting for an approval."""
     count = 1000
     load = subprocess.Popen([PY, str(HERE / "load.py"), "hold", "--target", f"{ORIGIN}:{stream_port}",
@@ -186,7 +190,9 @@ def measure_held(figures: dict[str, Figure], proxy: Proxy, pid: int, stream_port
         if held < count:
             print(f"bench: only {held} of {count} requests were held", file=sys.stderr)
         target = ["--target", f"{ORIGIN}:{stream_port}", "--proxy", f"127.0.0.1:{proxy.port}"]
-        r = run_load(["setup", *target, "--count", "500" if quick else "2000", "--concurrency", "50", "--max-s", "60"], pid, 120)
+        r = run_load(
+            ["setup", *target, "--count", "500" if quick else "2000", "--concurrency", "50", "--max-s", "60"], pid, 120
+        )
         figures["held_setup_50"].add("egressd", r["rate"], r["cpu_s"], r["proxy_cpu_s"])
         r = run_wrk(f"http://{ORIGIN}:{http_port}/small", proxy.port, pid, 3 if quick else 10, 50)
         figures["held_http_small"].add("egressd", r["rps"], r["cpu_s"], r["proxy_cpu_s"])
@@ -215,7 +221,9 @@ wrk.path = "{url}"
 """
 
 
-def run_wrk(url: str, proxy_port: int | None, proxy_pid: int | None, seconds: int, connections: int) -> dict[str, float]:
+def run_wrk(
+    url: str, proxy_port: int | None, proxy_pid: int | None, seconds: int, connections: int
+) -> dict[str, float]:
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as lua:
         lua.write(_WRK_LUA.format(url=url))
     target = f"http://127.0.0.1:{proxy_port}/" if proxy_port else url
@@ -265,17 +273,25 @@ class Figure:
         self.cpu.setdefault(who, []).append((proxy_cpu, load_cpu))
 
 
-def measure_round(figures: dict[str, Figure], who: str, proxy: Proxy | None, stream_port: int, http_port: int, quick: bool) -> None:
+def measure_round(
+    figures: dict[str, Figure], who: str, proxy: Proxy | None, stream_port: int, http_port: int, quick: bool
+) -> None:
     proxy_args = ["--proxy", f"127.0.0.1:{proxy.port}"] if proxy else []
     pid = proxy.proc.pid if proxy and proxy.proc else None
     target = ["--target", f"{ORIGIN}:{stream_port}"]
     nbytes = str(GiB // 8 if quick else GiB)
     for direction in ("down", "up"):
-        r = run_load(["throughput", *target, *proxy_args, "--direction", direction, "--bytes", nbytes, "--max-s", "120"], pid, 200)
+        r = run_load(
+            ["throughput", *target, *proxy_args, "--direction", direction, "--bytes", nbytes, "--max-s", "120"],
+            pid,
+            200,
+        )
         figures[f"tput_{direction}"].add(who, r["mb_s"], r["cpu_s"], r["proxy_cpu_s"])
     count = "500" if quick else "2000"
     for conc, key in (("1", "setup_serial"), ("50", "setup_50")):
-        r = run_load(["setup", *target, *proxy_args, "--count", count, "--concurrency", conc, "--max-s", "60"], pid, 120)
+        r = run_load(
+            ["setup", *target, *proxy_args, "--count", count, "--concurrency", conc, "--max-s", "60"], pid, 120
+        )
         figures[key].add(who, r["rate"], r["cpu_s"], r["proxy_cpu_s"])
         figures[key + "_p50"].add(who, r["p50_ms"])
         figures[key + "_p99"].add(who, r["p99_ms"])
@@ -309,7 +325,9 @@ def measure_idle(proxy: Proxy, pid: int, stream_port: int, count: int) -> float:
     out, _ = load.communicate(timeout=120)
     result = json.loads(out.strip().splitlines()[-1]) if out.strip() else {"alive": 0}
     if not opened or result.get("alive") != opened:
-        print(f"bench: idle tunnels through {proxy.name}: {result.get('alive')} of {opened} still echoed", file=sys.stderr)
+        print(
+            f"bench: idle tunnels through {proxy.name}: {result.get('alive')} of {opened} still echoed", file=sys.stderr
+        )
     return (during - before) / opened if opened else float("nan")
 
 
@@ -340,7 +358,9 @@ def render(figures: dict[str, Figure], order: list[str]) -> str:
     header = (f"| {'figure':42} | {'unit':9} |" + "".join(f" {who:>20} |" for who in order)
               + " egressd/direct | egressd/best peer |")
     lines.append(header)
-    lines.append("|" + "-" * 44 + "|" + "-" * 11 + "|" + "".join("-" * 22 + "|" for _ in order) + "-" * 16 + "|" + "-" * 19 + "|")
+    lines.append(
+        "|" + "-" * 44 + "|" + "-" * 11 + "|" + "".join("-" * 22 + "|" for _ in order) + "-" * 16 + "|" + "-" * 19 + "|"
+    )
     for key, title, unit in FIGURES:
         fig = figures[key]
         cells = []
@@ -353,7 +373,8 @@ def render(figures: dict[str, Figure], order: list[str]) -> str:
             med = statistics.median(vals)
             medians[who] = med
             precision = 2 if unit in LOWER_IS_BETTER else 0
-            cells.append(f" {med:>8.{precision}f} ({min(vals):.{precision}f}–{max(vals):.{precision}f})".ljust(21)[:21].rjust(21) + "|")
+            cell = f" {med:>8.{precision}f} ({min(vals):.{precision}f}–{max(vals):.{precision}f})"
+            cells.append(cell.ljust(21)[:21].rjust(21) + "|")
         ratio_direct = ratio_peer = ""
         ours = medians.get("egressd")
         if ours is not None and medians.get("direct"):
@@ -378,7 +399,10 @@ def render(figures: dict[str, Figure], order: list[str]) -> str:
         for who in order:
             samples = fig.cpu.get(who, [])
             if samples:
-                parts.append(f"{who} {statistics.median(p for p, _ in samples):.2f} / {statistics.median(c for _, c in samples):.2f}")
+                parts.append(
+                    f"{who} {statistics.median(p for p, _ in samples):.2f} / "
+                    f"{statistics.median(c for _, c in samples):.2f}"
+                )
         lines.append(f"  {key:14} " + ";  ".join(parts))
     return "\n".join(lines)
 
@@ -403,7 +427,9 @@ def main() -> int:
 
     stream_port, http_port = free_port(ORIGIN), free_port(ORIGIN)
     HOOK_URL.append(f"http://{ORIGIN}:{http_port}/hook")
-    servers = subprocess.Popen([PY, str(HERE / "servers.py"), ORIGIN, str(stream_port), str(http_port)], stdout=subprocess.PIPE, text=True)
+    servers = subprocess.Popen(
+        [PY, str(HERE / "servers.py"), ORIGIN, str(stream_port), str(http_port)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert servers.stdout is not None
         if servers.stdout.readline().strip() != "ready":
@@ -422,7 +448,8 @@ def main() -> int:
         servers.terminate()
         servers.wait()
     print(f"egressd benchmark, {time.strftime('%Y-%m-%d')}, {platform.node()}: {os.cpu_count()} cores, "
-          f"Python {platform.python_version()}, {args.rounds} rounds{' (quick)' if args.quick else ''}; medians (min–max)")
+          f"Python {platform.python_version()}, {args.rounds} rounds{' (quick)' if args.quick else ''}; "
+          "medians (min–max)")
     print(render(figures, order))
     return 0
 

@@ -177,7 +177,9 @@ def shell_argv() -> list[str]:
 class SandboxExecutor:
     """``agent.loop.Executor`` on a SandboxSession: one ``sh -c COMMAND`` per call."""
 
-    def __init__(self, session: SandboxSession | DockerSession, *, limits: Limits, max_output: int, shell: list[str]) -> None:
+    def __init__(
+        self, session: SandboxSession | DockerSession, *, limits: Limits, max_output: int, shell: list[str]
+    ) -> None:
         self.session = session
         self.limits = limits
         self.max_output = max_output

@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 
-from audit.query import AuditFilter, follow_records, format_json, format_table, read_records_from, parse_since
+from audit.query import AuditFilter, follow_records, format_json, format_table, parse_since, read_records_from
 from config.settings import Settings, SettingsError
 
 
@@ -42,7 +42,10 @@ def run_audit(args: argparse.Namespace, settings: Settings) -> int:
         raise SettingsError(f"bad argument: {exc}") from None
     path = settings.audit_path
     if not path.exists() and not args.follow:
-        print(f"egressd: no audit log at {path} (nothing recorded yet, or --audit-log names another file)", file=sys.stderr)
+        print(
+            f"egressd: no audit log at {path} (nothing recorded yet, or --audit-log names another file)",
+            file=sys.stderr,
+        )
         return 1
     bad: list[int] = []
     records, offset = read_records_from(path, flt, on_bad_line=lambda off, why: bad.append(off))

@@ -19,8 +19,8 @@ import os
 import shlex
 import signal
 import sys
-from pathlib import Path
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from config.settings import Settings, SettingsError
@@ -37,26 +37,39 @@ from .session import SandboxSession, SessionError
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", metavar="DIR", help="working directory, read-write at /work (default: a fresh temporary one)")
+    parser.add_argument("--workdir", metavar="DIR",
+                        help="working directory, read-write at /work (default: a fresh temporary one)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the temporary working directory afterwards")
-    parser.add_argument("--timeout", type=float, metavar="S", help="wall-clock limit; past it the whole tree is killed (exit 124)")
+    parser.add_argument("--timeout", type=float, metavar="S",
+                        help="wall-clock limit; past it the whole tree is killed (exit 124)")
     parser.add_argument("--memory", type=int, metavar="MB", help="memory limit (exit 137 when exceeded)")
     parser.add_argument("--cpu", type=int, metavar="S", help="CPU-time limit per process")
     parser.add_argument("--max-pids", type=int, default=512, metavar="N", help="process limit (default 512)")
-    parser.add_argument("--copy-out", action="append", default=[], metavar="GLOB", help="copy matching files out of the working directory (repeatable)")
-    parser.add_argument("--copy-out-dir", default=".", metavar="DIR", help="where --copy-out puts files (default: the current directory)")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]", help="pass a variable into the sandbox (repeatable); nothing else from the host gets in")
+    parser.add_argument("--copy-out", action="append", default=[], metavar="GLOB",
+                        help="copy matching files out of the working directory (repeatable)")
+    parser.add_argument("--copy-out-dir", default=".", metavar="DIR",
+                        help="where --copy-out puts files (default: the current directory)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
+                        help="pass a variable into the sandbox (repeatable); nothing else from the host gets in")
     add_backend_arguments(parser)
     parser.add_argument("--task", help="what the run is for (shown in approval messages)")
 
 
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     """The sandbox backend's options (``egressd run`` and ``egressd agent``); ``open_session`` reads them."""
-    parser.add_argument("--backend", choices=["bwrap", "docker"], default="bwrap", help="sandbox backend (default bwrap)")
-    parser.add_argument("--net-range", default=DEFAULT_RANGE, metavar="CIDR", help=f"where per-run subnets come from (default {DEFAULT_RANGE}: /30s; with --backend docker {DEFAULT_DOCKER_RANGE}: /28s)")
-    parser.add_argument("--image", default=DEFAULT_IMAGE, metavar="IMAGE", help=f"--backend docker: the sandbox's toolchain image (default {DEFAULT_IMAGE})")
-    parser.add_argument("--egressd-image", default=DEFAULT_EGRESSD_IMAGE, metavar="IMAGE", help=f"--backend docker: egressd's own image, run beside the sandbox (default {DEFAULT_EGRESSD_IMAGE})")
-    parser.add_argument("--connect", metavar="URL", help="--backend docker: use the running egressd whose control API is at URL (its --control-token) instead of starting one")
+    parser.add_argument("--backend", choices=["bwrap", "docker"], default="bwrap",
+                        help="sandbox backend (default bwrap)")
+    parser.add_argument("--net-range", default=DEFAULT_RANGE, metavar="CIDR",
+                        help=f"where per-run subnets come from (default {DEFAULT_RANGE}: /30s; "
+                        f"with --backend docker {DEFAULT_DOCKER_RANGE}: /28s)")
+    parser.add_argument("--image", default=DEFAULT_IMAGE, metavar="IMAGE",
+                        help=f"--backend docker: the sandbox's toolchain image (default {DEFAULT_IMAGE})")
+    parser.add_argument("--egressd-image", default=DEFAULT_EGRESSD_IMAGE, metavar="IMAGE",
+                        help=f"--backend docker: egressd's own image, run beside the sandbox "
+                        f"(default {DEFAULT_EGRESSD_IMAGE})")
+    parser.add_argument("--connect", metavar="URL",
+                        help="--backend docker: use the running egressd whose control API is at URL "
+                        "(its --control-token) instead of starting one")
 
 
 def open_session(args: argparse.Namespace, settings: Settings, **common: Any) -> SandboxSession | DockerSession:

@@ -229,7 +229,9 @@ class EgressService:
         )
         default = None
         if not s.require_auth:
-            default = Run(id=DEFAULT_RUN_ID, token=secrets.token_urlsafe(24), task=None, allow=allow, deny=deny, ask=s.ask)
+            default = Run(
+                id=DEFAULT_RUN_ID, token=secrets.token_urlsafe(24), task=None, allow=allow, deny=deny, ask=s.ask
+            )
         self.runs = RunRegistry(default=default)
 
         limits = Limits(
@@ -248,7 +250,13 @@ class EgressService:
         await self._start_control()
         if default is not None:
             self._write_run_record(
-                run_record("run.start", ts=time.time(), run=default.id, allow=[e.text for e in allow], deny=[e.text for e in deny])
+                run_record(
+                    "run.start",
+                    ts=time.time(),
+                    run=default.id,
+                    allow=[e.text for e in allow],
+                    deny=[e.text for e in deny],
+                )
             )
 
     async def _start_transparent(self, limits: Limits) -> None:

@@ -25,10 +25,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
     BaseSettings,
+    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
-    InitSettingsSource,
 )
 
 Approver = Literal["terminal", "slack", "webhook", "deny"]
@@ -96,24 +96,32 @@ class Settings(BaseSettings):
     webhook_url: str | None = Field(None, description="where approval requests are POSTed")
     webhook_secret: SecretStr | None = Field(None, description="whsec_ key signing outgoing webhooks")
     webhook_callback_secret: SecretStr | None = Field(None, description="whsec_ key the callback must be signed with")
-    public_url: str | None = Field(None, description="base URL under which the control server is reachable (webhook callback)")
+    public_url: str | None = Field(
+        None, description="base URL under which the control server is reachable (webhook callback)"
+    )
     slack_bot_token: SecretStr | None = Field(None, description="xoxb- token")
     slack_app_token: SecretStr | None = Field(None, description="xapp- token for Socket Mode")
     slack_signing_secret: SecretStr | None = Field(None, description="verifies the HTTP interactivity endpoint")
     slack_channel: str | None = Field(None, description="channel id the approval messages go to")
-    slack_approvers: CsvList = Field(default_factory=list, description="Slack user ids (U…) or user-group ids (S…) who may answer")
+    slack_approvers: CsvList = Field(
+        default_factory=list, description="Slack user ids (U…) or user-group ids (S…) who may answer"
+    )
     slack_api_url: str | None = Field(None, description="Slack Web API base URL (tests point it at a fake)")
 
     # The sandbox-facing DNS server and transparent listeners.
     dns_listen: str | None = Field(None, description="DNS server HOST:PORT (UDP and TCP)")
     dns_answer: str | None = Field(None, description="the address every A query is answered with")
-    dns_answer6: str | None = Field(None, description="the address AAAA queries are answered with (default: empty answer)")
+    dns_answer6: str | None = Field(
+        None, description="the address AAAA queries are answered with (default: empty answer)"
+    )
     dns_strict: bool = Field(False, description="NXDOMAIN for names the run could never reach")
     transparent_tls: str | None = Field(None, description="SNI listener HOST:PORT (destination port 443)")
     transparent_http: str | None = Field(None, description="Host-header listener HOST:PORT (destination port 80)")
 
     # Resolution.
-    upstream_dns: str | None = Field(None, description="HOST:PORT of the DNS server egressd asks; default: the system resolver")
+    upstream_dns: str | None = Field(
+        None, description="HOST:PORT of the DNS server egressd asks; default: the system resolver"
+    )
 
     # Audit.
     audit_log: Path | None = Field(None, description="JSON Lines file; default: STATE_DIR/audit.jsonl")
@@ -163,7 +171,13 @@ class Settings(BaseSettings):
         if value is None:
             return None
         scheme, sep, rest = value.partition("://")
-        if scheme not in ("http", "https") or not sep or not rest or rest.startswith("/") or any(c.isspace() for c in value):
+        if (
+            scheme not in ("http", "https")
+            or not sep
+            or not rest
+            or rest.startswith("/")
+            or any(c.isspace() for c in value)
+        ):
             raise ValueError(f"{value!r} is not an http(s) URL")
         return value
 

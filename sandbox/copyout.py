@@ -58,7 +58,9 @@ def _walk(root: Path) -> list[str]:
     return sorted(names)
 
 
-def copy_out(workdir: Path, patterns: list[str], dest: Path, *, max_files: int = MAX_FILES, max_bytes: int = MAX_BYTES) -> CopyReport:
+def copy_out(
+    workdir: Path, patterns: list[str], dest: Path, *, max_files: int = MAX_FILES, max_bytes: int = MAX_BYTES
+) -> CopyReport:
     """Copy the regular files of ``workdir`` matching ``patterns`` to ``dest`` (same relative names)."""
     for pattern in patterns:
         check_pattern(pattern)

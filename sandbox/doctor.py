@@ -52,23 +52,28 @@ async def check_bwrap() -> Check:
     code, out = await _run("bwrap", *_BWRAP_PROBE, "--", "/bin/true")
     if code != 0:
         return Check("bubblewrap", False, f"{version} cannot start a sandbox: {out}",
-                     "allow user namespaces (sysctl kernel.unprivileged_userns_clone=1, user.max_user_namespaces>0) or run as root")
+                     "allow user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+                     "user.max_user_namespaces>0) or run as root")
     return Check("bubblewrap", True, f"{version}; user, PID, IPC and UTS namespaces work")
 
 
 async def check_netns() -> Check:
     if os.geteuid() != 0:
-        return Check("network namespaces", False, "not root: creating a namespace and a veth needs CAP_NET_ADMIN", "run egressd run as root")
+        return Check("network namespaces", False, "not root: creating a namespace and a veth needs CAP_NET_ADMIN",
+                     "run egressd run as root")
     if shutil.which("ip") is None:
         return Check("network namespaces", False, "ip (iproute2) is not installed", "apt-get install iproute2")
     name = f"egd-doctor{os.getpid()}"
     code, out = await _run("ip", "netns", "add", name)
     if code != 0:
-        return Check("network namespaces", False, f"ip netns add failed: {out}", "run as root on a kernel with network namespaces")
+        return Check("network namespaces", False, f"ip netns add failed: {out}",
+                     "run as root on a kernel with network namespaces")
     try:
-        code, out = await _run("ip", "link", "add", f"egdd{os.getpid() % 100000}h", "type", "veth", "peer", "name", f"egdd{os.getpid() % 100000}s", "netns", name)
+        code, out = await _run("ip", "link", "add", f"egdd{os.getpid() % 100000}h", "type", "veth",
+                               "peer", "name", f"egdd{os.getpid() % 100000}s", "netns", name)
         if code != 0:
-            return Check("network namespaces", False, f"cannot create a veth pair: {out}", "load the veth module (modprobe veth)")
+            return Check("network namespaces", False, f"cannot create a veth pair: {out}",
+                         "load the veth module (modprobe veth)")
         return Check("network namespaces", True, "namespaces and veth pairs can be created")
     finally:
         await _run("ip", "netns", "del", name)
@@ -96,13 +101,15 @@ async def check_nftables() -> Check:
 async def check_cgroups() -> Check:
     mode, why = cgroup_mode()
     if mode is None:
-        return Check("cgroup memory limits", False, why + "; falling back to RLIMIT_AS (allocations fail instead of exit 137)",
+        return Check("cgroup memory limits", False,
+                     why + "; falling back to RLIMIT_AS (allocations fail instead of exit 137)",
                      "run as root on a host with a writable cgroup memory controller", required=False)
     from .limits import Cgroup
 
     cg = Cgroup.create(f"doctor{os.getpid()}", Limits(memory_mb=64))
     if cg is None:
-        return Check("cgroup memory limits", False, f"{why}, but a cgroup could not be created", "check permissions on /sys/fs/cgroup", required=False)
+        return Check("cgroup memory limits", False, f"{why}, but a cgroup could not be created",
+                     "check permissions on /sys/fs/cgroup", required=False)
     await cg.remove()
     return Check("cgroup memory limits", True, why, required=False)
 
@@ -122,13 +129,15 @@ async def check_seccomp() -> Check:
         code, out = await _run("bwrap", *_BWRAP_PROBE, "--seccomp", str(fd), "--", "/bin/sh", "-c",
                                "unshare -U true 2>/dev/null && echo escaped || echo refused", pass_fds=(fd,))
     if code != 0 or "refused" not in out:
-        return Check("seccomp", False, f"the filter did not load or did not refuse unshare: {out}", "a kernel with seccomp-bpf (CONFIG_SECCOMP_FILTER)")
+        return Check("seccomp", False, f"the filter did not load or did not refuse unshare: {out}",
+                     "a kernel with seccomp-bpf (CONFIG_SECCOMP_FILTER)")
     return Check("seccomp", True, "filter loads; unshare, mount, ptrace, bpf, keyctl, ... are refused")
 
 
 async def check_docker() -> Check:
-    if not os.path.exists(DOCKER_SOCKET):
-        return Check("docker", False, f"no Docker Engine socket at {DOCKER_SOCKET}", "install and start Docker Engine", required=False)
+    if not os.path.exists(DOCKER_SOCKET):  # noqa: ASYNC240 - one stat of a local socket path, not worth a thread
+        return Check("docker", False, f"no Docker Engine socket at {DOCKER_SOCKET}", "install and start Docker Engine",
+                     required=False)
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.setblocking(False)
@@ -140,7 +149,8 @@ async def check_docker() -> Check:
             while chunk := await loop.sock_recv(sock, 65536):
                 data += chunk
     except (OSError, TimeoutError) as exc:
-        return Check("docker", False, f"cannot talk to the Docker Engine: {exc}", "start dockerd; check the socket's permissions", required=False)
+        return Check("docker", False, f"cannot talk to the Docker Engine: {exc}",
+                     "start dockerd; check the socket's permissions", required=False)
     finally:
         sock.close()
     import json
@@ -149,7 +159,8 @@ async def check_docker() -> Check:
     try:
         version = json.loads(body).get("Version", "?")
     except ValueError:
-        return Check("docker", False, f"unexpected answer from the Docker Engine: {head[:80]!r}", "check dockerd", required=False)
+        return Check("docker", False, f"unexpected answer from the Docker Engine: {head[:80]!r}", "check dockerd",
+                     required=False)
     detail = f"Docker Engine {version} answers on {DOCKER_SOCKET}"
     return Check("docker", True, detail + await _docker_images(), required=False)
 

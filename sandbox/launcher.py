@@ -39,6 +39,8 @@ EXIT_MEMORY = 137
 # Captured output beyond this is cut (with a marker): an observation for a model
 # has to fit in its context, and a runaway command must not fill our memory.
 DEFAULT_MAX_OUTPUT = 64 * 1024
+# run()'s default: no time or memory limit, DEFAULT_MAX_PIDS processes.
+NO_LIMITS = Limits()
 
 
 class SandboxError(Exception):
@@ -155,7 +157,7 @@ class Sandbox:
         self,
         command: Sequence[str],
         *,
-        limits: Limits = Limits(),
+        limits: Limits = NO_LIMITS,
         capture: bool = True,
         max_output: int = DEFAULT_MAX_OUTPUT,
         stdin: int | None = None,

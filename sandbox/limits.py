@@ -162,7 +162,7 @@ class Cgroup:
         """``try_remove`` until it succeeds or ``timeout_s`` passes (a leftover for doctor --clean)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not self.try_remove() and loop.time() < deadline:
+        while not self.try_remove() and loop.time() < deadline:  # noqa: ASYNC110 - polls rmdir (EBUSY), no event
             await asyncio.sleep(0.05)
 
 

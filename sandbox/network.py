@@ -240,7 +240,11 @@ async def leftovers() -> tuple[list[str], list[str]]:
     names = [line.split()[0] for line in (await _run("ip", "netns", "list", check=False)).splitlines() if line.strip()]
     netns = [n for n in names if n.startswith(f"{PREFIX}-")]
     links = json.loads(await _run("ip", "-j", "link", "show", check=False) or "[]")
-    veths = [link["ifname"] for link in links if link.get("ifname", "").startswith(PREFIX) and link["ifname"].endswith("h")]
+    veths = [
+        link["ifname"]
+        for link in links
+        if link.get("ifname", "").startswith(PREFIX) and link["ifname"].endswith("h")
+    ]
     return netns, veths
 
 

@@ -40,7 +40,9 @@ class Listener:
     received: list[bytes] = field(default_factory=list)
 
 
-async def _start(listener: Listener, handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]) -> Listener:
+async def _start(
+    listener: Listener, handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+) -> Listener:
     async def counted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         listener.connections += 1
         try:
@@ -104,7 +106,9 @@ async def http_origin() -> AsyncIterator[HttpOrigin]:
 
     async def any_path(request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        requests.append({"method": request.method, "path": request.path_qs, "headers": dict(request.headers), "body": body})
+        requests.append(
+            {"method": request.method, "path": request.path_qs, "headers": dict(request.headers), "body": body}
+        )
         if request.path == "/chunked":
             resp = web.StreamResponse(headers={"X-Egress-Decision": "allow", "X-Origin": "yes"})
             resp.enable_chunked_encoding()

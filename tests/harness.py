@@ -53,7 +53,9 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
     return status, headers, body
 
 
-async def connect_via(service: EgressService, authority: str, extra: str = "") -> tuple[int, dict[str, str], bytes, asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect_via(
+    service: EgressService, authority: str, extra: str = ""
+) -> tuple[int, dict[str, str], bytes, asyncio.StreamReader, asyncio.StreamWriter]:
     """Send ``CONNECT authority`` and read the answer."""
     reader, writer = await open_proxy(service)
     writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{extra}\r\n".encode())

@@ -627,7 +627,7 @@ async def test_pending_and_allow_find_a_unix_control_socket_and_its_token_file(
         }
     )
     async with EgressService(settings, approver=broker, audit=sink) as svc:
-        assert Path(f"{socket_path}.token").exists()
+        assert Path(f"{socket_path}.token").exists()  # noqa: ASYNC240 - test check
         env = _env(tmp_path)
         listed = await asyncio.to_thread(_run, "pending", "--control", f"unix:{socket_path}", env=env)
         assert listed.returncode == 0 and "nothing is waiting" in listed.stdout, listed.stderr

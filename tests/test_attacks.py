@@ -119,7 +119,9 @@ async def test_two_trailing_dots_are_a_bad_request(make_egressd, leak, dns: Fake
     assert not dns.queries
 
 
-async def test_a_port_not_allowed_for_the_host_is_refused_without_asking(make_egressd, echo_origin, dns: FakeDns) -> None:
+async def test_a_port_not_allowed_for_the_host_is_refused_without_asking(
+    make_egressd, echo_origin, dns: FakeDns
+) -> None:
     asked: list[str] = []
 
     class Recording(DenyApprover):
@@ -227,7 +229,9 @@ async def test_a_slow_head_is_cut_off_without_holding_up_others(make_egressd, ec
     ],
     ids=["tls-hello", "origin-form", "connect-without-port", "userinfo", "cl-and-te", "binary", "port-out-of-range"],
 )
-async def test_garbage_is_a_bad_request_and_the_listener_keeps_serving(make_egressd, echo_origin, leak, garbage) -> None:
+async def test_garbage_is_a_bad_request_and_the_listener_keeps_serving(
+    make_egressd, echo_origin, leak, garbage
+) -> None:
     svc = await make_egressd(allow=["origin.test:*"])
     reader, writer = await open_proxy(svc)
     writer.write(garbage)

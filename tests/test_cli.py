@@ -121,7 +121,8 @@ def test_environment_and_config_file_are_read_with_the_command_line_winning(tmp_
     config.write_text('allow = ["from-file.test"]\nlisten = "nonsense-from-file"\n')
     env = _env(tmp_path) | {"EGRESSD_LISTEN": "also nonsense"}
     result = subprocess.run(
-        [EGRESSD, "serve", "--config", str(config), "--control", "127.0.0.1:0", "--audit-log", str(tmp_path / "a.jsonl")],
+        [EGRESSD, "serve", "--config", str(config), "--control", "127.0.0.1:0",
+         "--audit-log", str(tmp_path / "a.jsonl")],
         env=env, capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 2 and "also nonsense" in result.stderr  # env beats the file
@@ -155,5 +156,7 @@ def test_audit_command_filters_and_prints_a_table_and_json(tmp_path: Path) -> No
 def test_help_explains_every_command() -> None:
     result = subprocess.run([EGRESSD, "serve", "--help"], capture_output=True, text=True, timeout=30)
     assert result.returncode == 0
-    for flag in ("--allow", "--deny", "--preset", "--allow-private", "--approver", "--upstream-dns", "--audit-log", "--no-ask"):
+    for flag in (
+        "--allow", "--deny", "--preset", "--allow-private", "--approver", "--upstream-dns", "--audit-log", "--no-ask"
+    ):
         assert flag in result.stdout

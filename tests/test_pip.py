@@ -25,7 +25,9 @@ def make_wheel(name: str, version: str) -> tuple[str, bytes]:
     files = {
         f"{name.replace('-', '_')}/__init__.py": b"VALUE = 42\n",
         f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-        f"{dist}.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: egressd-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+        f"{dist}.dist-info/WHEEL": (
+            b"Wheel-Version: 1.0\nGenerator: egressd-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
     }
     record_lines = []
     for path, data in files.items():
@@ -61,7 +63,11 @@ async def test_pip_download_through_egressd_serve(tmp_path: Path, dns) -> None:
     index_port = runner.addresses[0][1]
 
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy") and not k.startswith(("EGRESSD_", "PIP_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.lower().endswith("_proxy") and not k.startswith(("EGRESSD_", "PIP_"))
+    }
     env["XDG_STATE_HOME"] = str(tmp_path / "state")
     serve = await asyncio.create_subprocess_exec(
         EGRESSD, "serve", "--listen", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{free_port()}",

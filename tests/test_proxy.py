@@ -122,9 +122,13 @@ async def test_plain_http_large_response(make_egressd, http_origin) -> None:
     assert egress(svc)[-1]["bytes_down"] > 1024 * 1024
 
 
-async def test_run_credentials_attribute_requests_and_proxy_authorization_is_not_forwarded(make_egressd, http_origin) -> None:
+async def test_run_credentials_attribute_requests_and_proxy_authorization_is_not_forwarded(
+    make_egressd, http_origin
+) -> None:
     svc = await make_egressd(require_auth=True)
-    run = svc.runs.create(task="fetch", allow=[__import__("proxy.policy", fromlist=["parse_entry"]).parse_entry("origin.test:*")])
+    run = svc.runs.create(
+        task="fetch", allow=[__import__("proxy.policy", fromlist=["parse_entry"]).parse_entry("origin.test:*")]
+    )
     creds = base64.b64encode(f"{run.id}:{run.token}".encode()).decode()
     reader, writer = await open_proxy(svc)
     writer.write(
@@ -133,7 +137,9 @@ async def test_run_credentials_attribute_requests_and_proxy_authorization_is_not
     status, _, _ = await read_response(reader)
     assert status == 200
     bad = base64.b64encode(f"{run.id}:wrong".encode()).decode()
-    writer.write(f"GET http://origin.test:{http_origin.port}/r HTTP/1.1\r\nProxy-Authorization: Basic {bad}\r\n\r\n".encode())
+    writer.write(
+        f"GET http://origin.test:{http_origin.port}/r HTTP/1.1\r\nProxy-Authorization: Basic {bad}\r\n\r\n".encode()
+    )
     status, headers, _ = await read_response(reader)
     writer.close()
     assert status == 407 and headers["x-egress-reason"] == "auth_required"

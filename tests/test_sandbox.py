@@ -36,7 +36,9 @@ class UdpCounter(asyncio.DatagramProtocol):
         self.datagrams += 1
 
 
-async def egressd_run(tmp_path: Path, dns, *args: str, timeout: float = 60, env: dict | None = None) -> tuple[int, str, str]:  # type: ignore[no-untyped-def,type-arg]
+async def egressd_run(  # type: ignore[no-untyped-def]
+    tmp_path: Path, dns, *args: str, limit_s: float = 60, env: dict | None = None  # type: ignore[type-arg]
+) -> tuple[int, str, str]:
     """Run `egressd run` as a user would; returns (exit code, stdout, stderr)."""
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
     base_env["XDG_STATE_HOME"] = str(tmp_path / "state")
@@ -46,7 +48,7 @@ async def egressd_run(tmp_path: Path, dns, *args: str, timeout: float = 60, env:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         env=base_env | (env or {}),
     )
-    out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    out, err = await asyncio.wait_for(proc.communicate(), limit_s)
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
 
@@ -63,18 +65,19 @@ async def assert_no_leftovers() -> None:
     links = sh("ip -o link show")
     assert not [line for line in links.splitlines() if f": {PREFIX}" in line]
     for base in ("/sys/fs/cgroup/memory/egressd", "/sys/fs/cgroup/pids/egressd", "/sys/fs/cgroup/egressd"):
-        if os.path.isdir(base):
+        if os.path.isdir(base):  # noqa: ASYNC240 - test check of /sys
             assert not [d for d in os.listdir(base) if d.startswith("egd-")]
     procs = sh("ps -eo args")
     assert "bwrap --unshare-user" not in procs
 
 
 async def test_allowed_origin_is_reached_through_egressd_with_curl_and_python(tmp_path, dns, http_origin) -> None:
+    url = f"http://origin.test:{http_origin.port}/from-python"
     script = textwrap.dedent(f"""
         set -e
         curl -sS -m 10 http://origin.test:{http_origin.port}/from-curl
         echo
-        python3 -c "import urllib.request; print(urllib.request.urlopen('http://origin.test:{http_origin.port}/from-python', timeout=10).read().decode())"
+        python3 -c "import urllib.request; print(urllib.request.urlopen('{url}', timeout=10).read().decode())"
     """)
     code, out, err = await egressd_run(tmp_path, dns, "--allow", "origin.test:*", "--", "sh", "-c", script)
     assert code == 0, err
@@ -123,7 +126,9 @@ async def test_network_bypasses_fail_and_reach_nothing(tmp_path, dns, leak) -> N
                 s.sendto(b"x", (gateway, 9))
             finally: s.close()
         attempt("udp", udp)
-        dig = subprocess.run(["dig", "+time=1", "+tries=1", "@{LEAK}", "-p", "{udp_port}", "leak.test"], capture_output=True, text=True)
+        dig = subprocess.run(
+            ["dig", "+time=1", "+tries=1", "@{LEAK}", "-p", "{udp_port}", "leak.test"], capture_output=True, text=True
+        )
         results["dns_elsewhere"] = "answered" if "ANSWER SECTION" in dig.stdout else "no answer"
         print(json.dumps(results))
     """)
@@ -180,14 +185,14 @@ async def test_the_host_filesystem_secrets_and_processes_stay_out_of_reach(tmp_p
     assert f"cat: {key}: No such file or directory" in out
     assert "No such file or directory" in out.splitlines()[2]  # the audit log is absent inside
     assert "etc=0" not in out and "usr=0" not in out
-    assert "tmp=0" in out and not Path(f"/tmp/{tmp_name}").exists()  # a private /tmp
+    assert "tmp=0" in out and not Path(f"/tmp/{tmp_name}").exists()  # a private /tmp  # noqa: ASYNC240 - test check
     assert "work=0" in out and (workdir / "made-inside").read_text() == "inside\n"
     pids = int(out.split("pids=")[1].split()[0])
     assert pids < 10  # only the sandbox's own processes
     assert "s3cret" not in out and "\n0\n" in out  # no host environment
     assert "NoNewPrivs:\t1" in out and "CapEff:\t0000000000000000" in out
     assert "unshare=0" not in out  # refused by seccomp
-    assert not Path("/etc/egressd-x").exists() and not Path("/usr/egressd-x").exists()
+    assert not Path("/etc/egressd-x").exists() and not Path("/usr/egressd-x").exists()  # noqa: ASYNC240 - test check
     await assert_no_leftovers()
 
 
@@ -235,7 +240,8 @@ async def test_copy_out_takes_only_safe_regular_files(tmp_path, dns) -> None:
 
 
 async def test_interrupting_egressd_run_destroys_the_sandbox(tmp_path, dns) -> None:
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path / "s")}
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    base_env["XDG_STATE_HOME"] = str(tmp_path / "s")
     proc = await asyncio.create_subprocess_exec(
         EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=base_env,
@@ -251,7 +257,8 @@ async def test_interrupting_egressd_run_destroys_the_sandbox(tmp_path, dns) -> N
 
 
 async def test_leftovers_of_a_killed_run_are_removed_at_the_next_start(tmp_path, dns) -> None:
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path / "s")}
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    base_env["XDG_STATE_HOME"] = str(tmp_path / "s")
     proc = await asyncio.create_subprocess_exec(
         EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=base_env,
@@ -283,7 +290,8 @@ async def test_no_file_descriptor_of_egressd_or_its_parent_reaches_the_sandbox(t
     secret.write_text("parent's open file")
     fd = os.open(secret, os.O_RDONLY)  # inheritable into egressd on purpose
     os.set_inheritable(fd, True)
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path / "s")}
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    base_env["XDG_STATE_HOME"] = str(tmp_path / "s")
     try:
         proc = await asyncio.create_subprocess_exec(
             EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sh", "-c", "ls /proc/self/fd",
@@ -302,14 +310,16 @@ async def test_a_held_request_is_allowed_with_egressd_allow_from_another_process
     from tests.webhookreceiver import WebhookReceiver, make_secret
 
     secret, key = make_secret()
-    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path / "s")}
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    base_env["XDG_STATE_HOME"] = str(tmp_path / "s")
     async with WebhookReceiver(key, mode="later") as receiver:  # a channel that answers later: the request is held
         proc = await asyncio.create_subprocess_exec(
             EGRESSD, "run", "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--allow-private", ORIGIN_RANGE,
             "--audit-log", str(tmp_path / "audit.jsonl"), "--approver", "webhook", "--webhook-url", receiver.url,
             "--webhook-secret", secret, "--",
             "curl", "-fsS", "-m", "30", f"http://origin.test:{http_origin.port}/held",
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=base_env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+            env=base_env,
         )
         assert proc.stderr is not None
         line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()

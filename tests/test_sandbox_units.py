@@ -45,8 +45,8 @@ def test_nft_ruleset_allows_only_egressd_ports_on_the_host_address() -> None:
 
 
 def test_bwrap_argv_unshares_everything_but_net_and_binds_only_toolchain_and_workdir() -> None:
-    argv = bwrap_argv(BwrapSpec(workdir="/host/work", etc_dir="/tmp/etc", env={"A": "1"}, argv=["sh", "-c", "x"], seccomp_fd=5,
-                                usr_links={"bin": "usr/bin"}, etc_readonly=["ssl"]))
+    argv = bwrap_argv(BwrapSpec(workdir="/host/work", etc_dir="/tmp/etc", env={"A": "1"}, argv=["sh", "-c", "x"],
+                                seccomp_fd=5, usr_links={"bin": "usr/bin"}, etc_readonly=["ssl"]))
     for flag in ("--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent",
                  "--new-session", "--clearenv"):
         assert flag in argv
@@ -150,7 +150,9 @@ def test_copy_out_is_bounded_and_says_what_it_cut(tmp_path: Path) -> None:
 
 
 def test_doctor_reports_every_feature_and_is_green_in_ci() -> None:
-    out = subprocess.run([str(Path(sys.executable).with_name("egressd")), "doctor"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("egressd")), "doctor"], capture_output=True, text=True, timeout=60
+    )
     for name in ("bubblewrap", "network namespaces", "nftables", "seccomp", "cgroup memory limits", "docker"):
         assert name in out.stdout
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
