@@ -275,7 +275,7 @@ async def test_a_large_response_to_a_client_that_stops_reading_holds_the_origin_
         await asyncio.sleep(1.0)
         held_back = len(written)
         # Socket buffers on loopback take some MiB; far from the whole body.
-        assert held_back < total_mib - 16, f"the origin wrote {held_back} of {total_mib} MiB to a client reading nothing"
+        assert held_back < total_mib - 16, f"the origin wrote {held_back} of {total_mib} MiB to a silent client"
         writer.transport.resume_reading()
         await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
         body = await asyncio.wait_for(reader.readexactly(total_mib << 20), 30)
