@@ -353,13 +353,19 @@ FIGURES = [
 LOWER_IS_BETTER = {"ms", "KiB"}
 
 
+# Wide enough for "15213 (10190–16551)" and "23.19 (22.93–24.31)".
+_CELL = 22
+
+
 def render(figures: dict[str, Figure], order: list[str]) -> str:
     lines = []
-    header = (f"| {'figure':42} | {'unit':9} |" + "".join(f" {who:>20} |" for who in order)
+    header = (f"| {'figure':42} | {'unit':9} |" + "".join(f" {who:>{_CELL}} |" for who in order)
               + " egressd/direct | egressd/best peer |")
     lines.append(header)
     lines.append(
-        "|" + "-" * 44 + "|" + "-" * 11 + "|" + "".join("-" * 22 + "|" for _ in order) + "-" * 16 + "|" + "-" * 19 + "|"
+        "|" + "-" * 44 + "|" + "-" * 11 + "|"
+        + "".join("-" * (_CELL + 2) + "|" for _ in order)
+        + "-" * 16 + "|" + "-" * 19 + "|"
     )
     for key, title, unit in FIGURES:
         fig = figures[key]
@@ -368,13 +374,13 @@ def render(figures: dict[str, Figure], order: list[str]) -> str:
         for who in order:
             vals = [v for v in fig.values.get(who, []) if v == v]  # drop NaN
             if not vals:
-                cells.append(f" {'-':>20} |")
+                cells.append(f" {'-':>{_CELL}} |")
                 continue
             med = statistics.median(vals)
             medians[who] = med
             precision = 2 if unit in LOWER_IS_BETTER else 0
-            cell = f" {med:>8.{precision}f} ({min(vals):.{precision}f}–{max(vals):.{precision}f})"
-            cells.append(cell.ljust(21)[:21].rjust(21) + "|")
+            cell = f"{med:.{precision}f} ({min(vals):.{precision}f}–{max(vals):.{precision}f})"
+            cells.append(f" {cell:>{_CELL}} |")  # never cut: a wide value widens its row
         ratio_direct = ratio_peer = ""
         ours = medians.get("egressd")
         if ours is not None and medians.get("direct"):
