@@ -66,7 +66,7 @@ from aiodocker.exceptions import DockerError
 
 from .bwrap import SANDBOX_GID, SANDBOX_HOSTNAME, SANDBOX_UID, SANDBOX_WORKDIR, base_environment
 from .copyout import MAX_BYTES, MAX_FILES, CopyReport, check_pattern
-from .launcher import DEFAULT_MAX_OUTPUT, EXIT_MEMORY, EXIT_TIMEOUT, Observation, SandboxError, _Bounded
+from .launcher import DEFAULT_MAX_OUTPUT, EXIT_MEMORY, EXIT_TIMEOUT, BoundedOutput, Observation, SandboxError
 from .limits import Limits
 
 DEFAULT_IMAGE = "egressd-sandbox:latest"  # docker/sandbox.Dockerfile, as docker/build.sh tags it
@@ -872,7 +872,7 @@ class DockerSandbox:
                            limits=limits, user=self.user, cpus=self.cpus, runtime=self.runtime,
                            stdin=stdin is not None)
         started = time.monotonic()
-        out, err = _Bounded(max_output), _Bounded(max_output)
+        out, err = BoundedOutput(max_output), BoundedOutput(max_output)
         sinks = None if capture else (relay or (sys.stdout.fileno(), sys.stderr.fileno()))
         with engine_errors("cannot start the command's container"):
             async with asyncio.timeout(API_TIMEOUT_S):
@@ -928,8 +928,8 @@ class DockerSandbox:
         self,
         container: Any,
         stream: Any,
-        out: _Bounded,
-        err: _Bounded,
+        out: BoundedOutput,
+        err: BoundedOutput,
         sinks: tuple[int, int] | None,
         stdin: int | None,
         outcome: _Outcome,

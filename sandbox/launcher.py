@@ -62,7 +62,7 @@ class Observation:
     egress_refusals: list[dict[str, Any]] = field(default_factory=list)
 
 
-class _Bounded:
+class BoundedOutput:
     """Keeps the first ``limit`` bytes of a stream and counts the rest."""
 
     def __init__(self, limit: int) -> None:
@@ -101,7 +101,7 @@ class _Relay:
                 return
 
 
-async def _pump(stream: asyncio.StreamReader | None, sink: _Bounded | _Relay) -> None:
+async def _pump(stream: asyncio.StreamReader | None, sink: BoundedOutput | _Relay) -> None:
     if stream is None:
         return
     while chunk := await stream.read(65536):
@@ -194,10 +194,10 @@ class Sandbox:
             rlimits_in_child(limits, memory_fallback=cgroup is None)
 
         started = time.monotonic()
-        out: _Bounded | _Relay
-        err: _Bounded | _Relay
+        out: BoundedOutput | _Relay
+        err: BoundedOutput | _Relay
         if capture or relay is None:
-            out, err = _Bounded(max_output), _Bounded(max_output)
+            out, err = BoundedOutput(max_output), BoundedOutput(max_output)
         else:
             out, err = _Relay(relay[0]), _Relay(relay[1])
         piped = capture or relay is not None
@@ -246,8 +246,8 @@ class Sandbox:
             code = EXIT_MEMORY
         return Observation(
             exit_code=code,
-            stdout=out.text() if isinstance(out, _Bounded) else "",
-            stderr=err.text() if isinstance(err, _Bounded) else "",
+            stdout=out.text() if isinstance(out, BoundedOutput) else "",
+            stderr=err.text() if isinstance(err, BoundedOutput) else "",
             timed_out=timed_out,
             memory_exceeded=memory_exceeded,
             duration_s=time.monotonic() - started,
