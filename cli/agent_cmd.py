@@ -39,10 +39,10 @@ from sandbox.copyout import CopyOutError, check_pattern
 from sandbox.launcher import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
 
-from .docker_session import DockerSession, copy_out
+from .docker_session import copy_out
 from .run_cmd import add_backend_arguments, open_session, parse_env, run_sandboxed
 from .service import StartupError, entries_from_settings
-from .session import SandboxSession
+from .session import Session
 
 EXIT_MAX_STEPS = 1
 EXIT_MODEL_FAILED = 3
@@ -175,11 +175,9 @@ def shell_argv() -> list[str]:
 
 
 class SandboxExecutor:
-    """``agent.loop.Executor`` on a SandboxSession: one ``sh -c COMMAND`` per call."""
+    """``agent.loop.Executor`` on a session of either backend: one ``sh -c COMMAND`` per call."""
 
-    def __init__(
-        self, session: SandboxSession | DockerSession, *, limits: Limits, max_output: int, shell: list[str]
-    ) -> None:
+    def __init__(self, session: Session, *, limits: Limits, max_output: int, shell: list[str]) -> None:
         self.session = session
         self.limits = limits
         self.max_output = max_output

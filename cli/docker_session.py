@@ -98,7 +98,7 @@ from sandbox.docker import (
 from sandbox.launcher import Observation, SandboxError
 
 from .service import StartupError, entries_from_settings, token_path
-from .session import SessionError
+from .session import SessionError, refusal_summaries
 
 # The control API answers at once; anything slower means it is not there.
 CONTROL_TIMEOUT_S = 10.0
@@ -668,11 +668,7 @@ class DockerSession:
 
     def refusals_since(self, cursor: int) -> list[dict[str, Any]]:
         """Egress refusals recorded after ``cursor``: host, port, reason, kind."""
-        return [
-            {"host": e.get("host"), "port": e.get("port"), "reason": e.get("reason"), "kind": e.get("kind")}
-            for e in self._events[cursor:]
-            if e.get("decision") == "deny"
-        ]
+        return refusal_summaries(self._events[cursor:])
 
     def observe(self, callback: Callable[[dict[str, Any]], None]) -> None:
         """Call ``callback`` with every egress record of this run as it arrives."""

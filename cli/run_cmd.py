@@ -33,7 +33,7 @@ from sandbox.network import DEFAULT_RANGE
 
 from .docker_session import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerSession, copy_out
 from .service import StartupError
-from .session import SandboxSession, SessionError
+from .session import SandboxSession, Session, SessionError
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,7 +72,7 @@ def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
                         "(its --control-token) instead of starting one")
 
 
-def open_session(args: argparse.Namespace, settings: Settings, **common: Any) -> SandboxSession | DockerSession:
+def open_session(args: argparse.Namespace, settings: Settings, **common: Any) -> Session:
     """The session of the backend ``add_backend_arguments`` chose (not entered yet).
 
     ``common`` is what both take: workdir, task, extra_env, keep_workdir, term.

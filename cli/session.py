@@ -23,9 +23,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from audit.records import run_record
 from config.settings import Settings
@@ -54,6 +54,56 @@ def is_refusal(record: dict[str, Any]) -> bool:
     if record.get("decision") != "deny":
         return False
     return not (record.get("kind") == "dns" and record.get("reason") is None)
+
+
+def refusal_summaries(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The refusals among egress records, as runners report them: host, port, reason, kind."""
+    return [
+        {"host": r.get("host"), "port": r.get("port"), "reason": r.get("reason"), "kind": r.get("kind")}
+        for r in records
+        if is_refusal(r)
+    ]
+
+
+class RunHandle(Protocol):
+    """The run a session made, as runners name it."""
+
+    @property
+    def id(self) -> str: ...
+
+
+@runtime_checkable
+class Session(Protocol):
+    """What ``egressd run`` and ``egressd agent`` use of a sandboxed run, whichever
+    backend made it: ``SandboxSession`` (bubblewrap) or ``cli.docker_session.DockerSession``.
+
+    Entered, it has a working directory, a run in egressd and a sandbox
+    (``box``: ``run(command, **options)`` → Observation, ``copy_out``) whose
+    every connection that run's policy decides.
+    """
+
+    workdir: Path
+    made_workdir: bool
+    run: RunHandle | None
+
+    @property
+    def box(self) -> Any: ...
+
+    def set_command(self, command: str | None) -> None:
+        """What the run executes now: shown in approval messages and audit records."""
+
+    def cursor(self) -> int:
+        """A position in the run's egress events; pass it to ``refusals_since``."""
+
+    def refusals_since(self, cursor: int) -> list[dict[str, Any]]:
+        """Egress refusals recorded after ``cursor`` (``refusal_summaries``)."""
+
+    def observe(self, callback: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``callback`` with every egress record of this run."""
+
+    async def __aenter__(self) -> Session: ...
+
+    async def __aexit__(self, *exc: object) -> None: ...
 
 
 class SessionError(Exception):
@@ -215,11 +265,7 @@ class SandboxSession:
         """Egress refusals recorded after ``cursor``: host, port, reason, kind."""
         assert self.run is not None
         events, _ = self.run.events_after(cursor, limit=10_000)
-        return [
-            {"host": e.get("host"), "port": e.get("port"), "reason": e.get("reason"), "kind": e.get("kind")}
-            for e in events
-            if is_refusal(e)
-        ]
+        return refusal_summaries(events)
 
     def observe(self, callback: Callable[[dict[str, Any]], None]) -> None:
         """Call ``callback`` with every egress record of this run as it is written."""
