@@ -11,7 +11,12 @@ interleaved order, the direct connection and egressd:
 2. tunnel setup: 2,000 tunnels one after another (CONNECT, one 64-byte echo,
    close), and the same with 50 in flight (tunnels/s, p50/p99 ms);
 3. plain HTTP: wrk with 50 keep-alive connections for 10 s, small responses
-   (requests/s, p50/p99 ms) and 1 MiB responses (MB/s).
+   (requests/s, p50/p99 ms) and 1 MiB responses (MB/s);
+4. idle tunnels: the proxy's resident memory per tunnel with 2,000 open;
+5. egressd only: tunnel setup (50 in flight) and small HTTP again, just
+   before and then while 1,000 requests are held waiting for an approval
+   (each round's two measurements are adjacent, in the same process, so
+   their ratio is not blurred by drift across the round).
 
 Prints a table of medians with min–max spread and the ratio to direct, and
 the CPU seconds used by egressd and by the load generator, so a reader can
@@ -175,8 +180,13 @@ def held_requests(workdir: Path) -> int:
 def measure_held(
     figures: dict[str, Figure], proxy: Proxy, pid: int, stream_port: int, http_port: int, quick: bool
 ) -> None:
-    """Figures 2 and 3 again while 1,000 requests are held waiting for an approval."""
+    """Figures 2 and 3 just before, then while 1,000 requests are held waiting for an approval."""
     count = 1000
+    target = ["--target", f"{ORIGIN}:{stream_port}", "--proxy", f"127.0.0.1:{proxy.port}"]
+    setup_args = ["setup", *target, "--count", "500" if quick else "2000", "--concurrency", "50", "--max-s", "60"]
+    wrk_s = 3 if quick else 10
+    before_setup = run_load(setup_args, pid, 120)["rate"]
+    before_http = run_wrk(f"http://{ORIGIN}:{http_port}/small", proxy.port, pid, wrk_s, 50)["rps"]
     load = subprocess.Popen([PY, str(HERE / "load.py"), "hold", "--target", f"{ORIGIN}:{stream_port}",
                              "--proxy", f"127.0.0.1:{proxy.port}", "--count", str(count), "--max-s", "60"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -189,13 +199,12 @@ def measure_held(
         held = held_requests(proxy.workdir)
         if held < count:
             print(f"bench: only {held} of {count} requests were held", file=sys.stderr)
-        target = ["--target", f"{ORIGIN}:{stream_port}", "--proxy", f"127.0.0.1:{proxy.port}"]
-        r = run_load(
-            ["setup", *target, "--count", "500" if quick else "2000", "--concurrency", "50", "--max-s", "60"], pid, 120
-        )
+        r = run_load(setup_args, pid, 120)
         figures["held_setup_50"].add("egressd", r["rate"], r["cpu_s"], r["proxy_cpu_s"])
-        r = run_wrk(f"http://{ORIGIN}:{http_port}/small", proxy.port, pid, 3 if quick else 10, 50)
+        figures["held_setup_50_ratio"].add("egressd", r["rate"] / before_setup if before_setup else float("nan"))
+        r = run_wrk(f"http://{ORIGIN}:{http_port}/small", proxy.port, pid, wrk_s, 50)
         figures["held_http_small"].add("egressd", r["rps"], r["cpu_s"], r["proxy_cpu_s"])
+        figures["held_http_small_ratio"].add("egressd", r["rps"] / before_http if before_http else float("nan"))
     finally:
         load.stdin.write("\n")
         load.stdin.flush()
@@ -348,6 +357,8 @@ FIGURES = [
     ("held_setup_50", "with 1,000 held: tunnel setup, 50 in flight", "tunnels/s"),
     ("held_http_small", "with 1,000 held: plain HTTP, small", "req/s"),
 ]
+# Per round: the figure with 1,000 held / the same figure just before (not in the table).
+HELD_RATIOS = (("held_setup_50_ratio", "tunnel setup, 50 in flight"), ("held_http_small_ratio", "plain HTTP, small"))
 
 
 LOWER_IS_BETTER = {"ms", "KiB"}
@@ -391,12 +402,11 @@ def render(figures: dict[str, Figure], order: list[str]) -> str:
             if best:
                 ratio_peer = f"{ours / best:.2f}×"
         lines.append(f"| {title:42} | {unit:9} |" + "".join(cells) + f" {ratio_direct:>14} | {ratio_peer:>17} |")
-    for held, unloaded in (("held_setup_50", "setup_50"), ("held_http_small", "http_small")):
-        with_held = [v for v in figures[held].values.get("egressd", []) if v == v]
-        without = [v for v in figures[unloaded].values.get("egressd", []) if v == v]
-        if with_held and without:
-            lines.append(f"held approvals: egressd {unloaded} with 1,000 held / unloaded = "
-                         f"{statistics.median(with_held) / statistics.median(without):.2f}×")
+    for key, title in HELD_RATIOS:
+        ratios = [v for v in figures[key].values.get("egressd", []) if v == v]
+        if ratios:
+            lines.append(f"held approvals: egressd {title} with 1,000 held / just before = "
+                         f"{statistics.median(ratios):.2f}× (per round {min(ratios):.2f}–{max(ratios):.2f})")
     lines.append("")
     lines.append("CPU seconds per measurement (median; proxy / load generator):")
     for key in ("tput_down", "tput_up", "setup_serial", "setup_50", "http_small", "http_big"):  # idle has no load
@@ -441,6 +451,7 @@ def main() -> int:
         if servers.stdout.readline().strip() != "ready":
             raise RuntimeError("test servers did not start")
         figures = {key: Figure(key, unit) for key, _, unit in FIGURES}
+        figures.update({key: Figure(key, "×") for key, _ in HELD_RATIOS})
         order = ["direct", *chosen]
         for rnd in range(args.rounds):
             for who in order:
