@@ -13,7 +13,7 @@ whose destination comes from the Host header, the SNI one a ``Listener``.
 
 After a CONNECT is answered, the first bytes the client sends are checked:
 a TLS ClientHello naming another server than the CONNECT host is closed as
-``sni_mismatch`` (``_sni_agrees``), so an allowed tunnel cannot be steered
+``sni_mismatch`` (``_SniCheck``), so an allowed tunnel cannot be steered
 to another name on the same address (domain fronting at the TLS layer).
 """
 
@@ -44,8 +44,8 @@ from .http1 import (
 from .policy import Reason
 from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
 from .runs import IPAddress, Run, RunRegistry, source_address
-from .stream import Peer, PeerClosed, first_readable
-from .tunnel import Tunnel
+from .stream import Peer, PeerClosed
+from .tunnel import ClientCheck, Tunnel
 
 log = logging.getLogger("egressd.proxy")
 
@@ -124,7 +124,7 @@ class Listener:
     async def _serve_client(self, client: Peer) -> None:
         raise NotImplementedError
 
-    def _splice(self, client: Peer, upstream: Peer, attempt: Attempt) -> None:
+    def _splice(self, client: Peer, upstream: Peer, attempt: Attempt, check: ClientCheck | None = None) -> None:
         """Hand a decided connection to a tunnel, which relays both ways from now on.
 
         Returns at once: the caller's coroutine ends, and the tunnel owns the
@@ -133,8 +133,8 @@ class Listener:
         either side go first.
         """
         attempt.handed_off = True
-        tunnel = Tunnel(client, upstream, idle_timeout_s=self.limits.idle_timeout_s,
-                        on_end=self._tunnel_ended, owner=attempt)
+        tunnel = Tunnel(client, upstream, idle_timeout_s=self.limits.idle_timeout_s, on_end=self._tunnel_ended,
+                        owner=attempt, check=check, check_timeout_s=self.limits.head_timeout_s)
         self._tunnels.add(tunnel)
         tunnel.start()
 
@@ -272,75 +272,10 @@ class ProxyServer(Listener):
             return
         try:
             await client.send(CONNECT_ESTABLISHED)
-            if await self._sni_agrees(client, upstream, attempt):
-                self._splice(client, upstream, attempt)
+            self._splice(client, upstream, attempt, check=_SniCheck(self.gate, attempt))
         finally:
             if not attempt.handed_off:
                 upstream.close()
-
-    async def _sni_agrees(self, client: Peer, upstream: Peer, attempt: Attempt) -> bool:
-        """Whether the tunnel may carry on after its first bytes (False: refused and recorded).
-
-        1. wait (up to the idle timeout) for whichever side speaks first; the
-           upstream first (SSH, SMTP, ...) → carry on, nothing is held back;
-        2. the client's bytes are not a TLS handshake record → carry on;
-        3. read until the ClientHello is complete (within the head timeout;
-           the upstream speaking meanwhile means it is not TLS → carry on);
-        4. a ClientHello whose SNI, normalised, differs from the CONNECT host
-           → ``sni_mismatch``; one that is malformed → ``bad_request``; both
-           get a fatal TLS alert and the close. No SNI → carry on: the
-           server then answers for the address the policy already checked.
-        """
-        loop = asyncio.get_running_loop()
-        if not client.buf:
-            try:
-                first = await first_readable(client, upstream, deadline=loop.time() + self.limits.idle_timeout_s)
-                if first is upstream:
-                    return True
-            except TimeoutError:
-                return False  # idle as long as a tunnel may be: ends like one
-            if not client.buf:
-                return True  # the client half-closed at once: relay that
-        deadline = loop.time() + self.limits.head_timeout_s
-        try:
-            while True:
-                try:
-                    hello = parse_client_hello(client.buf)
-                except NotTls:
-                    return True
-                except ClientHelloError as exc:
-                    return await self._refuse_tls(client, attempt, Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc))
-                if hello is not None:
-                    break
-                if client.eof:
-                    return True  # an unfinished record the server will reject
-                if await first_readable(client, upstream, more=client, deadline=deadline) is upstream:
-                    return True
-        except TimeoutError:
-            detail = "ClientHello incomplete in time"
-            return await self._refuse_tls(client, attempt, Reason.LIMIT_EXCEEDED, None, detail)
-        if hello.server_name is None:
-            return True
-        try:
-            name = normalise_host(hello.server_name)
-        except HostError:
-            name = None
-        if name == attempt.host:
-            return True
-        attempt.extra["sni"] = name or hello.server_name
-        return await self._refuse_tls(client, attempt, Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, None)
-
-    async def _refuse_tls(
-        self, client: Peer, attempt: Attempt, reason: Reason, alert: Alert | None, detail: str | None
-    ) -> bool:
-        """Refuse an admitted tunnel after its first bytes: an alert, the close, the record."""
-        self.gate.overrule(attempt, reason)
-        if detail:
-            attempt.extra["detail"] = detail
-        if alert is not None:
-            with contextlib.suppress(PeerClosed):
-                await client.send(tls_alert(alert))
-        return False
 
     async def _forward(
         self, client: Peer, attempt: Attempt, head: RequestHead, admission: Admission, destination: Destination
@@ -486,3 +421,62 @@ class ProxyServer(Listener):
         self.gate.finish(attempt)
         with contextlib.suppress(PeerClosed):
             await client.send(data)
+
+
+class _SniCheck:
+    """The first client bytes of a CONNECT tunnel, checked before any is relayed (``tunnel.ClientCheck``).
+
+    1. bytes that are not a TLS handshake record → relay: another protocol;
+    2. a ClientHello still incomplete → hold, for up to the head timeout
+       from the first byte (then ``limit_exceeded``, no alert);
+    3. a ClientHello whose SNI, normalised, differs from the CONNECT host
+       → ``sni_mismatch``; one that is malformed → ``bad_request``; both
+       get a fatal TLS alert and the close. No SNI → relay: the server then
+       answers for the address the policy already checked.
+
+    The upstream speaking first (SSH, SMTP, ...) or the client half-closing
+    ends the check and relays (``Tunnel``). This stops an allowed tunnel
+    from being steered to another name on the same address (domain fronting
+    at the TLS layer).
+    """
+
+    __slots__ = ("gate", "attempt")
+
+    def __init__(self, gate: Gate, attempt: Attempt) -> None:
+        self.gate = gate
+        self.attempt = attempt
+
+    def check(self, tunnel: Tunnel) -> bool:
+        try:
+            hello = parse_client_hello(tunnel.client.buf)
+        except NotTls:
+            return True
+        except ClientHelloError as exc:
+            self._refuse(tunnel, Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc))
+            return False
+        if hello is None:
+            return False
+        if hello.server_name is None:
+            return True
+        try:
+            name = normalise_host(hello.server_name)
+        except HostError:
+            name = None
+        if name == self.attempt.host:
+            return True
+        self.attempt.extra["sni"] = name or hello.server_name
+        self._refuse(tunnel, Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, None)
+        return False
+
+    def expired(self, tunnel: Tunnel) -> None:
+        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, None, "ClientHello incomplete in time")
+
+    def _refuse(self, tunnel: Tunnel, reason: Reason, alert: Alert | None, detail: str | None) -> None:
+        """An alert, the close, and the record says deny with ``reason`` (written when the tunnel ends)."""
+        self.gate.overrule(self.attempt, reason)
+        if detail:
+            self.attempt.extra["detail"] = detail
+        transport = tunnel.client.transport
+        if alert is not None and transport is not None and not transport.is_closing():
+            transport.write(tls_alert(alert))
+        tunnel.close()

@@ -309,31 +309,3 @@ class _PassOn:
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
-
-
-async def first_readable(*peers: Peer, more: Peer | None = None, deadline: float | None = None) -> Peer:
-    """The first of ``peers`` with bytes (or EOF) to read; nothing is consumed.
-
-    ``more``, one of ``peers``, counts only once bytes beyond what it holds now
-    arrive; TimeoutError past ``deadline`` (the loop's clock). One future
-    serves as every peer's read waiter, so whichever peer is woken first
-    wakes us (no ``asyncio.wait``, once per tunnel set-up).
-    """
-    wanted = [len(peer.buf) + 1 if peer is more else 1 for peer in peers]
-    while True:
-        for peer, size in zip(peers, wanted, strict=True):
-            if len(peer.buf) >= size or peer.eof:
-                return peer
-        loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        for peer in peers:
-            peer._read_waiter = waiter
-        timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
-        try:
-            await waiter
-        finally:
-            if timer is not None:
-                timer.cancel()
-            for peer in peers:
-                if peer._read_waiter is waiter:
-                    peer._read_waiter = None

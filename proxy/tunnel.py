@@ -10,6 +10,12 @@ transports' buffers. An EOF in one direction is passed on as a half-close
 when both directions have ended, when either connection is lost, or after
 ``idle_timeout_s`` with no byte either way.
 
+A tunnel may start with a ``ClientCheck``: the client's first bytes are
+held (not relayed) and shown to it until it says relay, or refuses and ends
+the tunnel; the upstream speaking first, or the client half-closing, ends
+the check and relays what was held. (The CONNECT listener checks a TLS
+ClientHello's server name this way.)
+
 A tunnel runs on callbacks alone: no task waits for it. Whoever spliced it
 passes ``on_end``, which runs once when it ends, so the thousands of idle
 tunnels a build can hold cost two transports, two peers and this object,
@@ -21,18 +27,33 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from .stream import Peer
+
+
+class ClientCheck(Protocol):
+    """Looks at a tunnel's first client bytes (``tunnel.client.buf``) before any is relayed."""
+
+    def check(self, tunnel: Tunnel) -> bool:
+        """True: relay from now on; False: hold, more bytes are needed. May end the tunnel (a refusal)."""
+        ...
+
+    def expired(self, tunnel: Tunnel) -> None:
+        """The bytes stayed incomplete for the check's timeout (counted from the first byte)."""
+        ...
 
 
 class Tunnel:
     """A running relay between ``client`` and ``upstream``; ``on_end(tunnel)`` runs once when it ends."""
 
     __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_client_eof", "_upstream_eof", "ended",
-                 "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired", "owner")
+                 "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired", "owner",
+                 "_check", "_check_timeout_s", "_check_timer")
 
     def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
                  on_end: Callable[[Tunnel], None] | None = None, owner: object = None,
+                 check: ClientCheck | None = None, check_timeout_s: float = 0.0,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.client = client
         self.upstream = upstream
@@ -50,21 +71,27 @@ class Tunnel:
         self._last = time.monotonic()
         self.error: Exception | None = None
         self.idle_expired = False
+        self._check = check
+        self._check_timeout_s = check_timeout_s
+        self._check_timer: asyncio.TimerHandle | None = None
 
-    def start(self, first_up: bytes = b"", first_down: bytes = b"") -> None:
-        """Begin relaying; ``first_up``/``first_down`` are bytes already read from each side."""
-        first_up = first_up + self.client.take()
-        first_down = first_down + self.upstream.take()
+    def start(self) -> None:
+        """Begin relaying; bytes already buffered on either side go first (or to the check)."""
         self.client.relay = self
         self.upstream.relay = self
         for peer in (self.client, self.upstream):
             if peer._read_paused:  # a coroutine had paused it; we read from here on
                 peer._read_paused = False
                 peer.transport.resume_reading()  # type: ignore[union-attr]
-        if first_up:
-            self.forward(self.client, first_up)
-        if first_down:
-            self.forward(self.upstream, first_down)
+        if self.upstream.buf:
+            self.forward(self.upstream, self.upstream.take())  # the upstream spoke first: no check
+        if self.client.buf:
+            if self._check is not None:
+                self._look()
+            else:
+                self.forward(self.client, self.client.take())
+        if self.ended:
+            return
         for peer in (self.client, self.upstream):
             if peer.closed:
                 self.peer_lost(peer, None)
@@ -83,6 +110,10 @@ class Tunnel:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._check_timer is not None:
+            self._check_timer.cancel()
+            self._check_timer = None
+        self._check = None
         self.client.relay = None
         self.upstream.relay = None
         on_end, self._on_end = self._on_end, None
@@ -92,6 +123,13 @@ class Tunnel:
     # -- called by the peers ------------------------------------------------------
 
     def forward(self, source: Peer, data: bytes) -> None:
+        if self._check is not None:
+            if source is self.client:
+                source.buf += data  # held until the check says relay
+                self._last = time.monotonic()
+                self._look()
+                return
+            self._release()  # the upstream spoke first: not a protocol the check is for
         target = self.upstream if source is self.client else self.client
         if target.closed or target.transport is None:
             return
@@ -103,6 +141,8 @@ class Tunnel:
             self.bytes_down += len(data)
 
     def peer_eof(self, source: Peer) -> None:
+        if self._check is not None:
+            self._release()  # a half-close ends the check: relay what there is, then the EOF
         if source is self.client:
             self._client_eof = True
             target = self.upstream
@@ -130,6 +170,32 @@ class Tunnel:
         ended = self._client_eof if source is self.client else self._upstream_eof
         if source.transport is not None and not source.closed and not ended:
             source.transport.resume_reading()
+
+    # -- the client check ------------------------------------------------------
+
+    def _look(self) -> None:
+        """Show the held bytes to the check; relay them once it says so."""
+        check = self._check
+        assert check is not None
+        if check.check(self):
+            self._release()
+        elif not self.ended and self._check_timer is None:
+            self._check_timer = self._loop.call_later(self._check_timeout_s, self._check_expired)
+
+    def _release(self) -> None:
+        """End the check: what the client sent so far goes upstream, and relaying starts."""
+        self._check = None
+        if self._check_timer is not None:
+            self._check_timer.cancel()
+            self._check_timer = None
+        if self.client.buf and not self.ended:
+            self.forward(self.client, self.client.take())
+
+    def _check_expired(self) -> None:
+        self._check_timer = None
+        check = self._check
+        if check is not None and not self.ended:
+            check.expired(self)
 
     def _check_idle(self) -> None:
         idle = time.monotonic() - self._last

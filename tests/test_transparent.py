@@ -585,6 +585,64 @@ async def test_a_server_that_speaks_first_is_not_held_up(make_egressd, dns: Fake
         await server.wait_closed()
 
 
+async def _banner_then_echo_origin(delay_s: float, seen: list[bytes]) -> asyncio.AbstractServer:
+    """An origin that speaks first after ``delay_s``, then echoes what it reads (and keeps it in ``seen``)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(delay_s)
+        writer.write(b"BANNER\r\n")
+        await writer.drain()
+        while data := await reader.read(4096):
+            seen.append(data)
+            writer.write(data)
+            await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, ORIGIN, 0)
+
+
+async def test_a_partial_hello_is_relayed_once_the_server_speaks(make_egressd, dns: FakeDns) -> None:
+    """Held client bytes are not lost: the upstream speaking ends the check and they go through."""
+    seen: list[bytes] = []
+    server = await _banner_then_echo_origin(0.3, seen)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        svc = await make_egressd(allow=[f"origin.test:{port}"])
+        status, _, _, reader, writer = await connect_via(svc, f"origin.test:{port}")
+        assert status == 200
+        partial = hellos.client_hello("origin.test")[:20]  # a TLS record header and a little: incomplete
+        writer.write(partial)
+        await writer.drain()
+        assert await asyncio.wait_for(reader.readline(), 2) == b"BANNER\r\n"
+        assert await asyncio.wait_for(reader.readexactly(len(partial)), 2) == partial
+        assert b"".join(seen) == partial
+        writer.close()
+        await wait_until(lambda: egress(svc))
+        assert egress(svc)[-1]["decision"] == "allow"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_partial_hello_then_a_half_close_is_relayed(make_egressd, dns: FakeDns) -> None:
+    seen: list[bytes] = []
+    server = await _banner_then_echo_origin(0.5, seen)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        svc = await make_egressd(allow=[f"origin.test:{port}"])
+        status, _, _, reader, writer = await connect_via(svc, f"origin.test:{port}")
+        assert status == 200
+        partial = hellos.client_hello("origin.test")[:20]
+        writer.write(partial)
+        writer.write_eof()  # the client is done: what it sent goes on, and so does the EOF
+        assert await asyncio.wait_for(reader.read(), 3) == b"BANNER\r\n" + partial
+        assert b"".join(seen) == partial
+        writer.close()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_a_client_that_speaks_another_protocol_is_relayed(make_egressd, echo_origin, dns: FakeDns) -> None:
     svc = await make_egressd(allow=["origin.test:*"])
     _, _, _, reader, writer = await connect_via(svc, f"origin.test:{echo_origin.port}")
