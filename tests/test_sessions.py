@@ -37,7 +37,8 @@ def test_both_backends_offer_the_session_surface(tmp_path: Path) -> None:
         DockerSession(settings, workdir=tmp_path, task=None),
     ):
         cls = type(session)
-        missing = [m for m in methods if not (callable(getattr(cls, m, None)) or isinstance(getattr(cls, m, None), property))]
+        found = {m: getattr(cls, m, None) for m in methods}
+        missing = [m for m, v in found.items() if not (callable(v) or isinstance(v, property))]
         assert missing == [], cls.__name__
         assert [d for d in data if d not in vars(session)] == [], cls.__name__
 
