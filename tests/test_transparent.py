@@ -10,6 +10,7 @@ detectors listen on 127.0.0.66:443 and :80; nothing may ever reach them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import ssl
 from collections.abc import AsyncIterator
@@ -585,8 +586,10 @@ async def test_a_server_that_speaks_first_is_not_held_up(make_egressd, dns: Fake
         await server.wait_closed()
 
 
-async def _banner_then_echo_origin(delay_s: float, seen: list[bytes]) -> asyncio.AbstractServer:
-    """An origin that speaks first after ``delay_s``, then echoes what it reads (and keeps it in ``seen``)."""
+@contextlib.asynccontextmanager
+async def _banner_then_echo_origin(delay_s: float) -> AsyncIterator[tuple[int, list[bytes]]]:
+    """An origin that speaks first after ``delay_s``, then echoes what it reads; yields (port, what it read)."""
+    seen: list[bytes] = []
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await asyncio.sleep(delay_s)
@@ -598,49 +601,43 @@ async def _banner_then_echo_origin(delay_s: float, seen: list[bytes]) -> asyncio
             await writer.drain()
         writer.close()
 
-    return await asyncio.start_server(handle, ORIGIN, 0)
+    server = await asyncio.start_server(handle, ORIGIN, 0)
+    try:
+        yield server.sockets[0].getsockname()[1], seen
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def _send_a_partial_hello(make_egressd, port: int):  # type: ignore[no-untyped-def]
+    """A CONNECT tunnel whose client sent the start of a ClientHello: (service, reader, writer, the bytes)."""
+    svc = await make_egressd(allow=[f"origin.test:{port}"])
+    status, _, _, reader, writer = await connect_via(svc, f"origin.test:{port}")
+    assert status == 200
+    partial = hellos.client_hello("origin.test")[:20]  # a TLS record header and a little: incomplete
+    writer.write(partial)
+    return svc, reader, writer, partial
 
 
 async def test_a_partial_hello_is_relayed_once_the_server_speaks(make_egressd, dns: FakeDns) -> None:
     """Held client bytes are not lost: the upstream speaking ends the check and they go through."""
-    seen: list[bytes] = []
-    server = await _banner_then_echo_origin(0.3, seen)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        svc = await make_egressd(allow=[f"origin.test:{port}"])
-        status, _, _, reader, writer = await connect_via(svc, f"origin.test:{port}")
-        assert status == 200
-        partial = hellos.client_hello("origin.test")[:20]  # a TLS record header and a little: incomplete
-        writer.write(partial)
-        await writer.drain()
+    async with _banner_then_echo_origin(0.3) as (port, seen):
+        svc, reader, writer, partial = await _send_a_partial_hello(make_egressd, port)
         assert await asyncio.wait_for(reader.readline(), 2) == b"BANNER\r\n"
         assert await asyncio.wait_for(reader.readexactly(len(partial)), 2) == partial
         assert b"".join(seen) == partial
         writer.close()
         await wait_until(lambda: egress(svc))
         assert egress(svc)[-1]["decision"] == "allow"
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_partial_hello_then_a_half_close_is_relayed(make_egressd, dns: FakeDns) -> None:
-    seen: list[bytes] = []
-    server = await _banner_then_echo_origin(0.5, seen)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        svc = await make_egressd(allow=[f"origin.test:{port}"])
-        status, _, _, reader, writer = await connect_via(svc, f"origin.test:{port}")
-        assert status == 200
-        partial = hellos.client_hello("origin.test")[:20]
-        writer.write(partial)
+    async with _banner_then_echo_origin(0.5) as (port, seen):
+        _, reader, writer, partial = await _send_a_partial_hello(make_egressd, port)
         writer.write_eof()  # the client is done: what it sent goes on, and so does the EOF
         assert await asyncio.wait_for(reader.read(), 3) == b"BANNER\r\n" + partial
         assert b"".join(seen) == partial
         writer.close()
-    finally:
-        server.close()
-        await server.wait_closed()
 
 
 async def test_a_client_that_speaks_another_protocol_is_relayed(make_egressd, echo_origin, dns: FakeDns) -> None:
