@@ -13,6 +13,7 @@ Addresses (all loopback; Linux routes the whole of 127.0.0.0/8 to lo):
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +28,16 @@ from cli.service import EgressService
 from config.settings import load_settings
 from tests.fakedns import FakeDns
 from tests.harness import LEAK, ORIGIN, ORIGIN_RANGE
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
+    """With EGRESSD_TEST_LOOP=uvloop the async tests run on uvloop, the loop ``egressd serve``
+    runs on (scripts/test.sh runs the proxy's tests both ways); else on asyncio's own."""
+    if os.environ.get("EGRESSD_TEST_LOOP") == "uvloop":
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
+    return {"asyncio": asyncio.new_event_loop}
 
 
 @dataclass

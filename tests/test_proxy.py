@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import os
 
 import aiohttp
@@ -301,3 +302,59 @@ async def test_a_large_upload_arrives_whole(make_egressd, http_origin) -> None:
     writer.close()
     assert status == 200
     assert http_origin.requests[-1]["body"] == body
+
+
+async def test_large_tunnel_transfers_to_slow_readers_arrive_whole(make_egressd) -> None:
+    """Four tunnels at once, both ways, each reader stalling now and then, so egressd's writes
+    often cannot all go out at once while other tunnels keep reading: every byte arrives, in
+    order (sha256 compared), and each record counts them all."""
+    total, tunnels = 16 << 20, 4
+    block = hashlib.sha256(b"egressd").digest() * 32768  # 1 MiB, not a repeating short pattern
+    payloads = [bytes([i]) * 64 + block[64:] for i in range(tunnels)]  # each tunnel its own bytes
+    expected = [hashlib.sha256(p * (total // len(p))).digest() for p in payloads]
+    uploaded: dict[int, bytes] = {}
+
+    async def send(writer: asyncio.StreamWriter, payload: bytes) -> None:
+        for _ in range(total // len(payload)):
+            writer.write(payload)
+            await writer.drain()
+
+    async def receive(reader: asyncio.StreamReader) -> bytes:
+        digest, got = hashlib.sha256(), 0
+        while got < total:
+            data = await asyncio.wait_for(reader.read(1 << 18), 10)
+            assert data, f"the tunnel ended after {got} of {total} bytes"
+            digest.update(data)
+            got += len(data)
+            if got % (4 << 20) < len(data):
+                await asyncio.sleep(0.05)  # a stall: egressd's writes to us back up
+        return digest.digest()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        which = (await reader.readexactly(1))[0]
+        sending = asyncio.ensure_future(send(writer, payloads[which]))
+        uploaded[which] = await receive(reader)
+        await sending
+        writer.close()
+
+    async def one(svc, port: int, which: int) -> bytes:  # type: ignore[no-untyped-def]
+        status, _, _, reader, writer = await connect_via(svc, f"origin.test:{port}")
+        assert status == 200
+        writer.write(bytes([which]))
+        sending = asyncio.ensure_future(send(writer, payloads[which]))
+        downloaded = await receive(reader)
+        await asyncio.wait_for(sending, 30)
+        writer.close()
+        return downloaded
+
+    server = await asyncio.start_server(handle, ORIGIN, 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        svc = await make_egressd(allow=[f"origin.test:{port}"])
+        downloaded = await asyncio.gather(*(one(svc, port, i) for i in range(tunnels)))
+        assert downloaded == expected
+        await wait_until(lambda: len(egress(svc)) == tunnels, 10)
+        assert uploaded == dict(enumerate(expected))
+        assert sorted((r["bytes_up"], r["bytes_down"]) for r in egress(svc)) == [(total + 1, total)] * tunnels
+    finally:
+        server.close()
