@@ -98,7 +98,7 @@ from sandbox.docker import (
 from sandbox.launcher import Observation, SandboxError
 
 from .service import StartupError, entries_from_settings, token_path
-from .session import SessionError, refusal_summaries
+from .session import SessionBase, SessionError, refusal_summaries
 
 # The control API answers at once; anything slower means it is not there.
 CONTROL_TIMEOUT_S = 10.0
@@ -373,7 +373,7 @@ class _SessionBox:
         return await self.sandbox.copy_out(patterns, dest)
 
 
-class DockerSession:
+class DockerSession(SessionBase[_SessionBox]):
     """Everything one sandboxed run on Docker needs, created and destroyed together."""
 
     def __init__(
@@ -393,12 +393,9 @@ class DockerSession:
         docker_url: str | None = None,
         tty_path: str = "/dev/tty",
     ) -> None:
-        self.settings = settings
-        self._workdir_arg = workdir
-        self.task = task
-        self.extra_env = dict(extra_env)
-        self.keep_workdir = keep_workdir
-        self.term = term
+        super().__init__(
+            settings, workdir=workdir, task=task, extra_env=extra_env, keep_workdir=keep_workdir, term=term
+        )
         self.image = image
         self.egressd_image = egressd_image
         self.connect = connect
@@ -407,8 +404,6 @@ class DockerSession:
         self.docker_url = docker_url
         self.tty_path = tty_path
         self.relay: TerminalRelay | None = None
-        self.workdir: Path = Path()
-        self.made_workdir = workdir is None
         self.engine: DockerEngine | None = None
         self.resources: DockerRun | None = None
         self.control: ControlClient | None = None
@@ -416,19 +411,12 @@ class DockerSession:
         self.run_id: str | None = None
         self.run: RemoteRun | None = None
         self.polling = False
-        self._box: _SessionBox | None = None
         self._events: list[dict[str, Any]] = []
         self._server_cursor = 0
         self._observers: list[Callable[[dict[str, Any]], None]] = []
         self._command: str | None = None
         self._command_sent = True
         self._poll_lock = asyncio.Lock()
-        self._stack = contextlib.AsyncExitStack()
-
-    @property
-    def box(self) -> _SessionBox:
-        assert self._box is not None, "the session is not entered"
-        return self._box
 
     async def __aenter__(self) -> DockerSession:
         try:
@@ -440,9 +428,6 @@ class DockerSession:
             await self._stack.aclose()
             raise
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._stack.aclose()
 
     async def _enter(self) -> None:
         entries_from_settings(self.settings)  # a bad entry stops us before anything is created

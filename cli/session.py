@@ -25,7 +25,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 from audit.records import run_record
 from config.settings import Settings
@@ -129,7 +129,46 @@ def check_host() -> None:
             raise SessionError(f"{tool} is not installed (see: egressd doctor)")
 
 
-class SandboxSession:
+BoxT = TypeVar("BoxT")
+
+
+class SessionBase(Generic[BoxT]):
+    """What a session of either backend keeps: its settings, the working directory asked
+    for (None: make one), the task, the sandbox's extra environment and terminal type;
+    once entered, the working directory in use and the sandbox (``box``). Leaving it
+    undoes, in reverse, everything entering did (``_stack``)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        workdir: Path | None,
+        task: str | None,
+        extra_env: Mapping[str, str] = {},
+        keep_workdir: bool = False,
+        term: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self._workdir_arg = workdir
+        self.task = task
+        self.extra_env = dict(extra_env)
+        self.keep_workdir = keep_workdir
+        self.term = term
+        self.workdir: Path = Path()
+        self.made_workdir = workdir is None
+        self._box: BoxT | None = None
+        self._stack = contextlib.AsyncExitStack()
+
+    @property
+    def box(self) -> BoxT:
+        assert self._box is not None, "the session is not entered"
+        return self._box
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
+
+
+class SandboxSession(SessionBase[Sandbox]):
     """Everything one sandboxed run needs, created and destroyed together."""
 
     def __init__(
@@ -143,25 +182,13 @@ class SandboxSession:
         net_range: str = DEFAULT_RANGE,
         term: str | None = None,
     ) -> None:
-        self.settings = settings
-        self._workdir_arg = workdir
-        self.task = task
-        self.extra_env = dict(extra_env)
-        self.keep_workdir = keep_workdir
+        super().__init__(
+            settings, workdir=workdir, task=task, extra_env=extra_env, keep_workdir=keep_workdir, term=term
+        )
         self.net_range = net_range
-        self.term = term
-        self.workdir: Path = Path()
-        self.made_workdir = workdir is None
         self.network: RunNetwork | None = None
         self.service: EgressService | None = None
         self.run: Run | None = None
-        self._box: Sandbox | None = None
-        self._stack = contextlib.AsyncExitStack()
-
-    @property
-    def box(self) -> Sandbox:
-        assert self._box is not None, "the session is not entered"
-        return self._box
 
     async def __aenter__(self) -> SandboxSession:
         try:
@@ -170,9 +197,6 @@ class SandboxSession:
             await self._stack.aclose()
             raise
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._stack.aclose()
 
     async def _enter(self) -> None:
         check_host()
