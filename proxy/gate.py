@@ -221,39 +221,19 @@ class Gate:
             return Admission(Reason.PRIVATE_ADDRESS, host, port)
         return Admission(None, host, port, passed, tuple(map(self._text, passed)))
 
-    # Both checks below are pure functions of their argument (and of this gate's
-    # fixed settings), so their answers are remembered; bounded like a cache.
+    # The three below are pure functions of their argument (and of this gate's
+    # fixed settings), so their answers are remembered, bounded (``_remembered``).
     def _literal(self, host: str) -> IPAddress | None:
-        try:
-            return self._literals[host]
-        except KeyError:
-            pass
-        literal = parse_ip_literal(host)
-        if len(self._literals) >= 4096:
-            self._literals.clear()
-        self._literals[host] = literal
-        return literal
+        return _remembered(self._literals, host, parse_ip_literal)
 
     def _text(self, address: IPAddress) -> str:
-        try:
-            return self._texts[address]
-        except KeyError:
-            pass
-        if len(self._texts) >= 4096:
-            self._texts.clear()
-        text = self._texts[address] = str(address)
-        return text
+        return _remembered(self._texts, address, str)
 
     def _dialable(self, address: IPAddress) -> bool:
-        try:
-            return self._address_ok[address]
-        except KeyError:
-            pass
-        ok = forbidden_reason(address, self.allow_private, self.own_addresses) is None
-        if len(self._address_ok) >= 4096:
-            self._address_ok.clear()
-        self._address_ok[address] = ok
-        return ok
+        return _remembered(self._address_ok, address, self._check_address)
+
+    def _check_address(self, address: IPAddress) -> bool:
+        return forbidden_reason(address, self.allow_private, self.own_addresses) is None
 
     async def dial(self, attempt: Attempt, admission: Admission, protocol: Callable[[], P]) -> P:
         """Connect to the first admitted address that answers, within the connect timeout.
@@ -348,3 +328,22 @@ class Gate:
             log.info("ALLOW %s %s run=%s rule=%s", attempt.kind, target, run_id, attempt.rule)
         else:
             log.info("DENY  %s %s run=%s reason=%s", attempt.kind, target, run_id, attempt.reason)
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+# Past this many answers a memo is emptied and starts again: a client cycling
+# through names cannot grow it, and the common answers return within a request.
+_MEMO_ENTRIES = 4096
+
+
+def _remembered(memo: dict[K, V], key: K, compute: Callable[[K], V]) -> V:
+    """``compute(key)``, kept in ``memo`` (cleared when full)."""
+    try:
+        return memo[key]
+    except KeyError:
+        pass
+    if len(memo) >= _MEMO_ENTRIES:
+        memo.clear()
+    value = memo[key] = compute(key)
+    return value
