@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from .http1 import ChunkedScanner, HttpError
 
@@ -28,6 +28,21 @@ HIGH_WATER = 256 * 1024
 
 class PeerClosed(Exception):
     """The peer closed or broke the connection; nothing more to say to it."""
+
+
+class Relay(Protocol):
+    """What takes a peer's callbacks while it is set as ``Peer.relay``: a spliced
+    tunnel (``tunnel.Tunnel``) or a body being passed on (``_PassOn``)."""
+
+    def forward(self, source: Peer, data: bytes) -> None: ...
+
+    def peer_eof(self, source: Peer) -> None: ...
+
+    def peer_lost(self, source: Peer, exc: Exception | None) -> None: ...
+
+    def pause_from(self, target: Peer) -> None: ...
+
+    def resume_from(self, target: Peer) -> None: ...
 
 
 class Peer(asyncio.Protocol):
@@ -47,8 +62,8 @@ class Peer(asyncio.Protocol):
         self._write_waiter: asyncio.Future[None] | None = None
         self._write_paused = False
         self._read_paused = False
-        # Set while spliced: bytes go straight to the other peer (see tunnel.py).
-        self.relay: Any = None
+        # Set while spliced or passing a body on: bytes go straight to the other peer.
+        self.relay: Relay | None = None
         # Plain HTTP: the address an upstream peer was dialled at, and the
         # upstream a client connection keeps for its next request.
         self.dialled: str | None = None
@@ -65,6 +80,10 @@ class Peer(asyncio.Protocol):
         if self.relay is not None:
             self.relay.forward(self, data)
             return
+        self.keep(data)
+
+    def keep(self, data: bytes) -> None:
+        """Add ``data`` to the read buffer (pausing the peer past ``HIGH_WATER``) and wake its reader."""
         self.buf += data
         if len(self.buf) > HIGH_WATER and not self._read_paused:
             self._read_paused = True
@@ -204,7 +223,7 @@ class Peer(asyncio.Protocol):
         if self._read_paused:
             self._read_paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
-        passing = _PassOn(self, dst, left)
+        passing = _PassOn(dst, left)
         self.relay = passing
         try:
             await passing.done
@@ -260,10 +279,9 @@ class Peer(asyncio.Protocol):
 class _PassOn:
     """``Peer._pass_on``'s relay: the source's bytes go to ``dst`` until ``left`` reaches 0 or ``dst`` is full."""
 
-    __slots__ = ("source", "dst", "left", "done")
+    __slots__ = ("dst", "left", "done")
 
-    def __init__(self, source: Peer, dst: Peer, left: int) -> None:
-        self.source = source
+    def __init__(self, dst: Peer, left: int) -> None:
         self.dst = dst
         self.left = left
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -271,15 +289,15 @@ class _PassOn:
     def forward(self, source: Peer, data: bytes) -> None:
         dst = self.dst
         if self.done.done():
-            source.buf += data  # between the end and the coroutine's resumption
+            source.keep(data)  # between the end and the coroutine's resumption
             return
         if dst.closed or dst.transport is None:
-            source.buf += data
+            source.keep(data)
             self.done.set_exception(PeerClosed("connection closed"))
             return
         if len(data) > self.left:
             # The body ends inside this chunk: the rest is the next message's.
-            source.buf += data[self.left :]
+            source.keep(data[self.left :])
             data = data[: self.left]
         dst.transport.write(data)
         self.left -= len(data)
