@@ -63,6 +63,7 @@ from dnslib import CLASS, QTYPE
 
 from .gate import Attempt, Gate
 from .hosts import HostError, normalise_host
+from .memo import remember
 from .policy import Reason, Verdict, decide
 from .runs import IPAddress, Run, RunRegistry, source_address
 
@@ -253,9 +254,7 @@ def _read_question(packet: bytes) -> tuple[bytes, str | None, tuple[bytes, ...],
     # no longer than a name can be (RFC 1035 §3.1: 255 octets), so the cache
     # holds at most _MAX_QUESTIONS_CACHED × 259 octets of keys.
     if end - 12 <= 255 and packet.find(0, 12) + 1 == end:
-        if len(_QUESTIONS) >= _MAX_QUESTIONS_CACHED:
-            _QUESTIONS.clear()
-        _QUESTIONS[question] = known
+        remember(_QUESTIONS, question, known, _MAX_QUESTIONS_CACHED)
     return known
 
 
@@ -618,11 +617,9 @@ class DnsServer:
             return self._sources[text]
         except KeyError:
             pass
-        if len(self._sources) >= MAX_TRACKED_CLIENTS:
-            self._sources.clear()
         address = source_address(text)
-        known = self._sources[text] = (address, str(address) if address is not None else None)
-        return known
+        return remember(self._sources, text, (address, str(address) if address is not None else None),
+                        MAX_TRACKED_CLIENTS)
 
     def _answer(self, packet: bytes, source: IPAddress | None, attempt: Attempt) -> bytes | None:
         try:
@@ -669,10 +666,7 @@ class DnsServer:
         except KeyError:
             pass
         plan = plan_answer(query, answer4=self._answer4, answer6=self._answer6, unreachable=unreachable)
-        if len(self._outcomes) >= _MAX_OUTCOMES:
-            self._outcomes.clear()
-        outcome = self._outcomes[key] = Outcome(plan, self._ttl_s)
-        return outcome
+        return remember(self._outcomes, key, Outcome(plan, self._ttl_s), _MAX_OUTCOMES)
 
     def _record_in_full(self, run: Run, name: str) -> bool:
         """Whether this query gets its own record: its name is one of the run's first N."""

@@ -34,6 +34,7 @@ from audit.records import egress_record, new_request_id
 
 from .addresses import forbidden_reason
 from .hosts import parse_ip_literal
+from .memo import remembered
 from .metrics import Metrics
 from .policy import Reason, Verdict
 from .resolver import ResolveError, Resolver
@@ -222,15 +223,15 @@ class Gate:
         return Admission(None, host, port, passed, tuple(map(self._text, passed)))
 
     # The three below are pure functions of their argument (and of this gate's
-    # fixed settings), so their answers are remembered, bounded (``_remembered``).
+    # fixed settings), so their answers are remembered (``memo``).
     def _literal(self, host: str) -> IPAddress | None:
-        return _remembered(self._literals, host, parse_ip_literal)
+        return remembered(self._literals, host, parse_ip_literal)
 
     def _text(self, address: IPAddress) -> str:
-        return _remembered(self._texts, address, str)
+        return remembered(self._texts, address, str)
 
     def _dialable(self, address: IPAddress) -> bool:
-        return _remembered(self._address_ok, address, self._check_address)
+        return remembered(self._address_ok, address, self._check_address)
 
     def _check_address(self, address: IPAddress) -> bool:
         return forbidden_reason(address, self.allow_private, self.own_addresses) is None
@@ -328,22 +329,3 @@ class Gate:
             log.info("ALLOW %s %s run=%s rule=%s", attempt.kind, target, run_id, attempt.rule)
         else:
             log.info("DENY  %s %s run=%s reason=%s", attempt.kind, target, run_id, attempt.reason)
-
-
-K = TypeVar("K")
-V = TypeVar("V")
-# Past this many answers a memo is emptied and starts again: a client cycling
-# through names cannot grow it, and the common answers return within a request.
-_MEMO_ENTRIES = 4096
-
-
-def _remembered(memo: dict[K, V], key: K, compute: Callable[[K], V]) -> V:
-    """``compute(key)``, kept in ``memo`` (cleared when full)."""
-    try:
-        return memo[key]
-    except KeyError:
-        pass
-    if len(memo) >= _MEMO_ENTRIES:
-        memo.clear()
-    value = memo[key] = compute(key)
-    return value

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .memo import remember
 from .policy import Decision, Entry, RunPolicy, approval_ports, decide
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -83,10 +84,7 @@ class Run:
         key = (host, port)
         decision = self._decisions.get(key)
         if decision is None:
-            decision = decide(self.policy(), host, port)
-            if len(self._decisions) >= DECISION_CACHE:
-                self._decisions.clear()
-            self._decisions[key] = decision
+            decision = remember(self._decisions, key, decide(self.policy(), host, port), DECISION_CACHE)
         return decision
 
     def approve(self, host: str, port: int) -> None:
