@@ -352,14 +352,7 @@ _secret_keys: dict[object, bool] = {}
 
 
 def _scrub_mapping(mapping: Mapping[str, object]) -> dict[str, object]:
-    scrubbed: dict[str, object] = {}
-    for key, value in mapping.items():
-        secret = _secret_keys.get(key)
-        if secret is None:
-            secret = _is_secret_key(key)
-        if not secret:
-            scrubbed[key if key.__class__ is str else str(key)] = _scrub(value)
-    return scrubbed
+    return {str(key): _scrub(value) for key, value in mapping.items() if not _is_secret_key(key)}
 
 
 def _scrub(value: object) -> object:
