@@ -65,7 +65,7 @@ import aiohttp
 from aiodocker.exceptions import DockerError
 
 from .bwrap import SANDBOX_GID, SANDBOX_HOSTNAME, SANDBOX_UID, SANDBOX_WORKDIR, base_environment
-from .copyout import MAX_BYTES, MAX_FILES, CopyReport, check_pattern
+from .copyout import MAX_BYTES, MAX_FILES, CopyReport, Destination, check_pattern, unmatched_patterns
 from .launcher import DEFAULT_MAX_OUTPUT, EXIT_MEMORY, EXIT_TIMEOUT, BoundedOutput, Observation, SandboxError
 from .limits import Limits
 
@@ -970,35 +970,42 @@ class DockerSandbox:
     ) -> CopyReport:
         """Copy matching regular files of the working directory to ``dest`` via the archive API.
 
-        The same rules as ``copyout.copy_out`` (``check_member``): safe
-        relative names, no links, no devices, bounded count and bytes, and
-        every skipped match reported.
+        The same rules as ``copyout.copy_out``: on the source side
+        ``check_member`` (safe relative names, no links, no devices, bounded
+        count and bytes, every skipped match and every pattern that matched
+        nothing reported); on the destination side the same ``Destination``
+        writer, opened before anything is fetched (CopyOutError: a link, or
+        inside the working directory).
         """
         for pattern in patterns:
             check_pattern(pattern)
         report = CopyReport()
-        # A created, never started container with the same mount: the archive
-        # API reads /work from it, whatever the engine's host looks like.
-        spec = CommandSpec(image=self.image, argv=["true"], env={}, workdir=str(self.workdir), network="none",
-                           address="", dns=self.dns, labels=self.labels)
-        config = command_config(spec)
-        config["HostConfig"]["NetworkMode"] = "none"
-        for key in ("Dns", "DnsOptions"):
-            config["HostConfig"].pop(key)
-        config.pop("NetworkingConfig")
-        with engine_errors("cannot read the working directory"):
-            async with asyncio.timeout(API_TIMEOUT_S):
-                container = await self.engine.client.containers.create(config)
+        out = await asyncio.to_thread(Destination.open, dest, workdir=self.workdir)
         try:
-            async with asyncio.timeout(COPY_TIMEOUT_S):
-                with tempfile.TemporaryFile() as spool:
-                    await self._fetch_archive(container.id, spool, max_bytes)
-                    spool.seek(0)
-                    await asyncio.to_thread(_extract, spool, patterns, dest, report, max_files, max_bytes)
-        except TimeoutError:
-            raise SandboxError(f"copy-out took longer than {COPY_TIMEOUT_S:g}s") from None
+            # A created, never started container with the same mount: the archive
+            # API reads /work from it, whatever the engine's host looks like.
+            spec = CommandSpec(image=self.image, argv=["true"], env={}, workdir=str(self.workdir), network="none",
+                               address="", dns=self.dns, labels=self.labels)
+            config = command_config(spec)
+            config["HostConfig"]["NetworkMode"] = "none"
+            for key in ("Dns", "DnsOptions"):
+                config["HostConfig"].pop(key)
+            config.pop("NetworkingConfig")
+            with engine_errors("cannot read the working directory"):
+                async with asyncio.timeout(API_TIMEOUT_S):
+                    container = await self.engine.client.containers.create(config)
+            try:
+                async with asyncio.timeout(COPY_TIMEOUT_S):
+                    with tempfile.TemporaryFile() as spool:
+                        await self._fetch_archive(container.id, spool, max_bytes)
+                        spool.seek(0)
+                        await asyncio.to_thread(_extract, spool, patterns, out, report, max_files, max_bytes)
+            except TimeoutError:
+                raise SandboxError(f"copy-out took longer than {COPY_TIMEOUT_S:g}s") from None
+            finally:
+                await asyncio.shield(self._remove(container.id))
         finally:
-            await asyncio.shield(self._remove(container.id))
+            out.close()
         return report
 
     async def _fetch_archive(self, container_id: str, spool: Any, max_bytes: int) -> None:
@@ -1026,15 +1033,19 @@ class DockerSandbox:
             await self._remove(self._current)
 
 
-def _extract(spool: Any, patterns: list[str], dest: Path, report: CopyReport, max_files: int, max_bytes: int) -> None:
-    """Write the files ``check_member`` lets through (runs in a thread: plain file I/O)."""
+def _extract(
+    spool: Any, patterns: list[str], out: Destination, report: CopyReport, max_files: int, max_bytes: int
+) -> None:
+    """Write the files ``check_member`` lets through with ``out`` (runs in a thread: plain file I/O)."""
     links: set[str] = set()
+    matched: list[str] = []
     with tarfile.open(fileobj=spool, mode="r|") as tar:
         for member in tar:
             check = check_member(member.name, member_kind(member), member.size, root=WORKDIR_ROOT, patterns=patterns,
                                  links=links, report=report, max_files=max_files, max_bytes=max_bytes)
             if check.name is None:
                 continue
+            matched.append(check.name)
             if check.skip is not None:
                 report.skipped.append((check.name, check.skip))
                 continue
@@ -1042,13 +1053,10 @@ def _extract(spool: Any, patterns: list[str], dest: Path, report: CopyReport, ma
             if source is None:
                 report.skipped.append((check.name, "not a regular file"))
                 continue
-            target = dest / check.name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with open(target, "wb") as fh:
-                while chunk := source.read(1024 * 1024):
-                    fh.write(chunk)
-            report.bytes += member.size
-            report.copied.append(check.name)
+            why = out.write(check.name, source, report=report, max_bytes=max_bytes)
+            if why is not None:
+                report.skipped.append((check.name, why))
+    report.unmatched = unmatched_patterns(patterns, matched)
 
 
 def _write_all(fd: int, data: bytes) -> None:
