@@ -35,12 +35,11 @@ from agent.spec import SpecError, open_model, parse_model_spec
 from agent.transcript import TranscriptWriter
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
-from sandbox.copyout import CopyOutError, check_pattern
 from sandbox.launcher import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
 
 from .docker_session import copy_out
-from .run_cmd import add_backend_arguments, open_session, parse_env, run_sandboxed
+from .run_cmd import add_backend_arguments, check_copy_out, open_session, parse_env, run_sandboxed
 from .service import StartupError, entries_from_settings
 from .session import Session
 
@@ -135,7 +134,8 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         "--copy-out-dir",
         default=".",
         metavar="DIR",
-        help="where --copy-out puts files (default: the current directory)",
+        help="where --copy-out puts files (default: the current directory); "
+        "never a link, nor inside the working directory",
     )
     parser.add_argument(
         "--env",
@@ -295,11 +295,7 @@ def _check_options(args: argparse.Namespace) -> None:
         raise SettingsError("bad setting max_output: at least 1024 bytes")
     if not args.task.strip():
         raise SettingsError("bad setting task: empty")
-    for pattern in args.copy_out:
-        try:
-            check_pattern(pattern)
-        except CopyOutError as exc:
-            raise SettingsError(f"bad setting copy_out: {exc}") from None
+    check_copy_out(args)
 
 
 def _open_model(args: argparse.Namespace) -> tuple[Model, str | None]:

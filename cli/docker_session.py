@@ -78,7 +78,7 @@ from approvals.terminal import TerminalChannel
 from audit.log import AuditError, JsonlAuditSink
 from config.settings import Settings
 from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
-from sandbox.copyout import CopyReport
+from sandbox.copyout import CopyOutError, CopyReport
 from sandbox.docker import (
     CONTROL_PORT,
     DEFAULT_DOCKER_RANGE,
@@ -661,9 +661,16 @@ class DockerSession(SessionBase[_SessionBox]):
 
 
 async def copy_out(box: Any, patterns: list[str], dest: Path) -> CopyReport:
-    """``box.copy_out`` for either backend (the bubblewrap one is synchronous, Docker's a coroutine)."""
-    report = box.copy_out(patterns, dest)
-    if asyncio.iscoroutine(report):
-        report = await report
+    """``box.copy_out`` for either backend (the bubblewrap one is synchronous, Docker's a coroutine).
+
+    A refused destination or a backend failure is a ``SessionError`` ("copy-out
+    failed: ...", exit 125), for ``egressd run`` and ``egressd agent`` alike.
+    """
+    try:
+        report = box.copy_out(patterns, dest)
+        if asyncio.iscoroutine(report):
+            report = await report
+    except (CopyOutError, SandboxError) as exc:
+        raise SessionError(f"copy-out failed: {exc}") from None
     assert isinstance(report, CopyReport)
     return report

@@ -25,7 +25,7 @@ from typing import Any
 
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
-from sandbox.copyout import CopyOutError, check_pattern
+from sandbox.copyout import CopyOutError, check_destination, check_pattern
 from sandbox.docker import DEFAULT_DOCKER_RANGE
 from sandbox.launcher import EXIT_CANNOT_START, SandboxError
 from sandbox.limits import Limits
@@ -48,7 +48,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--copy-out", action="append", default=[], metavar="GLOB",
                         help="copy matching files out of the working directory (repeatable)")
     parser.add_argument("--copy-out-dir", default=".", metavar="DIR",
-                        help="where --copy-out puts files (default: the current directory)")
+                        help="where --copy-out puts files (default: the current directory); "
+                        "never a link, nor inside the working directory")
     parser.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
                         help="pass a variable into the sandbox (repeatable); nothing else from the host gets in")
     add_backend_arguments(parser)
@@ -112,14 +113,28 @@ def refusal_printer(record: dict[str, Any]) -> None:
     print(f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})", file=sys.stderr, flush=True)
 
 
-async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
-    if not args.command:
-        raise SettingsError("bad argument: no command given (egressd run [options] -- COMMAND ...)")
+def check_copy_out(args: argparse.Namespace) -> None:
+    """The --copy-out patterns and --copy-out-dir, before any sandbox exists (``egressd run`` and ``agent``).
+
+    A destination inside the given working directory, or a link, is refused
+    here: the command could plant links there (copy-out checks it again).
+    """
     for pattern in args.copy_out:
         try:
             check_pattern(pattern)
         except CopyOutError as exc:
             raise SettingsError(f"bad setting copy_out: {exc}") from None
+    if args.copy_out:
+        try:
+            check_destination(Path(args.copy_out_dir), Path(args.workdir) if args.workdir else None)
+        except CopyOutError as exc:
+            raise SettingsError(f"bad setting copy_out_dir: {exc}") from None
+
+
+async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
+    if not args.command:
+        raise SettingsError("bad argument: no command given (egressd run [options] -- COMMAND ...)")
+    check_copy_out(args)
     command_text = shlex.join(args.command)
     common: dict[str, Any] = {
         "workdir": Path(args.workdir) if args.workdir else None,
@@ -152,10 +167,7 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
         if obs.memory_exceeded:
             print(f"egressd: the command exceeded --memory {args.memory} MB and was killed", file=sys.stderr)
         if args.copy_out:
-            try:
-                report = await copy_out(session.box, args.copy_out, Path(args.copy_out_dir))
-            except SandboxError as exc:
-                raise SessionError(f"copy-out failed: {exc}") from None
+            report = await copy_out(session.box, args.copy_out, Path(args.copy_out_dir))
             for line in report.lines():
                 print(f"egressd: copy-out: {line}", file=sys.stderr)
         if session.made_workdir and args.keep_workdir:

@@ -14,8 +14,10 @@ sandbox's ``copy_out``) against the local engine.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
+import sys
 import tarfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +26,9 @@ from typing import Any
 import pytest
 
 from sandbox.copyout import CopyOutError, CopyReport, Destination, check_destination, copy_out
-from tests.harness import require
+from tests.harness import have, require
+
+EGRESSD = str(Path(sys.executable).with_name("egressd"))
 
 
 @pytest.fixture
@@ -248,3 +252,127 @@ async def test_docker_copy_out_refuses_the_working_directory_and_links_and_says_
     assert report.skipped == [("dist/a.whl", "the destination has a link at dist (not followed)")]
     assert report.unmatched == ["nope"]
 
+
+# -- egressd run and egressd agent, as a user runs them, on both backends ------------------------
+
+
+def _needs_bwrap() -> None:
+    require(os.geteuid() == 0, "the sandbox tests need root (network namespaces, nftables, cgroups)")
+    for tool in ("bwrap", "nft", "ip", "nsenter"):
+        require(have(tool), f"{tool} is not installed")
+
+
+async def egressd_run(tmp_path: Path, *args: str, dns: Any = None, limit_s: float = 90) -> tuple[int, str, str]:
+    """``egressd run ARGS`` as a user runs it; (exit code, stdout, stderr)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    env["XDG_STATE_HOME"] = str(tmp_path / "s")
+    extra = ["--upstream-dns", f"127.0.0.1:{dns.address[1]}"] if dns is not None else []
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "run", *extra, "--audit-log", str(tmp_path / "audit.jsonl"), *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), limit_s)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+def _plant(forbidden: Path) -> str:
+    """A command that records it ran and plants links into every place copy-out might write."""
+    return (f"touch /work/ran; mkdir -p /work/out; ln -s {forbidden} /work/out/dist; "
+            f"echo planted > /work/dist/a.whl; exit 0")
+
+
+def _backend(name: str) -> list[str]:
+    return ["--backend", name]
+
+
+def _give(path: Path, backend: list[str]) -> None:
+    """Docker runs the command as the working directory's owner, never root: make it 1000's."""
+    if "docker" in backend:
+        os.chown(path, 1000, 1000)
+
+
+async def _refused_before_the_run(tmp_path: Path, backend: list[str], dns: Any = None) -> None:
+    work, forbidden = tmp_path / "work", tmp_path / "forbidden"
+    (work / "dist").mkdir(parents=True)
+    forbidden.mkdir()
+    (work / "dist" / "a.whl").write_text("keep me")
+    for path in (work, work / "dist", work / "dist" / "a.whl"):
+        _give(path, backend)
+    for dest in (work / "out", work, work / "dist" / ".."):
+        code, _, err = await egressd_run(
+            tmp_path, *backend, "--workdir", str(work), "--copy-out", "dist/*", "--copy-out-dir", str(dest),
+            "--", "sh", "-c", _plant(forbidden), dns=dns,
+        )
+        assert code == 2 and "inside the working directory" in err and "copy-out:" not in err, (dest, code, err)
+        assert not (work / "ran").exists(), "the run started"
+        assert (work / "dist" / "a.whl").read_text() == "keep me"
+        assert list(forbidden.iterdir()) == []
+
+
+async def _never_through_an_earlier_runs_link(tmp_path: Path, backend: list[str], dns: Any = None) -> None:
+    shared, work, forbidden = tmp_path / "shared", tmp_path / "work", tmp_path / "forbidden"
+    for path in (shared, work, forbidden):
+        path.mkdir()
+        _give(path, backend)
+    # The earlier run: its working directory is where the next run copies to.
+    code, _, err = await egressd_run(
+        tmp_path, *backend, "--workdir", str(shared), "--",
+        "sh", "-c", f"ln -s {forbidden} /work/dist && ln -s {forbidden} /work/out", dns=dns,
+    )
+    assert code == 0, err
+    code, _, err = await egressd_run(
+        tmp_path, *backend, "--workdir", str(work), "--copy-out", "dist/*", "--copy-out", "nope/*",
+        "--copy-out-dir", str(shared), "--", "sh", "-c", "mkdir dist && echo wheel > dist/a.whl", dns=dns,
+    )
+    assert code == 0, err
+    assert list(forbidden.iterdir()) == []
+    assert "copy-out: skipped dist/a.whl: the destination has a link at dist (not followed)" in err
+    assert "copy-out: nothing matched 'nope/*'" in err
+    # The destination itself a link the earlier run planted: refused before this run starts.
+    code, _, err = await egressd_run(
+        tmp_path, *backend, "--workdir", str(work), "--copy-out", "dist/*", "--copy-out-dir", str(shared / "out"),
+        "--", "sh", "-c", "touch ran", dns=dns,
+    )
+    assert code == 2 and "is a link" in err and not (work / "ran").exists(), err
+    assert list(forbidden.iterdir()) == []
+
+
+async def test_run_refuses_a_destination_inside_the_working_directory_before_it_starts(
+    tmp_path: Path, dns: Any
+) -> None:
+    _needs_bwrap()
+    await _refused_before_the_run(tmp_path, _backend("bwrap"), dns)
+
+
+async def test_run_never_writes_through_a_link_an_earlier_run_planted(tmp_path: Path, dns: Any) -> None:
+    _needs_bwrap()
+    await _never_through_an_earlier_runs_link(tmp_path, _backend("bwrap"), dns)
+
+
+async def test_agent_refuses_a_destination_inside_the_working_directory_before_a_sandbox_exists(
+    tmp_path: Path,
+) -> None:
+    work, script = tmp_path / "work", tmp_path / "steps.json"
+    work.mkdir()
+    script.write_text('[{"command": "touch ran"}, {"final": "x"}]')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    env["XDG_STATE_HOME"] = str(tmp_path / "s")
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "agent", "--audit-log", str(tmp_path / "audit.jsonl"), "--task", "t", "--model", f"script:{script}",
+        "--workdir", str(work), "--copy-out", "*", "--copy-out-dir", str(work / "out"),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2 and b"inside the working directory" in err and b"sandbox ready" not in err, err
+    assert not (work / "ran").exists()
+
+
+async def test_docker_run_refuses_a_destination_inside_the_working_directory_before_it_starts(
+    engine: Any, tmp_path: Path
+) -> None:
+    await _refused_before_the_run(tmp_path, _backend("docker"))
+
+
+async def test_docker_run_never_writes_through_a_link_an_earlier_run_planted(engine: Any, tmp_path: Path) -> None:
+    await _never_through_an_earlier_runs_link(tmp_path, _backend("docker"))
