@@ -93,7 +93,7 @@ class CopyReport:
         return out
 
 
-def over_limit(max_bytes: int) -> str:
+def _over_limit(max_bytes: int) -> str:
     return f"over the {max_bytes // (1024 * 1024)} MiB copy-out limit"
 
 
@@ -121,6 +121,15 @@ def _inside(fd: int, root: Identity) -> bool:
         return True
     finally:
         os.close(current)
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    # O_NOFOLLOW | O_DIRECTORY on a link fails with ENOTDIR (the link is not a
+    # directory), not ELOOP: look at the entry itself to say which it was.
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def _prefixes(path: Path) -> Iterator[str]:
@@ -220,7 +229,7 @@ class Destination:
                 finally:
                     os.close(parent_fd)
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
+            if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and dest.is_symlink()):
                 raise CopyOutError(f"the destination {dest} is a link, and copy-out never follows one") from None
             raise CopyOutError(f"cannot open the destination {dest}: {exc.strerror}") from None
         if _inside(fd, workdir_id):  # the path changed under us since check_destination: still refused
@@ -256,8 +265,10 @@ class Destination:
                 try:
                     inner = os.open(part, _DIR_NOFOLLOW, dir_fd=directory)
                 except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(part, directory):
                         return f"the destination has a link at {where} (not followed)"
+                    if exc.errno == errno.ENOTDIR:
+                        return f"the destination has a file at {where}, not a directory (left alone)"
                     return f"cannot open the destination's {where}: {exc.strerror}"
                 os.close(directory)
                 directory = inner
@@ -299,7 +310,7 @@ class Destination:
                 while chunk := source.read(CHUNK):
                     copied += len(chunk)
                     if report.bytes + copied > max_bytes:
-                        return over_limit(max_bytes)
+                        return _over_limit(max_bytes)
                     out.write(chunk)
             os.rename(temp, base, src_dir_fd=directory, dst_dir_fd=directory)
             done = True
@@ -404,7 +415,7 @@ def _copy_one(
         if not stat.S_ISREG(info.st_mode):
             return "not a regular file"
         if report.bytes + info.st_size > max_bytes:
-            return over_limit(max_bytes)
+            return _over_limit(max_bytes)
         with os.fdopen(os.dup(fd), "rb") as source:
             return out.write(name, source, report=report, max_bytes=max_bytes, identity=_identity(info))
     finally:

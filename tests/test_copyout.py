@@ -163,7 +163,7 @@ def test_the_writer_leaves_a_directory_in_the_way_alone(tmp_path: Path) -> None:
         assert out.write("a", io.BytesIO(b"x"), report=report, max_bytes=100) == (
             "the destination has something other than a file there (left alone)")
         assert out.write("f/x", io.BytesIO(b"x"), report=report, max_bytes=100) == (
-            "the destination has a link at f (not followed)")
+            "the destination has a file at f, not a directory (left alone)")
     assert (dest / "a" / "keep").is_dir() and (dest / "f").read_text() == "a file, not a directory"
 
 def _archive(*members: tuple[str, bytes | None]) -> io.BytesIO:
