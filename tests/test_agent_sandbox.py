@@ -24,7 +24,7 @@ import pytest
 from tests.fakedns import FakeDns
 from tests.fakemodels import FakeModelServer
 from tests.harness import LEAK, ORIGIN_RANGE, have, require
-from tests.test_sandbox import assert_no_leftovers, sh
+from tests.test_sandbox import assert_no_leftovers, descendants
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 KEY = "sk-agent-test-5f1e0c9a7b3d"
@@ -331,7 +331,9 @@ async def test_interrupting_the_agent_destroys_the_sandbox_and_ends_the_transcri
         env=base_env,
     )
     for _ in range(200):  # wait until the second command runs
-        if transcript.exists() and transcript.read_text().count("\n") >= 1 and "sleep 60" in sh("ps -eo args"):
+        if transcript.exists() and transcript.read_text().count("\n") >= 1 and any(
+            "sleep 60" in args for args in descendants(proc.pid)
+        ):
             break
         await asyncio.sleep(0.1)
     proc.send_signal(signal.SIGINT)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox.network import PREFIX
+from sandbox.network import OWNERS_DIR, PREFIX, owner_alive
 from tests.harness import LEAK, ORIGIN_RANGE, have, require
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
@@ -59,16 +59,74 @@ def sh(command: str) -> str:
     return subprocess.run(command, shell=True, capture_output=True, text=True, timeout=30).stdout
 
 
+def _is_leftover(run_key: str) -> bool:
+    """A run's resource is a leftover once its owner is gone, or when it is this process's own.
+
+    Other runs may be live on the same machine (other test sessions, a user's
+    `egressd run`): their resources belong to a live owner and are not ours to judge.
+    """
+    try:
+        owner = int((OWNERS_DIR / run_key).read_text().strip())
+    except (OSError, ValueError):
+        return True
+    return owner == os.getpid() or not owner_alive(run_key)
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every process we can read."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, IndexError, ValueError):
+            continue
+        table[int(entry)] = (ppid, args)
+    return table
+
+
+def descendants(pid: int) -> list[str]:
+    """The command lines of every live descendant of ``pid``."""
+    table = _processes()
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in table.items():
+        children.setdefault(parent, []).append(child)
+    found, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.append(table[child][1])
+        todo += children.get(child, [])
+    return found
+
+
+async def wait_for_sandbox(pid: int, limit_s: float = 10) -> None:
+    """Wait until the egressd process ``pid`` has a bubblewrap sandbox running."""
+    deadline = asyncio.get_running_loop().time() + limit_s
+    while not any(args.startswith(("bwrap ", "/usr/bin/bwrap ")) for args in descendants(pid)):
+        assert asyncio.get_running_loop().time() < deadline, "the sandbox never started"
+        await asyncio.sleep(0.1)
+
+
 async def assert_no_leftovers() -> None:
-    netns = sh("ip netns list")
-    assert f"{PREFIX}-" not in netns
-    links = sh("ip -o link show")
-    assert not [line for line in links.splitlines() if f": {PREFIX}" in line]
+    """Nothing of a finished run remains: no namespace, veth, cgroup or sandbox process."""
+    netns = [line.split()[0] for line in sh("ip netns list").splitlines() if line.startswith(f"{PREFIX}-")]
+    assert not [n for n in netns if _is_leftover(n.removeprefix(f"{PREFIX}-"))]
+    links = [line.split(":")[1].strip().split("@")[0] for line in sh("ip -o link show").splitlines()
+             if f": {PREFIX}" in line]
+    assert not [name for name in links if _is_leftover(name[len(PREFIX):-1])]
     for base in ("/sys/fs/cgroup/memory/egressd", "/sys/fs/cgroup/pids/egressd", "/sys/fs/cgroup/egressd"):
         if os.path.isdir(base):  # noqa: ASYNC240 - test check of /sys
-            assert not [d for d in os.listdir(base) if d.startswith("egd-")]
-    procs = sh("ps -eo args")
-    assert "bwrap --unshare-user" not in procs
+            groups = [d for d in os.listdir(base) if d.startswith("egd-")]
+            assert not [d for d in groups if _is_leftover(d.removeprefix("egd-").split("-")[0])]
+    # A sandbox process outliving its egressd is an orphan (bwrap dies with its
+    # parent otherwise); one under this process is a sandbox this test left running.
+    ours = descendants(os.getpid())
+    orphans = [args for ppid, args in _processes().values() if ppid == 1]
+    assert not [args for args in ours + orphans if args.startswith(("bwrap ", "/usr/bin/bwrap "))]
 
 
 async def test_allowed_origin_is_reached_through_egressd_with_curl_and_python(tmp_path, dns, http_origin) -> None:
@@ -246,10 +304,7 @@ async def test_interrupting_egressd_run_destroys_the_sandbox(tmp_path, dns) -> N
         EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=base_env,
     )
-    for _ in range(100):  # wait until the sandbox runs
-        if "bwrap --unshare-user" in sh("ps -eo args"):
-            break
-        await asyncio.sleep(0.1)
+    await wait_for_sandbox(proc.pid)
     proc.send_signal(15)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 128 + 15 and b"destroyed" in err
@@ -263,14 +318,13 @@ async def test_leftovers_of_a_killed_run_are_removed_at_the_next_start(tmp_path,
         EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=base_env,
     )
-    for _ in range(100):
-        if f"{PREFIX}-" in sh("ip netns list") and "bwrap --unshare-user" in sh("ps -eo args"):
-            break
-        await asyncio.sleep(0.1)
+    await wait_for_sandbox(proc.pid)
+    before = set(os.listdir(OWNERS_DIR))
     proc.kill()  # no chance to clean up
     await proc.wait()
     await asyncio.sleep(0.5)
-    assert f"{PREFIX}-" in sh("ip netns list")  # left behind
+    ours = [key for key in before if (OWNERS_DIR / key).read_text().strip() == str(proc.pid)]
+    assert ours and f"{PREFIX}-{ours[0]}" in sh("ip netns list")  # left behind
     code, _, err = await egressd_run(tmp_path, dns, "--", "true")
     assert code == 0, err
     await assert_no_leftovers()
