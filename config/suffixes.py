@@ -31,12 +31,13 @@ def _list() -> PublicSuffixList:
     return PublicSuffixList()
 
 
-def public_suffix(name: str) -> str:
+def public_suffix(name: str) -> str | None:
     """The longest public suffix a name ends with (``s3.amazonaws.com`` for ``b.s3.amazonaws.com``).
 
-    A name that is itself a public suffix is its own.
+    A name that is itself a public suffix is its own; None when the list
+    cannot place the name at all.
     """
-    suffix: str = _list().publicsuffix(name)
+    suffix: str | None = _list().publicsuffix(name)
     return suffix
 
 
@@ -60,6 +61,8 @@ def suffix_beneath(name: str, base: str) -> str | None:
     when the name's registrable domain is the base or above it.
     """
     suffix = public_suffix(name)
+    if suffix is None:
+        return name  # the list could not place the name: fail closed, as if a suffix were there
     if suffix == base or suffix.endswith("." + base):
         return suffix
     return None
