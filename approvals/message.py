@@ -1,6 +1,7 @@
 """The new-domain approval message: one template, rendered once, shown by every channel.
 
-Pure: no I/O, no clock; the bundled Public Suffix List is read once, lazily.
+Pure: no I/O, no clock; the bundled Public Suffix List is read once, lazily
+(``config.suffixes``, the copy the policy uses too).
 
 Everything the agent controls (the domain's display form, the command, the
 task, the allowed entries) is made inert here: control and format characters
@@ -16,7 +17,9 @@ The "unrelated" line: the domain is unrelated when
    "docs.github.com"; never by "evilgithub.com"); and
 2. it is not an allowed host, under an allowed host, or on the registered
    domain of one (the allowlist's ``*.example.com`` relates
-   ``example.com`` and ``a.b.example.com``).
+   ``example.com`` and ``a.b.example.com``). "Under" follows the policy:
+   a public suffix between the two breaks it, so ``*.amazonaws.com`` does
+   not relate ``bucket.s3.amazonaws.com``, anyone's bucket.
 
 Registered domains come from the Public Suffix List with its private
 section, so ``alice.github.io`` and ``bob.github.io`` are unrelated.
@@ -24,14 +27,14 @@ section, so ``alice.github.io`` and ``bob.github.io`` are unrelated.
 
 from __future__ import annotations
 
-import functools
 import re
 import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import idna
-from publicsuffixlist import PublicSuffixList
+
+from config import suffixes
 
 from .interface import Settlement
 
@@ -94,11 +97,6 @@ def bounded(text: str, limit: int = MAX_FIELD_CHARS) -> str:
     return f"{escape(text[:limit])}… ({len(text) - limit} more characters)"
 
 
-@functools.cache
-def _psl() -> PublicSuffixList:
-    return PublicSuffixList()
-
-
 def _normal_name(text: str) -> str | None:
     """A name as the proxy compares it: lower-case, no trailing dot, IDNA A-labels."""
     name = text.strip().rstrip(".").lower()
@@ -115,10 +113,17 @@ def _normal_name(text: str) -> str | None:
 def registered_domain(name: str) -> str | None:
     """The registrable domain (eTLD+1) of a normalised name; None for a public suffix."""
     try:
-        suffix: str | None = _psl().privatesuffix(name)
+        return suffixes.registrable_domain(name)
     except (ValueError, UnicodeError):
         return None
-    return suffix
+
+
+def _beneath_suffix(name: str, base: str) -> bool:
+    """Whether a public suffix lies between ``base`` and ``name`` (the policy's rule; True when unsure)."""
+    try:
+        return suffixes.suffix_beneath(name, base) is not None
+    except (ValueError, UnicodeError):
+        return True
 
 
 def _site(name: str) -> str:
@@ -160,7 +165,7 @@ def is_unrelated(host: str, *, command: str | None, task: str | None, allowed: S
         other = _allowed_host(entry)
         if other is None:
             continue
-        if host == other or host.endswith("." + other) or _site(other) == site:
+        if host == other or _site(other) == site or (host.endswith("." + other) and not _beneath_suffix(host, other)):
             return False
     return True
 

@@ -22,6 +22,13 @@ Back, either way:
 When the approval is settled, one best-effort ``approval.settled`` event is
 POSTed too, so the receiver can close its own prompt.
 
+The answer in the response is not signed (Standard Webhooks signs requests
+only), so it counts only when nobody on the wire could have written it:
+over https, or plain http to a loopback address (``config.settings.
+protected_url``). Settings refuse any other URL unless
+``unsafe_webhook_http`` is set; with it, such answers are ignored and only
+the signed callback (or the control API) can answer.
+
 egressd's own traffic never takes the proxy settings from the environment
 (``trust_env=False``).
 """
@@ -40,6 +47,7 @@ import aiohttp
 from aiohttp import web
 
 from audit.records import rfc3339
+from config.settings import protected_url
 
 from .interface import Answerer, AnswerResult, ChannelError, Decision, PendingApproval, Route, Settlement, SetupError
 from .message import bounded
@@ -120,6 +128,7 @@ class WebhookChannel:
         if callback_secret is not None and callback_secret == secret:
             raise SetupError("bad setting webhook_callback_secret: must differ from webhook_secret")
         self.url = url
+        self.answers_in_response = protected_url(url)
         self._secret = secret
         self._callback_secret = callback_secret
         self.callback_url = (
@@ -197,6 +206,13 @@ class WebhookChannel:
     def _take_answer(self, approval: PendingApproval, body: bytes) -> None:
         answer = parse_answer(body) if body else None
         if answer is None or self._answerer is None:
+            return
+        if not self.answers_in_response:
+            log.warning(
+                "approval %s: ignoring the answer in the webhook's response: it came over plain http "
+                "off loopback, where anyone on the path could have written it; answer by the callback",
+                approval.id,
+            )
             return
         decision, by = answer
         answered = self._answerer.answer(approval.id, decision, channel=self.name, by=by or "webhook")

@@ -108,7 +108,7 @@ MAX_AUDIT_BYTES = 256 * 1024 * 1024
 # Settings the sidecar takes from ours as they are. The rest is per run (the
 # allowlist goes in POST /runs) or fixed by the session (listeners, control).
 PASSTHROUGH = (
-    "allow_private", "approver", "approval_timeout", "max_pending_approvals", "webhook_url",
+    "allow_private", "approver", "approval_timeout", "max_pending_approvals", "unsafe_webhook_http", "webhook_url",
     "webhook_secret", "webhook_callback_secret", "public_url", "slack_bot_token", "slack_app_token",
     "slack_signing_secret", "slack_channel", "slack_approvers", "slack_api_url", "dns_strict",
     "upstream_dns", "audit_fsync", "max_head_bytes", "head_timeout_s", "connect_timeout_s",
@@ -214,6 +214,13 @@ class TerminalRelay:
     prompt, whose answer this relay — the prompt's ``Answerer`` — sends to
     the control API. ``approval.settled`` withdraws a prompt answered
     elsewhere or expired.
+
+    The webhook goes over plain http to the Docker gateway, which is no
+    loopback address, so the sidecar gets ``unsafe_webhook_http``. What
+    that risks is contained: the requests are signed (we check them), this
+    relay answers only 202 and sends every answer through the control API
+    with its bearer token, and with that setting egressd ignores any answer
+    in a webhook response, so nothing on the bridge can answer by forging one.
     """
 
     def __init__(self, *, address: str, tty_path: str = "/dev/tty") -> None:
@@ -509,7 +516,8 @@ class DockerSession(SessionBase[_SessionBox]):
         self._stack.push_async_callback(relay.close)
         approvers = [a for a in self.settings.approver if a != "terminal"] + ["webhook"]
         return self.settings.model_copy(update={"approver": approvers, "webhook_url": relay.url,
-                                                "webhook_secret": SecretStr(relay.secret)})
+                                                "webhook_secret": SecretStr(relay.secret),
+                                                "unsafe_webhook_http": True})
 
     async def _join_running_egressd(self) -> tuple[str, str, str]:
         """``--connect``: the sandbox joins the internal network where that egressd's proxy listens."""

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 
@@ -25,6 +26,7 @@ from audit.log import AuditError, AuditSink, JsonlAuditSink
 from audit.records import run_record
 from config.presets import UnknownPreset, preset_entries
 from config.settings import Settings, default_state_dir, parse_hostport
+from proxy.addresses import OwnEndpoints
 from proxy.control import PUBLIC_PATHS, build_app
 from proxy.dnsserver import DnsServer
 from proxy.gate import Gate
@@ -65,24 +67,40 @@ def approver_from_settings(settings: Settings, *, audit: AuditSink) -> Approver:
         raise StartupError(str(exc)) from None
 
 
-def own_addresses(settings: Settings) -> frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address]:
-    """egressd's own addresses, which no allowed name may resolve to (no loops).
+# The settings of egressd's TCP listeners (the DNS server answers over TCP too).
+_LISTENERS = ("listen", "dns_listen", "transparent_tls", "transparent_http", "control")
+# Where a sandbox reaches "egressd" by the address its DNS answered with: the
+# transparent ports and DNS, also when a port forward brings them to a listener.
+_ANSWER_PORTS = frozenset({53, 80, 443})
 
-    Every listener's host and the addresses the DNS server answers with;
-    ``localhost`` and unspecified hosts (0.0.0.0, ::) name no one address.
+
+def own_endpoints(settings: Settings, bound: Mapping[str, int] | None = None) -> OwnEndpoints:
+    """egressd's own listening endpoints, which no dial may reach (no loops, no control API from a sandbox).
+
+    Every TCP listener's (host, port), the port being the one the kernel gave
+    where the setting says 0 (``bound``, by setting name; a listener not bound
+    yet is left out); ``localhost`` is 127.0.0.1 and ::1; 0.0.0.0 and :: stand
+    for every address of the host on that port. The addresses the DNS answers
+    with are where a sandbox is told egressd is: they count as egressd on
+    each of those ports and on 53, 80 and 443.
     """
-    texts = [parse_hostport(v, n)[0] for n, v in (
-        ("listen", settings.listen),
-        ("dns_listen", settings.dns_listen),
-        ("transparent_tls", settings.transparent_tls),
-        ("transparent_http", settings.transparent_http),
-    ) if v is not None]
-    texts += [v for v in (settings.dns_answer, settings.dns_answer6) if v is not None]
-    own = set()
-    for text in texts:
-        with contextlib.suppress(ValueError):
-            own.add(ipaddress.ip_address(text))
-    return frozenset(a for a in own if not a.is_unspecified)
+    bound = bound or {}
+    endpoints: list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]] = []
+    for name in _LISTENERS:
+        value = getattr(settings, name)
+        if value is None or value.startswith("unix:"):
+            continue
+        host, port = parse_hostport(value, name)
+        port = bound.get(name, port)
+        if port == 0:
+            continue
+        texts = ("127.0.0.1", "::1") if host == "localhost" else (host,)
+        endpoints += [(ipaddress.ip_address(text), port) for text in texts]
+    ports = {port for _, port in endpoints} | _ANSWER_PORTS
+    for text in (settings.dns_answer, settings.dns_answer6):
+        if text is not None:
+            endpoints += [(ipaddress.ip_address(text), port) for port in ports]
+    return OwnEndpoints.of(endpoints)
 
 
 def dns_answers(settings: Settings) -> tuple[ipaddress.IPv4Address, ipaddress.IPv6Address | None]:
@@ -159,6 +177,7 @@ class EgressService:
         self._control_runner: web.AppRunner | None = None
         self.control_token = ""
         self.control_address: str = ""
+        self._bound: dict[str, int] = {}  # listener setting → the port it got
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> EgressService:
@@ -224,7 +243,7 @@ class EgressService:
             audit=audit,
             metrics=Metrics(),
             allow_private=s.allow_private_networks,
-            own_addresses=own_addresses(s),
+            own=own_endpoints(s),
             connect_timeout_s=s.connect_timeout_s,
         )
         default = None
@@ -246,6 +265,7 @@ class EgressService:
             await self.proxy.start(listen_host, listen_port)
         except OSError as exc:
             raise StartupError(f"bad setting listen: cannot listen on {s.listen}: {exc.strerror}") from None
+        self._listening("listen", self.proxy.address[1])
         await self._start_transparent(limits)
         await self._start_control()
         if default is not None:
@@ -282,6 +302,13 @@ class EgressService:
             await server.start(host, port)
         except OSError as exc:
             raise StartupError(f"bad setting {setting}: cannot listen on {value}: {exc.strerror}") from None
+        self._listening(setting, server.address[1])
+
+    def _listening(self, setting: str, port: int) -> None:
+        """A listener is bound: its endpoint joins egressd's own before anything is dialled to it."""
+        assert self.gate is not None
+        self._bound[setting] = port
+        self.gate.own = own_endpoints(self.settings, self._bound)
 
     async def _start_control(self) -> None:
         s = self.settings
@@ -322,6 +349,7 @@ class EgressService:
                 await site.start()
                 sockets = runner.addresses
                 bound_port = sockets[0][1] if sockets else port
+                self._listening("control", bound_port)
                 shown = f"[{host}]" if ":" in host else host
                 self.control_address = f"http://{shown}:{bound_port}"
         except OSError as exc:

@@ -21,6 +21,7 @@ import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import (
@@ -63,6 +64,36 @@ def parse_hostport(text: str, setting: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def protected_url(url: str) -> bool:
+    """Whether nobody on the wire can read or forge what is exchanged with ``url``.
+
+    True for https, and for plain http to a loopback address written as one
+    (``127.0.0.0/8``, ``::1``): those packets never leave the machine. A name
+    such as ``localhost`` is not enough: what it resolves to is the
+    resolver's business (an /etc/hosts line, a container's DNS), and egressd
+    cannot check it before it sends. A URL with user info is never trusted
+    (``http://127.0.0.1@evil.example/`` goes to evil.example).
+    """
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        return False
+    if "@" in parts.netloc or "\\" in url or host is None:
+        return False
+    if parts.scheme == "https":
+        return True
+    if parts.scheme != "http":
+        return False
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
+
+
 class Settings(BaseSettings):
     """Every option of ``serve``/``run``/``agent``. Field names are the flag
     names with dashes as underscores; units are in the descriptions and, for
@@ -93,7 +124,17 @@ class Settings(BaseSettings):
     approver: Annotated[list[Approver], NoDecode] = Field(default_factory=list)
     approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
     max_pending_approvals: int = Field(5, ge=1, le=10000, description="per run")
-    webhook_url: str | None = Field(None, description="where approval requests are POSTed")
+    # Weakens protection, hence the name: a plain http --webhook-url off loopback can be read
+    # and answered by anyone on the path. With it, egressd ignores the answer in the
+    # receiver's response (answers come only by the signed callback or the control API).
+    # `egressd run --backend docker` sets it for its terminal relay on the Docker gateway.
+    # Declared before webhook_url, whose check reads it.
+    unsafe_webhook_http: bool = Field(
+        False, description="allow a plain http webhook_url off loopback; its immediate answers are then ignored"
+    )
+    webhook_url: str | None = Field(
+        None, description="where approval requests are POSTed (https; plain http only to a loopback address)"
+    )
     webhook_secret: SecretStr | None = Field(None, description="whsec_ key signing outgoing webhooks")
     webhook_callback_secret: SecretStr | None = Field(None, description="whsec_ key the callback must be signed with")
     public_url: str | None = Field(
@@ -180,6 +221,19 @@ class Settings(BaseSettings):
         ):
             raise ValueError(f"{value!r} is not an http(s) URL")
         return value
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _check_webhook_transport(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # DESIGN.md "Channels": https; plain http only to a loopback address. Over
+        # any other plain http, anyone on the path could forge the receiver's answer.
+        if value is None or protected_url(value) or info.data.get("unsafe_webhook_http"):
+            return value
+        raise ValueError(
+            f"{value!r} is not https, and plain http is allowed only to a loopback address "
+            "(127.0.0.1 or [::1], written as an address), because anyone on the path could read "
+            "the approval requests and forge the answers; use an https URL"
+        )
 
     @field_validator("control")
     @classmethod

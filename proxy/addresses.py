@@ -5,6 +5,12 @@ cloud metadata address (DNS rebinding, or a hostile record). Every address is
 classified here and only PUBLIC ones are dialled, unless the operator named
 the range in ``allow_private``.
 
+egressd itself is a separate question, asked per (address, port): "own"
+means its listening endpoints (``OwnEndpoints``), never a whole address, so
+another service on 127.0.0.1 is an ordinary loopback destination while the
+proxy's and the control API's ports are never dialled, ``allow_private`` or
+not (``is_own``).
+
 Classification follows the IANA IPv4 and IPv6 Special-Purpose Address
 Registries (RFC 6890 and updates). IPv6 addresses that embed an IPv4 address
 (mapped, NAT64, 6to4, Teredo, ...) are judged by the IPv4 inside, so
@@ -20,10 +26,11 @@ Pure: no I/O.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 
-__all__ = ["AddressClass", "classify", "embedded_ipv4", "forbidden_reason"]
+__all__ = ["AddressClass", "OwnEndpoints", "classify", "embedded_ipv4", "forbidden_reason", "is_own"]
 
 
 class AddressClass(enum.Enum):
@@ -39,7 +46,6 @@ class AddressClass(enum.Enum):
     METADATA = "metadata"
     BROADCAST = "broadcast"
     RESERVED = "reserved"
-    OWN = "own"
 
 
 # Cloud instance metadata and host endpoints: credentials live behind these.
@@ -173,26 +179,15 @@ def _plain_class(addr: IPv4Address | IPv6Address) -> AddressClass:
     return next(kind for network, kind in _IPV6_RANGES if addr in network)
 
 
-def classify(
-    addr: IPv4Address | IPv6Address,
-    own: frozenset[IPv4Address | IPv6Address] = frozenset(),
-) -> AddressClass:
+def classify(addr: IPv4Address | IPv6Address) -> AddressClass:
     """Classify an address for dialling.
 
-    1. ``own`` (egressd's listening addresses, as concrete addresses: expand a
-       wildcard listen address before calling) → OWN, also when either side
-       embeds the other;
-    2. a cloud metadata or host endpoint → METADATA;
-    3. an IPv6 address embedding a special IPv4 address → that address's class;
+    1. a cloud metadata or host endpoint → METADATA;
+    2. an IPv6 address embedding a special IPv4 address → that address's class;
        embedding a public one → PUBLIC for mapped and NAT64, else RESERVED;
-    4. otherwise the special-purpose tables; unlisted IPv4 and IPv6 global
+    3. otherwise the special-purpose tables; unlisted IPv4 and IPv6 global
        unicast (2000::/3) → PUBLIC.
     """
-    own_destinations: set[IPv4Address | IPv6Address] = set()
-    for address in own:
-        own_destinations |= _destinations(address)
-    if _destinations(addr) & own_destinations:
-        return AddressClass.OWN
     if addr in _METADATA:
         return AddressClass.METADATA
     if isinstance(addr, IPv6Address):
@@ -210,23 +205,89 @@ def classify(
 def forbidden_reason(
     addr: IPv4Address | IPv6Address,
     allow_private: Sequence[IPv4Network | IPv6Network] = (),
-    own: frozenset[IPv4Address | IPv6Address] = frozenset(),
 ) -> AddressClass | None:
     """Why an address must not be dialled, or None when it may be.
 
-    PUBLIC → None. OWN is always forbidden: egressd dialling itself would loop
-    and would reach its control API from the sandbox. Every other class is
-    forbidden unless a range in ``allow_private`` contains the address or the
-    IPv4 address it embeds; that includes METADATA, so an operator who allows
-    169.254.0.0/16 allows the metadata service too.
+    PUBLIC → None. Every other class is forbidden unless a range in
+    ``allow_private`` contains the address or the IPv4 address it embeds;
+    that includes METADATA, so an operator who allows 169.254.0.0/16 allows
+    the metadata service too. Whether the address and port are egressd's
+    own is ``is_own``'s question, asked besides this one.
     """
-    kind = classify(addr, own)
+    kind = classify(addr)
     if kind is AddressClass.PUBLIC:
         return None
-    if kind is AddressClass.OWN:
-        return kind
     destinations = _destinations(addr)
     # ``in`` between an address and a network of the other IP version is False.
     if any(address in network for network in allow_private for address in destinations):
         return None
     return kind
+
+
+Endpoint = tuple[IPv4Address | IPv6Address, int]
+
+
+@dataclass(frozen=True, slots=True)
+class OwnEndpoints:
+    """egressd's listening endpoints: what no dial may reach.
+
+    ``pairs`` are (address, port) pairs of listeners on one address, each
+    address also in its embedded IPv4 form; ``any_address_ports`` are the
+    ports of listeners on 0.0.0.0 or :: (each stands for every address of
+    the host on its port; either family, since a dual-stack socket takes
+    both); ``ports`` is every port of either, the quick first test. Build
+    it with ``of``.
+    """
+
+    pairs: frozenset[Endpoint] = frozenset()
+    any_address_ports: frozenset[int] = frozenset()
+    ports: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, endpoints: Iterable[Endpoint]) -> OwnEndpoints:
+        """From listeners' bound (address, port) pairs; an unspecified address means every address."""
+        pairs: set[Endpoint] = set()
+        wildcard: set[int] = set()
+        for address, port in endpoints:
+            if address.is_unspecified:
+                wildcard.add(port)
+            else:
+                pairs |= {(destination, port) for destination in _destinations(address)}
+        return cls(frozenset(pairs), frozenset(wildcard), frozenset(wildcard | {port for _, port in pairs}))
+
+
+def _always_local(addr: IPv4Address | IPv6Address) -> bool:
+    """Loopback (all of 127.0.0.0/8 and ::1) and the unspecified address reach this host on any machine."""
+    return addr.is_loopback or addr.is_unspecified
+
+
+def is_own(
+    addr: IPv4Address | IPv6Address,
+    port: int,
+    own: OwnEndpoints,
+    is_local: Callable[[IPv4Address | IPv6Address], bool],
+) -> bool:
+    """Whether dialling (addr, port) would reach egressd itself.
+
+    1. ``port`` is none of egressd's listening ports → False (the common case,
+       one set lookup);
+    2. the address, or the IPv4 address it embeds, is a listener's with that
+       port → True;
+    3. a listener on 0.0.0.0 or :: has that port, and the address (or the one
+       it embeds) is loopback, unspecified, or one of the host's own
+       (``is_local``, asked only here: it is the caller's I/O) → True.
+
+    egressd dialling itself would loop, and would put its control API within
+    the sandbox's reach, so a True here is refused whatever ``allow_private``
+    says.
+    """
+    if port not in own.ports:
+        return False
+    destinations = _destinations(addr)
+    if any((destination, port) in own.pairs for destination in destinations):
+        return True
+    if port not in own.any_address_ports:
+        return False
+    if any(_always_local(destination) for destination in destinations):
+        return True
+    return any(is_local(destination) for destination in destinations)

@@ -10,6 +10,8 @@ decide the same way:
    an allow joins the run's allowlist, a denial sticks for the run;
 4. allowed → resolve (an IP literal is its own address); every address is
    classified and only those that pass are kept (``private_address`` if none);
+   an address and port where egressd itself listens never passes, and when
+   that is why nothing passed the client is told so;
 5. ``dial`` connects to exactly those addresses — never a second lookup.
 
 Each attempt is an ``Attempt`` that ``finish`` turns into exactly one audit
@@ -21,8 +23,10 @@ without asking anyone or resolving anything.
 from __future__ import annotations
 
 import asyncio
+import errno
 import ipaddress
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,12 +36,13 @@ from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approv
 from audit.log import AuditError, AuditSink
 from audit.records import egress_record, new_request_id
 
-from .addresses import forbidden_reason
+from .addresses import OwnEndpoints, forbidden_reason, is_own
 from .hosts import parse_ip_literal
 from .memo import remembered
 from .metrics import Metrics
 from .policy import Reason, Verdict
 from .resolver import ResolveError, Resolver
+from .responses import OWN_ENDPOINT_MESSAGE
 from .runs import Run
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -50,6 +55,23 @@ _ANSWER_REASONS = {
     Answer.NO_APPROVER: Reason.NO_APPROVER,
     Answer.TOO_MANY_PENDING: Reason.TOO_MANY_PENDING,
 }
+
+
+def bound_locally(address: IPAddress) -> bool:
+    """Whether an address is one of this host's own: the kernel lets a socket bind to it.
+
+    Asked only for a port where egressd has a listener on 0.0.0.0 or ::
+    (``addresses.is_own``), and never remembered: interfaces come and go.
+    bind() sends nothing. When in doubt (an error other than "not here"),
+    the answer is True: refusing a dial is the safe side.
+    """
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((str(address), 0))
+    except OSError as exc:
+        return exc.errno != errno.EADDRNOTAVAIL
+    return True
 
 
 @dataclass(slots=True)
@@ -72,6 +94,8 @@ class Attempt:
     command: str | None = None
     bytes_up: int = 0
     bytes_down: int = 0
+    # The phrase a refused client reads instead of the reason's usual one (responses.REASON_MESSAGES).
+    message: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     decided: bool = False
     finished: bool = False
@@ -117,7 +141,7 @@ class Gate:
         audit: AuditSink,
         metrics: Metrics,
         allow_private: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
-        own_addresses: frozenset[IPAddress] = frozenset(),
+        own: OwnEndpoints | None = None,
         connect_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
@@ -127,7 +151,8 @@ class Gate:
         self.audit = audit
         self.metrics = metrics
         self.allow_private = tuple(allow_private)
-        self.own_addresses = own_addresses
+        # egressd's listening endpoints; the service updates it as each listener binds.
+        self.own = own if own is not None else OwnEndpoints()
         self.connect_timeout_s = connect_timeout_s
         self.clock = clock
         self.monotonic = monotonic
@@ -216,9 +241,16 @@ class Gate:
             except ResolveError as exc:
                 attempt.extra["detail"] = str(exc)
                 return Admission(Reason.RESOLVE_FAILED, host, port)
-        passed = tuple(a for a in candidates if self._dialable(a))
+        # Most ports are none of egressd's: then one set lookup, not one call per address.
+        own_port = port in self.own.ports
+        passed = tuple(a for a in candidates if self._dialable(a) and not (own_port and self._own(a, port)))
         if not passed:
             attempt.address = str(candidates[0]) if candidates else None
+            itself = next((a for a in candidates if own_port and self._own(a, port)), None)
+            if itself is not None:
+                attempt.address = str(itself)
+                attempt.message = OWN_ENDPOINT_MESSAGE
+                attempt.extra["detail"] = f"{self._text(itself)} port {port} is egressd itself (one of its listeners)"
             return Admission(Reason.PRIVATE_ADDRESS, host, port)
         return Admission(None, host, port, passed, tuple(map(self._text, passed)))
 
@@ -234,7 +266,11 @@ class Gate:
         return remembered(self._address_ok, address, self._check_address)
 
     def _check_address(self, address: IPAddress) -> bool:
-        return forbidden_reason(address, self.allow_private, self.own_addresses) is None
+        return forbidden_reason(address, self.allow_private) is None
+
+    def _own(self, address: IPAddress, port: int) -> bool:
+        # Not remembered: a wildcard listener's answer depends on the interfaces of the moment.
+        return is_own(address, port, self.own, bound_locally)
 
     async def dial(self, attempt: Attempt, admission: Admission, protocol: Callable[[], P]) -> P:
         """Connect to the first admitted address that answers, within the connect timeout.

@@ -6,18 +6,19 @@ never be decided differently. IP literals are recognised in every spelling a
 client library accepts (inet_aton shorthand, hex, octal, IPv6 with zone ids),
 because a spelling we took for a name would slip past the IP-literal rule.
 
-Pure: no I/O, except that the bundled Public Suffix List is read once, lazily.
+Pure: no I/O, except that the bundled Public Suffix List is read once, lazily
+(``config.suffixes``, the one copy egressd keeps).
 """
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import re
 from ipaddress import IPv4Address, IPv6Address
 
 import idna
-from publicsuffixlist import PublicSuffixList
+
+from config import suffixes
 
 __all__ = [
     "HostError",
@@ -276,16 +277,6 @@ def unicode_host(ascii_host: str) -> str:
         return ascii_host
 
 
-@functools.cache
-def _public_suffix_list() -> PublicSuffixList:
-    """The bundled PSL (ICANN and private sections), parsed once on first use.
-
-    Unknown top-level labels count as public suffixes, so ``*.internal`` is
-    refused like ``*.com``.
-    """
-    return PublicSuffixList()
-
-
 def registered_domain(host: str) -> str | None:
     """Return the registrable domain (eTLD+1) of a host, e.g. ``example.co.uk``.
 
@@ -296,8 +287,7 @@ def registered_domain(host: str) -> str | None:
     name = normalise_host(host)
     if parse_ip_literal(name) is not None:
         return None
-    suffix: str | None = _public_suffix_list().privatesuffix(name)
-    return suffix
+    return suffixes.registrable_domain(name)
 
 
 def is_public_suffix(name: str) -> bool:
@@ -308,4 +298,4 @@ def is_public_suffix(name: str) -> bool:
     host = normalise_host(name)
     if parse_ip_literal(host) is not None:
         return False
-    return bool(_public_suffix_list().is_public(host))
+    return suffixes.is_public_suffix(host)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
 
+from config.suffixes import suffix_beneath
 from proxy.hosts import (
     HostError,
     is_public_suffix,
@@ -143,10 +144,12 @@ class Entry:
     address: IPv4Address | IPv6Address | None = None
 
     def matches_host(self, host: str) -> bool:
-        """Whether the entry covers a host, which must already be normalised.
+        """Whether the entry's text covers a host, which must already be normalised.
 
         A wildcard covers names below its suffix at any depth, never the
         suffix itself; an IP entry covers the same address in any spelling.
+        This is the textual match a deny entry uses; an allow entry also
+        needs ``reaches``.
         """
         if self.address is not None:
             try:
@@ -157,6 +160,21 @@ class Entry:
         if self.wildcard:
             return host.endswith("." + self.host)
         return host == self.host
+
+    def reaches(self, host: str) -> bool:
+        """Whether an allow entry covers a host: ``matches_host``, and no public suffix in between.
+
+        DESIGN.md "Policy": a wildcard never reaches across a public suffix
+        beneath its base. ``*.amazonaws.com`` covers ``ec2.amazonaws.com``
+        but not ``bucket.s3.amazonaws.com``, whose owner is whoever
+        registered ``bucket`` under the suffix ``s3.amazonaws.com`` (Public
+        Suffix List, private section included). The list is asked only
+        after the cheap textual match, and ``decide``'s answers are
+        remembered per run, so a repeated host never asks it again.
+        """
+        if not self.matches_host(host):
+            return False
+        return not self.wildcard or suffix_beneath(host, self.host) is None
 
     def allows_port(self, port: int) -> bool:
         """Whether the entry allows a port."""
@@ -229,12 +247,15 @@ def decide(policy: RunPolicy, host: str, port: int) -> Decision:
     """Decide a request for HOST:PORT, with HOST as the client sent it.
 
     1. malformed host, or port outside 1..65535 → DENY bad_request;
-    2. a deny entry matches the host (on any port) → DENY denylisted;
+    2. a deny entry matches the host (on any port) → DENY denylisted; a deny
+       wildcard matches textually, across public suffixes too (refusing more
+       is safe);
     3. the host is an IP literal (any spelling) that no allow entry names
        → DENY ip_literal;
     4. an allow entry matches the host and allows the port → ALLOW (rule: the
        entry), or the host was approved in this run for the port → ALLOW
-       (rule: "approved");
+       (rule: "approved"); a wildcard whose base has a public suffix between
+       it and the host does not match (``Entry.reaches``);
     5. an allow entry matches the host but none allows the port → DENY
        port_not_allowed (rule: the first matching entry; never asked);
     6. the host was denied earlier in this run → DENY denied_earlier;
@@ -250,7 +271,7 @@ def decide(policy: RunPolicy, host: str, port: int) -> Decision:
     for entry in policy.deny:
         if entry.matches_host(name):
             return Decision.deny(name, port, Reason.DENYLISTED, entry.text)
-    matching = [entry for entry in policy.allow if entry.matches_host(name)]
+    matching = [entry for entry in policy.allow if entry.reaches(name)]
     if address is not None and not matching:
         return Decision.deny(name, port, Reason.IP_LITERAL)
     for entry in matching:

@@ -44,6 +44,11 @@ REASON_MESSAGES: Final[Mapping[str, str]] = MappingProxyType(
     }
 )
 
+# Said instead of "private_address"'s usual phrase when the destination is one
+# of egressd's own listening addresses and ports: the reason code stays, the
+# person learns why (no allow_private exempts it).
+OWN_ENDPOINT_MESSAGE: Final = "that address and port is egressd itself, which never connects to its own listeners"
+
 _POLICY_REASONS: Final = (
     "denylisted",
     "not_allowlisted",

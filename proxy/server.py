@@ -415,7 +415,7 @@ class ProxyServer(Listener):
             attempt.port,
             run.id if run else None,
             attempt.id,
-            REASON_MESSAGES.get(reason.value, reason.value),
+            attempt.message or REASON_MESSAGES.get(reason.value, reason.value),
             extra,
         )
         self.gate.finish(attempt)

@@ -113,26 +113,6 @@ def test_embedded_ipv4_is_found_in_every_transition_form(text: str, expected: st
     assert embedded_ipv4(address) == (None if expected is None else IPv4Address(expected))
 
 
-OWN = frozenset({IPv4Address("10.0.0.2"), IPv6Address("fd00::2")})
-
-
-@pytest.mark.parametrize(
-    "text",
-    ["10.0.0.2", "fd00::2", "::ffff:10.0.0.2", "64:ff9b::a00:2", "2002:a00:2::1"],
-    ids=lambda value: f"{value} is one of egressd's own addresses",
-)
-def test_own_addresses_are_recognised_also_when_embedded(text: str) -> None:
-    assert classify(ip_address(text), OWN) is C.OWN
-
-
-def test_own_mapped_address_covers_its_ipv4_form() -> None:
-    assert classify(IPv4Address("10.0.0.2"), frozenset({IPv6Address("::ffff:a00:2")})) is C.OWN
-
-
-def test_own_public_address_is_still_own() -> None:
-    assert classify(IPv4Address("8.8.8.8"), frozenset({IPv4Address("8.8.8.8")})) is C.OWN
-
-
 OVERRIDES: list[tuple[str, list[str], AddressClass | None]] = [
     ("8.8.8.8", [], None),
     ("127.0.0.1", [], C.LOOPBACK),
@@ -148,8 +128,6 @@ OVERRIDES: list[tuple[str, list[str], AddressClass | None]] = [
     ("2001:db8::1", ["2001:db8::/32"], None),
     ("224.0.0.1", ["224.0.0.0/4"], None),
     ("0.0.0.0", ["0.0.0.0/8"], None),
-    ("10.0.0.2", ["10.0.0.0/8"], C.OWN),
-    ("::ffff:10.0.0.2", ["0.0.0.0/0", "::/0"], C.OWN),
 ]
 
 
@@ -161,13 +139,13 @@ OVERRIDES: list[tuple[str, list[str], AddressClass | None]] = [
         for a, b, c in OVERRIDES
     ],
 )
-def test_forbidden_reason_honours_allow_private_except_for_own(
+def test_forbidden_reason_honours_allow_private(
     text: str, allowed: list[str], expected: AddressClass | None
 ) -> None:
     networks: list[IPv4Network | IPv6Network] = [
         IPv4Network(item) if "." in item else IPv6Network(item) for item in allowed
     ]
-    assert forbidden_reason(ip_address(text), networks, OWN) is expected
+    assert forbidden_reason(ip_address(text), networks) is expected
 
 
 IPV4 = st.builds(IPv4Address, st.integers(0, 2**32 - 1))
@@ -203,4 +181,3 @@ def test_every_address_gets_exactly_one_class(address: IPv4Address | IPv6Address
     kind = classify(address)
     assert isinstance(kind, AddressClass)
     assert (forbidden_reason(address) is None) == (kind is C.PUBLIC)
-    assert forbidden_reason(address, own=frozenset({address})) is C.OWN

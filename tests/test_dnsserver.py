@@ -655,9 +655,9 @@ async def test_an_unwritable_audit_log_refuses_queries(dns_egressd, dns: FakeDns
 async def test_the_answer_defaults_to_the_transparent_listeners_host(make_egressd, dns: FakeDns) -> None:
     svc = await make_egressd(dns_listen="127.0.0.1:0", transparent_http="127.0.0.9:0")
     assert svc.dns.answer4 == IPv4Address("127.0.0.9")
-    assert IPv4Address("127.0.0.9") in svc.gate.own_addresses
+    assert (IPv4Address("127.0.0.9"), svc.transparent_http.address[1]) in svc.gate.own.pairs
     svc2 = await make_egressd(dns_listen="127.0.0.1:0", dns_answer="127.0.0.10")
-    assert svc2.dns.answer4 == IPv4Address("127.0.0.10") and IPv4Address("127.0.0.10") in svc2.gate.own_addresses
+    assert svc2.dns.answer4 == IPv4Address("127.0.0.10") and (IPv4Address("127.0.0.10"), 443) in svc2.gate.own.pairs
 
 
 @pytest.mark.parametrize(

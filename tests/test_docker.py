@@ -161,9 +161,11 @@ def test_a_command_container_is_hardened() -> None:
 
 def test_the_sidecar_gets_our_policy_settings_but_its_own_listeners() -> None:
     settings = load_settings({"allow_private": ["169.254.64.16/28"], "approver": ["terminal", "webhook"],
-                              "webhook_url": "http://h/hook", "webhook_secret": "whsec_AAAA", "listen": "127.0.0.1:9"})
+                              "webhook_url": "http://h/hook", "unsafe_webhook_http": True,
+                              "webhook_secret": "whsec_AAAA", "listen": "127.0.0.1:9"})
     env = sidecar_environment(settings, egressd_ip="169.254.64.2", control_ip="169.254.64.18", token="t")
     assert env["EGRESSD_ALLOW_PRIVATE"] == "169.254.64.16/28" and env["EGRESSD_APPROVER"] == "webhook"
+    assert env["EGRESSD_UNSAFE_WEBHOOK_HTTP"] == "true"  # the terminal relay's plain http to the gateway
     assert env["EGRESSD_WEBHOOK_SECRET"] == "whsec_AAAA" and env["EGRESSD_REQUIRE_AUTH"] == "true"
     assert env["EGRESSD_LISTEN"] == "169.254.64.2:3128" and env["EGRESSD_CONTROL"] == "169.254.64.18:3129"
     assert "EGRESSD_ALLOW" not in env  # the allowlist is the run's, sent with POST /runs
@@ -226,6 +228,7 @@ async def make_bed(engine: DockerEngine, tmp_path: Path) -> AsyncIterator[Any]:
         values.setdefault("audit_log", str(tmp_path / "audit.jsonl"))
         if values.get("approver") == ["webhook"]:
             values.setdefault("webhook_url", f"http://{gateway}:{hook_port}/hook")
+            values.setdefault("unsafe_webhook_http", True)  # the gateway is no loopback address
             values.setdefault("webhook_secret", "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode())
         settings = load_settings(values)
         session = DockerSession(settings, workdir=None, task="docker bed", net_range=str(block), labels=TEST_LABELS,
@@ -604,6 +607,7 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
         "EGRESSD_CONTROL_PORT": str(control_port), "EGRESSD_CONTROL_TOKEN": token,
         "EGRESSD_ALLOW": f"{ORIGIN_NAME}:{ORIGIN_PORT}", "EGRESSD_ALLOW_PRIVATE": str(outgoing),
         "EGRESSD_APPROVER": "webhook", "EGRESSD_WEBHOOK_URL": f"http://{gateway}:{hook_port}/hook",
+        "EGRESSD_UNSAFE_WEBHOOK_HTTP": "true",  # the gateway is no loopback address
         "EGRESSD_WEBHOOK_SECRET": "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode(),
         "XDG_STATE_HOME": str(tmp_path / "s"),
     }
