@@ -38,5 +38,6 @@ fi
 if [ $# -eq 0 ]; then
     EGRESSD_TEST_LOOP=uvloop .venv/bin/python -m pytest -q -p no:cacheprovider \
         tests/test_proxy.py tests/test_transparent.py tests/test_attacks.py \
-        tests/test_control.py tests/test_dnsserver.py tests/test_approvals_e2e.py
+        tests/test_control.py tests/test_dnsserver.py tests/test_approvals_e2e.py \
+        tests/test_own_addresses.py tests/test_policy_edges.py
 fi
