@@ -228,6 +228,23 @@ def test_another_architecture_gets_neither_a_filter_nor_a_profile() -> None:
             seccomp.docker_profile(machine)
 
 
+def test_no_sandbox_and_no_sandbox_container_is_made_without_the_filter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import platform
+
+    from sandbox.docker import CommandSpec, command_config
+    from sandbox.launcher import Sandbox, SandboxError
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    with pytest.raises(SandboxError, match="this machine is aarch64"):
+        Sandbox(network=None, workdir=tmp_path, proxy_url="http://r:t@169.254.100.1:3128")  # type: ignore[arg-type]
+    spec = CommandSpec(image="img", argv=["true"], env={}, workdir="/w", network="net", address="169.254.64.3",
+                       dns="169.254.64.2", labels={}, machine="arm64")
+    with pytest.raises(SandboxError, match="this machine is arm64"):
+        command_config(spec)
+
+
 def test_egressd_run_on_another_architecture_exits_125_with_one_line(tmp_path: Path) -> None:
     fake = ("import platform, sys; platform.machine = lambda: 'aarch64'; "
             "from cli.main import main; sys.exit(main(sys.argv[1:]))")
