@@ -93,6 +93,7 @@ from sandbox.docker import (
     DockerUnavailable,
     clean_leftovers,
     read_file,
+    seccomp_option,
     start_egressd,
 )
 from sandbox.launcher import Observation, SandboxError
@@ -440,7 +441,8 @@ class DockerSession(SessionBase[_SessionBox]):
         entries_from_settings(self.settings)  # a bad entry stops us before anything is created
         stack = self._stack
         self.engine = await stack.enter_async_context(DockerEngine.connect(self.docker_url))
-        await self.engine.version()
+        machine = str((await self.engine.version()).get("Arch") or "")
+        seccomp_option(machine)  # an engine of another architecture: refused before anything is created
         await clean_leftovers(self.engine)
         for image in (self.image,) + (() if self.connect else (self.egressd_image,)):
             if not await self.engine.image_exists(image):
@@ -456,7 +458,7 @@ class DockerSession(SessionBase[_SessionBox]):
         self._box = _SessionBox(self, DockerSandbox(
             engine=self.engine, network=network, address=address, dns=dns, image=self.image,
             workdir=self.workdir, proxy_url=self._proxy_url, labels=self.resources_labels("command"),
-            extra_env=self.extra_env, term=self.term, runtime=runtime,
+            extra_env=self.extra_env, term=self.term, runtime=runtime, machine=machine,
         ))
         stack.push_async_callback(self._box.sandbox.destroy)
         poller = asyncio.ensure_future(self._poll_forever())

@@ -41,6 +41,7 @@ from sandbox.network import (
     clean_leftovers,
     owner_alive,
 )
+from sandbox.seccomp import SeccompUnsupported, check_machine
 
 from .service import EgressService, StartupError, entries_from_settings
 
@@ -122,6 +123,10 @@ async def clean_stale() -> list[str]:
 
 
 def check_host() -> None:
+    try:
+        check_machine()  # first: nothing else helps on a machine the filter is not written for
+    except SeccompUnsupported as exc:
+        raise SessionError(str(exc)) from None
     if os.geteuid() != 0:
         raise SessionError("egressd needs root to create the sandbox's network namespace (see: egressd doctor)")
     for tool in ("bwrap", "nsenter", "ip", "nft"):

@@ -23,7 +23,9 @@ range: link-local by default (169.254.64.0/18: never routed, never a LAN's;
 
 The sandbox: each command is a fresh container (like each bwrap invocation:
 /tmp is per command, the working directory persists), with a read-only root
-filesystem, every capability dropped, no-new-privileges, uid 1000, a private
+filesystem, every capability dropped, no-new-privileges, egressd's own seccomp
+profile instead of Docker's default (``sandbox.seccomp``: the bwrap filter's
+policy, so AF_VSOCK and io_uring are refused here too), uid 1000, a private
 IPC namespace, its own PID namespace with an init, tmpfs /tmp, IPv6 off, the
 run's DNS set to egressd's address (Docker's resolver at 127.0.0.11 relays to
 it from the sandbox's own address), and the limits as cgroup settings: memory
@@ -45,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
+import functools
 import io
 import ipaddress
 import json
@@ -68,6 +71,7 @@ from .bwrap import SANDBOX_GID, SANDBOX_HOSTNAME, SANDBOX_UID, SANDBOX_WORKDIR, 
 from .copyout import MAX_BYTES, MAX_FILES, CopyReport, Destination, check_pattern, unmatched_patterns
 from .launcher import DEFAULT_MAX_OUTPUT, EXIT_MEMORY, EXIT_TIMEOUT, BoundedOutput, Observation, SandboxError
 from .limits import Limits
+from .seccomp import SeccompUnsupported, docker_profile
 
 DEFAULT_IMAGE = "egressd-sandbox:latest"  # docker/sandbox.Dockerfile, as docker/build.sh tags it
 DEFAULT_EGRESSD_IMAGE = "egressd:latest"  # docker/Dockerfile
@@ -276,11 +280,27 @@ class CommandSpec:
     cpus: float | None = DEFAULT_CPUS
     runtime: str | None = None
     stdin: bool = False
+    machine: str = "x86_64"  # the engine's architecture (its /version "Arch"): the seccomp profile's
+
+
+@functools.lru_cache(maxsize=4)
+def seccomp_option(machine: str) -> str:
+    """The ``SecurityOpt`` entry that gives a sandbox container egressd's seccomp profile (pure).
+
+    Raises ``SandboxError`` when the engine's architecture (``amd64``) has no
+    profile: no container is started without it.
+    """
+    try:
+        profile = docker_profile(machine)
+    except SeccompUnsupported as exc:
+        raise SandboxError(str(exc)) from None
+    return "seccomp=" + json.dumps(profile, separators=(",", ":"))
 
 
 def command_config(spec: CommandSpec) -> dict[str, Any]:
     """The Engine API body that creates the container for one command (pure)."""
     host = hardened_host_config(network=spec.network)
+    host["SecurityOpt"] = [*host["SecurityOpt"], seccomp_option(spec.machine)]
     host.update(
         {
             "Mounts": [{"Type": "bind", "Source": spec.workdir, "Target": SANDBOX_WORKDIR, "ReadOnly": False,
@@ -834,6 +854,7 @@ class DockerSandbox:
     term: str | None = None
     runtime: str | None = None
     cpus: float | None = DEFAULT_CPUS
+    machine: str = "x86_64"  # the engine's architecture, for the seccomp profile
     env: dict[str, str] = field(init=False)
     user: tuple[int, int] = field(init=False)
     _current: str | None = field(default=None, init=False)
@@ -843,6 +864,7 @@ class DockerSandbox:
         self.workdir = self.workdir.resolve()
         if not self.workdir.is_dir():
             raise SandboxError(f"working directory {self.workdir} does not exist")
+        seccomp_option(self.machine)  # an engine the profile is not written for: refused here, not per command
         info = self.workdir.stat()
         self.user = sandbox_user(info.st_uid, info.st_gid, info.st_mode)
         self.env = base_environment(term=self.term, proxy_url=self.proxy_url, extra=self.extra_env)
@@ -870,7 +892,7 @@ class DockerSandbox:
         spec = CommandSpec(image=self.image, argv=command, env=self.env, workdir=str(self.workdir),
                            network=self.network, address=self.address, dns=self.dns, labels=self.labels,
                            limits=limits, user=self.user, cpus=self.cpus, runtime=self.runtime,
-                           stdin=stdin is not None)
+                           stdin=stdin is not None, machine=self.machine)
         started = time.monotonic()
         out, err = BoundedOutput(max_output), BoundedOutput(max_output)
         sinks = None if capture else (relay or (sys.stdout.fileno(), sys.stderr.fileno()))

@@ -31,7 +31,7 @@ from .bwrap import BwrapSpec, base_environment, bwrap_argv, generated_etc, host_
 from .copyout import CopyReport, copy_out
 from .limits import Cgroup, Limits, rlimits_in_child
 from .network import RunNetwork
-from .seccomp import build_filter
+from .seccomp import SeccompUnsupported, build_filter
 
 EXIT_TIMEOUT = 124
 EXIT_CANNOT_START = 125
@@ -127,13 +127,16 @@ class Sandbox:
         self.workdir = workdir.resolve()
         if not self.workdir.is_dir():
             raise SandboxError(f"working directory {workdir} does not exist")
+        try:
+            self._seccomp = build_filter()
+        except SeccompUnsupported as exc:  # never a sandbox without its filter
+            raise SandboxError(str(exc)) from None
         self._etc = Path(tempfile.mkdtemp(prefix=f"egressd-etc-{network.plan.run_key}-"))
         for name, content in generated_etc(nameserver=str(network.plan.host_ip)).items():
             (self._etc / name).write_text(content)
         self.env = base_environment(term=term, proxy_url=proxy_url, extra=extra_env)
         self.extra_readonly = list(extra_readonly)
         self._links, self._dirs, self._etc_ro = host_layout()
-        self._seccomp = build_filter()
         self._nsenter = shutil.which(nsenter) or nsenter
         self._bwrap = shutil.which(bwrap) or bwrap
         self._count = 0

@@ -50,6 +50,7 @@ from sandbox.docker import (
     sandbox_user,
 )
 from sandbox.limits import Limits
+from sandbox.seccomp import docker_profile
 from tests import dockerbed
 from tests.dockerbed import (
     LEAK_SCRIPT,
@@ -150,7 +151,8 @@ def test_a_command_container_is_hardened() -> None:
     ))
     host = config["HostConfig"]
     assert host["ReadonlyRootfs"] and host["CapDrop"] == ["ALL"] and host["IpcMode"] == "private"
-    assert host["SecurityOpt"] == ["no-new-privileges:true"] and not host["Privileged"] and host["Init"]
+    assert host["SecurityOpt"][0] == "no-new-privileges:true" and not host["Privileged"] and host["Init"]
+    assert host["SecurityOpt"][1:] == ["seccomp=" + json.dumps(docker_profile(), separators=(",", ":"))]
     assert host["Memory"] == host["MemorySwap"] == 64 * 1024 * 1024  # no swap
     assert host["PidsLimit"] == 50 and {"Name": "cpu", "Soft": 5, "Hard": 6} in host["Ulimits"]
     assert host["Tmpfs"]["/tmp"].startswith("rw,nosuid,nodev")
