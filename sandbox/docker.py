@@ -487,6 +487,16 @@ def member_kind(member: tarfile.TarInfo) -> str:
 # -- the engine ----------------------------------------------------------------------
 
 
+def already_gone(status: int, message: str) -> bool:
+    """Whether a failed DELETE means the resource is gone or going (pure).
+
+    404: gone. 409 "removal ... already in progress": another egressd (say, a
+    second run cleaning the same leftovers) is removing it right now. Any other
+    conflict, such as a network with endpoints still attached, is a failure.
+    """
+    return status == 404 or (status == 409 and "already in progress" in message)
+
+
 class DockerEngine:
     """An aiodocker client whose failures are ``SandboxError``s; use ``async with``."""
 
@@ -549,7 +559,7 @@ class DockerEngine:
                         pass
         except DockerUnavailable as exc:
             cause = exc.__cause__
-            if not (isinstance(cause, DockerError) and cause.status == 404):
+            if not (isinstance(cause, DockerError) and already_gone(cause.status, str(cause.message))):
                 raise
 
     async def remove_container(self, container_id: str) -> None:

@@ -43,6 +43,7 @@ from sandbox.docker import (
     DockerPlan,
     MemberCheck,
     SandboxError,
+    already_gone,
     check_member,
     choose_subnets,
     command_config,
@@ -135,6 +136,13 @@ def test_the_plan_gives_egressd_and_the_sandbox_fixed_addresses() -> None:
     plan = DockerPlan("k", ipaddress.ip_network("169.254.64.0/28"), ipaddress.ip_network("169.254.64.16/28"))  # type: ignore[arg-type]
     assert (str(plan.egressd_ip), str(plan.sandbox_ip), str(plan.egressd_outgoing_ip)) == (
         "169.254.64.2", "169.254.64.3", "169.254.64.18")
+
+
+def test_a_removal_already_under_way_elsewhere_counts_as_removed_and_other_conflicts_do_not() -> None:
+    assert already_gone(404, "No such container: abc")
+    assert already_gone(409, "removal of container abc is already in progress")
+    assert not already_gone(409, "error while removing network: network egd has active endpoints")
+    assert not already_gone(500, "removal of container abc is already in progress")
 
 
 def test_the_sandbox_never_runs_as_root() -> None:
