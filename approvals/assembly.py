@@ -29,7 +29,7 @@ from .deny import DenyApprover, NoApprover
 from .interface import Approver, Channel, SetupError
 from .signing import SigningError, parse_secret
 from .slack import SlackChannel
-from .terminal import TerminalChannel
+from .terminal import TerminalChannel, TerminalOutput
 from .webhook import WebhookChannel
 
 
@@ -87,8 +87,13 @@ def approver_from_settings(
     audit: AuditSink,
     clock: Callable[[], float] = time.time,
     tty_path: str = "/dev/tty",
+    terminal_output: TerminalOutput | None = None,
 ) -> Approver:
-    """Steps 1-3 of the module docstring. A returned broker is not started yet."""
+    """Steps 1-3 of the module docstring. A returned broker is not started yet.
+
+    ``terminal_output`` is what else is relayed to the terminal (a sandboxed
+    command's output): the terminal channel holds it back while it prompts.
+    """
     names = list(settings.approver)
     if not names:
         return NoApprover()
@@ -102,7 +107,7 @@ def approver_from_settings(
     channels: list[Channel] = []
     for name in names:
         if name == "terminal":
-            channels.append(TerminalChannel(tty_path=tty_path, clock=clock))
+            channels.append(TerminalChannel(tty_path=tty_path, clock=clock, output=terminal_output))
         elif name == "slack":
             channels.append(_slack(settings, clock))
         elif name == "webhook":

@@ -8,7 +8,8 @@ task, the allowed entries) is made inert here: control and format characters
 become visible escapes (``\\x1b``, ``\\u202e``), so no text can repaint a
 terminal, hide a character or reverse a line; and each field is bounded so
 the message stays readable. Channels add their own escaping on top (Slack's
-``&<>``).
+``&<>``). ``TerminalText`` does the same, read by read, for a command's
+output relayed to the terminal an approval prompt is drawn on.
 
 The "unrelated" line: the domain is unrelated when
 
@@ -27,6 +28,8 @@ section, so ``alice.github.io`` and ``bob.github.io`` are unrelated.
 
 from __future__ import annotations
 
+import codecs
+import functools
 import re
 import unicodedata
 from collections.abc import Sequence
@@ -40,6 +43,7 @@ from .interface import Settlement
 
 __all__ = [
     "ApprovalMessage",
+    "TerminalText",
     "bounded",
     "escape",
     "is_unrelated",
@@ -73,21 +77,106 @@ _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"})
 _NAME_IN_TEXT = re.compile(r"[\w-]+(?:\.[\w-]+)+")
 
 
-def escape(text: str) -> str:
-    """Return ``text`` with every control or invisible character as a visible escape."""
-    out: list[str] = []
-    for ch in text:
-        if unicodedata.category(ch) in _ESCAPED_CATEGORIES:
-            code = ord(ch)
-            if code <= 0xFF:
-                out.append(f"\\x{code:02x}")
-            elif code <= 0xFFFF:
-                out.append(f"\\u{code:04x}")
-            else:
-                out.append(f"\\U{code:08x}")
+# Output relayed to a terminal can be large, so ``escape`` finds which escaped
+# characters occur (C-speed scans) and replaces each with ``str.replace``: ASCII
+# text through ``bytes.translate``, other text through a character class of the
+# escaped categories, built once from ``unicodedata``. Past this many distinct
+# ones (text made to be slow), one ``re.sub`` pass instead.
+_MAX_REPLACE_PASSES = 16
+_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
+
+
+@functools.cache
+def _escaped_bmp() -> tuple[int, ...]:
+    """The code points below U+10000 in an escaped category (about 17 ms, once)."""
+    return tuple(c for c in range(0x10000) if unicodedata.category(chr(c)) in _ESCAPED_CATEGORIES)
+
+
+@functools.cache
+def _candidates(keep_layout: bool) -> re.Pattern[str]:
+    """One character that may need escaping: an escaped one below U+10000, or any above (checked one by one)."""
+    ranges: list[list[int]] = []
+    for code in _escaped_bmp():
+        if keep_layout and code in (0x09, 0x0A):
+            continue
+        if ranges and ranges[-1][1] == code - 1:
+            ranges[-1][1] = code
         else:
-            out.append(ch)
-    return "".join(out)
+            ranges.append([code, code])
+    members = "".join(f"\\u{a:04x}-\\u{b:04x}" for a, b in ranges)
+    return re.compile(f"[{members}\\U00010000-\\U0010ffff]")
+
+
+def _escape_char(ch: str) -> str:
+    if unicodedata.category(ch) not in _ESCAPED_CATEGORIES:
+        return ch
+    code = ord(ch)
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def escape(text: str, *, keep_layout: bool = False) -> str:
+    """Return ``text`` with every control or invisible character as a visible escape.
+
+    ``keep_layout`` keeps newline and tab, for text shown line by line (a
+    command's output relayed to a terminal: ``TerminalText``).
+    """
+    if text.isascii():
+        found = {chr(b) for b in text.encode("ascii").translate(None, _PRINTABLE_ASCII)}
+        if keep_layout:
+            found -= {"\n", "\t"}
+    else:
+        pattern = _candidates(keep_layout)
+        found = set(pattern.findall(text))
+        if len(found) > _MAX_REPLACE_PASSES:
+            return text.translate({ord(ch): _escape_char(ch) for ch in found})
+    # An escape is printable ASCII, never escaped itself: the order of the passes does not matter.
+    for ch in found:
+        text = text.replace(ch, _escape_char(ch))
+    return text
+
+
+class TerminalText:
+    """A command's output (bytes, read by read) as text a terminal shows inertly.
+
+    Whatever the reads' boundaries, the result is that of the whole output:
+
+    1. UTF-8 is decoded incrementally: a character split between two reads is
+       held until it is whole; a byte that is not UTF-8 shows as ``\\xNN``
+       (a raw 0x9b is CSI to some terminals);
+    2. CR LF becomes LF (the terminal's own output processing returns the
+       carriage); a lone CR is escaped, as it would let the command overwrite
+       the line it is on, its own text or anything drawn there before it; a CR
+       at the end of a read waits for the next one;
+    3. then ``escape`` with newline and tab kept: no ESC, no C0 or C1
+       control, no DEL, no format or bidi character reaches the terminal.
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
+        self._carriage = False
+
+    def feed(self, data: bytes) -> str:
+        """The text of the next read (possibly empty: the rest of a character is still to come)."""
+        return self._text(self._decoder.decode(data), final=False)
+
+    def end(self) -> str:
+        """What is left at the end of the output: an incomplete character or a CR, escaped."""
+        return self._text(self._decoder.decode(b"", final=True), final=True)
+
+    def _text(self, text: str, *, final: bool) -> str:
+        if self._carriage:
+            text = "\r" + text
+            self._carriage = False
+        if not final and text.endswith("\r"):
+            text = text[:-1]
+            self._carriage = True
+        if "\r" in text:
+            text = text.replace("\r\n", "\n")
+        return escape(text, keep_layout=True)
 
 
 def bounded(text: str, limit: int = MAX_FIELD_CHARS) -> str:

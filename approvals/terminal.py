@@ -12,12 +12,20 @@ countdown can be redrawn every second without garbling what is typed:
    (``tcflush``): a keystroke meant for something else never answers;
 2. the domain line and the unrelated warning are emphasised; all text from
    the message is already escaped (``message.escape``), so nothing the
-   agent controls can move the cursor or repaint the prompt;
+   agent controls can move the cursor or repaint the prompt; every drawing
+   starts by putting the terminal's attributes, character set and scroll
+   region back to normal (``SANE``), whatever was written to it before, and
+   the redrawn input line fits the terminal's width, so it stays one line;
 3. ``allow`` allows; ``deny``, ``d``, ``n``, ``no`` and a bare Enter deny;
    anything else asks again;
 4. an approval settled elsewhere (or expired) is withdrawn with a line
    saying how it ended, and the next one is shown;
 5. when the queue is empty the terminal's modes are restored.
+
+A command's output relayed to the same terminal goes through a
+``TerminalOutput``: escaped (``message.TerminalText``), and held back from
+the moment a prompt is shown until the channel has finished drawing, so no
+command can hide, move or paint over a prompt.
 
 No task is started: input arrives through ``loop.add_reader``, output
 leaves through a buffer drained by ``loop.add_writer`` (a stopped terminal
@@ -31,6 +39,7 @@ import errno
 import getpass
 import logging
 import os
+import select
 import termios
 import time
 from collections import deque
@@ -46,19 +55,29 @@ from .interface import (
     Route,
     Settlement,
 )
-from .message import bounded, settled_text
+from .message import TerminalText, bounded, settled_text
 
 log = logging.getLogger("egressd.approvals.terminal")
 
 BOLD = "\x1b[1m"
 WARN = "\x1b[1;33m"
 RESET = "\x1b[0m"
-CLEAR_LINE = "\r\x1b[K"
+# Before each drawing, whatever was written to the terminal before: the scroll
+# region back to the whole screen (DECSTBM homes the cursor, so it is saved and
+# restored around it: DECSC, DECRC), then normal attributes (SGR 0), the ASCII
+# character set in G0, shifted in (a DEC graphics set turns letters into line
+# drawing), insert mode off and line wrap on (off, a long line loses its end).
+SANE = "\x1b7\x1b[r\x1b8\x1b[0m\x0f\x1b(B\x1b[4l\x1b[?7h"
+CLEAR_LINE = SANE + "\r\x1b[K"
 # The longest answer anyone types; input past it is ignored.
 MAX_INPUT = 16
 # Output waiting for a stopped terminal (Ctrl-S); past this the terminal is
 # treated as gone rather than letting memory grow.
 MAX_PENDING_OUTPUT = 256 * 1024
+# A command's output held back while a prompt is shown: far more than a person
+# scrolls back through; past it the rest is dropped (and counted) rather than
+# letting a command that prints while a person reads grow our memory.
+MAX_HELD_OUTPUT = 1024 * 1024
 
 _DENY_WORDS = frozenset({"", "deny", "d", "n", "no"})
 _ALLOW_WORDS = frozenset({"allow"})
@@ -70,6 +89,107 @@ def countdown(seconds: float) -> str:
     hours, rest = divmod(left, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def prompt_line(*, domain: str, left: str, more: str, typed: str, columns: int) -> str:
+    """The input line, fitted to ``columns`` (0: not known) so that a redraw never wraps.
+
+    A line wider than the terminal would wrap, and each redraw (which clears
+    only the line the cursor is on) would leave a copy behind. In order:
+
+    1. the whole line, when it fits in all but the last column (a full line
+       leaves the cursor waiting to wrap);
+    2. else without the domain, which the Domain line above shows whole;
+    3. else the end of that, where the answer being typed is.
+    """
+    line = f"allow or deny {domain}? [{left} left{more}; Enter = deny] > {typed}"
+    room = columns - 1
+    if columns <= 0 or (len(line) <= room and line.isascii()):
+        return line
+    line = f"allow or deny? [{left} left; Enter = deny] > {typed}"
+    if len(line) <= room:
+        return line
+    return line[len(line) - room:] if room > 0 else ""
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """Write ``data`` whole to ``fd`` (waiting while it is full); if it is gone, drop the rest."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            select.select([], [fd], [])
+        except OSError:
+            return
+
+
+class TerminalOutput:
+    """A command's output on the terminal the prompts are drawn on: inert, and held back during a prompt.
+
+    ``stream(fd)`` is one of the command's streams (stdout or stderr, ``fd``
+    the terminal) in the shape the sandbox's relay takes: ``add(chunk)`` as
+    it arrives, ``end()`` once. Its text is escaped (``message.TerminalText``).
+    The terminal channel ``hold``s the output from the moment it shows a
+    prompt and ``release``s it when it has finished drawing; what was held is
+    then written in the order it came. Past ``max_held`` bytes the rest is
+    dropped, and the release says how much.
+    """
+
+    def __init__(self, *, max_held: int = MAX_HELD_OUTPUT) -> None:
+        self.max_held = max_held
+        self.held = False
+        self._queue: deque[tuple[int, bytes]] = deque()
+        self._queued = 0
+        self._dropped: dict[int, int] = {}
+
+    def stream(self, fd: int) -> RelayedStream:
+        return RelayedStream(self, fd)
+
+    def hold(self) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        while self._queue:
+            _write_all(*self._queue.popleft())
+        self._queued = 0
+        dropped, self._dropped = self._dropped, {}
+        for fd, count in dropped.items():
+            _write_all(fd, f"\n[egressd: {count} bytes of output were dropped while an approval prompt was shown]\n"
+                       .encode())
+
+    def write(self, fd: int, data: bytes) -> None:
+        """Write ``data`` (inert text) to ``fd`` now, or on release when held."""
+        if not data:
+            return
+        if not self.held:
+            _write_all(fd, data)
+            return
+        room = self.max_held - self._queued
+        kept = data if len(data) <= room else data[:max(room, 0)].decode("utf-8", "ignore").encode()
+        if kept:
+            self._queue.append((fd, kept))
+            self._queued += len(kept)
+        if len(kept) < len(data):
+            self._dropped[fd] = self._dropped.get(fd, 0) + len(data) - len(kept)
+
+
+class RelayedStream:
+    """One of a command's output streams on its way to the terminal (``TerminalOutput.stream``)."""
+
+    def __init__(self, output: TerminalOutput, fd: int) -> None:
+        self.fd = fd
+        self._output = output
+        self._text = TerminalText()
+
+    def add(self, chunk: bytes) -> None:
+        self._output.write(self.fd, self._text.feed(chunk).encode())
+
+    def end(self) -> None:
+        self._output.write(self.fd, self._text.end().encode())
 
 
 class TerminalChannel:
@@ -84,8 +204,11 @@ class TerminalChannel:
         clock: Callable[[], float] = time.time,
         tick_s: float = 1.0,
         who: str | None = None,
+        output: TerminalOutput | None = None,
     ) -> None:
         self.tty_path = tty_path
+        # What else is relayed to this terminal; held back while a prompt is up.
+        self.output = output if output is not None else TerminalOutput()
         self._clock = clock
         self._tick_s = tick_s
         self._who = who
@@ -138,6 +261,7 @@ class TerminalChannel:
             self._writing = False
         os.close(self._fd)
         self._fd = None
+        self._sync_output()
 
     def routes(self) -> Sequence[Route]:
         return []
@@ -172,15 +296,17 @@ class TerminalChannel:
             self._stop_reading()
             self._stop_timer()
             self._restore_modes()
+            self._sync_output()
             return
         self._current = self._queue.popleft()
+        self._sync_output()
         self._typed = ""
         self._escape_state = ""
         if self._foreground():
             self._take_input()
         message = self._current.message
         run = bounded(self._current.request.run_id, 64)
-        out = [f"\r\n{BOLD}egressd: approval {self._current.id} for run {run}{RESET}\r\n"]
+        out = [f"{SANE}\r\n{BOLD}egressd: approval {self._current.id} for run {run}{RESET}\r\n"]
         for kind, text in message.lines:
             if kind == "domain":
                 out.append(f"{BOLD}{text}{RESET}\r\n")
@@ -208,9 +334,9 @@ class TerminalChannel:
             return
         more = f", {len(self._queue)} more waiting" if self._queue else ""
         left = countdown(current.expires_at - self._clock())
-        self._write(
-            f"{CLEAR_LINE}allow or deny {current.message.domain}? [{left} left{more}; Enter = deny] > {self._typed}"
-        )
+        line = prompt_line(domain=current.message.domain, left=left, more=more, typed=self._typed,
+                           columns=self._columns())
+        self._write(f"{CLEAR_LINE}{line}")
 
     def _finish(self, outcome: str) -> None:
         """Close the current prompt with one line saying how it ended; show the next."""
@@ -338,6 +464,22 @@ class TerminalChannel:
         except termios.error as exc:
             log.warning("cannot set terminal modes: %s", exc)
 
+    def _columns(self) -> int:
+        """The terminal's width now (it may have been resized); 0 when it does not say."""
+        if self._fd is None:
+            return 0
+        try:
+            return os.get_terminal_size(self._fd).columns
+        except OSError:
+            return 0
+
+    def _sync_output(self) -> None:
+        """Relayed output waits from the moment a prompt is shown until our drawing has reached the terminal."""
+        if self._current is not None or (self._out and self._fd is not None and not self._broken):
+            self.output.hold()
+        else:
+            self.output.release()
+
     def _foreground(self) -> bool:
         """Whether egressd may read, flush or set modes on the terminal now.
 
@@ -392,6 +534,7 @@ class TerminalChannel:
         if self._writing and self._loop is not None:
             self._loop.remove_writer(self._fd)
             self._writing = False
+        self._sync_output()
 
     def _on_writable(self) -> None:
         self._flush_now()
@@ -412,3 +555,4 @@ class TerminalChannel:
             self._loop.remove_writer(self._fd)
             self._writing = False
         self._out.clear()
+        self._sync_output()

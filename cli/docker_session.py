@@ -74,7 +74,7 @@ from approvals.interface import (
 )
 from approvals.message import render
 from approvals.signing import ReplayGuard, VerifyError, verify
-from approvals.terminal import TerminalChannel
+from approvals.terminal import TerminalChannel, TerminalOutput
 from audit.log import AuditError, JsonlAuditSink
 from config.settings import Settings
 from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
@@ -224,11 +224,11 @@ class TerminalRelay:
     in a webhook response, so nothing on the bridge can answer by forging one.
     """
 
-    def __init__(self, *, address: str, tty_path: str = "/dev/tty") -> None:
+    def __init__(self, *, address: str, tty_path: str = "/dev/tty", output: TerminalOutput | None = None) -> None:
         self.address = address
         self.key = secrets.token_bytes(32)
         self.secret = "whsec_" + base64.b64encode(self.key).decode()
-        self.terminal = TerminalChannel(tty_path=tty_path)
+        self.terminal = TerminalChannel(tty_path=tty_path, output=output)
         self.control: ControlClient | None = None  # set once the run is registered
         self.url = ""
         self._pending: dict[str, PendingApproval] = {}
@@ -511,7 +511,7 @@ class DockerSession(SessionBase[_SessionBox]):
         if "webhook" in self.settings.approver:
             raise SessionError("with --backend docker the terminal approver is relayed over egressd's webhook "
                                "channel, so --approver terminal and --approver webhook cannot both be given")
-        relay = TerminalRelay(address=gateway, tty_path=self.tty_path)
+        relay = TerminalRelay(address=gateway, tty_path=self.tty_path, output=self.terminal_output)
         if not await relay.start():
             return self.settings  # no terminal: the channel is not attached, as with bubblewrap
         self.relay = relay

@@ -5,7 +5,9 @@ embedded egressd, run, bubblewrap), ``cli.docker_session.DockerSession`` its
 Docker counterpart (``--backend docker``: networks, egressd's container or
 ``--connect``, the sandbox's containers); this module runs the one command in it,
 printing each egress refusal to stderr as it happens, copies out what was
-asked for, and maps signals and failures to exit statuses.
+asked for, and maps signals and failures to exit statuses. The command's
+output reaches a terminal of ours only through the session's
+``TerminalOutput`` (escaped, held back while an approval prompt is shown).
 
 Exit status: the command's own; 124 past --timeout; 137 killed for memory;
 125 when the sandbox could not be created.
@@ -21,13 +23,14 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from approvals.terminal import TerminalOutput
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
 from sandbox.copyout import CopyOutError, check_destination, check_pattern
 from sandbox.docker import DEFAULT_DOCKER_RANGE
-from sandbox.launcher import EXIT_CANNOT_START, SandboxError
+from sandbox.launcher import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
 from sandbox.limits import Limits
 from sandbox.network import DEFAULT_RANGE
 
@@ -101,16 +104,54 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def refusal_printer(record: dict[str, Any]) -> None:
-    """Print one refusal of the run to stderr as it happens."""
+def refusal_line(record: dict[str, Any]) -> str | None:
+    """The line that tells of one refusal of the run (None: the record is no refusal)."""
     if record.get("decision") != "deny":
-        return
+        return None
     host, port, reason = record.get("host"), record.get("port"), record.get("reason") or ""
     target = f"{host}:{port}" if port else f"{host}"
     if not target.isprintable():
         target = ascii(target)
     kind = " (dns)" if record.get("kind") == "dns" else ""
-    print(f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})", file=sys.stderr, flush=True)
+    return f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})\n"
+
+
+def _on_tty(stream: TextIO | None) -> bool:
+    return stream is not None and stream.isatty()
+
+
+def refusal_printer(output: TerminalOutput) -> Callable[[dict[str, Any]], None]:
+    """Print each refusal of the run to stderr as it happens (on a terminal, not across a prompt)."""
+
+    def tell(record: dict[str, Any]) -> None:
+        line = refusal_line(record)
+        if line is None:
+            return
+        if _on_tty(sys.stderr):
+            output.write(sys.stderr.fileno(), line.encode())
+        else:
+            print(line, end="", file=sys.stderr, flush=True)
+
+    return tell
+
+
+def relay_sinks(output: TerminalOutput) -> tuple[OutputSink, OutputSink] | None:
+    """Where the command's stdout and stderr go: None (ours, inherited) unless one is a terminal.
+
+    A terminal is not handed in: the command could read from it (a tty is
+    opened read-write) or draw on it. It gets the output through ``output``:
+    escaped, and held back while an approval prompt is shown. The other
+    stream, a file or a pipe, gets the bytes as they are.
+    """
+
+    def sink(stream: TextIO | None) -> OutputSink:
+        if stream is None:
+            return FdOutput(-1)  # we have no such stream: what would go there is dropped
+        return output.stream(stream.fileno()) if stream.isatty() else FdOutput(stream.fileno())
+
+    if not (_on_tty(sys.stdout) or _on_tty(sys.stderr)):
+        return None
+    return sink(sys.stdout), sink(sys.stderr)
 
 
 def check_copy_out(args: argparse.Namespace) -> None:
@@ -146,7 +187,7 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
     session = open_session(args, settings, **common)
     async with session:
         session.set_command(command_text)
-        session.observe(refusal_printer)
+        session.observe(refusal_printer(session.terminal_output))
         control = getattr(session, "control_address", None)
         if settings.approver and control:
             print(f"egressd: answer this run's approvals from another terminal with "
@@ -155,10 +196,7 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
         stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.fileno()
         limits = Limits(timeout_s=args.timeout, memory_mb=args.memory, max_pids=args.max_pids, cpu_s=args.cpu)
         try:
-            # A terminal on stdout/stderr is not handed in either: the command could read
-            # from it (a tty is opened read-write) or scribble over the approval prompt's line.
-            on_tty = any(stream is not None and stream.isatty() for stream in (sys.stdout, sys.stderr))
-            relay = (sys.stdout.fileno(), sys.stderr.fileno()) if on_tty else None
+            relay = relay_sinks(session.terminal_output)
             obs = await session.box.run(args.command, limits=limits, capture=False, stdin=stdin, relay=relay)
         except SandboxError as exc:
             raise SessionError(str(exc)) from None

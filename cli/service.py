@@ -22,6 +22,7 @@ from aiohttp import web
 
 from approvals.assembly import approver_from_settings as _approvals_from_settings
 from approvals.interface import Approver, ManagedApprover, SetupError
+from approvals.terminal import TerminalOutput
 from audit.log import AuditError, AuditSink, JsonlAuditSink
 from audit.records import run_record
 from config.presets import UnknownPreset, preset_entries
@@ -59,10 +60,12 @@ def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[
     return parsed[0], parsed[1]
 
 
-def approver_from_settings(settings: Settings, *, audit: AuditSink) -> Approver:
+def approver_from_settings(
+    settings: Settings, *, audit: AuditSink, terminal_output: TerminalOutput | None = None
+) -> Approver:
     """The approver the settings name (a broker is not started yet); StartupError naming a bad setting."""
     try:
-        return _approvals_from_settings(settings, audit=audit)
+        return _approvals_from_settings(settings, audit=audit, terminal_output=terminal_output)
     except SetupError as exc:
         raise StartupError(str(exc)) from None
 
@@ -162,9 +165,11 @@ class EgressService:
         approver: Approver | None = None,
         resolver: Resolver | None = None,
         audit: AuditSink | None = None,
+        terminal_output: TerminalOutput | None = None,
     ) -> None:
         self.settings = settings
         self._approver = approver
+        self._terminal_output = terminal_output  # a sandboxed command's output, held back during a prompt
         self._approvals: ManagedApprover | None = None  # the broker this service started (and stops)
         self._resolver = resolver
         self._audit = audit
@@ -228,7 +233,7 @@ class EgressService:
                 resolver = SystemResolver()
         approver = self._approver
         if approver is None:
-            approver = approver_from_settings(s, audit=audit)
+            approver = approver_from_settings(s, audit=audit, terminal_output=self._terminal_output)
             if isinstance(approver, ManagedApprover):
                 self._approvals = approver
                 try:

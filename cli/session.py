@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
+from approvals.terminal import TerminalOutput
 from audit.records import run_record
 from config.settings import Settings
 from proxy.runs import Run
@@ -86,6 +87,7 @@ class Session(Protocol):
     workdir: Path
     made_workdir: bool
     run: RunHandle | None
+    terminal_output: TerminalOutput
 
     @property
     def box(self) -> Any: ...
@@ -141,7 +143,10 @@ class SessionBase(Generic[BoxT]):
     """What a session of either backend keeps: its settings, the working directory asked
     for (None: make one), the task, the sandbox's extra environment and terminal type;
     once entered, the working directory in use and the sandbox (``box``). Leaving it
-    undoes, in reverse, everything entering did (``_stack``)."""
+    undoes, in reverse, everything entering did (``_stack``).
+
+    ``terminal_output`` carries a command's output to our terminal (``run(relay=...)``):
+    the session's terminal approver holds it back while it prompts."""
 
     def __init__(
         self,
@@ -163,6 +168,7 @@ class SessionBase(Generic[BoxT]):
         self.made_workdir = workdir is None
         self._box: BoxT | None = None
         self._stack = contextlib.AsyncExitStack()
+        self.terminal_output = TerminalOutput()
 
     @property
     def box(self) -> BoxT:
@@ -235,7 +241,7 @@ class SandboxSession(SessionBase[Sandbox]):
                 "require_auth": True,
             }
         )
-        self.service = EgressService(service_settings)
+        self.service = EgressService(service_settings, terminal_output=self.terminal_output)
         try:
             await self.service.start()
         except StartupError as exc:

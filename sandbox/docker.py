@@ -69,7 +69,16 @@ from aiodocker.exceptions import DockerError
 
 from .bwrap import SANDBOX_GID, SANDBOX_HOSTNAME, SANDBOX_UID, SANDBOX_WORKDIR, base_environment
 from .copyout import MAX_BYTES, MAX_FILES, CopyReport, Destination, check_pattern, unmatched_patterns
-from .launcher import DEFAULT_MAX_OUTPUT, EXIT_MEMORY, EXIT_TIMEOUT, BoundedOutput, Observation, SandboxError
+from .launcher import (
+    DEFAULT_MAX_OUTPUT,
+    EXIT_MEMORY,
+    EXIT_TIMEOUT,
+    BoundedOutput,
+    FdOutput,
+    Observation,
+    OutputSink,
+    SandboxError,
+)
 from .limits import Limits
 from .seccomp import SeccompUnsupported, docker_profile
 
@@ -887,13 +896,14 @@ class DockerSandbox:
         capture: bool = True,
         max_output: int = DEFAULT_MAX_OUTPUT,
         stdin: int | None = None,
-        relay: tuple[int, int] | None = None,
+        relay: tuple[OutputSink, OutputSink] | None = None,
     ) -> Observation:
         """Run one command in a fresh container to completion (or its limits).
 
         ``capture=False`` passes stdout/stderr on as they come, to
-        ``relay=(out_fd, err_fd)`` or else to ours (the command never holds
-        a descriptor of ours: its output crosses the engine's socket).
+        ``relay=(out_sink, err_sink)`` or else to ours as they are (the
+        command never holds a descriptor of ours: its output crosses the
+        engine's socket).
         ``stdin`` is a file descriptor whose contents the command reads
         (default: nothing, an empty stdin).
         """
@@ -905,7 +915,7 @@ class DockerSandbox:
                            stdin=stdin is not None, machine=self.machine)
         started = time.monotonic()
         out, err = BoundedOutput(max_output), BoundedOutput(max_output)
-        sinks = None if capture else (relay or (sys.stdout.fileno(), sys.stderr.fileno()))
+        sinks = None if capture else (relay or (FdOutput(sys.stdout.fileno()), FdOutput(sys.stderr.fileno())))
         with engine_errors("cannot start the command's container"):
             async with asyncio.timeout(API_TIMEOUT_S):
                 container = await self.engine.client.containers.create(command_config(spec))
@@ -962,7 +972,7 @@ class DockerSandbox:
         stream: Any,
         out: BoundedOutput,
         err: BoundedOutput,
-        sinks: tuple[int, int] | None,
+        sinks: tuple[OutputSink, OutputSink] | None,
         stdin: int | None,
         outcome: _Outcome,
     ) -> None:
@@ -973,7 +983,9 @@ class DockerSandbox:
                 if sinks is None:
                     (out if message.stream == 1 else err).add(message.data)
                 else:
-                    _write_all(sinks[0] if message.stream == 1 else sinks[1], message.data)
+                    (sinks[0] if message.stream == 1 else sinks[1]).add(message.data)
+            for sink in sinks or ():
+                sink.end()
             with engine_errors("cannot wait for the command's container"):
                 await container.wait()
             state = await _state(self.engine, container.id)
@@ -1089,18 +1101,6 @@ def _extract(
             if why is not None:
                 report.skipped.append((check.name, why))
     report.unmatched = unmatched_patterns(patterns, matched)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Pass output on to one of our descriptors; if ours is gone (a closed pipe), drop it."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view):]
-        except BlockingIOError:
-            continue
-        except OSError:
-            return
 
 
 async def _feed_stdin(stream: Any, fd: int) -> None:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import shutil
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .bwrap import BwrapSpec, base_environment, bwrap_argv, generated_etc, host_layout
 from .copyout import CopyReport, copy_out
@@ -83,12 +84,23 @@ class BoundedOutput:
         return text
 
 
-class _Relay:
-    """Passes a stream on to one of our file descriptors as it arrives."""
+class OutputSink(Protocol):
+    """Where ``relay=`` passes one of a command's streams: each chunk as it arrives, then its end.
+
+    ``FdOutput`` writes the bytes as they are; a terminal gets a sink from
+    cli that makes them inert first (``approvals.terminal.TerminalOutput``).
+    """
+
+    def add(self, chunk: bytes) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class FdOutput:
+    """An ``OutputSink`` that writes the bytes as they are to one of our descriptors (a file, a pipe)."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
-        self.dropped = 0
 
     def add(self, chunk: bytes) -> None:
         view = memoryview(chunk)
@@ -96,9 +108,26 @@ class _Relay:
             try:
                 view = view[os.write(self.fd, view):]
             except BlockingIOError:
-                continue
+                select.select([], [self.fd], [])
             except OSError:  # our own output is gone (closed pipe): drop, keep draining
                 return
+
+    def end(self) -> None:
+        pass
+
+
+class _Relay:
+    """Passes a stream on to an ``OutputSink`` as it arrives (nothing is kept, nothing dropped)."""
+
+    def __init__(self, sink: OutputSink) -> None:
+        self.sink = sink
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.sink.add(chunk)
+
+    def end(self) -> None:
+        self.sink.end()
 
 
 async def _pump(stream: asyncio.StreamReader | None, sink: BoundedOutput | _Relay) -> None:
@@ -106,6 +135,8 @@ async def _pump(stream: asyncio.StreamReader | None, sink: BoundedOutput | _Rela
         return
     while chunk := await stream.read(65536):
         sink.add(chunk)
+    if isinstance(sink, _Relay):
+        sink.end()
 
 
 class Sandbox:
@@ -164,15 +195,15 @@ class Sandbox:
         capture: bool = True,
         max_output: int = DEFAULT_MAX_OUTPUT,
         stdin: int | None = None,
-        relay: tuple[int, int] | None = None,
+        relay: tuple[OutputSink, OutputSink] | None = None,
     ) -> Observation:
         """Run one command to completion (or its limits) and report what happened.
 
         ``capture=False`` passes stdout/stderr through instead of collecting
-        them: with ``relay=(out_fd, err_fd)`` through pipes that we copy to
-        those descriptors (use it when they are a terminal: a command handed
-        the terminal itself could read what a person types at the approval
-        prompt), otherwise by inheriting ours. ``stdin`` is a file
+        them: with ``relay=(out_sink, err_sink)`` through pipes that we copy to
+        those sinks (use it when ours are a terminal: a command handed the
+        terminal itself could read what a person types at the approval
+        prompt, and write to it raw), otherwise by inheriting ours. ``stdin`` is a file
         descriptor to give the command; default /dev/null.
         """
         if self._destroyed:
