@@ -34,7 +34,7 @@ STAGE_DIR = Path("/run/egressd/workdirs")
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 _MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND = 0x20, 0x400, 0x800, 0x1000
 _MS_RELATIME = 0x200000
-_MNT_DETACH = 0x2
+_MNT_DETACH, _UMOUNT_NOFOLLOW = 0x2, 0x8
 _KEPT = ((os.ST_RDONLY, _MS_RDONLY), (os.ST_NOEXEC, _MS_NOEXEC), (os.ST_NOATIME, _MS_NOATIME),
          (os.ST_NODIRATIME, _MS_NODIRATIME), (os.ST_RELATIME, _MS_RELATIME))
 
@@ -74,7 +74,7 @@ def _mount(source: str | None, target: Path, flags: int) -> None:
 
 def _umount(target: Path) -> None:
     # MNT_DETACH: a container that still has it mounted keeps its own copy.
-    if _libc.umount2(str(target).encode(), _MNT_DETACH) != 0:
+    if _libc.umount2(str(target).encode(), _MNT_DETACH | _UMOUNT_NOFOLLOW) != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, os.strerror(errno), str(target))
 
@@ -114,9 +114,9 @@ def stage(workdir: Path, *, owner: str, alive: Callable[[str], bool],
 
 def unstage(target: Path) -> None:
     """Remove one stage (its mount and its directory); gone already is fine."""
-    with contextlib.suppress(FileNotFoundError, OSError):
+    with contextlib.suppress(OSError):  # EINVAL: not mounted (any more)
         _umount(target)
-    with contextlib.suppress(FileNotFoundError, OSError):
+    with contextlib.suppress(OSError):
         target.rmdir()
 
 

@@ -120,8 +120,9 @@ async def egressd_run(tmp_path: Path, backend: str, *args: str, env: dict[str, s
 
 def kept_workdir(err: str) -> Path:
     """The fresh working directory ``--keep-workdir`` kept (egressd names it on stderr)."""
-    line = next(line for line in err.splitlines() if "working directory kept at " in line)
-    return Path(line.split("working directory kept at ", 1)[1].strip())
+    kept = [line for line in err.splitlines() if "working directory kept at " in line]
+    assert kept, err
+    return Path(kept[0].split("working directory kept at ", 1)[1].strip())
 
 
 def assert_nothing_mounted_from(workdir: Path) -> None:
@@ -298,20 +299,21 @@ async def test_the_stage_of_a_killed_docker_run_is_removed_at_the_next_start(tmp
     proc = await asyncio.create_subprocess_exec(
         EGRESSD, "run", "--backend", "docker", "--audit-log", str(tmp_path / "audit.jsonl"),
         "--workdir", str(owned_workdir), "--", "sleep", "60",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         env=base,
     )
     stages: list[Path] = []
     try:
         for _ in range(600):
             stages = _stages_of(proc.pid)
-            if stages and _status_of(["sleep", "60"]):
+            if stages and _status_of(["sleep", "60"]) or proc.returncode is not None:
                 break
             await asyncio.sleep(0.1)
     finally:
-        proc.kill()  # no chance to clean up
-        await proc.wait()
-    assert len(stages) == 1, stages
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()  # no chance to clean up
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert len(stages) == 1, err.decode()
     assert _mounted(stages[0])  # left behind
     # The killed run's containers and networks are another test's business (test_docker); removed
     # here first, so the next start has only the stage to find.
