@@ -44,11 +44,8 @@ import contextlib
 import datetime as dt
 import ipaddress
 import json
-import os
 import secrets
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -77,7 +74,6 @@ from approvals.signing import ReplayGuard, VerifyError, verify
 from approvals.terminal import TerminalChannel, TerminalOutput
 from audit.log import AuditError, JsonlAuditSink
 from config.settings import Settings
-from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
 from sandbox.copyout import CopyOutError, CopyReport
 from sandbox.docker import (
     CONTROL_PORT,
@@ -439,6 +435,7 @@ class DockerSession(SessionBase[_SessionBox]):
 
     async def _enter(self) -> None:
         entries_from_settings(self.settings)  # a bad entry stops us before anything is created
+        self._prepare_workdir()  # so does a root-owned working directory: before the engine is asked anything
         stack = self._stack
         self.engine = await stack.enter_async_context(DockerEngine.connect(self.docker_url))
         machine = str((await self.engine.version()).get("Arch") or "")
@@ -449,7 +446,6 @@ class DockerSession(SessionBase[_SessionBox]):
                 raise SessionError(f"the image {image} is not on this Docker Engine: build it "
                                    "(bash docker/build.sh, or docker build -f docker/Dockerfile ...) or name another")
         runtime = "runsc" if "runsc" in await self.engine.runtimes() else None
-        self._prepare_workdir()
         if self.connect:
             network, address, dns = await self._join_running_egressd()
         else:
@@ -475,16 +471,10 @@ class DockerSession(SessionBase[_SessionBox]):
         return self.resources.labels_for(role)
 
     def _prepare_workdir(self) -> None:
-        if self._workdir_arg is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix="egressd-work-"))
-            # The sandbox runs as an unprivileged user; a fresh directory is theirs.
-            os.chown(self.workdir, SANDBOX_UID, SANDBOX_GID)
-            if not self.keep_workdir:
-                self._stack.callback(shutil.rmtree, self.workdir, True)
-        else:
-            self.workdir = Path(self._workdir_arg)
-            if not self.workdir.is_dir():
-                raise SessionError(f"working directory {self.workdir} does not exist")
+        """A fresh working directory for the unprivileged sandbox user, or the given one if an
+        ordinary user owns it (``SessionBase._take_workdir``); the engine mounts it nosuid,nodev
+        through a stage of ours (``DockerSandbox``)."""
+        self._take_workdir()
 
     async def _start_sidecar(self) -> tuple[str, str, str]:
         assert self.engine is not None

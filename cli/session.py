@@ -8,10 +8,12 @@
         obs = await session.box.run(argv, limits=...)
         obs.egress_refusals = session.refusals_since(cursor)
 
-Entering it: (1) removes leftovers of dead runs, (2) creates the run's
-network, (3) starts egressd on the host side of the veth (proxy, DNS,
+Entering it: (1) makes or checks the working directory (a root-owned one is
+refused here, before anything exists; its owner must be able to reach it, as
+bwrap runs as them), (2) removes leftovers of dead runs, (3) creates the
+run's network, (4) starts egressd on the host side of the veth (proxy, DNS,
 transparent TLS/HTTP; control API on a private unix socket; runs need
-credentials or the bound source address), (4) registers the run, (5)
+credentials or the bound source address), (5) registers the run, (6)
 prepares the sandbox. Leaving it undoes all of that in reverse order,
 whatever happened. A failure to set up raises ``SessionError`` (exit 125).
 """
@@ -31,7 +33,9 @@ from approvals.terminal import TerminalOutput
 from audit.records import run_record
 from config.settings import Settings
 from proxy.runs import Run
-from sandbox.launcher import Sandbox, SandboxError
+from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
+from sandbox.identity import refusal, run_as, unreachable
+from sandbox.launcher import Sandbox, SandboxError, owner_reaches
 from sandbox.limits import leftover_cgroups
 from sandbox.network import (
     DEFAULT_RANGE,
@@ -178,6 +182,32 @@ class SessionBase(Generic[BoxT]):
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
 
+    def _take_workdir(self) -> tuple[int, int]:
+        """Make or check the working directory; returns who the command will run as (uid, gid).
+
+        Called first, so a run that cannot start creates nothing. A fresh
+        directory belongs to the unprivileged SANDBOX_UID:SANDBOX_GID (and is
+        removed afterwards unless kept); a given one must exist and belong to
+        an ordinary user (``identity.run_as``): a root-owned one is refused.
+        """
+        if self._workdir_arg is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="egressd-work-"))
+            if not self.keep_workdir:
+                self._stack.callback(shutil.rmtree, self.workdir, True)
+            try:
+                os.chown(self.workdir, SANDBOX_UID, SANDBOX_GID)
+            except OSError as exc:
+                raise SessionError(f"cannot give the fresh working directory to uid {SANDBOX_UID}: {exc}") from None
+            return SANDBOX_UID, SANDBOX_GID
+        self.workdir = Path(self._workdir_arg)
+        if not self.workdir.is_dir():
+            raise SessionError(f"working directory {self.workdir} does not exist")
+        info = self.workdir.stat()
+        ids = run_as(info.st_uid, info.st_gid)
+        if ids is None:
+            raise SessionError(refusal(str(self.workdir)))
+        return ids
+
 
 class SandboxSession(SessionBase[Sandbox]):
     """Everything one sandboxed run needs, created and destroyed together."""
@@ -212,16 +242,12 @@ class SandboxSession(SessionBase[Sandbox]):
     async def _enter(self) -> None:
         check_host()
         allow, deny = entries_from_settings(self.settings)
+        uid, gid = self._take_workdir()
+        # bwrap runs as the owner and opens the directory itself (Docker's engine binds it as root).
+        if not await owner_reaches(self.workdir, uid, gid):
+            raise SessionError(unreachable(str(self.workdir), uid, gid))
         await clean_stale()
         stack = self._stack
-        if self._workdir_arg is None:
-            self.workdir = Path(tempfile.mkdtemp(prefix="egressd-work-"))
-            if not self.keep_workdir:
-                stack.callback(shutil.rmtree, self.workdir, True)
-        else:
-            self.workdir = Path(self._workdir_arg)
-            if not self.workdir.is_dir():
-                raise SessionError(f"working directory {self.workdir} does not exist")
         private = Path(tempfile.mkdtemp(prefix="egressd-run-"))
         stack.callback(shutil.rmtree, private, True)
         try:

@@ -13,9 +13,15 @@ What the sandbox sees (DESIGN.md, "The two boundaries"):
 
 Every namespace but the network one is unshared here; the network namespace
 is egressd's, prepared by ``network`` and entered before bwrap starts. All
-capabilities are dropped, the command runs as an unprivileged user inside, in
-a new session (no TIOCSTI into our terminal), and dies with its parent. bwrap
-sets no_new_privs before loading the seccomp filter.
+capabilities are dropped, the command runs in a new session (no TIOCSTI into
+our terminal), and dies with its parent. bwrap sets no_new_privs before
+loading the seccomp filter.
+
+Identity (``identity``): bwrap is started as the working directory's owner,
+not as root, so the user namespace it makes maps the sandbox to that host
+uid, never to host root; inside, the command has the same uid and gid
+(``BwrapSpec.uid``/``gid``), named ``agent`` by the generated passwd. Every
+bind bwrap makes is nosuid, and nodev unless it is a device.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 SANDBOX_WORKDIR = "/work"
+# The owner of a fresh working directory, and so who a command runs as in it:
+# an unprivileged pair, the sandbox image's ``agent`` (docker/sandbox.Dockerfile).
 SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 SANDBOX_USER = "agent"
@@ -33,8 +41,10 @@ SANDBOX_HOSTNAME = "sandbox"
 # Top-level entries that are links into /usr on a merged-/usr system.
 USR_LINKS = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 # Read-only pieces of the host's /etc that programs need; absent ones are skipped.
-ETC_READONLY = ("ssl", "ca-certificates", "ca-certificates.conf", "alternatives", "ld.so.cache",
-                "ld.so.conf", "ld.so.conf.d", "localtime", "mime.types", "protocols", "services")
+# Of /etc/ssl only the certificates and OpenSSL's configuration: /etc/ssl/private
+# holds the host's private keys.
+ETC_READONLY = ("ssl/certs", "ssl/openssl.cnf", "ca-certificates", "ca-certificates.conf", "alternatives",
+                "ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "mime.types", "protocols", "services")
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,8 @@ class BwrapSpec:
     usr_dirs: Sequence[str] = ()  # top-level names that are real directories to bind read-only
     etc_readonly: Sequence[str] = ()  # names under the host's /etc to bind read-only
     extra_readonly: Sequence[str] = ()  # other host paths the caller asked for, read-only
+    uid: int = SANDBOX_UID  # who the command is inside: the working directory's owner
+    gid: int = SANDBOX_GID
 
 
 GENERATED_ETC = ("resolv.conf", "hosts", "passwd", "group", "nsswitch.conf", "hostname")
@@ -60,7 +72,7 @@ def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
     args = [
         bwrap,
         "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
-        "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_GID),
+        "--uid", str(spec.uid), "--gid", str(spec.gid),
         "--hostname", SANDBOX_HOSTNAME,
         "--die-with-parent", "--new-session", "--cap-drop", "ALL",
         "--clearenv",
@@ -91,17 +103,19 @@ def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
     return args
 
 
-def generated_etc(*, nameserver: str) -> dict[str, str]:
-    """The contents of the generated /etc files."""
+def generated_etc(*, nameserver: str, uid: int = SANDBOX_UID, gid: int = SANDBOX_GID) -> dict[str, str]:
+    """The contents of the generated /etc files; ``agent`` is ``uid``:``gid``, who the command runs as."""
+    nobody = "" if uid == 65534 else "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    nogroup = "" if gid == 65534 else "nogroup:x:65534:\n"
     return {
         "resolv.conf": f"nameserver {nameserver}\noptions attempts:2 timeout:2\n",
         "hosts": f"127.0.0.1 localhost\n::1 localhost ip6-localhost\n127.0.1.1 {SANDBOX_HOSTNAME}\n",
         "passwd": (
             "root:x:0:0:root:/nonexistent:/usr/sbin/nologin\n"
-            f"{SANDBOX_USER}:x:{SANDBOX_UID}:{SANDBOX_GID}:sandboxed agent:{SANDBOX_WORKDIR}:/bin/sh\n"
-            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+            f"{SANDBOX_USER}:x:{uid}:{gid}:sandboxed agent:{SANDBOX_WORKDIR}:/bin/sh\n"
+            f"{nobody}"
         ),
-        "group": f"root:x:0:\n{SANDBOX_USER}:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
+        "group": f"root:x:0:\n{SANDBOX_USER}:x:{gid}:\n{nogroup}",
         "nsswitch.conf": "passwd: files\ngroup: files\nhosts: files dns\n",
         "hostname": f"{SANDBOX_HOSTNAME}\n",
     }

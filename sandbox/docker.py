@@ -25,12 +25,15 @@ The sandbox: each command is a fresh container (like each bwrap invocation:
 /tmp is per command, the working directory persists), with a read-only root
 filesystem, every capability dropped, no-new-privileges, egressd's own seccomp
 profile instead of Docker's default (``sandbox.seccomp``: the bwrap filter's
-policy, so AF_VSOCK and io_uring are refused here too), uid 1000, a private
-IPC namespace, its own PID namespace with an init, tmpfs /tmp, IPv6 off, the
-run's DNS set to egressd's address (Docker's resolver at 127.0.0.11 relays to
-it from the sandbox's own address), and the limits as cgroup settings: memory
-with no swap (OOM kill: exit 137, ``memory_exceeded``), a pids limit, CPU
-time as RLIMIT_CPU and a CPU share. Past the timeout the container is killed,
+policy, so AF_VSOCK and io_uring are refused here too), the working
+directory's owner as its uid and gid (``identity``: never root; 1000 for a
+fresh one), /work mounted nosuid and nodev (through a bind mount of ours
+whose flags the container's inherits, ``stage``), a private IPC namespace,
+its own PID namespace with an init, tmpfs /tmp, IPv6 off, the run's DNS set
+to egressd's address (Docker's resolver at 127.0.0.11 relays to it from the
+sandbox's own address), and the limits as cgroup settings: memory with no
+swap (OOM kill: exit 137, ``memory_exceeded``), a pids limit, CPU time as
+RLIMIT_CPU and a CPU share. Past the timeout the container is killed,
 which takes its whole PID namespace down (exit 124). gVisor's ``runsc`` is
 used when the engine has it.
 
@@ -69,6 +72,7 @@ from aiodocker.exceptions import DockerError
 
 from .bwrap import SANDBOX_GID, SANDBOX_HOSTNAME, SANDBOX_UID, SANDBOX_WORKDIR, base_environment
 from .copyout import MAX_BYTES, MAX_FILES, CopyReport, Destination, check_pattern, unmatched_patterns
+from .identity import refusal, run_as
 from .launcher import (
     DEFAULT_MAX_OUTPUT,
     EXIT_MEMORY,
@@ -81,6 +85,7 @@ from .launcher import (
 )
 from .limits import Limits
 from .seccomp import SeccompUnsupported, docker_profile
+from .stage import stage, unstage
 
 DEFAULT_IMAGE = "egressd-sandbox:latest"  # docker/sandbox.Dockerfile, as docker/build.sh tags it
 DEFAULT_EGRESSD_IMAGE = "egressd:latest"  # docker/Dockerfile
@@ -254,22 +259,18 @@ def hardened_host_config(*, network: str) -> dict[str, Any]:
     }
 
 
-def sandbox_user(owner_uid: int, owner_gid: int, mode: int) -> tuple[int, int]:
-    """The uid:gid commands run as, given the working directory's owner and mode (pure).
+def sandbox_user(owner_uid: int, owner_gid: int, *, workdir: str) -> tuple[int, int]:
+    """The uid:gid commands run as, given the working directory's owner (pure; ``identity.run_as``).
 
     Without user-namespace remapping a container's uid is the host's, so the
-    command runs as the directory's owner (its files stay that user's) — never
-    as root: a root-owned directory gets the sandbox user 1000, and must then
-    be writable by it.
+    command runs as the directory's owner (its files stay that user's), with
+    no other group — never as root: a root-owned directory (uid 0 or gid 0,
+    whatever its mode) is refused with ``identity.refusal``.
     """
-    if owner_uid != 0:
-        return owner_uid, owner_gid
-    if mode & stat.S_IWOTH:
-        return SANDBOX_UID, SANDBOX_GID
-    raise SandboxError(
-        "the working directory belongs to root and the sandbox never runs as root: "
-        f"chown it to an unprivileged user (e.g. chown {SANDBOX_UID}:{SANDBOX_GID} DIR) or pick another"
-    )
+    ids = run_as(owner_uid, owner_gid)
+    if ids is None:
+        raise SandboxError(refusal(workdir))
+    return ids
 
 
 @dataclass(frozen=True)
@@ -279,7 +280,7 @@ class CommandSpec:
     image: str
     argv: Sequence[str]
     env: Mapping[str, str]
-    workdir: str  # host path (on the engine's host) mounted read-write at /work
+    workdir: str  # host path (on the engine's host) mounted read-write at /work: the nosuid,nodev stage
     network: str
     address: str
     dns: str
@@ -312,6 +313,8 @@ def command_config(spec: CommandSpec) -> dict[str, Any]:
     host["SecurityOpt"] = [*host["SecurityOpt"], seccomp_option(spec.machine)]
     host.update(
         {
+            # The source is the working directory's stage: /work inherits its nosuid,nodev (Docker's
+            # binds take no such options themselves; see ``stage``).
             "Mounts": [{"Type": "bind", "Source": spec.workdir, "Target": SANDBOX_WORKDIR, "ReadOnly": False,
                         "BindOptions": {"Propagation": "rprivate"}}],
             "Tmpfs": {"/tmp": TMPFS_OPTIONS, "/var/tmp": TMPFS_OPTIONS},
@@ -876,6 +879,7 @@ class DockerSandbox:
     machine: str = "x86_64"  # the engine's architecture, for the seccomp profile
     env: dict[str, str] = field(init=False)
     user: tuple[int, int] = field(init=False)
+    _stage: Path = field(init=False)  # what the engine mounts at /work: the working directory, nosuid,nodev
     _current: str | None = field(default=None, init=False)
     _destroyed: bool = field(default=False, init=False)
 
@@ -884,8 +888,15 @@ class DockerSandbox:
         if not self.workdir.is_dir():
             raise SandboxError(f"working directory {self.workdir} does not exist")
         seccomp_option(self.machine)  # an engine the profile is not written for: refused here, not per command
-        info = self.workdir.stat()
-        self.user = sandbox_user(info.st_uid, info.st_gid, info.st_mode)
+        boot = _boot_id()
+        try:
+            self._stage, self.user = stage(
+                self.workdir, owner=owner_token(), alive=lambda token: owner_alive(token, boot_id=boot),
+                identity=lambda uid, gid: sandbox_user(uid, gid, workdir=str(self.workdir)),
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot mount the working directory nosuid,nodev for the sandbox (egressd needs "
+                               f"root for that): {exc}") from None
         self.env = base_environment(term=self.term, proxy_url=self.proxy_url, extra=self.extra_env)
 
     async def run(
@@ -909,7 +920,7 @@ class DockerSandbox:
         """
         if self._destroyed:
             raise SandboxError("the sandbox was destroyed")
-        spec = CommandSpec(image=self.image, argv=command, env=self.env, workdir=str(self.workdir),
+        spec = CommandSpec(image=self.image, argv=command, env=self.env, workdir=str(self._stage),
                            network=self.network, address=self.address, dns=self.dns, labels=self.labels,
                            limits=limits, user=self.user, cpus=self.cpus, runtime=self.runtime,
                            stdin=stdin is not None, machine=self.machine)
@@ -1028,7 +1039,7 @@ class DockerSandbox:
         try:
             # A created, never started container with the same mount: the archive
             # API reads /work from it, whatever the engine's host looks like.
-            spec = CommandSpec(image=self.image, argv=["true"], env={}, workdir=str(self.workdir), network="none",
+            spec = CommandSpec(image=self.image, argv=["true"], env={}, workdir=str(self._stage), network="none",
                                address="", dns=self.dns, labels=self.labels)
             config = command_config(spec)
             config["HostConfig"]["NetworkMode"] = "none"
@@ -1075,6 +1086,7 @@ class DockerSandbox:
         self._destroyed = True
         if self._current is not None:
             await self._remove(self._current)
+        unstage(self._stage)
 
 
 def _extract(

@@ -49,11 +49,15 @@ async def check_bwrap() -> Check:
     if shutil.which("bwrap") is None:
         return Check("bubblewrap", False, "bwrap is not installed", "apt-get install bubblewrap")
     code, version = await _run("bwrap", "--version")
-    code, out = await _run("bwrap", *_BWRAP_PROBE, "--", "/bin/true")
+    # As the sandbox starts it: as an ordinary user (the working directory's owner), never as root,
+    # so the user namespace must be one an unprivileged user may create.
+    unprivileged = ["nsenter", "--setgid", "65534", "--setuid", "65534", "--"] if os.geteuid() == 0 else []
+    code, out = await _run(*unprivileged, "bwrap", *_BWRAP_PROBE, "--", "/bin/true")
     if code != 0:
-        return Check("bubblewrap", False, f"{version} cannot start a sandbox: {out}",
-                     "allow user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
-                     "user.max_user_namespaces>0) or run as root")
+        return Check("bubblewrap", False, f"{version} cannot start a sandbox as an ordinary user: {out}",
+                     "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+                     "user.max_user_namespaces>0; on Ubuntu kernel.apparmor_restrict_unprivileged_userns=0 "
+                     "or an AppArmor profile for bwrap)")
     return Check("bubblewrap", True, f"{version}; user, PID, IPC and UTS namespaces work")
 
 

@@ -12,6 +12,13 @@ namespace (so /tmp is per command; the working directory persists), inside a
 cgroup of its own, bounded in time (the whole process tree is killed: exit
 124), memory (exit 137), process count and CPU time. The sandbox package
 never imports the proxy: it receives egressd's address as plain values.
+
+Who it runs as (``identity``): the child joins its cgroup and sets its limits
+as root, then ``nsenter`` enters the network namespace (that needs root),
+drops every supplementary group and becomes the working directory's owner
+before bwrap starts. bwrap is then an ordinary process of that user: the user
+namespace it makes maps the sandbox to that uid, never to host root, and it
+holds no capability over the host.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import contextlib
 import os
 import select
 import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -30,6 +38,7 @@ from typing import Any, Protocol
 
 from .bwrap import BwrapSpec, base_environment, bwrap_argv, generated_etc, host_layout
 from .copyout import CopyReport, copy_out
+from .identity import refusal, run_as
 from .limits import Cgroup, Limits, rlimits_in_child
 from .network import RunNetwork
 from .seccomp import SeccompUnsupported, build_filter
@@ -139,6 +148,20 @@ async def _pump(stream: asyncio.StreamReader | None, sink: BoundedOutput | _Rela
         sink.end()
 
 
+async def owner_reaches(path: Path, uid: int, gid: int, nsenter: str = "nsenter") -> bool:
+    """Whether ``uid``:``gid``, with no other group, can enter ``path``: bwrap, running as them, must.
+
+    Asked of the kernel, with the same change of identity as ``Sandbox.run``
+    (so ACLs and every directory above count), not worked out from modes.
+    """
+    probe = await asyncio.create_subprocess_exec(
+        shutil.which(nsenter) or nsenter, "--setgid", str(gid), "--setuid", str(uid), "--",
+        shutil.which("test") or "/usr/bin/test", "-d", str(path), "-a", "-x", str(path),
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )
+    return await probe.wait() == 0
+
+
 class Sandbox:
     """A working directory, an environment and a network, ready to run commands."""
 
@@ -162,9 +185,17 @@ class Sandbox:
             self._seccomp = build_filter()
         except SeccompUnsupported as exc:  # never a sandbox without its filter
             raise SandboxError(str(exc)) from None
+        info = self.workdir.stat()
+        ids = run_as(info.st_uid, info.st_gid)
+        if ids is None:
+            raise SandboxError(refusal(str(workdir)))
+        self.uid, self.gid = ids
         self._etc = Path(tempfile.mkdtemp(prefix=f"egressd-etc-{network.plan.run_key}-"))
-        for name, content in generated_etc(nameserver=str(network.plan.host_ip)).items():
+        for name, content in generated_etc(nameserver=str(network.plan.host_ip), uid=self.uid, gid=self.gid).items():
             (self._etc / name).write_text(content)
+            (self._etc / name).chmod(0o644)
+        # bwrap runs as the owner and binds these files itself: it must reach them (nothing here is secret).
+        self._etc.chmod(0o755)
         self.env = base_environment(term=term, proxy_url=proxy_url, extra=extra_env)
         self.extra_readonly = list(extra_readonly)
         self._links, self._dirs, self._etc_ro = host_layout()
@@ -184,8 +215,13 @@ class Sandbox:
             usr_dirs=self._dirs,
             etc_readonly=self._etc_ro,
             extra_readonly=self.extra_readonly,
+            uid=self.uid,
+            gid=self.gid,
         )
-        return [self._nsenter, f"--net={self.network.plan.netns_path}", "--", *bwrap_argv(spec, self._bwrap)]
+        # nsenter joins the namespace as root, then drops the supplementary groups and
+        # sets gid and uid, in that order, before it runs bwrap as the owner.
+        return [self._nsenter, f"--net={self.network.plan.netns_path}", "--setgid", str(self.gid),
+                "--setuid", str(self.uid), "--", *bwrap_argv(spec, self._bwrap)]
 
     async def run(
         self,
@@ -223,9 +259,13 @@ class Sandbox:
                 if fd > 2 and fd != read_fd:
                     with contextlib.suppress(OSError):
                         os.set_inheritable(fd, False)
+            # Still root here: joining the cgroup writes a root-owned file. The owner's
+            # process then cannot move itself out of it (that needs write access above).
             if cgroup is not None:
                 cgroup.join_self()
             rlimits_in_child(limits, memory_fallback=cgroup is None)
+            # nsenter drops them too, but ignores a failure to: here a failure stops the start.
+            os.setgroups([])
 
         started = time.monotonic()
         out: BoundedOutput | _Relay
@@ -244,7 +284,7 @@ class Sandbox:
                 pass_fds=(read_fd,),
                 preexec_fn=in_child,
             )
-        except OSError as exc:
+        except (OSError, subprocess.SubprocessError) as exc:  # the latter: in_child failed
             if cgroup is not None:
                 await cgroup.remove()
             raise SandboxError(f"cannot start the sandbox: {exc}") from exc

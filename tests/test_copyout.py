@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import shutil
 import sys
 import tarfile
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -287,13 +289,21 @@ def _backend(name: str) -> list[str]:
 
 
 def _give(path: Path, backend: list[str]) -> None:
-    """Docker runs the command as the working directory's owner, never root: make it 1000's."""
-    if "docker" in backend:
-        os.chown(path, 1000, 1000)
+    """The command runs as the working directory's owner, never root: make it an ordinary user's."""
+    os.chown(path, 1000, 1000)
 
 
-async def _refused_before_the_run(tmp_path: Path, backend: list[str], dns: Any = None) -> None:
-    work, forbidden = tmp_path / "work", tmp_path / "forbidden"
+@pytest.fixture
+def reachable() -> Iterator[Path]:
+    """A directory an ordinary user can reach (tmp_path's parents are root's alone), removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="egressd-test-copyout-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+async def _refused_before_the_run(tmp_path: Path, base: Path, backend: list[str], dns: Any = None) -> None:
+    work, forbidden = base / "work", base / "forbidden"
     (work / "dist").mkdir(parents=True)
     forbidden.mkdir()
     (work / "dist" / "a.whl").write_text("keep me")
@@ -310,8 +320,8 @@ async def _refused_before_the_run(tmp_path: Path, backend: list[str], dns: Any =
         assert list(forbidden.iterdir()) == []
 
 
-async def _never_through_an_earlier_runs_link(tmp_path: Path, backend: list[str], dns: Any = None) -> None:
-    shared, work, forbidden = tmp_path / "shared", tmp_path / "work", tmp_path / "forbidden"
+async def _never_through_an_earlier_runs_link(tmp_path: Path, base: Path, backend: list[str], dns: Any = None) -> None:
+    shared, work, forbidden = base / "shared", base / "work", base / "forbidden"
     for path in (shared, work, forbidden):
         path.mkdir()
         _give(path, backend)
@@ -339,15 +349,17 @@ async def _never_through_an_earlier_runs_link(tmp_path: Path, backend: list[str]
 
 
 async def test_run_refuses_a_destination_inside_the_working_directory_before_it_starts(
-    tmp_path: Path, dns: Any
+    tmp_path: Path, reachable: Path, dns: Any
 ) -> None:
     _needs_bwrap()
-    await _refused_before_the_run(tmp_path, _backend("bwrap"), dns)
+    await _refused_before_the_run(tmp_path, reachable, _backend("bwrap"), dns)
 
 
-async def test_run_never_writes_through_a_link_an_earlier_run_planted(tmp_path: Path, dns: Any) -> None:
+async def test_run_never_writes_through_a_link_an_earlier_run_planted(
+    tmp_path: Path, reachable: Path, dns: Any
+) -> None:
     _needs_bwrap()
-    await _never_through_an_earlier_runs_link(tmp_path, _backend("bwrap"), dns)
+    await _never_through_an_earlier_runs_link(tmp_path, reachable, _backend("bwrap"), dns)
 
 
 async def test_agent_refuses_a_destination_inside_the_working_directory_before_a_sandbox_exists(
@@ -369,10 +381,12 @@ async def test_agent_refuses_a_destination_inside_the_working_directory_before_a
 
 
 async def test_docker_run_refuses_a_destination_inside_the_working_directory_before_it_starts(
-    engine: Any, tmp_path: Path
+    engine: Any, tmp_path: Path, reachable: Path
 ) -> None:
-    await _refused_before_the_run(tmp_path, _backend("docker"))
+    await _refused_before_the_run(tmp_path, reachable, _backend("docker"))
 
 
-async def test_docker_run_never_writes_through_a_link_an_earlier_run_planted(engine: Any, tmp_path: Path) -> None:
-    await _never_through_an_earlier_runs_link(tmp_path, _backend("docker"))
+async def test_docker_run_never_writes_through_a_link_an_earlier_run_planted(
+    engine: Any, tmp_path: Path, reachable: Path
+) -> None:
+    await _never_through_an_earlier_runs_link(tmp_path, reachable, _backend("docker"))

@@ -146,10 +146,10 @@ def test_a_removal_already_under_way_elsewhere_counts_as_removed_and_other_confl
 
 
 def test_the_sandbox_never_runs_as_root() -> None:
-    assert sandbox_user(1001, 1002, 0o700) == (1001, 1002)
-    assert sandbox_user(0, 0, 0o777) == (1000, 1000)
-    with pytest.raises(SandboxError, match="belongs to root"):
-        sandbox_user(0, 0, 0o755)
+    assert sandbox_user(1001, 1002, workdir="/w") == (1001, 1002)
+    for owner in ((0, 0), (0, 1002), (1001, 0)):  # a world-writable root-owned directory is refused too
+        with pytest.raises(SandboxError, match="/w belongs to root"):
+            sandbox_user(*owner, workdir="/w")
 
 
 def test_a_command_container_is_hardened() -> None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import sys
+import tempfile
 import textwrap
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,18 @@ def _needs_root_and_tools() -> None:
     require(os.geteuid() == 0, "the sandbox tests need root (network namespaces, nftables, cgroups)")
     for tool in ("bwrap", "nft", "ip", "nsenter", "curl"):
         require(have(tool), f"{tool} is not installed")
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A working directory as a real project's: an ordinary user's (uid 1000), where that user can reach it.
+
+    The sandbox runs as the directory's owner, so a root-owned one (like tmp_path) is refused.
+    """
+    path = Path(tempfile.mkdtemp(prefix="egressd-test-work-"))
+    os.chown(path, 1000, 1000)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 class UdpCounter(asyncio.DatagramProtocol):
@@ -210,15 +225,13 @@ async def test_network_bypasses_fail_and_reach_nothing(tmp_path, dns, leak) -> N
     await assert_no_leftovers()
 
 
-async def test_the_host_filesystem_secrets_and_processes_stay_out_of_reach(tmp_path, dns) -> None:
+async def test_the_host_filesystem_secrets_and_processes_stay_out_of_reach(tmp_path, dns, workdir) -> None:
     home_ssh = Path.home() / ".ssh"
     home_ssh.mkdir(exist_ok=True)
     key = home_ssh / f"egressd-test-key-{uuid.uuid4().hex}"
     marker = f"FAKE-PRIVATE-KEY-{uuid.uuid4().hex}"
     key.write_text(marker)
     tmp_name = f"egressd-test-{uuid.uuid4().hex}"
-    workdir = tmp_path / "work"
-    workdir.mkdir()
     script = textwrap.dedent(f"""
         cat {key} 2>&1
         cat ~/.aws/credentials 2>&1
@@ -254,9 +267,7 @@ async def test_the_host_filesystem_secrets_and_processes_stay_out_of_reach(tmp_p
     await assert_no_leftovers()
 
 
-async def test_timeout_kills_the_whole_process_tree(tmp_path, dns) -> None:
-    workdir = tmp_path / "work"
-    workdir.mkdir()
+async def test_timeout_kills_the_whole_process_tree(tmp_path, dns, workdir) -> None:
     code, _, err = await egressd_run(
         tmp_path, dns, "--workdir", str(workdir), "--timeout", "1", "--",
         "sh", "-c", "(sleep 3; touch /work/survivor) & setsid sh -c 'sleep 3; touch /work/survivor2' & sleep 60",
@@ -280,9 +291,8 @@ async def test_exit_status_is_the_commands_own(tmp_path, dns) -> None:
     assert code == 7
 
 
-async def test_copy_out_takes_only_safe_regular_files(tmp_path, dns) -> None:
-    workdir, out_dir = tmp_path / "work", tmp_path / "out"
-    workdir.mkdir()
+async def test_copy_out_takes_only_safe_regular_files(tmp_path, dns, workdir) -> None:
+    out_dir = tmp_path / "out"
     out_dir.mkdir()
     script = "mkdir -p dist && echo wheel > dist/a.whl && ln -s /etc/passwd dist/b.whl && mkfifo dist/c.whl"
     code, _, err = await egressd_run(
