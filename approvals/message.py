@@ -67,7 +67,10 @@ _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"})
 # A run of dot-separated labels: how a name appears inside a command or a
 # task ("curl https://api.github.com/x", "see docs.python.org"). \w covers
 # letters of any script, so IDN spellings are found too.
-_NAME_IN_TEXT = re.compile(r"[\w-]+(?:\.[\w-]+)+")
+# The lookbehind starts a match only where a run of name characters starts:
+# without it a long run with no dot is retried from each of its characters
+# (quadratic: a 10,000-character command held the event loop for seconds).
+_NAME_IN_TEXT = re.compile(r"(?<![\w-])[\w-]+(?:\.[\w-]+)+")
 
 
 def escape(text: str) -> str:
