@@ -93,6 +93,11 @@ class Settings(BaseSettings):
     approver: Annotated[list[Approver], NoDecode] = Field(default_factory=list)
     approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
     max_pending_approvals: int = Field(5, ge=1, le=10000, description="per run")
+    # Approval fatigue: a person asked twenty times in one run is being worn
+    # down, not informed; past this the run stops asking (not_allowlisted).
+    max_approvals_per_run: int = Field(
+        20, ge=1, le=100_000, description="approval requests one run may make; past it: not_allowlisted"
+    )
     webhook_url: str | None = Field(None, description="where approval requests are POSTed")
     webhook_secret: SecretStr | None = Field(None, description="whsec_ key signing outgoing webhooks")
     webhook_callback_secret: SecretStr | None = Field(None, description="whsec_ key the callback must be signed with")
