@@ -300,7 +300,7 @@ async def test_forged_and_replayed_answers_are_refused_by_the_control_server(
         [decided] = records(svc, "approval.decided")
         assert decided["channel"] == "webhook" and decided["by"] == "bob"
         await wait_until(lambda: fake_slack.called("chat.update"))  # the Slack message says who decided
-        assert "bob (via webhook)" in json.dumps(fake_slack.called("chat.update")[0]["blocks"])
+        assert "`bob` (via webhook)" in json.dumps(fake_slack.called("chat.update")[0]["blocks"])
         # The bearer-token routes stay closed to anyone without the token.
         assert (await control(svc, "GET", "/approvals", token=None))[0] == 401
         assert (await control(svc, "POST", f"/approvals/{approval_id}/allow", token="wrong"))[0] == 401
