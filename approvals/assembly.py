@@ -1,7 +1,8 @@
 """From settings to an approver: the one place in this package that knows every channel.
 
 ``approver_from_settings`` reads the approval settings (``--approver``,
-the channel options, ``approval_timeout``, ``max_pending_approvals``):
+the channel options, ``approval_timeout``, ``max_pending_approvals``,
+``max_approvals_per_run``):
 
 1. no approver named → ``NoApprover`` (every new domain: ``no_approver``);
 2. ``deny`` → ``DenyApprover`` (alone: with a channel beside it nobody
@@ -119,5 +120,6 @@ def approver_from_settings(
         audit=audit,
         timeout_s=settings.approval_timeout,
         max_pending_per_run=settings.max_pending_approvals,
+        max_requests_per_run=settings.max_approvals_per_run,
         clock=clock,
     )

@@ -5,15 +5,19 @@
 1. an approval for the same (run, host, port) is open → wait for that one
    (concurrent requests share one approval, one message);
 2. no channel attached (or the broker is closed) → NO_APPROVER at once;
-3. the run already has ``max_pending_per_run`` approvals open →
+3. the run already opened ``max_requests_per_run`` approvals in its life
+   (however they ended) → STOPPED_ASKING at once (``not_allowlisted``), and
+   the first time, every channel is told the run stopped asking
+   (``Channel.notify``);
+4. the run already has ``max_pending_per_run`` approvals open →
    TOO_MANY_PENDING at once;
-4. otherwise open one: an unguessable id, the message rendered once, an
+5. otherwise open one: an unguessable id, the message rendered once, an
    ``approval.requested`` audit record, then one driver task that delivers
    to every channel concurrently and waits, bounded by the deadline, for the
    first answer (``answer``, from any channel or the control API). Every
    channel failing to deliver settles NO_APPROVER at once; the deadline
    settles TIMEOUT.
-5. The settlement is recorded (``approval.decided``), wakes every waiting
+6. The settlement is recorded (``approval.decided``), wakes every waiting
    request, and every channel that showed the approval is told (the Slack
    message updated, the terminal prompt withdrawn).
 
@@ -47,13 +51,14 @@ from .interface import (
     Channel,
     ChannelUnavailable,
     Decision,
+    Notice,
     PendingApproval,
     Route,
     Settlement,
     SetupError,
 )
 from .ledger import Approval, Ledger, key_of
-from .message import bounded, render
+from .message import bounded, render, stopped_asking_text
 
 log = logging.getLogger("egressd.approvals")
 
@@ -82,7 +87,7 @@ class _Held:
 
 
 class ApprovalBroker:
-    """Steps 1-5 of the module docstring; also the ``Answerer`` its channels call."""
+    """Steps 1-6 of the module docstring; also the ``Answerer`` its channels call."""
 
     def __init__(
         self,
@@ -91,6 +96,7 @@ class ApprovalBroker:
         audit: AuditSink,
         timeout_s: float = 600.0,
         max_pending_per_run: int = 5,
+        max_requests_per_run: int = 20,
         clock: Callable[[], float] = time.time,
         new_id: Callable[[], str] = new_approval_id,
         start_timeout_s: float = START_TIMEOUT_S,
@@ -107,13 +113,17 @@ class ApprovalBroker:
         self._new_id = new_id
         self._start_timeout_s = start_timeout_s
         self._settle_timeout_s = settle_timeout_s
-        self._ledger = Ledger(max_pending_per_run=max_pending_per_run)
+        self._ledger = Ledger(max_pending_per_run=max_pending_per_run, max_requests_per_run=max_requests_per_run)
         self._held: dict[str, _Held] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self._closed = False
 
     # -- lifetime -----------------------------------------------------------------
+
+    @property
+    def max_requests_per_run(self) -> int:
+        return self._ledger.max_requests_per_run
 
     @property
     def attached(self) -> tuple[str, ...]:
@@ -215,12 +225,16 @@ class ApprovalBroker:
         )
 
     def _join_or_open(self, request: ApprovalRequest) -> _Held | Answer:
-        """Steps 1-4 of the module docstring, without waiting."""
+        """Steps 1-5 of the module docstring, without waiting."""
         existing = self._ledger.find(key_of(request))
         if existing is not None:
             return self._held[existing.id]
         if self._closed or not self._channels:
             return Answer.NO_APPROVER
+        if not self._ledger.may_ask(request.run_id):
+            if self._ledger.stop(request.run_id):
+                self._stopped_asking(request.run_id)
+            return Answer.STOPPED_ASKING
         if not self._ledger.has_room(request.run_id):
             return Answer.TOO_MANY_PENDING
         loop = asyncio.get_running_loop()
@@ -375,6 +389,34 @@ class ApprovalBroker:
             self._settled(view.id, self._ledger.failed(view.id, channel.name, now=self._clock()))
         else:
             self._ledger.delivered(held.approval, channel.name)
+
+    def _stopped_asking(self, run_id: str) -> None:
+        """Step 3's notice: every attached channel says once that the run stopped asking."""
+        limit = self._ledger.max_requests_per_run
+        log.warning(
+            "run %s made %d approval requests, the most one run may make: it stops asking (not_allowlisted)",
+            bounded(run_id, 64),
+            limit,
+        )
+        notice = Notice(run_id=run_id, text=stopped_asking_text(run_id, limit), at=self._clock())
+        task = asyncio.get_running_loop().create_task(self._notify(notice), name=f"notice for run {run_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _notify(self, notice: Notice) -> None:
+        await asyncio.gather(*(self._notify_one(c, notice) for c in self._channels))
+
+    async def _notify_one(self, channel: Channel, notice: Notice) -> None:
+        try:
+            async with asyncio.timeout(self._settle_timeout_s):
+                await channel.notify(notice)
+        except Exception as exc:
+            log.warning(
+                "could not tell %s that run %s stopped asking: %s",
+                channel.name,
+                bounded(notice.run_id, 64),
+                str(exc) or type(exc).__name__,
+            )
 
     async def _settle_one(self, channel: Channel, view: PendingApproval, settlement: Settlement) -> None:
         try:

@@ -6,8 +6,9 @@ Two meeting points live here, so that nobody imports across them:
   ApprovalOutcome`` (the ``deny`` approver, ``NoApprover``, the broker);
 - the broker and its channels: a ``Channel`` is told about a
   ``PendingApproval`` (``deliver``) and about its ``Settlement``
-  (``settle``); it passes a person's answer back through the ``Answerer`` it
-  was started with. The broker implements ``Answerer`` and holds channels
+  (``settle``), and about what concerns no single approval (``notify``
+  with a ``Notice``: a run stopped asking); it passes a person's answer
+  back through the ``Answerer`` it was started with. The broker implements ``Answerer`` and holds channels
   only as ``Channel``; channels hold the broker only as ``Answerer``.
 
 Approvers that need starting, stopping or routes on the control server
@@ -37,6 +38,8 @@ class Answer(enum.Enum):
     TIMEOUT = "timeout"
     NO_APPROVER = "no_approver"
     TOO_MANY_PENDING = "too_many_pending"
+    # The run made as many approval requests as it may: nobody is asked (DESIGN.md, "Decision order").
+    STOPPED_ASKING = "stopped_asking"
 
 
 # The refusal code (DESIGN.md, "What a client sees") each failed answer becomes;
@@ -46,6 +49,7 @@ ANSWER_REASONS: dict[Answer, str] = {
     Answer.TIMEOUT: "approval_timeout",
     Answer.NO_APPROVER: "no_approver",
     Answer.TOO_MANY_PENDING: "too_many_pending",
+    Answer.STOPPED_ASKING: "not_allowlisted",
 }
 
 
@@ -167,6 +171,30 @@ class PendingApproval:
         }
 
 
+class NoticeKind(enum.Enum):
+    """What a notice says; the value is the webhook event's ``type``."""
+
+    STOPPED_ASKING = "run.stopped_asking"
+
+
+@dataclass(frozen=True, slots=True)
+class Notice:
+    """Something every channel tells its people once, outside any approval.
+
+    ``text`` is rendered once (``message``), already escaped; ``at`` is
+    epoch seconds.
+    """
+
+    run_id: str
+    text: str
+    at: float
+    kind: NoticeKind = NoticeKind.STOPPED_ASKING
+
+    def fields(self) -> dict[str, Any]:
+        """The notice as JSON fields (the webhook body)."""
+        return {"type": self.kind.value, "run": self.run_id, "message": self.text, "at": rfc3339(self.at)}
+
+
 class Answerer(Protocol):
     """The broker as channels and the control API see it."""
 
@@ -232,6 +260,10 @@ class Channel(Protocol):
 
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
         """The approval is decided: update or withdraw what was shown."""
+        ...
+
+    async def notify(self, notice: Notice) -> None:
+        """Show a notice once. Best effort: the broker bounds the call and logs a failure."""
         ...
 
     async def close(self) -> None: ...

@@ -15,6 +15,10 @@ Only OPEN has transitions: the first one wins and every later answer hears
 ``SETTLED``. A settled approval leaves the open maps at once (so the same key
 may be asked again: a timeout does not stick), and its settlement is
 remembered for a while so a late answer can be told who decided.
+
+Each run may open at most ``max_requests_per_run`` approvals in its life,
+however they end (a timeout counts): past that ``may_ask`` is False and the
+run stops asking; ``stop`` says True once per run, for the one notice.
 """
 
 from __future__ import annotations
@@ -30,10 +34,15 @@ Key = tuple[str, str, int]
 # Settled approvals remembered for "already settled by X" answers; older ones
 # answer UNKNOWN. A person answers within minutes; a thousand covers that.
 REMEMBERED_SETTLEMENTS = 1000
+# Runs whose request count is remembered, the least recently asking forgotten
+# first. A run past its limit is also switched to not asking by the gate, so
+# forgetting a count only restarts a run that stayed quiet while this many
+# others asked.
+REMEMBERED_RUNS = 10_000
 
 
 class LedgerError(Exception):
-    """A caller's bug: opening a key that is open, or past the per-run limit."""
+    """A caller's bug: opening a key that is open, or past a per-run limit."""
 
 
 def key_of(request: ApprovalRequest) -> Key:
@@ -58,13 +67,33 @@ class Approval:
         return key_of(self.request)
 
 
-class Ledger:
-    """Every open approval, and the recently settled ones."""
+@dataclass(slots=True)
+class _RunRequests:
+    """How many approvals a run opened, and whether it was told it stopped asking."""
 
-    def __init__(self, *, max_pending_per_run: int, remembered: int = REMEMBERED_SETTLEMENTS) -> None:
+    opened: int = 0
+    stopped: bool = False
+
+
+class Ledger:
+    """Every open approval, the recently settled ones, and each run's request count."""
+
+    def __init__(
+        self,
+        *,
+        max_pending_per_run: int,
+        max_requests_per_run: int = 20,
+        remembered: int = REMEMBERED_SETTLEMENTS,
+        remembered_runs: int = REMEMBERED_RUNS,
+    ) -> None:
         if max_pending_per_run < 1:
             raise ValueError("max_pending_per_run must be at least 1")
+        if max_requests_per_run < 1:
+            raise ValueError("max_requests_per_run must be at least 1")
         self.max_pending_per_run = max_pending_per_run
+        self.max_requests_per_run = max_requests_per_run
+        self._requests: OrderedDict[str, _RunRequests] = OrderedDict()
+        self._remembered_runs = remembered_runs
         self._open: dict[str, Approval] = {}
         self._by_key: dict[Key, Approval] = {}
         self._per_run: dict[str, int] = {}
@@ -82,15 +111,38 @@ class Ledger:
         """Whether the run may open another approval (``too_many_pending`` otherwise)."""
         return self._per_run.get(run_id, 0) < self.max_pending_per_run
 
+    def may_ask(self, run_id: str) -> bool:
+        """Whether the run may open another approval in its life (it stops asking otherwise)."""
+        counted = self._requests.get(run_id)
+        return counted is None or counted.opened < self.max_requests_per_run
+
+    def stop(self, run_id: str) -> bool:
+        """The run is past its limit: True the first time (say so once), False after."""
+        counted = self._counted(run_id)
+        first, counted.stopped = not counted.stopped, True
+        return first
+
+    def _counted(self, run_id: str) -> _RunRequests:
+        counted = self._requests.get(run_id)
+        if counted is None:
+            counted = self._requests[run_id] = _RunRequests()
+            while len(self._requests) > self._remembered_runs:
+                self._requests.popitem(last=False)
+        else:
+            self._requests.move_to_end(run_id)
+        return counted
+
     def pending(self) -> list[Approval]:
         """Open approvals, oldest first."""
         return sorted(self._open.values(), key=lambda a: a.opened_at)
 
     def open(self, request: ApprovalRequest, *, approval_id: str, channels: Sequence[str], now: float) -> Approval:
-        """Open an approval; the caller checked ``find`` and ``has_room`` first."""
+        """Open an approval; the caller checked ``find``, ``may_ask`` and ``has_room`` first."""
         key = key_of(request)
         if key in self._by_key:
             raise LedgerError(f"an approval for {key} is already open")
+        if not self.may_ask(request.run_id):
+            raise LedgerError(f"run {request.run_id} made {self.max_requests_per_run} approval requests")
         if not self.has_room(request.run_id):
             raise LedgerError(f"run {request.run_id} has {self.max_pending_per_run} approvals pending")
         if approval_id in self._open or approval_id in self._settled:
@@ -99,6 +151,7 @@ class Ledger:
         self._open[approval_id] = approval
         self._by_key[key] = approval
         self._per_run[request.run_id] = self._per_run.get(request.run_id, 0) + 1
+        self._counted(request.run_id).opened += 1
         return approval
 
     def delivered(self, approval: Approval, channel: str) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import ipaddress
 import re
 import unicodedata
 from collections.abc import Sequence
@@ -50,6 +51,7 @@ __all__ = [
     "registered_domain",
     "render",
     "settled_text",
+    "stopped_asking_text",
 ]
 
 # A command can be a whole script; a person reads the start of it. 500
@@ -74,7 +76,10 @@ _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"})
 # A run of dot-separated labels: how a name appears inside a command or a
 # task ("curl https://api.github.com/x", "see docs.python.org"). \w covers
 # letters of any script, so IDN spellings are found too.
-_NAME_IN_TEXT = re.compile(r"[\w-]+(?:\.[\w-]+)+")
+# The lookbehind starts a match only where a run of name characters starts:
+# without it a long run with no dot is retried from each of its characters
+# (quadratic: a 10,000-character command held the event loop for seconds).
+_NAME_IN_TEXT = re.compile(r"(?<![\w-])[\w-]+(?:\.[\w-]+)+")
 
 
 # Output relayed to a terminal can be large, so ``escape`` finds which escaped
@@ -274,7 +279,7 @@ class ApprovalMessage:
     """The rendered message and the values it was made of (all escaped and bounded).
 
     ``lines`` is the message as ``(kind, text)`` pairs, kind one of
-    ``intro domain command task allowed unrelated closing``, so a channel
+    ``intro domain command task allowed unrelated closing scope``, so a channel
     can emphasise the domain and the unrelated warning without re-rendering.
     """
 
@@ -326,6 +331,16 @@ def render(*, host: str, port: int, command: str | None, task: str | None, allow
     if unrelated:
         lines.append(("unrelated", UNRELATED))
     lines.extend(("closing", line) for line in CLOSING)
+    if site is not None and not _is_ip(host):
+        # DESIGN.md "Decision order": a denial covers the registered domain for the rest of the run.
+        shown_site = escape(site)
+        lines.append(
+            (
+                "scope",
+                f"A deny covers *.{shown_site} for this run ({shown_site} included): "
+                "no name under it is asked about again.",
+            )
+        )
     return ApprovalMessage(
         host=shown_host,
         port=port,
@@ -337,6 +352,23 @@ def render(*, host: str, port: int, command: str | None, task: str | None, allow
         allowed=shown_allowed,
         unrelated=unrelated,
         lines=tuple(lines),
+    )
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return False
+    return True
+
+
+def stopped_asking_text(run_id: str, limit: int) -> str:
+    """The notice every channel shows once when a run has made as many approval requests as it may."""
+    return (
+        f"egressd stopped asking for run {bounded(run_id, 64)}: it made {limit} approval requests, "
+        "the most one run may make (max_approvals_per_run). Every new domain in this run is now refused "
+        "(not_allowlisted) without asking anyone."
     )
 
 

@@ -1,19 +1,32 @@
 """The Slack channel: a Block Kit message with Allow and Deny buttons, answered by a click.
 
 Out: ``chat.postMessage`` to ``--slack-channel`` with link unfurling off
-(otherwise Slack itself would fetch the held domain) and every piece of
-agent-controlled text escaped for mrkdwn (``&``, ``<``, ``>``: no links,
-mentions or ``<!channel>`` pings can be smuggled in). After the decision the
-message is replaced (``chat.update``): "Allowed by @who at HH:MM for run
+(otherwise Slack itself would fetch the held domain). Nothing the agent
+controls is ever Slack markup: it goes into ``plain_text`` objects (where
+``*_~``, backticks and ``:emoji:`` are never formatting) or code spans, after
+``neutralise`` (visible escapes for invisible characters, Slack's three
+control characters as entities, so no link, mention or ``<!channel>``), and
+each piece is cut to fit Slack's limits with a visible note, so a long or
+escape-heavy command can never make the post fail. Only egressd's own words
+are mrkdwn (``verbatim``: Slack links nothing by itself). After the decision
+the message is replaced (``chat.update``): "Allowed by @who at HH:MM for run
 r-…", or "Expired — denied".
 
 Back: ``block_actions`` payloads, through Socket Mode (``--slack-app-token``,
 no public URL needed) and/or the HTTP interactivity endpoint
 ``POST {--public-url}/approvals/slack``, which checks Slack's signature and
-timestamp (``--slack-signing-secret``) before reading anything. Only the
-user ids in ``--slack-approvers`` (U…/W…) or members of the user groups
-named there (S…) may answer; anyone else gets an ephemeral refusal and the
-approval stays open.
+timestamp (``--slack-signing-secret``) before reading anything. A click
+counts only when (``SlackChannel._click``):
+
+1. its button names this egressd instance (every button's value is
+   ``INSTANCE:APPROVAL``): Slack hands a Socket Mode click to any one of the
+   instances connected to the app, so another instance's click is answered
+   "this approval belongs to another egressd instance", never "too late";
+2. it comes from the very message (channel and ts) this instance posted for
+   that approval, not from a copy elsewhere;
+3. the user is in ``--slack-approvers`` (U…/W…) or in a user group named
+   there (S…); anyone else gets an ephemeral refusal and the approval stays
+   open.
 
 Every Web API call goes through slack-sdk's retry handlers: connection
 errors, rate limits (HTTP 429 with Retry-After; not on by default) and 500/
@@ -30,8 +43,10 @@ import asyncio
 import json
 import logging
 import re
+import secrets
 import time
 import urllib.parse
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,12 +71,13 @@ from .interface import (
     AnswerResult,
     ChannelError,
     Decision,
+    Notice,
     PendingApproval,
     Route,
     Settlement,
     SetupError,
 )
-from .message import bounded, settled_text
+from .message import bounded, escape, settled_text
 
 log = logging.getLogger("egressd.approvals.slack")
 # slack-sdk logs every retry at INFO unless its logger has a level of its own
@@ -81,7 +97,38 @@ INTERACTION_BUDGET_S = 2.5
 GROUP_CACHE_S = 60.0
 # Interactivity payloads are a few KiB; a button click never needs more.
 MAX_PAYLOAD_BYTES = 256 * 1024
+# Posted messages remembered (channel, ts) so a click can be checked against
+# its message, also after the decision ("too late"); like the ledger's 1000.
+REMEMBERED_POSTS = 1000
 _USER_ID = re.compile(r"\(([UW][A-Z0-9]{2,})\)$|^([UW][A-Z0-9]{2,})$")
+# An instance name goes into every button value (INSTANCE:APPROVAL), so no colon.
+_INSTANCE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+# Slack's limits (Block Kit reference: text object, section, button;
+# chat.postMessage), counted in UTF-16 code units, the strictest reading.
+TEXT_MAX = 3000  # one text object, a section's text included
+BUTTON_VALUE_MAX = 2000
+# Each line's own budget, so that all of them together stay far inside the
+# undocumented total Slack allows a message's blocks (msg_blocks_too_long
+# near 13,000 characters: slackapi/bolt-js#2509). The command gets the most.
+LINE_BUDGETS = {"domain": 1000, "command": 2900, "task": 1500, "allowed": 1500, "scope": 600}
+OTHER_LINE_BUDGET = 600
+# A message's top-level text is only its notification: short.
+FALLBACK_MAX = 400
+# Who answered and which run, inside the outcome line.
+SHORT_MAX = 200
+# The cut note needs this much room.
+MIN_LIMIT = 60
+# Lines made of egressd's own words, shown as mrkdwn with emphasis; every
+# other kind (domain, command, task, allowed, scope, and any kind added
+# later) is plain_text.
+_EMPHASIS = {"intro": "*{}*", "unrelated": ":warning: *{}*", "closing": "{}"}
+# Text that is inert in mrkdwn as it stands: words and plain punctuation, no
+# ":emoji:" pair.
+_INERT = re.compile(r"[A-Za-z0-9 ,.;:'()/-]*")
+_EMOJI_CODE = re.compile(r":[^\s:]+:")
+# A backtick would end a code span; this look-alike cannot.
+_BACKTICK_STANDIN = "\u02cb"
 
 
 # -- pure: text and blocks --------------------------------------------------------------
@@ -90,6 +137,82 @@ _USER_ID = re.compile(r"\(([UW][A-Z0-9]{2,})\)$|^([UW][A-Z0-9]{2,})$")
 def escape_mrkdwn(text: str) -> str:
     """Slack's three control characters as entities (Slack's "Escaping text" rules)."""
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _units(text: str) -> int:
+    """Length in UTF-16 code units (a character outside the BMP counts twice)."""
+    return len(text) + sum(1 for ch in text if ord(ch) > 0xFFFF)
+
+
+def _cut_note(left_out: int) -> str:
+    return f"… [cut for Slack: {left_out} more characters]"
+
+
+def neutralise(text: str, limit: int = TEXT_MAX) -> str:
+    """``text`` made inert and visible for any Slack text field, cut to ``limit`` UTF-16 units.
+
+    1. every invisible or control character becomes a visible escape
+       (``message.escape``): nothing hidden, and no line break, so nothing
+       can start a quote or a list;
+    2. Slack's three control characters become entities (``&amp; &lt;
+       &gt;``): no link, mention, ``<!channel>`` or date token;
+    3. past ``limit`` the text is cut between two of its characters (never
+       inside an escape or an entity) and ends with "… [cut for Slack: N
+       more characters]".
+
+    ``*_~``, backticks and ``:emoji:`` stay as they are: the result goes
+    into ``plain_text`` (``plain``), where they are never formatting, or into
+    a code span (``_code``).
+    """
+    if limit < MIN_LIMIT:
+        raise ValueError(f"limit must be at least {MIN_LIMIT}")
+    whole = escape_mrkdwn(escape(text))
+    if _units(whole) <= limit:
+        return whole
+    # The longest prefix of the text whose shown form fits with the note.
+    # A shown prefix only grows with the prefix, so bisect on its length.
+    low, high = 0, len(text)
+    while low < high:
+        middle = (low + high + 1) // 2
+        shown = escape_mrkdwn(escape(text[:middle]))
+        if _units(shown) + _units(_cut_note(len(text) - middle)) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return escape_mrkdwn(escape(text[:low])) + _cut_note(len(text) - low)
+
+
+def plain(text: str, limit: int = TEXT_MAX) -> dict[str, Any]:
+    """A ``plain_text`` object: Slack shows it as it stands, no markup and no emoji codes."""
+    return {"type": "plain_text", "text": neutralise(text, limit) or "(empty)", "emoji": False}
+
+
+def _mrkdwn(text: str) -> dict[str, Any]:
+    """A mrkdwn object for egressd's own text; ``verbatim``, so Slack links and mentions nothing by itself."""
+    return {"type": "mrkdwn", "text": text, "verbatim": True}
+
+
+def _code(text: str, limit: int = SHORT_MAX) -> str:
+    """``text`` as an inline code span inside egressd's mrkdwn: no formatting, and no way out of it."""
+    return "`" + (neutralise(text, limit - 2).replace("`", _BACKTICK_STANDIN) or " ") + "`"
+
+
+def _inert(text: str) -> bool:
+    """Whether text is inert in mrkdwn as it stands (words and plain punctuation)."""
+    return bool(_INERT.fullmatch(text)) and not _EMOJI_CODE.search(text)
+
+
+def button_value(instance: str, approval_id: str) -> str:
+    """What a button carries: the instance that owns the approval, and the approval."""
+    return f"{instance}:{approval_id}"
+
+
+def parse_button_value(value: str) -> tuple[str, str] | None:
+    """``INSTANCE:APPROVAL`` → (instance, approval id); None for anything else (an older egressd's button)."""
+    instance, sep, approval_id = value.partition(":")
+    if not sep or not instance or not approval_id:
+        return None
+    return instance, approval_id
 
 
 def _clock_text(at: float) -> str:
@@ -103,41 +226,45 @@ def _who(settlement: Settlement) -> str:
     match = _USER_ID.search(by) if settlement.channel == "slack" else None
     if match:
         return f"<@{match.group(1) or match.group(2)}>"
-    return f"{escape_mrkdwn(by)} (via {escape_mrkdwn(settlement.channel or '?')})"
+    channel = settlement.channel or "?"
+    via = channel if re.fullmatch(r"[a-z]{1,20}", channel) else _code(channel, 40)
+    return f"{_code(by)} (via {via})"
 
 
 def fallback_text(approval: PendingApproval) -> str:
     """The notification text (shown where blocks are not)."""
-    return escape_mrkdwn(f"egressd: run {approval.request.run_id} asks to reach {approval.message.domain}")
+    return neutralise(f"egressd: run {approval.request.run_id} asks to reach {approval.message.domain}", FALLBACK_MAX)
 
 
-def _message_text(approval: PendingApproval, *, closing: bool) -> str:
-    lines = []
+def _line_blocks(approval: PendingApproval, *, closing: bool) -> list[dict[str, Any]]:
+    """One section per line of the message; lines of one emphasised kind in a row share one."""
+    blocks: list[dict[str, Any]] = []
+    previous = None
     for kind, text in approval.message.lines:
-        shown = escape_mrkdwn(text)
-        if kind == "domain":
-            lines.append(f"*{shown}*")
-        elif kind == "unrelated":
-            lines.append(f":warning: *{shown}*")
-        elif kind == "closing" and not closing:
+        if not closing and kind in ("closing", "scope"):
             continue
+        if kind in _EMPHASIS and _inert(text):
+            shown = _EMPHASIS[kind].format(text)
+            if previous == kind:
+                blocks[-1]["text"]["text"] += "\n" + shown
+            else:
+                blocks.append({"type": "section", "text": _mrkdwn(shown)})
         else:
-            lines.append(shown)
-    return "\n".join(lines)
+            blocks.append({"type": "section", "text": plain(text, LINE_BUDGETS.get(kind, OTHER_LINE_BUDGET))})
+        previous = kind
+    return blocks
 
 
-def request_blocks(approval: PendingApproval) -> list[dict[str, Any]]:
-    """The approval message with its Allow and Deny buttons."""
-    run = escape_mrkdwn(bounded(approval.request.run_id, 64))
+def request_blocks(approval: PendingApproval, *, instance: str) -> list[dict[str, Any]]:
+    """The approval message with its Allow and Deny buttons, which name ``instance``."""
+    value = button_value(instance, approval.id)
     return [
-        {"type": "section", "text": {"type": "mrkdwn", "text": _message_text(approval, closing=True)}},
+        *_line_blocks(approval, closing=True),
         {
             "type": "context",
             "elements": [
-                {
-                    "type": "mrkdwn",
-                    "text": f"approval `{approval.id}` · run `{run}` · expires at {_clock_text(approval.expires_at)}",
-                }
+                plain(f"approval {approval.id} · run {approval.request.run_id} · egressd {instance}", 300),
+                _mrkdwn(f"expires at {_clock_text(approval.expires_at)}"),
             ],
         },
         {
@@ -147,16 +274,16 @@ def request_blocks(approval: PendingApproval) -> list[dict[str, Any]]:
                 {
                     "type": "button",
                     "action_id": ALLOW_ACTION,
-                    "text": {"type": "plain_text", "text": "Allow (this run only)"},
+                    "text": {"type": "plain_text", "text": "Allow (this run only)", "emoji": False},
                     "style": "primary",
-                    "value": approval.id,
+                    "value": value,
                 },
                 {
                     "type": "button",
                     "action_id": DENY_ACTION,
-                    "text": {"type": "plain_text", "text": "Deny"},
+                    "text": {"type": "plain_text", "text": "Deny", "emoji": False},
                     "style": "danger",
-                    "value": approval.id,
+                    "value": value,
                 },
             ],
         },
@@ -165,22 +292,36 @@ def request_blocks(approval: PendingApproval) -> list[dict[str, Any]]:
 
 def outcome_text(approval: PendingApproval, settlement: Settlement) -> str:
     """The line that replaces the buttons."""
-    run = escape_mrkdwn(bounded(approval.request.run_id, 64))
+    run = _code(approval.request.run_id, 80)
     at = _clock_text(settlement.at)
     if settlement.channel is not None:
         verb = "Allowed" if settlement.reason is None else "Denied"
-        return f"*{verb}* by {_who(settlement)} at {at} for run `{run}`"
+        return f"*{verb}* by {_who(settlement)} at {at} for run {run}"
     if settlement.reason == "approval_timeout":
-        return f"*Expired — denied* at {at} (run `{run}`)"
-    return f"*Denied* at {at}: nobody could answer (egressd stopped, or no channel could deliver) (run `{run}`)"
+        return f"*Expired — denied* at {at} (run {run})"
+    return f"*Denied* at {at}: nobody could answer (egressd stopped, or no channel could deliver) (run {run})"
 
 
 def settled_blocks(approval: PendingApproval, settlement: Settlement) -> list[dict[str, Any]]:
     """The message as it stays after the decision: no buttons, the outcome instead."""
     return [
-        {"type": "section", "text": {"type": "mrkdwn", "text": _message_text(approval, closing=False)}},
-        {"type": "section", "text": {"type": "mrkdwn", "text": outcome_text(approval, settlement)}},
-        {"type": "context", "elements": [{"type": "mrkdwn", "text": f"approval `{approval.id}`"}]},
+        *_line_blocks(approval, closing=False),
+        {"type": "section", "text": _mrkdwn(outcome_text(approval, settlement))},
+        {"type": "context", "elements": [plain(f"approval {approval.id}", 300)]},
+    ]
+
+
+def _settled_word(settlement: Settlement) -> str:
+    if settlement.reason is None:
+        return "allowed"
+    return "expired (denied)" if settlement.reason == "approval_timeout" else "denied"
+
+
+def notice_blocks(notice: Notice) -> list[dict[str, Any]]:
+    """A notice (a run stopped asking): egressd's heading, the rendered text as it stands."""
+    return [
+        {"type": "section", "text": _mrkdwn(":no_entry: *egressd stopped asking*")},
+        {"type": "section", "text": plain(notice.text)},
     ]
 
 
@@ -191,6 +332,19 @@ def _actor(payload: dict[str, Any]) -> tuple[str | None, str | None]:
     user_id = user.get("id")
     name = user.get("username") or user.get("name")
     return (user_id if isinstance(user_id, str) else None), (name if isinstance(name, str) else None)
+
+
+def _origin(payload: dict[str, Any]) -> tuple[set[object], set[object]]:
+    """Every channel id and message ts a click payload names (container, channel, message)."""
+
+    def part(name: str) -> dict[str, Any]:
+        value = payload.get(name)
+        return value if isinstance(value, dict) else {}
+
+    container, channel, message = part("container"), part("channel"), part("message")
+    channels = {container.get("channel_id"), channel.get("id")} - {None}
+    stamps = {container.get("message_ts"), message.get("ts")} - {None}
+    return channels, stamps
 
 
 class _InjectedClock(Clock):
@@ -223,7 +377,10 @@ class SlackChannel:
         group_cache_s: float = GROUP_CACHE_S,
         ping_interval_s: float = 5.0,
         retry_backoff_s: float = 0.5,
+        instance: str | None = None,
     ) -> None:
+        if instance is not None and not _INSTANCE.fullmatch(instance):
+            raise ValueError(f"instance {instance!r}: 1-64 letters, digits, '.', '_' or '-'")
         if not approvers:
             raise SetupError(
                 "bad setting slack_approvers: name the Slack user ids (U…) or user groups (S…) who may answer"
@@ -239,6 +396,9 @@ class SlackChannel:
                 "or slack_signing_secret (the HTTP interactivity endpoint)"
             )
         self.channel = channel
+        # Names this egressd in every button, so a click Slack hands to another
+        # instance of the same app is told whose it is (module docstring, step 1).
+        self.instance = instance or "egressd-" + secrets.token_hex(4)
         self._bot_token = bot_token
         self._app_token = app_token
         self._users = frozenset(a for a in approvers if a[0] in "UW")
@@ -254,7 +414,7 @@ class SlackChannel:
         self._web: AsyncWebClient | None = None
         self._socket: SocketModeClient | None = None
         self._answerer: Answerer | None = None
-        self._posted: dict[str, tuple[str, str]] = {}
+        self._posted: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._group_members: dict[str, tuple[float, frozenset[str]]] = {}
 
     # -- lifetime -----------------------------------------------------------------
@@ -338,16 +498,21 @@ class SlackChannel:
             response = await self._web.chat_postMessage(
                 channel=self.channel,
                 text=fallback_text(approval),
-                blocks=request_blocks(approval),
+                blocks=request_blocks(approval, instance=self.instance),
+                mrkdwn=False,
+                parse="none",
+                link_names=False,
                 unfurl_links=False,
                 unfurl_media=False,
             )
         except SlackApiError as exc:
             raise ChannelError(f"chat.postMessage failed: {_slack_error(exc)}") from None
         self._posted[approval.id] = (str(response.get("channel") or self.channel), str(response["ts"]))
+        while len(self._posted) > REMEMBERED_POSTS:
+            self._posted.popitem(last=False)
 
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
-        posted = self._posted.pop(approval.id, None)
+        posted = self._posted.get(approval.id)  # kept: a late click is still checked against it
         if posted is None or self._web is None:
             return
         channel, ts = posted
@@ -355,11 +520,31 @@ class SlackChannel:
             await self._web.chat_update(
                 channel=channel,
                 ts=ts,
-                text=f"{fallback_text(approval)}: {escape_mrkdwn(settled_text(settlement))}",
+                text=f"{fallback_text(approval)}: {_settled_word(settlement)}",
                 blocks=settled_blocks(approval, settlement),
+                parse="none",
+                link_names=False,
             )
         except SlackApiError as exc:
             raise ChannelError(f"chat.update failed: {_slack_error(exc)}") from None
+
+    async def notify(self, notice: Notice) -> None:
+        """The notice as a message of its own in the approvals channel."""
+        if self._web is None:
+            raise ChannelError("the Slack channel is not started")
+        try:
+            await self._web.chat_postMessage(
+                channel=self.channel,
+                text=neutralise(notice.text, FALLBACK_MAX),
+                blocks=notice_blocks(notice),
+                mrkdwn=False,
+                parse="none",
+                link_names=False,
+                unfurl_links=False,
+                unfurl_media=False,
+            )
+        except SlackApiError as exc:
+            raise ChannelError(f"chat.postMessage failed: {_slack_error(exc)}") from None
 
     # -- clicks -------------------------------------------------------------------
 
@@ -396,7 +581,7 @@ class SlackChannel:
         return web.Response(status=200)
 
     async def _on_interaction(self, payload: dict[str, Any]) -> None:
-        """A click: check who, pass the answer on, tell the clicker when it did not count."""
+        """A click: check it, pass the answer on, tell the clicker when it did not count."""
         try:
             async with asyncio.timeout(INTERACTION_BUDGET_S):
                 await self._handle(payload)
@@ -408,35 +593,82 @@ class SlackChannel:
         if payload.get("type") != "block_actions" or self._answerer is None:
             return
         user_id, name = _actor(payload)
-        where = payload.get("channel") if isinstance(payload.get("channel"), dict) else {}
-        channel_id = where.get("id") if isinstance(where.get("id"), str) else self.channel
+        channels, stamps = _origin(payload)
+        reply_to = next((c for c in channels if isinstance(c, str)), self.channel)
         for action in payload.get("actions") or []:
             if not isinstance(action, dict) or action.get("action_id") not in _ACTIONS:
                 continue
-            approval_id = action.get("value")
-            if user_id is None or not isinstance(approval_id, str):
+            value = action.get("value")
+            if user_id is None or not isinstance(value, str):
                 return
-            if not await self._may_answer(user_id):
-                log.warning(
-                    "Slack user %s may not answer approvals; %s stays open",
-                    bounded(user_id, 40),
-                    bounded(approval_id, 40),
-                )
-                await self._ephemeral(
-                    channel_id,
-                    user_id,
-                    "You are not one of egressd's approvers, so your click did not count. "
-                    "The request stays open for an approver.",
-                )
-                return
-            by = f"@{name} ({user_id})" if name else user_id
-            answered = self._answerer.answer(approval_id, _ACTIONS[action["action_id"]], channel=self.name, by=by)
-            if answered.result is not AnswerResult.ACCEPTED:
-                how = settled_text(answered.settlement) if answered.settlement else "it is no longer pending"
-                await self._ephemeral(
-                    channel_id, user_id, f"Too late: this request was already settled ({escape_mrkdwn(how)})."
-                )
+            decision = _ACTIONS[action["action_id"]]
+            await self._click(value, decision, user_id, name, channels, stamps, reply_to)
             return
+
+    async def _click(
+        self,
+        value: str,
+        decision: Decision,
+        user_id: str,
+        name: str | None,
+        channels: set[object],
+        stamps: set[object],
+        reply_to: str,
+    ) -> None:
+        """Steps 1-3 of the module docstring, then the answer."""
+        parsed = parse_button_value(value)
+        if parsed is None or parsed[0] != self.instance:
+            owner = parsed[0] if parsed is not None else "an older egressd"
+            log.info(
+                "Slack click from %s for an approval of another egressd instance (%s); not ours",
+                bounded(user_id, 40),
+                bounded(owner, 64),
+            )
+            await self._ephemeral(
+                reply_to,
+                user_id,
+                f"This approval belongs to another egressd instance ({_code(owner, 80)}), or to this one before it "
+                f"restarted, so your click did not count: this instance ({_code(self.instance, 80)}) cannot decide "
+                "it. Slack hands each click to one of the egressd instances connected to the app: click again, or "
+                "answer on the instance that owns it (`egressd allow|deny ID`). Each egressd instance needs a Slack "
+                "app of its own.",
+            )
+            return
+        approval_id = parsed[1]
+        posted = self._posted.get(approval_id)
+        if posted is None or channels != {posted[0]} or stamps != {posted[1]}:
+            log.warning(
+                "Slack click from %s for %s rejected: not from the message egressd posted for it",
+                bounded(user_id, 40),
+                bounded(approval_id, 40),
+            )
+            await self._ephemeral(
+                reply_to,
+                user_id,
+                "Your click did not count: it is not from the message egressd posted for this approval "
+                "(or the approval is long gone).",
+            )
+            return
+        if not await self._may_answer(user_id):
+            log.warning(
+                "Slack user %s may not answer approvals; %s stays open",
+                bounded(user_id, 40),
+                bounded(approval_id, 40),
+            )
+            await self._ephemeral(
+                reply_to,
+                user_id,
+                "You are not one of egressd's approvers, so your click did not count. "
+                "The request stays open for an approver.",
+            )
+            return
+        if self._answerer is None:
+            return
+        by = f"@{name} ({user_id})" if name else user_id
+        answered = self._answerer.answer(approval_id, decision, channel=self.name, by=by)
+        if answered.result is not AnswerResult.ACCEPTED:
+            how = settled_text(answered.settlement) if answered.settlement else "it is no longer pending"
+            await self._ephemeral(reply_to, user_id, f"Too late: this request was already settled ({_code(how)}).")
 
     async def _may_answer(self, user_id: str) -> bool:
         if user_id in self._users:

@@ -51,6 +51,7 @@ from .interface import (
     ChannelError,
     ChannelUnavailable,
     Decision,
+    Notice,
     PendingApproval,
     Route,
     Settlement,
@@ -285,6 +286,13 @@ class TerminalChannel:
         elif any(a.id == approval.id for a in self._queue):
             self._queue = deque(a for a in self._queue if a.id != approval.id)
             self._draw_prompt()
+
+    async def notify(self, notice: Notice) -> None:
+        """One line above the prompt (if one is shown, it is drawn again below the line)."""
+        if self._fd is None or self._broken:
+            raise ChannelError("the terminal is gone")
+        self._write(f"{CLEAR_LINE}{WARN}{notice.text}{RESET}\r\n")
+        self._draw_prompt()
 
     # -- screen -------------------------------------------------------------------
 

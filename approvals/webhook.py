@@ -20,7 +20,8 @@ Back, either way:
   decided by a GET (link previewers open links).
 
 When the approval is settled, one best-effort ``approval.settled`` event is
-POSTed too, so the receiver can close its own prompt.
+POSTed too, so the receiver can close its own prompt; a notice (a run
+stopped asking) is one best-effort ``run.stopped_asking`` event.
 
 The answer in the response is not signed (Standard Webhooks signs requests
 only), so it counts only when nobody on the wire could have written it:
@@ -49,7 +50,17 @@ from aiohttp import web
 from audit.records import rfc3339
 from config.settings import protected_url
 
-from .interface import Answerer, AnswerResult, ChannelError, Decision, PendingApproval, Route, Settlement, SetupError
+from .interface import (
+    Answerer,
+    AnswerResult,
+    ChannelError,
+    Decision,
+    Notice,
+    PendingApproval,
+    Route,
+    Settlement,
+    SetupError,
+)
 from .message import bounded
 from .signing import ReplayGuard, VerifyError, signed_headers, verify
 
@@ -227,6 +238,15 @@ class WebhookChannel:
         )
         if status is None or not 200 <= status < 300:
             log.info("approval %s: the webhook did not take the settlement (%s)", approval.id, status)
+
+    async def notify(self, notice: Notice) -> None:
+        """One signed notice event (``run.stopped_asking``); failures only logged (the broker bounds it)."""
+        body = json.dumps(notice.fields()).encode()
+        status, _, _ = await self._post(
+            self._new_id(), body, asyncio.get_running_loop().time() + self._attempt_timeout_s
+        )
+        if status is None or not 200 <= status < 300:
+            log.info("the webhook did not take the %s notice (%s)", notice.kind.value, status)
 
     # -- back ---------------------------------------------------------------------
 

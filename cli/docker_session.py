@@ -105,9 +105,9 @@ MAX_AUDIT_BYTES = 256 * 1024 * 1024
 # Settings the sidecar takes from ours as they are. The rest is per run (the
 # allowlist goes in POST /runs) or fixed by the session (listeners, control).
 PASSTHROUGH = (
-    "allow_private", "approver", "approval_timeout", "max_pending_approvals", "unsafe_webhook_http", "webhook_url",
-    "webhook_secret", "webhook_callback_secret", "public_url", "slack_bot_token", "slack_app_token",
-    "slack_signing_secret", "slack_channel", "slack_approvers", "slack_api_url", "dns_strict",
+    "allow_private", "approver", "approval_timeout", "max_pending_approvals", "max_approvals_per_run",
+    "unsafe_webhook_http", "webhook_url", "webhook_secret", "webhook_callback_secret", "public_url", "slack_bot_token",
+    "slack_app_token", "slack_signing_secret", "slack_channel", "slack_approvers", "slack_api_url", "dns_strict",
     "upstream_dns", "audit_fsync", "max_head_bytes", "head_timeout_s", "connect_timeout_s",
     "idle_timeout_s", "max_connections", "max_connections_per_run", "shutdown_grace_s", "log_level",
 )

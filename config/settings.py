@@ -124,6 +124,11 @@ class Settings(BaseSettings):
     approver: Annotated[list[Approver], NoDecode] = Field(default_factory=list)
     approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
     max_pending_approvals: int = Field(5, ge=1, le=10000, description="per run")
+    # Approval fatigue: a person asked twenty times in one run is being worn
+    # down, not informed; past this the run stops asking (not_allowlisted).
+    max_approvals_per_run: int = Field(
+        20, ge=1, le=100_000, description="approval requests one run may make; past it: not_allowlisted"
+    )
     # Weakens protection, hence the name: a plain http --webhook-url off loopback can be read
     # and answered by anyone on the path. With it, egressd ignores the answer in the
     # receiver's response (answers come only by the signed callback or the control API).

@@ -7,7 +7,8 @@ decide the same way:
 1. the audit log must be writable (else refuse: nothing happens unrecorded);
 2. ``policy.decide`` — the design's decision order, pure;
 3. ASK → the ``Approver``; an exception there is a denial (fail closed);
-   an allow joins the run's allowlist, a denial sticks for the run;
+   an allow joins the run's allowlist, a denial sticks for the run (its
+   registered domain too), a run past its approval requests stops asking;
 4. allowed → resolve (an IP literal is its own address); every address is
    classified and only those that pass are kept (``private_address`` if none);
    an address and port where egressd itself listens never passes, and when
@@ -54,6 +55,7 @@ _ANSWER_REASONS = {
     Answer.TIMEOUT: Reason.APPROVAL_TIMEOUT,
     Answer.NO_APPROVER: Reason.NO_APPROVER,
     Answer.TOO_MANY_PENDING: Reason.TOO_MANY_PENDING,
+    Answer.STOPPED_ASKING: Reason.NOT_ALLOWLISTED,
 }
 
 
@@ -202,6 +204,8 @@ class Gate:
             if not outcome.allowed:
                 if outcome.answer is Answer.DENY:
                     run.deny_host(host)
+                elif outcome.answer is Answer.STOPPED_ASKING:
+                    run.stop_asking()
                 return Admission(_ANSWER_REASONS[outcome.answer], host, port)
             if run.ended:
                 # Allowed after its run ended (the sandbox is gone): its credentials are void.

@@ -27,8 +27,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .hosts import HostError, registered_domain
 from .memo import remember
-from .policy import Decision, Entry, RunPolicy, approval_ports, decide
+from .policy import Decision, Entry, Reason, RunPolicy, Verdict, approval_ports, decide
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -80,22 +81,51 @@ class Run:
         return self._policy
 
     def decide(self, host: str, port: int) -> Decision:
-        """``policy.decide`` for this run, remembered per (host, port) until the policy changes."""
+        """``policy.decide`` for this run, remembered per (host, port) until the policy changes.
+
+        Step 6 reaches further here than in the pure policy: a host whose
+        registered domain was denied earlier in the run is ``denied_earlier``
+        too, rather than asked about (approval fatigue: ``a1.evil.com``,
+        ``a2.evil.com``, ... each a new prompt).
+        """
         key = (host, port)
         decision = self._decisions.get(key)
         if decision is None:
-            decision = remember(self._decisions, key, decide(self.policy(), host, port), DECISION_CACHE)
+            decision = self._decide(host, port)
+            remember(self._decisions, key, decision, DECISION_CACHE)
+        return decision
+
+    def _decide(self, host: str, port: int) -> Decision:
+        decision = decide(self.policy(), host, port)
+        if decision.verdict is Verdict.ASK and self.denied and _site(decision.host) in self.denied:
+            return Decision.deny(decision.host, port, Reason.DENIED_EARLIER)
         return decision
 
     def approve(self, host: str, port: int) -> None:
         """Allow host on port (and 80/443) for the rest of the run."""
         self.approved[host] = self.approved.get(host, frozenset()) | approval_ports(port)
-        self._policy = None
-        self._decisions.clear()
+        self._changed()
 
     def deny_host(self, host: str) -> None:
-        """A denial sticks for the rest of the run (``denied_earlier``)."""
+        """A denial sticks for the rest of the run and covers the host's registered domain.
+
+        DESIGN.md "Decision order": every name under it that is not on the
+        allowlist (nor approved earlier) is then ``denied_earlier``. A host
+        with no registered domain (an IP literal, a public suffix) covers only
+        itself.
+        """
         self.denied.add(host)
+        site = _site(host)
+        if site is not None:
+            self.denied.add(site)
+        self._changed()
+
+    def stop_asking(self) -> None:
+        """The run made as many approval requests as it may: new domains are ``not_allowlisted``."""
+        self.ask = False
+        self._changed()
+
+    def _changed(self) -> None:
         self._policy = None
         self._decisions.clear()
 
@@ -128,6 +158,14 @@ class Run:
             "command": self.command,
             "open_connections": self.open_connections,
         }
+
+
+def _site(host: str) -> str | None:
+    """The registered domain a denial of ``host`` covers; None when it covers only the host itself."""
+    try:
+        return registered_domain(host)
+    except HostError:
+        return None
 
 
 @functools.lru_cache(maxsize=4096)  # a client connects from the same few addresses again and again

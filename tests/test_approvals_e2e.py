@@ -300,7 +300,7 @@ async def test_forged_and_replayed_answers_are_refused_by_the_control_server(
         [decided] = records(svc, "approval.decided")
         assert decided["channel"] == "webhook" and decided["by"] == "bob"
         await wait_until(lambda: fake_slack.called("chat.update"))  # the Slack message says who decided
-        assert "bob (via webhook)" in json.dumps(fake_slack.called("chat.update")[0]["blocks"])
+        assert "`bob` (via webhook)" in json.dumps(fake_slack.called("chat.update")[0]["blocks"])
         # The bearer-token routes stay closed to anyone without the token.
         assert (await control(svc, "GET", "/approvals", token=None))[0] == 401
         assert (await control(svc, "POST", f"/approvals/{approval_id}/allow", token="wrong"))[0] == 401
@@ -457,14 +457,15 @@ async def test_serve_with_a_terminal_approver_is_answered_by_typing_and_by_egres
         await pty.shows("allowed for this run")
 
         # 2. answered from another process: egressd pending, then egressd deny ID
-        curl = asyncio.create_task(asyncio.to_thread(_curl, port, f"http://example.test:{http_origin.port}/denied"))
-        await pty.shows(f"allow or deny example.test:{http_origin.port}?", timeout_s=15)
+        # (a name on a registered domain of its own: the denial covers it for the run)
+        curl = asyncio.create_task(asyncio.to_thread(_curl, port, f"http://leak.test:{http_origin.port}/denied"))
+        await pty.shows(f"allow or deny leak.test:{http_origin.port}?", timeout_s=15)
         listed = await asyncio.to_thread(_run, "pending", "--json", *control_args, env=env)
         assert listed.returncode == 0, listed.stderr
         [pending] = json.loads(listed.stdout)
-        assert pending["host"] == "example.test"
+        assert pending["host"] == "leak.test"
         table = await asyncio.to_thread(_run, "pending", *control_args, env=env)
-        assert pending["id"] in table.stdout and "example.test" in table.stdout
+        assert pending["id"] in table.stdout and "leak.test" in table.stdout
         denied = await asyncio.to_thread(_run, "deny", pending["id"], "--by", "dave", *control_args, env=env)
         assert denied.returncode == 0 and f"{pending['id']}: denied by dave" in denied.stdout, denied.stderr
         result = await curl

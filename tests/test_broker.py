@@ -26,6 +26,7 @@ from approvals.interface import (
     ChannelUnavailable,
     Decision,
     ManagedApprover,
+    Notice,
     PendingApproval,
     Route,
     Settlement,
@@ -37,7 +38,7 @@ from tests.harness import wait_until
 
 
 class RecordingChannel:
-    """A channel that records deliveries and settlements and answers when told to."""
+    """A channel that records deliveries, settlements and notices and answers when told to."""
 
     def __init__(
         self,
@@ -57,6 +58,7 @@ class RecordingChannel:
         self.delivered: list[PendingApproval] = []
         self.attempts = 0
         self.settled: list[tuple[str, Settlement]] = []
+        self.notices: list[Notice] = []
         self.closed = False
 
     async def start(self, answerer: Answerer) -> None:
@@ -76,6 +78,9 @@ class RecordingChannel:
         if self.settle_error is not None:
             raise self.settle_error
         self.settled.append((approval.id, settlement))
+
+    async def notify(self, notice: Notice) -> None:
+        self.notices.append(notice)
 
     async def close(self) -> None:
         self.closed = True

@@ -37,6 +37,7 @@ def test_the_message_follows_the_one_template_line_by_line() -> None:
         "Allowed domains: pypi.org, *.github.com",
         UNRELATED,
         *CLOSING,
+        "A deny covers *.example.org for this run (example.org included): no name under it is asked about again.",
     ]
     assert message.unrelated
     assert [kind for kind, _ in message.lines] == [
@@ -48,6 +49,7 @@ def test_the_message_follows_the_one_template_line_by_line() -> None:
         "unrelated",
         "closing",
         "closing",
+        "scope",
     ]
 
 

@@ -63,7 +63,7 @@ def test_agent_text_is_escaped_so_it_cannot_link_mention_or_ping() -> None:
         task="<@U0ALICE> & co\x1b[2J",
         allowed=("<!here>",),
     )
-    blocks = request_blocks(pending(hostile))
+    blocks = request_blocks(pending(hostile), instance="egressd-test")
     text = json.dumps(blocks)
     assert (
         "<!channel>" not in text and "<https://evil" not in text and "<@U0ALICE>" not in text and "<!here>" not in text
@@ -73,14 +73,16 @@ def test_agent_text_is_escaped_so_it_cannot_link_mention_or_ping() -> None:
 
 
 def test_the_request_message_has_the_content_and_allow_and_deny_buttons() -> None:
-    blocks = request_blocks(pending())
-    section = blocks[0]["text"]["text"]
-    assert "*Domain: evil.example:443*" in section and ":warning: *Unrelated:" in section
-    assert "Command: curl evil" in section and "Allowed domains: pypi.org" in section
+    blocks = request_blocks(pending(), instance="egressd-test")
+    sections = [b["text"] for b in blocks if b["type"] == "section"]
+    shown = [t["text"] for t in sections]
+    assert {"type": "plain_text", "text": "Domain: evil.example:443", "emoji": False} in sections
+    assert {"type": "plain_text", "text": "Command: curl evil", "emoji": False} in sections
+    assert "Allowed domains: pypi.org" in shown and any(t.startswith(":warning: *Unrelated:") for t in shown)
     [actions] = [b for b in blocks if b["type"] == "actions"]
     assert [(e["action_id"], e["value"], e.get("style")) for e in actions["elements"]] == [
-        (ALLOW_ACTION, "a-test", "primary"),
-        (DENY_ACTION, "a-test", "danger"),
+        (ALLOW_ACTION, "egressd-test:a-test", "primary"),
+        (DENY_ACTION, "egressd-test:a-test", "danger"),
     ]
 
 
@@ -91,7 +93,10 @@ def test_the_request_message_has_the_content_and_allow_and_deny_buttons() -> Non
             Settlement(Answer.ALLOW, "slack", "@alice (U0ALICE)", 1_700_000_060, 60),
             "*Allowed* by <@U0ALICE> at <!date^1700000060^{time}|22:14 UTC> for run `r-1`",
         ),
-        (Settlement(Answer.DENY, "control", "cli<x>", 1_700_000_060, 60), "*Denied* by cli&lt;x&gt; (via control) at"),
+        (
+            Settlement(Answer.DENY, "control", "cli<x>", 1_700_000_060, 60),
+            "*Denied* by `cli&lt;x&gt;` (via control) at",
+        ),
         (Settlement(Answer.TIMEOUT, None, None, 1_700_000_600, 600), "*Expired — denied* at"),
         (Settlement(Answer.NO_APPROVER, None, None, 1_700_000_600, 600), "nobody could answer"),
     ],
@@ -219,7 +224,7 @@ async def test_a_click_after_the_decision_is_told_it_is_too_late(
     await wait_until(lambda: fake_slack.called("chat.postEphemeral"))
     assert "Too late" in fake_slack.called("chat.postEphemeral")[0]["text"]
     await wait_until(lambda: fake_slack.called("chat.update"))
-    assert "hook-bot (via webhook)" in json.dumps(fake_slack.called("chat.update")[0]["blocks"])
+    assert "`hook-bot` (via webhook)" in json.dumps(fake_slack.called("chat.update")[0]["blocks"])
 
 
 def Decision_allow() -> Any:  # noqa: N802 - reads like the enum member it returns
