@@ -100,6 +100,10 @@ SIDECAR_PIDS = 256
 TMPFS_OPTIONS = "rw,nosuid,nodev,size=256m,mode=1777"
 DEFAULT_CPUS = 1.0  # a runaway command keeps at most one core busy
 COPY_TIMEOUT_S = 300.0
+# Another egressd may be removing the same leftovers (a container still going
+# holds its network and volume): what failed is tried again, a few times.
+CLEAN_PASSES = 3
+CLEAN_RETRY_S = 0.5
 NO_LIMITS = Limits()  # the launcher's defaults: no time or memory limit, 512 processes
 WORKDIR_ROOT = SANDBOX_WORKDIR.strip("/")  # the archive of /work names its members work/...
 
@@ -681,21 +685,30 @@ async def clean_leftovers(engine: DockerEngine, *, everything_of: str | None = N
         owner = (labels or {}).get(LABEL_OWNER, "")
         return not owner_alive(owner, boot_id=boot)
 
-    containers, networks, volumes = await engine.labelled(label)
-    removed = []
-    for c in containers:
-        if dead(c.get("Labels")):
-            await engine.remove_container(c["Id"])
-            removed.append(f"container {(c.get('Names') or [c['Id'][:12]])[0].lstrip('/')}")
-    for n in networks:
-        if dead(n.get("Labels")):
-            await engine.remove_network(n["Name"])
-            removed.append(f"network {n['Name']}")
-    for v in volumes:
-        if dead(v.get("Labels")):
-            await engine.remove_volume(v["Name"])
-            removed.append(f"volume {v['Name']}")
-    return removed
+    removed: list[str] = []
+    for _ in range(CLEAN_PASSES):
+        failed: DockerUnavailable | None = None
+        containers, networks, volumes = await engine.labelled(label)
+        steps = (
+            [(c, engine.remove_container, c["Id"], f"container {(c.get('Names') or [c['Id'][:12]])[0].lstrip('/')}")
+             for c in containers]
+            + [(n, engine.remove_network, n["Name"], f"network {n['Name']}") for n in networks]
+            + [(v, engine.remove_volume, v["Name"], f"volume {v['Name']}") for v in volumes]
+        )
+        for resource, remove, key, shown in steps:
+            if not dead(resource.get("Labels")):
+                continue
+            try:
+                await remove(key)
+            except DockerUnavailable as exc:
+                failed = exc  # the rest still goes; this one is tried again in the next pass
+                continue
+            removed.append(shown)
+        if failed is None:
+            return removed
+        await asyncio.sleep(CLEAN_RETRY_S)
+    assert failed is not None
+    raise failed
 
 
 # -- a run's networks --------------------------------------------------------------
