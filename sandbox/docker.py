@@ -370,6 +370,9 @@ def egressd_config(spec: EgressdSpec) -> dict[str, Any]:
     """
     host = hardened_host_config(network=spec.outgoing_network)
     host["Sysctls"]["net.ipv4.ip_unprivileged_port_start"] = "53"
+    # egressd is on several networks (a shared one on every --connect run's):
+    # it relays connections and never routes a packet from one network to another.
+    host["Sysctls"]["net.ipv4.ip_forward"] = "0"
     host.update(
         {
             "Mounts": [{"Type": "volume", "Source": spec.volume, "Target": EGRESSD_STATE, "ReadOnly": False}],

@@ -682,9 +682,10 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
             assert code == 0 and "hello from origin: GET /connect" in out, out
             # Not even a reset (ECONNREFUSED, 111) from the compose sandbox: it is on no network of the run.
             assert "sandbox: " in out and "sandbox: 111" not in out and "sandbox: connected" not in out, out
-            info = await engine.client.containers.container(f"{project}-egressd-1" if compose != ["docker-compose"]
-                                                            else f"{project}_egressd_1").show()
+            egressd = f"{project}-egressd-1" if compose != ["docker-compose"] else f"{project}_egressd_1"
+            info = await engine.client.containers.container(egressd).show()
             assert set(info["NetworkSettings"]["Networks"]) == {f"{project}_sandbox", outgoing_net}
+            assert (await _exec(engine, egressd, ["cat", "/proc/sys/net/ipv4/ip_forward"]))[1].strip() == "0"
             await asyncio.sleep(0.5)
             assert await leak.leaks() == [] and host.tcp == 0 and host.udp == 0
     finally:

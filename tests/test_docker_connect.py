@@ -40,7 +40,13 @@ from cli.docker_session import DockerSession, sidecar_environment
 from cli.session import SessionError
 from config.settings import load_settings
 from proxy.control import _run_address
-from sandbox.docker import DockerEngine, DockerRunNetwork, clean_leftovers, containers_serving, start_egressd  # noqa: F401
+from sandbox.docker import (
+    DockerEngine,
+    DockerRunNetwork,
+    clean_leftovers,
+    containers_serving,
+    start_egressd,
+)  # noqa: F401
 from tests import dockerbed
 from tests.dockerbed import (
     ORIGIN_NAME,
@@ -178,6 +184,16 @@ def test_a_run_address_is_one_the_proxy_listens_on_and_egressd_never_dials(
             _run_address(address, listening, private)
 
 
+def test_the_compose_egressd_serves_runs_on_networks_of_their_own_and_routes_between_none() -> None:
+    text = (Path(__file__).parent.parent / "docker" / "compose.yaml").read_text()
+    egressd = text.split("\n  egressd:\n")[1].split("\n  sandbox:\n")[0]
+    for needle in ("EGRESSD_LISTEN=0.0.0.0:3128", "EGRESSD_DNS_LISTEN=0.0.0.0:53",
+                   "EGRESSD_TRANSPARENT_TLS=0.0.0.0:443", "EGRESSD_TRANSPARENT_HTTP=0.0.0.0:80",
+                   "net.ipv4.ip_forward: 0"):
+        assert needle in egressd, needle
+    assert "EGRESSD_CONTROL=${EGRESSD_CONTROL_IP" in egressd  # the control API stays on the outgoing side only
+
+
 # -- the test bed: a running egressd, as docker/compose.yaml runs it ----------------------------
 
 
@@ -213,6 +229,15 @@ class Running:
     async def attached(self) -> set[str]:
         info = await self.engine.client.containers.container(self.container).show()
         return set(((info.get("NetworkSettings") or {}).get("Networks") or {}).keys())
+
+    async def read(self, path: str) -> str:
+        """A file in egressd's container, by ``cat`` in it (the archive API sees /proc files as empty)."""
+        execution = await self.engine.client.containers.container(self.container).exec(["cat", path], stdout=True)
+        output = []
+        async with asyncio.timeout(30), execution.start(detach=False) as stream:
+            while (message := await stream.read_out()) is not None:
+                output.append(message.data.decode())
+        return "".join(output).strip()
 
     def settings(self, tmp_path: Path, **values: Any) -> Any:
         values.setdefault("allow", [f"{ORIGIN_NAME}:*"])
@@ -297,9 +322,10 @@ async def test_two_runs_of_one_running_egressd_cannot_reach_each_other(engine: D
                 assert attacked["closed port"] not in ("connected", "ECONNREFUSED"), attacked
             a_net, b_net = (ipaddress.ip_network(f"{address}/28", strict=False) for address in addresses)
             assert a_net != b_net
-            # egressd is on each run's own network while the runs last.
+            # egressd is on each run's own network while the runs last, and routes between none of them.
             during = await egressd.attached() - baseline
             assert len(during) == 2 and all(any(key in name for key in keys) for name in during), during
+            assert await egressd.read("/proc/sys/net/ipv4/ip_forward") == "0"
             # Both still reach the origin through egressd: proxy variables, and transparently.
             for session in (a, b):
                 obs = await session.box.run(["sh", "-c",
