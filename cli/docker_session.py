@@ -15,12 +15,14 @@ runs (by label), (2) creates the run's internal and outgoing networks, (3)
 starts egressd's container from the egressd image, configured by EGRESSD_*
 variables (``--require-auth``: the sandbox's traffic is bound to its source
 address; the control API on the host's loopback with a fresh bearer token) —
-or, with ``--connect URL``, uses a running egressd and joins the sandbox to
-its internal network — (4) registers the run through the control API, (5)
-prepares the sandbox. Leaving it ends the run, appends egressd's audit
-records to the host's audit log, and removes every container, network and
-volume of the run, whatever happened. A failure to set up raises
-``SessionError`` (exit 125).
+or, with ``--connect URL``, uses a running egressd: the run still gets an
+internal network of its own (sandboxes of different runs never share one),
+and that egressd's container is attached to it for the run's lifetime — (4)
+registers the run through the control API, (5) prepares the sandbox.
+Leaving it ends the run, appends egressd's audit records to the host's audit
+log, and removes every container and volume of the run and its networks
+(detaching a running egressd first), whatever happened. A failure to set up
+raises ``SessionError`` (exit 125).
 
 Approvals from the terminal where the session was started (``--approver
 terminal``): egressd in its container has no terminal, so ``TerminalRelay``
@@ -86,7 +88,7 @@ from sandbox.docker import (
     DockerRun,
     DockerRunNetwork,
     DockerSandbox,
-    DockerUnavailable,
+    SharedEgressdNetwork,
     clean_leftovers,
     read_file,
     seccomp_option,
@@ -512,60 +514,62 @@ class DockerSession(SessionBase[_SessionBox]):
                                                 "unsafe_webhook_http": True})
 
     async def _join_running_egressd(self) -> tuple[str, str, str]:
-        """``--connect``: the sandbox joins the internal network where that egressd's proxy listens."""
+        """``--connect``: a network of the run's own, with that egressd's container attached to it.
+
+        The container is the one whose published port (or own address) the
+        control URL names. The subnet keeps clear of addresses that egressd
+        still binds to other runs (a run whose process was killed stays
+        registered). egressd must listen on every address of its container:
+        the run's proxy URL and DNS answers name its address on the new
+        network, and the control API refuses the run otherwise.
+        """
         assert self.engine is not None and self.connect is not None
-        self.resources = DockerRun(self.engine, secrets.token_hex(4), self.labels)
-        self._stack.push_async_callback(self.resources.destroy)
         control = ControlClient(self.connect, _connect_token(self.settings))
         self._stack.push_async_callback(control.close)
         health = await control.call("GET", "/health")
         if not isinstance(health, dict) or health.get("status") != "ok":
             raise SessionError(f"egressd at {self.connect} is not healthy: {health}")
-        # The proxy's address names the network: register a probe-free run once we know it.
-        networks = await self._internal_networks()
-        probe = await control.call("POST", "/runs", {"task": "address probe", "allow": [], "ask": False})
-        await control.call("DELETE", f"/runs/{probe['id']}")
-        proxy_host = ipaddress.ip_address(URL(probe["proxy_url"]).host or "")
-        found = [(name, subnet, used) for name, subnet, used in networks if proxy_host in subnet]
-        if not found:
-            raise SessionError(f"egressd at {self.connect} listens on {proxy_host}, which is on no internal Docker "
-                               "network of this engine: the sandbox could not reach it without a route elsewhere")
-        name, subnet, used = found[0]
-        free = [a for a in subnet.hosts() if a not in used and a != subnet.network_address + 1]
-        if not free:
-            raise SessionError(f"no free address left on {name}")
-        address = secrets.choice(free)
-        await self._register_with(control, address)
-        return name, str(address), str(proxy_host)
-
-    async def _internal_networks(self) -> list[tuple[str, ipaddress.IPv4Network, set[ipaddress.IPv4Address]]]:
-        assert self.engine is not None
-        found = []
-        with contextlib.suppress(DockerUnavailable):
-            for summary in await self.engine.client.networks.list(filters={"driver": ["bridge"]}):
-                if not summary.get("Internal"):
-                    continue
-                detail = await (await self.engine.client.networks.get(summary["Id"])).show()
-                used = {ipaddress.ip_address(c["IPv4Address"].split("/")[0])
-                        for c in (detail.get("Containers") or {}).values() if c.get("IPv4Address")}
-                for config in (detail.get("IPAM") or {}).get("Config") or []:
-                    with contextlib.suppress(ValueError, KeyError):
-                        subnet = ipaddress.ip_network(config["Subnet"])
-                        if isinstance(subnet, ipaddress.IPv4Network):
-                            found.append((detail["Name"], subnet, used))  # type: ignore[arg-type]
-        return found
+        url = URL(self.connect)
+        found = await self.engine.containers_serving(url.host or "", url.port or 0)
+        if len(found) != 1:
+            why = "no container" if not found else f"{len(found)} containers"
+            raise SessionError(f"{why} of this Docker Engine serve{'s' if not found else ''} {self.connect}: "
+                               "--connect needs egressd's own container, its control port published")
+        runs = await control.call("GET", "/runs")
+        bound = [ipaddress.ip_network(a) for r in (runs or {}).get("runs") or [] for a in r.get("sources") or []]
+        net = await SharedEgressdNetwork.create(self.engine, pool=self.net_range, labels=self.labels,
+                                                avoid=[b for b in bound if isinstance(b, ipaddress.IPv4Network)])
+        self.resources = net
+        self._stack.push_async_callback(net.destroy)
+        if net.note:
+            print(f"egressd: {net.note}", file=sys.stderr)
+        await net.attach(found[0])
+        p = net.plan
+        await self._register_with(control, p.sandbox_ip, egressd=p.egressd_ip)
+        if URL(self._proxy_url).host != str(p.egressd_ip):
+            # An egressd that predates runs with networks of their own ignores "address":
+            # its proxy and DNS would name an address this network has no way to.
+            raise SessionError(f"egressd at {self.connect} cannot serve a run on a network of its own "
+                               "(it ignored the run's address): upgrade it")
+        return p.internal_name, str(p.sandbox_ip), str(p.egressd_ip)
 
     async def _register(self, control_url: str, token: str, address: ipaddress.IPv4Address) -> None:
         control = ControlClient(control_url, token)
         self._stack.push_async_callback(control.close)
         await self._register_with(control, address)
 
-    async def _register_with(self, control: ControlClient, address: ipaddress.IPv4Address) -> None:
+    async def _register_with(
+        self, control: ControlClient, address: ipaddress.IPv4Address, *, egressd: ipaddress.IPv4Address | None = None
+    ) -> None:
+        """Register the run for the sandbox at ``address`` (and, on a shared egressd, egressd's address there)."""
         s = self.settings
-        created = await control.call("POST", "/runs", {
+        body: dict[str, Any] = {
             "task": self.task, "allow": list(s.allow), "deny": list(s.deny), "preset": list(s.preset),
             "ask": s.ask, "sources": [str(address)],
-        })
+        }
+        if egressd is not None:
+            body["address"] = str(egressd)
+        created = await control.call("POST", "/runs", body)
         self.control = control
         if self.relay is not None:
             self.relay.control = control

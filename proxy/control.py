@@ -5,8 +5,11 @@ Routes (JSON unless said otherwise):
 - ``GET /health``                      no token needed; ``{"status", "audit", "runs"}``
 - ``GET /metrics``                     Prometheus text
 - ``GET /runs``                        every live run
-- ``POST /runs``                       ``{"task", "allow", "deny", "preset", "ask", "sources"}``
-                                       → ``{"id", "token", "proxy_url"}``
+- ``POST /runs``                       ``{"task", "allow", "deny", "preset", "ask", "sources", "address"}``
+                                       → ``{"id", "token", "proxy_url"}``; ``address``: egressd's
+                                       own address on a network of the run's own, which its
+                                       proxy URL names and its DNS answers with (the proxy must
+                                       listen on every address, or on that one)
 - ``GET /runs/{id}``                   one run
 - ``PUT /runs/{id}/command``           ``{"command": str|null}``: what the run executes now
 - ``GET /runs/{id}/events?cursor=N``   egress records after cursor N → ``{"events", "cursor"}``
@@ -23,7 +26,7 @@ import hmac
 import ipaddress
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -32,6 +35,7 @@ from audit.log import AuditError
 from audit.records import run_record
 from config.presets import UnknownPreset, preset_entries
 
+from .addresses import forbidden_reason
 from .gate import Gate
 from .policy import Entry, EntryError, parse_entry
 from .runs import Run, RunError, RunRegistry
@@ -142,8 +146,9 @@ async def create_run(request: web.Request) -> web.Response:
     ask = body.get("ask", True)
     if not isinstance(ask, bool):
         raise json_error(400, "ask must be true or false")
+    address = _run_address(body.get("address"), request.app[PROXY_ADDRESS][0], request.app[GATE].allow_private)
     try:
-        run = request.app[RUNS].create(task=task, allow=allow, deny=deny, ask=ask, sources=sources)
+        run = request.app[RUNS].create(task=task, allow=allow, deny=deny, ask=ask, sources=sources, address=address)
     except RunError as exc:
         raise json_error(409, str(exc)) from None
     _write_audit(
@@ -156,14 +161,49 @@ async def create_run(request: web.Request) -> web.Response:
             allow=[e.text for e in allow],
             deny=[e.text for e in deny],
             sources=[str(s) for s in sources],
+            **({"address": str(address)} if address is not None else {}),
         ),
     )
     host, port = request.app[PROXY_ADDRESS]
+    host = str(address) if address is not None else host
     host = f"[{host}]" if ":" in host else host
     return web.json_response(
         {"id": run.id, "token": run.token, "proxy_url": f"http://{run.id}:{run.token}@{host}:{port}"},
         status=201,
     )
+
+
+def _run_address(
+    raw: Any, proxy_host: str, allow_private: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``POST /runs``'s ``address``: one the proxy listens on and egressd never dials.
+
+    1. not an IP address → 400;
+    2. the proxy listens on neither every address nor this one → 409 (the
+       run's sandbox could reach nothing there: refused now, not at its first
+       request);
+    3. egressd would dial it (public, or inside ``allow_private``) → 409: an
+       allowed name resolving there would loop back into egressd's own
+       listeners, as a client bound to no run — or to another run's policy.
+    """
+    if raw is None:
+        return None
+    try:
+        address = ipaddress.ip_address(raw)
+    except (TypeError, ValueError):
+        raise json_error(400, "address must be an IP address") from None
+    try:
+        listening = ipaddress.ip_address(proxy_host)
+    except ValueError:
+        listening = None  # a name (localhost): never one of a run's own network
+    every = listening is not None and listening.is_unspecified and listening.version in (address.version, 6)
+    if not (every or listening == address):
+        raise json_error(409, f"the proxy listens on {proxy_host} only, not on {address}: a run on a network "
+                              "of its own needs egressd listening on every address of its container (0.0.0.0)")
+    if forbidden_reason(address, allow_private) is None:
+        raise json_error(409, f"egressd would dial {address}, its own address on the run's network: "
+                              "allow_private must not cover egressd's networks")
+    return address
 
 
 async def get_run(request: web.Request) -> web.Response:

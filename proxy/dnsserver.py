@@ -21,8 +21,9 @@ How one query is answered (``DnsServer.handle``), in order:
 5. a class other than IN, or a type other than A and AAAA → REFUSED;
 6. strict mode, and the run could never reach the name → NXDOMAIN (see
    ``unreachable_reason``);
-7. A → the configured IPv4 answer; AAAA → the IPv6 answer if configured,
-   else NOERROR with no records (RFC 2308 §2.2 "NODATA").
+7. A → the configured IPv4 answer, or, for a run on a network of its own,
+   egressd's IPv4 address there (``Run.address``); AAAA → the IPv6 answer if
+   configured, else NOERROR with no records (RFC 2308 §2.2 "NODATA").
 
 Every query that passes step 1 is one ``egress`` record of kind ``dns``
 (through the gate, like every other attempt), with ``host`` the name,
@@ -522,8 +523,9 @@ class DnsServer:
         self._timer: asyncio.TimerHandle | None = None
         self._address: tuple[str, int] | None = None
         # plan_answer is a pure function of (the name is None, class, type,
-        # unreachable) and the fixed answers: its outcomes are kept, bounded.
-        self._outcomes: dict[tuple[bool, int, int, Reason | None], Outcome] = {}
+        # unreachable, the A answer) and the fixed AAAA answer: its outcomes are
+        # kept, bounded (a run's own address adds a handful).
+        self._outcomes: dict[tuple[bool, int, int, Reason | None, IPv4Address], Outcome] = {}
         self._auth_required = Outcome(Plan(Rcode.REFUSED, reason=Reason.AUTH_REQUIRED), ttl_s)
         self._audit_unavailable = Outcome(Plan(Rcode.REFUSED, reason=Reason.AUDIT_UNAVAILABLE), ttl_s)
 
@@ -646,7 +648,10 @@ class DnsServer:
                 unreachable = None
                 if self.strict and name is not None:
                     unreachable, attempt.rule = unreachable_reason(run, name)
-                outcome = self._outcome(query, unreachable)
+                # A run on a network of its own reaches egressd there, and only there.
+                own = run.address
+                answer4 = own if isinstance(own, IPv4Address) else self._answer4
+                outcome = self._outcome(query, unreachable, answer4)
         attempt.decision = outcome.decision
         attempt.reason = outcome.reason
         extra["answer"] = outcome.answer
@@ -658,14 +663,14 @@ class DnsServer:
         # record), under RFC 1035 §4.2.1's 512: never truncated.
         return outcome.reply(query)
 
-    def _outcome(self, query: Query, unreachable: Reason | None) -> Outcome:
+    def _outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address) -> Outcome:
         """``plan_answer`` for ``query``, as an Outcome kept for the next query like it."""
-        key = (query.name is None, query.qclass, query.qtype, unreachable)
+        key = (query.name is None, query.qclass, query.qtype, unreachable, answer4)
         try:
             return self._outcomes[key]
         except KeyError:
             pass
-        plan = plan_answer(query, answer4=self._answer4, answer6=self._answer6, unreachable=unreachable)
+        plan = plan_answer(query, answer4=answer4, answer6=self._answer6, unreachable=unreachable)
         return remember(self._outcomes, key, Outcome(plan, self._ttl_s), _MAX_OUTCOMES)
 
     def _record_in_full(self, run: Run, name: str) -> bool:

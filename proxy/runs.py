@@ -3,7 +3,10 @@
 A run holds the state the decision needs (its allowlist, what was approved or
 denied during it, whether to ask), the command it is executing now (for the
 approval message), its credentials and the source addresses bound to it, and
-a bounded window of its recent egress events for the control API.
+a bounded window of its recent egress events for the control API. A run on a
+network of its own (``egressd run --connect``: a Docker network per run)
+also holds egressd's address there, which its proxy URL names and its DNS
+answers with.
 
 Attribution order (``RunRegistry.attribute``):
 1. ``Proxy-Authorization: Basic base64(RUN_ID:TOKEN)`` present → that run if
@@ -56,6 +59,8 @@ class Run:
     deny: tuple[Entry, ...]
     ask: bool = True
     sources: frozenset[IPAddress] = frozenset()
+    # egressd's address on the run's own network (None: the configured listeners' and DNS answer).
+    address: IPAddress | None = None
     command: str | None = None
     approved: dict[str, frozenset[int]] = field(default_factory=dict)
     denied: set[str] = field(default_factory=set)
@@ -155,6 +160,7 @@ class Run:
             "denied": sorted(self.denied),
             "ask": self.ask,
             "sources": sorted(str(a) for a in self.sources),
+            "address": str(self.address) if self.address is not None else None,
             "command": self.command,
             "open_connections": self.open_connections,
         }
@@ -228,13 +234,18 @@ class RunRegistry:
         deny: Iterable[Entry] = (),
         ask: bool = True,
         sources: Iterable[IPAddress] = (),
+        address: IPAddress | None = None,
         run_id: str | None = None,
     ) -> Run:
-        """Register a new run with fresh credentials; its source addresses must be free."""
+        """Register a new run with fresh credentials; its source addresses must be free.
+
+        ``address`` is egressd's own address on the run's network, when the
+        run has one of its own.
+        """
         sources = frozenset(sources)
-        for address in sources:
-            if address in self._by_source:
-                raise RunError(f"source address {address} is already bound to run {self._by_source[address].id}")
+        for source in sources:
+            if source in self._by_source:
+                raise RunError(f"source address {source} is already bound to run {self._by_source[source].id}")
         run_id = run_id or f"r-{secrets.token_hex(4)}"
         if run_id in self._runs:
             raise RunError(f"run {run_id} exists")
@@ -246,10 +257,11 @@ class RunRegistry:
             deny=tuple(deny),
             ask=ask,
             sources=sources,
+            address=address,
         )
         self._runs[run.id] = run
-        for address in sources:
-            self._by_source[address] = run
+        for source in sources:
+            self._by_source[source] = run
         return run
 
     def end(self, run_id: str) -> Run:

@@ -3,6 +3,7 @@
     async with DockerEngine.connect() as engine:
         await clean_leftovers(engine)                       # crashed runs, by label
         net = await DockerRunNetwork.create(engine)         # internal + outgoing networks
+                                                            # (--connect: SharedEgressdNetwork, attach)
         ... start egressd on net.plan.egressd_ip (``start_egressd``), register a run
             for net.plan.sandbox_ip ...
         box = DockerSandbox(engine, network=net.internal_name, address=net.plan.sandbox_ip,
@@ -20,6 +21,12 @@ also on an outgoing network (its way out, and where its control API is
 published on the host's loopback). Subnets are /28s taken from a configured
 range: link-local by default (169.254.64.0/18: never routed, never a LAN's;
 169.254.169.0/24, cloud metadata, is skipped).
+
+A run of an egressd that is already running (``--connect``) gets an internal
+network of its own all the same (``SharedEgressdNetwork``): that egressd's
+container is attached to it for the run's lifetime and detached before it is
+removed, so sandboxes of different runs never share a network and cannot
+reach each other.
 
 The sandbox: each command is a fresh container (like each bwrap invocation:
 /tmp is per command, the working directory persists), with a read-only root
@@ -64,7 +71,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 import aiodocker
 import aiohttp
@@ -111,6 +118,10 @@ SIDECAR_PIDS = 256
 TMPFS_OPTIONS = "rw,nosuid,nodev,size=256m,mode=1777"
 DEFAULT_CPUS = 1.0  # a runaway command keeps at most one core busy
 COPY_TIMEOUT_S = 300.0
+# Another egressd may be removing the same leftovers (a container still going
+# holds its network and volume): what failed is tried again, a few times.
+CLEAN_PASSES = 3
+CLEAN_RETRY_S = 0.5
 NO_LIMITS = Limits()  # the launcher's defaults: no time or memory limit, 512 processes
 WORKDIR_ROOT = SANDBOX_WORKDIR.strip("/")  # the archive of /work names its members work/...
 
@@ -168,12 +179,15 @@ def owner_alive(token: str, *, boot_id: str, start_time_of: Any = _start_time) -
 
 
 @dataclass(frozen=True)
-class DockerPlan:
-    """The run's two subnets and fixed addresses (pure data)."""
+class RunPlan:
+    """The run's own internal subnet and its fixed addresses (pure data).
+
+    Every run has one, with ``--connect`` too: its only members are the
+    sandbox and egressd, so sandboxes of different runs never share a network.
+    """
 
     run_key: str
     internal: ipaddress.IPv4Network
-    outgoing: ipaddress.IPv4Network
 
     @property
     def egressd_ip(self) -> ipaddress.IPv4Address:
@@ -185,16 +199,26 @@ class DockerPlan:
         return self.internal.network_address + 3
 
     @property
+    def internal_name(self) -> str:
+        return f"egressd-{self.run_key}-internal"
+
+
+@dataclass(frozen=True)
+class DockerPlan(RunPlan):
+    """A run with egressd of its own: the internal subnet and egressd's outgoing one (pure data)."""
+
+    outgoing: ipaddress.IPv4Network
+
+    @property
     def egressd_outgoing_ip(self) -> ipaddress.IPv4Address:
         return self.outgoing.network_address + 2
 
     @property
-    def internal_name(self) -> str:
-        return f"egressd-{self.run_key}-internal"
-
-    @property
     def outgoing_name(self) -> str:
         return f"egressd-{self.run_key}-outgoing"
+
+
+PlanT = TypeVar("PlanT", bound=RunPlan)
 
 
 def choose_subnets(
@@ -378,6 +402,9 @@ def egressd_config(spec: EgressdSpec) -> dict[str, Any]:
     """
     host = hardened_host_config(network=spec.outgoing_network)
     host["Sysctls"]["net.ipv4.ip_unprivileged_port_start"] = "53"
+    # egressd is on several networks (a shared one on every --connect run's):
+    # it relays connections and never routes a packet from one network to another.
+    host["Sysctls"]["net.ipv4.ip_forward"] = "0"
     host.update(
         {
             "Mounts": [{"Type": "volume", "Source": spec.volume, "Target": EGRESSD_STATE, "ReadOnly": False}],
@@ -580,7 +607,47 @@ class DockerEngine:
         await self._delete(f"container {container_id[:12]}", f"containers/{container_id}", params)
 
     async def remove_network(self, name: str) -> None:
+        """Disconnect every container still attached (a running egressd of ``--connect``), then remove it."""
+        for container_id in await self._attached_to(name):
+            await self.disconnect(name, container_id)
         await self._delete(f"network {name}", f"networks/{name}", {})
+
+    async def _attached_to(self, network: str) -> list[str]:
+        # Stopped containers too: a network removed under one would keep it from starting again.
+        filters = json.dumps({"network": [network]})
+        with engine_errors(f"cannot list the containers on network {network}"):
+            async with asyncio.timeout(API_TIMEOUT_S):
+                containers = await self.client.containers.list(all=True, filters=filters)
+        return [c.id for c in containers]
+
+    async def attach(self, network: str, container_id: str, address: str) -> None:
+        """Connect a container to a network at ``address``."""
+        endpoint = {"IPAMConfig": {"IPv4Address": address}}
+        with engine_errors(f"cannot attach container {container_id[:12]} to network {network}"):
+            async with asyncio.timeout(API_TIMEOUT_S):
+                net = await self.client.networks.get(network)
+                await net.connect({"Container": container_id, "EndpointConfig": endpoint})
+
+    async def disconnect(self, network: str, container_id: str) -> None:
+        """Detach a container from a network (running or not); one already gone is fine."""
+        try:
+            with engine_errors(f"cannot detach container {container_id[:12]} from network {network}"):
+                async with asyncio.timeout(API_TIMEOUT_S):
+                    async with self.client._query(f"networks/{network}/disconnect", method="POST",
+                                                  data=json.dumps({"Container": container_id, "Force": True}),
+                                                  headers={"Content-Type": "application/json"}):
+                        pass
+        except DockerUnavailable as exc:
+            cause = exc.__cause__
+            if not (isinstance(cause, DockerError) and cause.status == 404):
+                raise
+
+    async def containers_serving(self, host: str, port: int) -> list[str]:
+        """The running containers that serve ``host:port`` (see ``containers_serving``)."""
+        with engine_errors("cannot list containers"):
+            async with asyncio.timeout(API_TIMEOUT_S):
+                containers = await self.client.containers.list()
+        return containers_serving([c._container for c in containers], host, port)
 
     async def remove_volume(self, name: str) -> None:
         await self._delete(f"volume {name}", f"volumes/{name}", {"force": "true"})
@@ -594,6 +661,35 @@ class DockerEngine:
                 networks = await self.client.networks.list(filters=filters)
                 volumes = (await self.client.volumes.list(filters=filters)).get("Volumes") or []
         return [c._container for c in containers], networks, volumes
+
+
+def containers_serving(summaries: Iterable[Mapping[str, Any]], host: str, port: int) -> list[str]:
+    """Ids of the containers (the engine's list summaries) that serve ``host:port`` (pure).
+
+    ``host:port`` is where we reach it: a port the container publishes on the
+    engine's host (``host`` loopback, ``localhost``, or the published address
+    itself), or the container's own address on one of its networks.
+    """
+    loopback = host == "localhost" or _is_loopback(host)
+    found = []
+    for summary in summaries:
+        published = any(
+            p.get("Type") == "tcp" and p.get("PublicPort") == port
+            and (p.get("IP") in (host, "0.0.0.0", "::") or (loopback and p.get("IP") in ("127.0.0.1", "::1")))
+            for p in summary.get("Ports") or ()
+        )
+        networks = ((summary.get("NetworkSettings") or {}).get("Networks") or {}).values()
+        own = any(n.get("IPAddress") == host for n in networks)
+        if published or own:
+            found.append(str(summary["Id"]))
+    return found
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _host_routes() -> list[ipaddress.IPv4Network]:
@@ -634,21 +730,30 @@ async def clean_leftovers(engine: DockerEngine, *, everything_of: str | None = N
         owner = (labels or {}).get(LABEL_OWNER, "")
         return not owner_alive(owner, boot_id=boot)
 
-    containers, networks, volumes = await engine.labelled(label)
-    removed = []
-    for c in containers:
-        if dead(c.get("Labels")):
-            await engine.remove_container(c["Id"])
-            removed.append(f"container {(c.get('Names') or [c['Id'][:12]])[0].lstrip('/')}")
-    for n in networks:
-        if dead(n.get("Labels")):
-            await engine.remove_network(n["Name"])
-            removed.append(f"network {n['Name']}")
-    for v in volumes:
-        if dead(v.get("Labels")):
-            await engine.remove_volume(v["Name"])
-            removed.append(f"volume {v['Name']}")
-    return removed
+    removed: list[str] = []
+    for _ in range(CLEAN_PASSES):
+        failed: DockerUnavailable | None = None
+        containers, networks, volumes = await engine.labelled(label)
+        steps = (
+            [(c, engine.remove_container, c["Id"], f"container {(c.get('Names') or [c['Id'][:12]])[0].lstrip('/')}")
+             for c in containers]
+            + [(n, engine.remove_network, n["Name"], f"network {n['Name']}") for n in networks]
+            + [(v, engine.remove_volume, v["Name"], f"volume {v['Name']}") for v in volumes]
+        )
+        for resource, remove, key, shown in steps:
+            if not dead(resource.get("Labels")):
+                continue
+            try:
+                await remove(key)
+            except DockerUnavailable as exc:
+                failed = exc  # the rest still goes; this one is tried again in the next pass
+                continue
+            removed.append(shown)
+        if failed is None:
+            return removed
+        await asyncio.sleep(CLEAN_RETRY_S)
+    assert failed is not None
+    raise failed
 
 
 # -- a run's networks --------------------------------------------------------------
@@ -688,13 +793,22 @@ class DockerRun:
                 await self.engine.remove_volume(v["Name"])
 
 
-class DockerRunNetwork(DockerRun):
-    """A run with its own internal and outgoing networks (``plan``)."""
+class _RunNetworks(DockerRun, Generic[PlanT]):
+    """A run with networks of its own (``plan``): ``create`` picks free subnets and makes them."""
 
-    def __init__(self, engine: DockerEngine, plan: DockerPlan, labels: Mapping[str, str] = {}) -> None:
+    SUBNETS: ClassVar[int]
+
+    def __init__(self, engine: DockerEngine, plan: PlanT, labels: Mapping[str, str] = {}) -> None:
         super().__init__(engine, plan.run_key, labels)
         self.plan = plan
         self.note = ""  # set when the networks are not where they were asked for
+
+    @classmethod
+    def _plan(cls, run_key: str, subnets: list[ipaddress.IPv4Network]) -> PlanT:
+        raise NotImplementedError
+
+    async def _build(self) -> None:
+        raise NotImplementedError
 
     @classmethod
     async def create(
@@ -703,22 +817,26 @@ class DockerRunNetwork(DockerRun):
         *,
         pool: str = DEFAULT_DOCKER_RANGE,
         labels: Mapping[str, str] = {},
+        avoid: Iterable[ipaddress.IPv4Network] = (),
         attempts: int = 5,
-    ) -> DockerRunNetwork:
-        """Pick two free /28s and create the networks (retrying a subnet another run just took).
+    ) -> Self:
+        """Pick free /28s and create the networks (retrying a subnet another run just took).
 
-        An engine that refuses link-local subnets gets carrier-grade NAT ones
-        (``FALLBACK_DOCKER_RANGE``) instead, when the pool is the default;
-        ``note`` then says so.
+        ``avoid``: ranges to keep clear of besides the engine's networks and
+        the host's routes (e.g. addresses a running egressd still binds to a
+        run). An engine that refuses link-local subnets gets carrier-grade NAT
+        ones (``FALLBACK_DOCKER_RANGE``) instead, when the pool is the
+        default; ``note`` then says so.
         """
         last = ""
         note = ""
+        avoid = list(avoid)
         for _ in range(attempts):
             try:
-                internal, outgoing = choose_subnets(pool, await engine.taken_subnets())
+                subnets = choose_subnets(pool, [*await engine.taken_subnets(), *avoid], count=cls.SUBNETS)
             except ValueError as exc:
                 raise SandboxError(f"cannot plan the run's networks: {exc}") from None
-            net = cls(engine, DockerPlan(secrets.token_hex(4), internal, outgoing), labels)
+            net = cls(engine, cls._plan(secrets.token_hex(4), subnets), labels)
             try:
                 await net._build()
                 net.note = note
@@ -735,14 +853,49 @@ class DockerRunNetwork(DockerRun):
                 pool = FALLBACK_DOCKER_RANGE
         raise SandboxError(f"cannot create the run's networks: {last}")
 
-    async def _build(self) -> None:
-        p = self.plan
+    async def _create_network(self, name: str, subnet: ipaddress.IPv4Network, *, internal: bool) -> None:
         with engine_errors("cannot create the run's networks"):
             async with asyncio.timeout(API_TIMEOUT_S):
                 await self.engine.client.networks.create(
-                    network_config(p.internal_name, p.internal, internal=True, labels=self.labels_for("network")))
-                await self.engine.client.networks.create(
-                    network_config(p.outgoing_name, p.outgoing, internal=False, labels=self.labels_for("network")))
+                    network_config(name, subnet, internal=internal, labels=self.labels_for("network")))
+
+
+class DockerRunNetwork(_RunNetworks[DockerPlan]):
+    """A run with egressd of its own: its internal and outgoing networks."""
+
+    SUBNETS = 2
+
+    @classmethod
+    def _plan(cls, run_key: str, subnets: list[ipaddress.IPv4Network]) -> DockerPlan:
+        internal, outgoing = subnets
+        return DockerPlan(run_key, internal, outgoing)
+
+    async def _build(self) -> None:
+        p = self.plan
+        await self._create_network(p.internal_name, p.internal, internal=True)
+        await self._create_network(p.outgoing_name, p.outgoing, internal=False)
+
+
+class SharedEgressdNetwork(_RunNetworks[RunPlan]):
+    """A run of a running egressd (``--connect``): an internal network of its own.
+
+    ``attach`` connects egressd's container to it at ``plan.egressd_ip`` for
+    the run's lifetime; ``destroy`` disconnects it and removes the network
+    (so does ``clean_leftovers`` after a crash: the network carries the run's
+    labels, egressd's container does not and stays).
+    """
+
+    SUBNETS = 1
+
+    @classmethod
+    def _plan(cls, run_key: str, subnets: list[ipaddress.IPv4Network]) -> RunPlan:
+        return RunPlan(run_key, subnets[0])
+
+    async def _build(self) -> None:
+        await self._create_network(self.plan.internal_name, self.plan.internal, internal=True)
+
+    async def attach(self, container_id: str) -> None:
+        await self.engine.attach(self.plan.internal_name, container_id, str(self.plan.egressd_ip))
 
 
 # -- egressd's container -----------------------------------------------------------------

@@ -19,6 +19,7 @@ import contextlib
 import http.client
 import ipaddress
 import json
+import os
 import random
 import socket
 import textwrap
@@ -30,7 +31,8 @@ from aiohttp import web
 
 from sandbox.docker import LABEL_OWNER, DockerEngine
 
-EGRESSD_IMAGE = "egressd:latest"
+# The egressd image under test (another tag: one built from this tree while other trees build egressd:latest).
+EGRESSD_IMAGE = os.environ.get("EGRESSD_TEST_IMAGE", "egressd:latest")
 SANDBOX_IMAGE = "egressd-sandbox:latest"
 TEST_RANGE = "169.254.128.0/20"
 TEST_LABELS = {"egressd.test": "1"}

@@ -615,7 +615,9 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
         "EGRESSD_SANDBOX_SUBNET": str(internal), "EGRESSD_OUTGOING_SUBNET": str(outgoing),
         "EGRESSD_SIDECAR_IP": sidecar, "EGRESSD_SANDBOX_IP": sandbox_ip, "EGRESSD_CONTROL_IP": control_ip,
         "EGRESSD_CONTROL_PORT": str(control_port), "EGRESSD_CONTROL_TOKEN": token,
-        "EGRESSD_ALLOW": f"{ORIGIN_NAME}:{ORIGIN_PORT}", "EGRESSD_ALLOW_PRIVATE": str(outgoing),
+        # Exactly the origin: egressd listens on every address it has, and must never dial one of them.
+        "EGRESSD_ALLOW": f"{ORIGIN_NAME}:{ORIGIN_PORT}", "EGRESSD_ALLOW_PRIVATE": f"{outgoing.network_address + 5}/32",
+        "EGRESSD_IMAGE": dockerbed.EGRESSD_IMAGE,
         "EGRESSD_APPROVER": "webhook", "EGRESSD_WEBHOOK_URL": f"http://{gateway}:{hook_port}/hook",
         "EGRESSD_UNSAFE_WEBHOOK_HTTP": "true",  # the gateway is no loopback address
         "EGRESSD_WEBHOOK_SECRET": "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode(),
@@ -679,15 +681,25 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
                     assert resp.status == 200
             code, out = await asyncio.wait_for(held, 60)
             assert "hello from origin: GET /held" in out, out
-            # egressd run --connect: a new sandbox joins the compose's internal network.
+            # egressd run --connect: a new sandbox on a network of its own, with compose's egressd
+            # attached for the run; it reaches the origin through egressd, and not compose's sandbox.
             workdir = tmp_path / "work"
             workdir.mkdir()
             os.chown(workdir, 1000, 1000)
+            reach = ("import socket; s = socket.socket(); s.settimeout(2);"
+                     f" print('sandbox:', s.connect_ex(('{sandbox_ip}', 1)) or 'connected')")
             code, out = await run(EGRESSD, "run", "--backend", "docker", "--connect", f"http://127.0.0.1:{control_port}",
                                   "--control-token", token, "--allow", f"{ORIGIN_NAME}:{ORIGIN_PORT}",
-                                  "--workdir", str(workdir), "--", "curl", "-sS", "-m", "10",
-                                  f"http://{ORIGIN_NAME}:{ORIGIN_PORT}/connect")
+                                  "--net-range", str(await free_test_range(engine)), "--workdir", str(workdir), "--",
+                                  "sh", "-c", f"curl -sS -m 10 http://{ORIGIN_NAME}:{ORIGIN_PORT}/connect; echo;"
+                                  f" python3 -c \"{reach}\"")
             assert code == 0 and "hello from origin: GET /connect" in out, out
+            # Not even a reset (ECONNREFUSED, 111) from the compose sandbox: it is on no network of the run.
+            assert "sandbox: " in out and "sandbox: 111" not in out and "sandbox: connected" not in out, out
+            egressd = f"{project}-egressd-1" if compose != ["docker-compose"] else f"{project}_egressd_1"
+            info = await engine.client.containers.container(egressd).show()
+            assert set(info["NetworkSettings"]["Networks"]) == {f"{project}_sandbox", outgoing_net}
+            assert (await _exec(engine, egressd, ["cat", "/proc/sys/net/ipv4/ip_forward"]))[1].strip() == "0"
             await asyncio.sleep(0.5)
             assert await leak.leaks() == [] and host.tcp == 0 and host.udp == 0
     finally:
