@@ -289,3 +289,22 @@ PROBE = textwrap.dedent("""
         results["dns " + name] = "answered" if "ANSWER SECTION" in dig.stdout else "no answer"
     print(json.dumps(results))
 """)
+
+
+# Prints the errno of socket(AF_VSOCK), socket(AF_PACKET) and io_uring_setup (0 if one succeeded):
+# "97 97 1" under egressd's profile (EAFNOSUPPORT twice, then EPERM).
+SOCKET_FAMILY_PROBE = textwrap.dedent("""
+    import ctypes, os, socket
+    out = []
+    for family in (40, 17):  # AF_VSOCK, AF_PACKET
+        try:
+            socket.socket(family, socket.SOCK_DGRAM if family == 17 else socket.SOCK_STREAM).close()
+            out.append(0)
+        except OSError as exc:
+            out.append(exc.errno)
+    libc = ctypes.CDLL(None, use_errno=True)
+    params = ctypes.create_string_buffer(120)
+    fd = libc.syscall(425, 4, params)  # io_uring_setup(4 entries, params)
+    out.append(ctypes.get_errno() if fd < 0 else 0)
+    print(*out)
+""")

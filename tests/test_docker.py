@@ -59,6 +59,7 @@ from tests.dockerbed import (
     ORIGIN_PORT,
     ORIGIN_SCRIPT,
     PROBE,
+    SOCKET_FAMILY_PROBE,
     TEST_LABELS,
     free_test_range,
     hook_receiver,
@@ -651,6 +652,9 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
             assert "hello from origin: GET /compose" in out, out
             assert "\n1000\n" in out and "NoNewPrivs:\t1" in out and "CapEff:\t0000000000000000" in out
             assert "Read-only file system" in out
+            # egressd's seccomp profile, not Docker's default: AF_VSOCK and io_uring are refused.
+            code, out = await _exec(engine, sandbox, ["python3", "-c", SOCKET_FAMILY_PROBE])
+            assert out.split() == ["97", "97", "1"], out
             # The bypasses.
             targets = {
                 "tcp": {"leak container": [leak.address, 8080], "origin directly": [origin.address, ORIGIN_PORT],
@@ -715,6 +719,13 @@ def test_the_compose_file_hardens_the_sandbox_as_documented() -> None:
     sandbox = text.split("\n  sandbox:\n")[1].split("\nnetworks:\n")[0]
     for needle in ("read_only: true", "cap_drop: [ALL]", "no-new-privileges:true", 'user: "1000:1000"',
                    "ipc: private", "pids_limit:", "mem_limit:", "memswap_limit:", "cpus:", "/tmp:", "runtime:",
-                   "dns:", "HTTP_PROXY="):
+                   "dns:", "HTTP_PROXY=", '"seccomp=./sandbox-seccomp.json"'):
         assert needle in sandbox, needle
     assert "internal: true" in text and '"127.0.0.1:${EGRESSD_CONTROL_PORT:-3129}:3129"' in text
+
+
+def test_the_compose_sandboxs_seccomp_profile_is_the_one_egressd_generates() -> None:
+    # Regenerate with: .venv/bin/python -c 'import json; from sandbox.seccomp import docker_profile;
+    #   print(json.dumps(docker_profile(), indent=1, sort_keys=True))' > docker/sandbox-seccomp.json
+    path = Path(__file__).parent.parent / "docker" / "sandbox-seccomp.json"
+    assert json.loads(path.read_text()) == json.loads(json.dumps(docker_profile(machine="x86_64")))
