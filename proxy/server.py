@@ -11,10 +11,12 @@ spliced tunnels); ``ProxyServer`` adds HTTP. The transparent listeners
 (``transparent``) build on both: the Host-header one is a ``ProxyServer``
 whose destination comes from the Host header, the SNI one a ``Listener``.
 
-After a CONNECT is answered, the first bytes the client sends are checked:
-a TLS ClientHello naming another server than the CONNECT host is closed as
-``sni_mismatch`` (``_SniCheck``), so an allowed tunnel cannot be steered
-to another name on the same address (domain fronting at the TLS layer).
+After a CONNECT is answered, what the client sends is checked until the
+TLS handshake is settled: a ClientHello naming another server than the
+CONNECT host, or hiding the name it asks for (ECH), is closed as
+``sni_mismatch`` (``SniCheck``), and so is a second ClientHello after a
+HelloRetryRequest, so an allowed tunnel cannot be steered to another name
+on the same address (domain fronting at the TLS layer).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from .clienthello import Alert, ClientHelloError, NotTls, parse_client_hello, tls_alert
+from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client, tls_alert
 from .gate import Admission, Attempt, DialError, Gate
 from .hosts import HostError, normalise_host
 from .http1 import (
@@ -50,6 +52,8 @@ from .tunnel import ClientCheck, Tunnel
 log = logging.getLogger("egressd.proxy")
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Why a ClientHello carrying encrypted_client_hello is refused (the record's detail).
+ECH_DETAIL = "encrypted_client_hello hides the server name asked for"
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,7 +276,7 @@ class ProxyServer(Listener):
             return
         try:
             await client.send(CONNECT_ESTABLISHED)
-            self._splice(client, upstream, attempt, check=_SniCheck(self.gate, attempt))
+            self._splice(client, upstream, attempt, check=SniCheck(self.gate, attempt))
         finally:
             if not attempt.handed_off:
                 upstream.close()
@@ -423,41 +427,69 @@ class ProxyServer(Listener):
             await client.send(data)
 
 
-class _SniCheck:
-    """The first client bytes of a CONNECT tunnel, checked before any is relayed (``tunnel.ClientCheck``).
+class SniCheck:
+    """A tunnel's client bytes, checked until the TLS handshake is settled (``tunnel.ClientCheck``).
 
-    1. bytes that are not a TLS handshake record → relay: another protocol;
-    2. a ClientHello still incomplete → hold, for up to the head timeout
-       from the first byte (then ``limit_exceeded``, no alert);
-    3. a ClientHello whose SNI, normalised, differs from the CONNECT host
-       → ``sni_mismatch``; one that is malformed → ``bad_request``; both
-       get a fatal TLS alert and the close. No SNI → relay: the server then
-       answers for the address the policy already checked.
+    ``scan_client`` walks the held bytes; each ClientHello in them is checked
+    before any of them is relayed; ``ServerWatch`` follows the upstream's
+    bytes and ends the check at its ServerHello (unless a HelloRetryRequest,
+    after which the client's second ClientHello is checked the same way).
+    For each ClientHello, in order:
 
-    The upstream speaking first (SSH, SMTP, ...) or the client half-closing
-    ends the check and relays (``Tunnel``). This stops an allowed tunnel
-    from being steered to another name on the same address (domain fronting
-    at the TLS layer).
+    1. it carries encrypted_client_hello (ECH) → ``sni_mismatch``: the name
+       it really asks for is hidden, the readable one is a cover;
+    2. no SNI → relay (CONNECT: the server answers for the address the
+       policy checked), or ``bad_request`` when ``name_required`` (the
+       transparent listener, which decided on the first hello's SNI);
+    3. the SNI, normalised, differs from the attempt's host → ``sni_mismatch``.
+
+    Refusals get a fatal TLS alert and the close; none of the held bytes is
+    relayed. The first bytes not being TLS → relay with no more checking:
+    another protocol. A malformed hello or record → ``bad_request``. Bytes
+    held incomplete for the head timeout → ``limit_exceeded``, no alert. The
+    upstream speaking first with something that is not TLS (SSH, SMTP, ...)
+    or either side half-closing ends the check and relays (``Tunnel``).
     """
 
-    __slots__ = ("gate", "attempt")
+    __slots__ = ("gate", "attempt", "name_required", "_server", "_started")
 
-    def __init__(self, gate: Gate, attempt: Attempt) -> None:
+    def __init__(self, gate: Gate, attempt: Attempt, *, name_required: bool = False) -> None:
         self.gate = gate
         self.attempt = attempt
+        self.name_required = name_required
+        self._server = ServerWatch()
+        self._started = False  # a byte has been relayed: the held bytes no longer start the connection
 
-    def check(self, tunnel: Tunnel) -> bool:
+    def client(self, tunnel: Tunnel) -> int | None:
         try:
-            hello = parse_client_hello(tunnel.client.buf)
+            scanned = scan_client(tunnel.client.buf, first=not self._started)
         except NotTls:
-            return True
+            return None
         except ClientHelloError as exc:
             self._refuse(tunnel, Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc))
-            return False
-        if hello is None:
+            return 0
+        for hello in scanned.hellos:
+            if not self._allowed(tunnel, hello):
+                return 0
+        if scanned.ready:
+            self._started = True
+        return scanned.ready
+
+    def upstream(self, tunnel: Tunnel, data: bytes) -> bool:
+        return self._server.feed(data)
+
+    def expired(self, tunnel: Tunnel) -> None:
+        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, None, "ClientHello incomplete in time")
+
+    def _allowed(self, tunnel: Tunnel, hello: ClientHello) -> bool:
+        if hello.ech:
+            self._refuse(tunnel, Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, ECH_DETAIL)
             return False
         if hello.server_name is None:
-            return True
+            if not self.name_required:
+                return True
+            self._refuse(tunnel, Reason.BAD_REQUEST, Alert.MISSING_EXTENSION, "ClientHello without server_name")
+            return False
         try:
             name = normalise_host(hello.server_name)
         except HostError:
@@ -467,9 +499,6 @@ class _SniCheck:
         self.attempt.extra["sni"] = name or hello.server_name
         self._refuse(tunnel, Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, None)
         return False
-
-    def expired(self, tunnel: Tunnel) -> None:
-        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, None, "ClientHello incomplete in time")
 
     def _refuse(self, tunnel: Tunnel, reason: Reason, alert: Alert | None, detail: str | None) -> None:
         """An alert, the close, and the record says deny with ``reason`` (written when the tunnel ends)."""
