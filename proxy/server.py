@@ -17,6 +17,11 @@ CONNECT host, or hiding the name it asks for (ECH), is closed as
 ``sni_mismatch`` (``SniCheck``), and so is a second ClientHello after a
 HelloRetryRequest, so an allowed tunnel cannot be steered to another name
 on the same address (domain fronting at the TLS layer).
+
+Bodies (and the wait for a response head) are bounded by the idle timeout:
+a side that moves no byte for ``idle_timeout_s`` ends the request, both
+connections are closed and the record notes ``end: idle_timeout``, as for
+an idle tunnel.
 """
 
 from __future__ import annotations
@@ -46,12 +51,14 @@ from .http1 import (
 from .policy import Reason
 from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
 from .runs import IPAddress, Run, RunRegistry, source_address
-from .stream import Peer, PeerClosed
+from .stream import IdleTimeout, Peer, PeerClosed
 from .tunnel import ClientCheck, Tunnel
 
 log = logging.getLogger("egressd.proxy")
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# The audit record's ``end`` when a connection ended because nothing moved (DESIGN.md "Audit log").
+IDLE_END = "idle_timeout"
 # Why a ClientHello carrying encrypted_client_hello is refused (the record's detail).
 ECH_DETAIL = "encrypted_client_hello hides the server name asked for"
 
@@ -150,6 +157,8 @@ class Listener:
         attempt: Attempt = tunnel.owner  # type: ignore[assignment]
         attempt.bytes_up += tunnel.bytes_up
         attempt.bytes_down += tunnel.bytes_down
+        if tunnel.idle_expired:
+            attempt.extra.setdefault("end", IDLE_END)
         tunnel.upstream.close()
         if attempt.run is not None:
             attempt.run.open_connections -= 1
@@ -321,10 +330,15 @@ class ProxyServer(Listener):
                 if response is None and reused and try_again and kind is BodyKind.NONE:
                     continue  # a stale kept connection: dial a fresh one
                 attempt.bytes_up += len(out)
-                if kind is BodyKind.LENGTH:
-                    attempt.bytes_up += await client.relay_exact(length, upstream)
-                elif kind is BodyKind.CHUNKED:
-                    attempt.bytes_up += await client.relay_chunked(upstream)
+                idle_s = self.limits.idle_timeout_s
+                try:
+                    if kind is BodyKind.LENGTH:
+                        attempt.bytes_up += await client.relay_exact(length, upstream, idle_s=idle_s)
+                    elif kind is BodyKind.CHUNKED:
+                        attempt.bytes_up += await client.relay_chunked(upstream, idle_s=idle_s)
+                except IdleTimeout as exc:
+                    attempt.bytes_up += exc.moved
+                    raise
                 if response is None:
                     response = await self._response_head(upstream)
                 if response is None:
@@ -336,6 +350,11 @@ class ProxyServer(Listener):
                 attempt.extra["detail"] = f"bad response from upstream: {exc.detail}"
                 if attempt.bytes_down == 0:
                     await self._refuse(client, attempt, Reason.UPSTREAM_UNREACHABLE)
+                return False
+            except TimeoutError:
+                # A body (or the response head) moved no byte for the idle
+                # timeout: both connections close, as an idle tunnel's do.
+                attempt.extra.setdefault("end", IDLE_END)
                 return False
             finally:
                 if keep_upstream:
@@ -382,15 +401,20 @@ class ProxyServer(Listener):
         keep_alive = head.keep_alive and kind is not BodyKind.UNTIL_CLOSE
         out = forward_response_head(response, keep_alive)
         attempt.bytes_down += len(out)
-        if kind is BodyKind.LENGTH:
-            # The head and the body bytes already here go out in one write.
-            attempt.bytes_down += await upstream.relay_exact(length, client, head=out)
-            return keep_alive, keep_alive and response.keep_alive
-        await client.send(out)
-        if kind is BodyKind.CHUNKED:
-            attempt.bytes_down += await upstream.relay_chunked(client, error_status=502)
-        elif kind is BodyKind.UNTIL_CLOSE:
-            attempt.bytes_down += await upstream.relay_until_eof(client)
+        idle_s = self.limits.idle_timeout_s
+        try:
+            if kind is BodyKind.LENGTH:
+                # The head and the body bytes already here go out in one write.
+                attempt.bytes_down += await upstream.relay_exact(length, client, head=out, idle_s=idle_s)
+                return keep_alive, keep_alive and response.keep_alive
+            await client.send(out, asyncio.get_running_loop().time() + idle_s)
+            if kind is BodyKind.CHUNKED:
+                attempt.bytes_down += await upstream.relay_chunked(client, error_status=502, idle_s=idle_s)
+            elif kind is BodyKind.UNTIL_CLOSE:
+                attempt.bytes_down += await upstream.relay_until_eof(client, idle_s=idle_s)
+        except IdleTimeout as exc:
+            attempt.bytes_down += exc.moved
+            raise
         keep_upstream = keep_alive and response.keep_alive and response.status != 101
         return keep_alive, keep_upstream
 
