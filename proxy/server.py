@@ -11,10 +11,17 @@ spliced tunnels); ``ProxyServer`` adds HTTP. The transparent listeners
 (``transparent``) build on both: the Host-header one is a ``ProxyServer``
 whose destination comes from the Host header, the SNI one a ``Listener``.
 
-After a CONNECT is answered, the first bytes the client sends are checked:
-a TLS ClientHello naming another server than the CONNECT host is closed as
-``sni_mismatch`` (``_SniCheck``), so an allowed tunnel cannot be steered
-to another name on the same address (domain fronting at the TLS layer).
+After a CONNECT is answered, what the client sends is checked until the
+TLS handshake is settled: a ClientHello naming another server than the
+CONNECT host, or hiding the name it asks for (ECH), is closed as
+``sni_mismatch`` (``SniCheck``), and so is a second ClientHello after a
+HelloRetryRequest, so an allowed tunnel cannot be steered to another name
+on the same address (domain fronting at the TLS layer).
+
+Bodies (and the wait for a response head) are bounded by the idle timeout:
+a side that moves no byte for ``idle_timeout_s`` ends the request, both
+connections are closed and the record notes ``end: idle_timeout``, as for
+an idle tunnel.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
-from .clienthello import Alert, ClientHelloError, NotTls, parse_client_hello, tls_alert
+from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client, tls_alert
 from .gate import Admission, Attempt, DialError, Gate
 from .hosts import HostError, normalise_host
 from .http1 import (
@@ -44,12 +51,16 @@ from .http1 import (
 from .policy import Reason
 from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
 from .runs import IPAddress, Run, RunRegistry, source_address
-from .stream import Peer, PeerClosed
+from .stream import IdleTimeout, Peer, PeerClosed
 from .tunnel import ClientCheck, Tunnel
 
 log = logging.getLogger("egressd.proxy")
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# The audit record's ``end`` when a connection ended because nothing moved (DESIGN.md "Audit log").
+IDLE_END = "idle_timeout"
+# Why a ClientHello carrying encrypted_client_hello is refused (the record's detail).
+ECH_DETAIL = "encrypted_client_hello hides the server name asked for"
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +157,8 @@ class Listener:
         attempt: Attempt = tunnel.owner  # type: ignore[assignment]
         attempt.bytes_up += tunnel.bytes_up
         attempt.bytes_down += tunnel.bytes_down
+        if tunnel.idle_expired:
+            attempt.extra.setdefault("end", IDLE_END)
         tunnel.upstream.close()
         if attempt.run is not None:
             attempt.run.open_connections -= 1
@@ -272,7 +285,7 @@ class ProxyServer(Listener):
             return
         try:
             await client.send(CONNECT_ESTABLISHED)
-            self._splice(client, upstream, attempt, check=_SniCheck(self.gate, attempt))
+            self._splice(client, upstream, attempt, check=SniCheck(self.gate, attempt))
         finally:
             if not attempt.handed_off:
                 upstream.close()
@@ -317,10 +330,15 @@ class ProxyServer(Listener):
                 if response is None and reused and try_again and kind is BodyKind.NONE:
                     continue  # a stale kept connection: dial a fresh one
                 attempt.bytes_up += len(out)
-                if kind is BodyKind.LENGTH:
-                    attempt.bytes_up += await client.relay_exact(length, upstream)
-                elif kind is BodyKind.CHUNKED:
-                    attempt.bytes_up += await client.relay_chunked(upstream)
+                idle_s = self.limits.idle_timeout_s
+                try:
+                    if kind is BodyKind.LENGTH:
+                        attempt.bytes_up += await client.relay_exact(length, upstream, idle_s=idle_s)
+                    elif kind is BodyKind.CHUNKED:
+                        attempt.bytes_up += await client.relay_chunked(upstream, idle_s=idle_s)
+                except IdleTimeout as exc:
+                    attempt.bytes_up += exc.moved
+                    raise
                 if response is None:
                     response = await self._response_head(upstream)
                 if response is None:
@@ -332,6 +350,11 @@ class ProxyServer(Listener):
                 attempt.extra["detail"] = f"bad response from upstream: {exc.detail}"
                 if attempt.bytes_down == 0:
                     await self._refuse(client, attempt, Reason.UPSTREAM_UNREACHABLE)
+                return False
+            except TimeoutError:
+                # A body (or the response head) moved no byte for the idle
+                # timeout: both connections close, as an idle tunnel's do.
+                attempt.extra.setdefault("end", IDLE_END)
                 return False
             finally:
                 if keep_upstream:
@@ -378,15 +401,20 @@ class ProxyServer(Listener):
         keep_alive = head.keep_alive and kind is not BodyKind.UNTIL_CLOSE
         out = forward_response_head(response, keep_alive)
         attempt.bytes_down += len(out)
-        if kind is BodyKind.LENGTH:
-            # The head and the body bytes already here go out in one write.
-            attempt.bytes_down += await upstream.relay_exact(length, client, head=out)
-            return keep_alive, keep_alive and response.keep_alive
-        await client.send(out)
-        if kind is BodyKind.CHUNKED:
-            attempt.bytes_down += await upstream.relay_chunked(client, error_status=502)
-        elif kind is BodyKind.UNTIL_CLOSE:
-            attempt.bytes_down += await upstream.relay_until_eof(client)
+        idle_s = self.limits.idle_timeout_s
+        try:
+            if kind is BodyKind.LENGTH:
+                # The head and the body bytes already here go out in one write.
+                attempt.bytes_down += await upstream.relay_exact(length, client, head=out, idle_s=idle_s)
+                return keep_alive, keep_alive and response.keep_alive
+            await client.send(out, asyncio.get_running_loop().time() + idle_s)
+            if kind is BodyKind.CHUNKED:
+                attempt.bytes_down += await upstream.relay_chunked(client, error_status=502, idle_s=idle_s)
+            elif kind is BodyKind.UNTIL_CLOSE:
+                attempt.bytes_down += await upstream.relay_until_eof(client, idle_s=idle_s)
+        except IdleTimeout as exc:
+            attempt.bytes_down += exc.moved
+            raise
         keep_upstream = keep_alive and response.keep_alive and response.status != 101
         return keep_alive, keep_upstream
 
@@ -423,41 +451,69 @@ class ProxyServer(Listener):
             await client.send(data)
 
 
-class _SniCheck:
-    """The first client bytes of a CONNECT tunnel, checked before any is relayed (``tunnel.ClientCheck``).
+class SniCheck:
+    """A tunnel's client bytes, checked until the TLS handshake is settled (``tunnel.ClientCheck``).
 
-    1. bytes that are not a TLS handshake record → relay: another protocol;
-    2. a ClientHello still incomplete → hold, for up to the head timeout
-       from the first byte (then ``limit_exceeded``, no alert);
-    3. a ClientHello whose SNI, normalised, differs from the CONNECT host
-       → ``sni_mismatch``; one that is malformed → ``bad_request``; both
-       get a fatal TLS alert and the close. No SNI → relay: the server then
-       answers for the address the policy already checked.
+    ``scan_client`` walks the held bytes; each ClientHello in them is checked
+    before any of them is relayed; ``ServerWatch`` follows the upstream's
+    bytes and ends the check at its ServerHello (unless a HelloRetryRequest,
+    after which the client's second ClientHello is checked the same way).
+    For each ClientHello, in order:
 
-    The upstream speaking first (SSH, SMTP, ...) or the client half-closing
-    ends the check and relays (``Tunnel``). This stops an allowed tunnel
-    from being steered to another name on the same address (domain fronting
-    at the TLS layer).
+    1. it carries encrypted_client_hello (ECH) → ``sni_mismatch``: the name
+       it really asks for is hidden, the readable one is a cover;
+    2. no SNI → relay (CONNECT: the server answers for the address the
+       policy checked), or ``bad_request`` when ``name_required`` (the
+       transparent listener, which decided on the first hello's SNI);
+    3. the SNI, normalised, differs from the attempt's host → ``sni_mismatch``.
+
+    Refusals get a fatal TLS alert and the close; none of the held bytes is
+    relayed. The first bytes not being TLS → relay with no more checking:
+    another protocol. A malformed hello or record → ``bad_request``. Bytes
+    held incomplete for the head timeout → ``limit_exceeded``, no alert. The
+    upstream speaking first with something that is not TLS (SSH, SMTP, ...)
+    or either side half-closing ends the check and relays (``Tunnel``).
     """
 
-    __slots__ = ("gate", "attempt")
+    __slots__ = ("gate", "attempt", "name_required", "_server", "_started")
 
-    def __init__(self, gate: Gate, attempt: Attempt) -> None:
+    def __init__(self, gate: Gate, attempt: Attempt, *, name_required: bool = False) -> None:
         self.gate = gate
         self.attempt = attempt
+        self.name_required = name_required
+        self._server = ServerWatch()
+        self._started = False  # a byte has been relayed: the held bytes no longer start the connection
 
-    def check(self, tunnel: Tunnel) -> bool:
+    def client(self, tunnel: Tunnel) -> int | None:
         try:
-            hello = parse_client_hello(tunnel.client.buf)
+            scanned = scan_client(tunnel.client.buf, first=not self._started)
         except NotTls:
-            return True
+            return None
         except ClientHelloError as exc:
             self._refuse(tunnel, Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc))
-            return False
-        if hello is None:
+            return 0
+        for hello in scanned.hellos:
+            if not self._allowed(tunnel, hello):
+                return 0
+        if scanned.ready:
+            self._started = True
+        return scanned.ready
+
+    def upstream(self, tunnel: Tunnel, data: bytes) -> bool:
+        return self._server.feed(data)
+
+    def expired(self, tunnel: Tunnel) -> None:
+        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, None, "ClientHello incomplete in time")
+
+    def _allowed(self, tunnel: Tunnel, hello: ClientHello) -> bool:
+        if hello.ech:
+            self._refuse(tunnel, Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, ECH_DETAIL)
             return False
         if hello.server_name is None:
-            return True
+            if not self.name_required:
+                return True
+            self._refuse(tunnel, Reason.BAD_REQUEST, Alert.MISSING_EXTENSION, "ClientHello without server_name")
+            return False
         try:
             name = normalise_host(hello.server_name)
         except HostError:
@@ -467,9 +523,6 @@ class _SniCheck:
         self.attempt.extra["sni"] = name or hello.server_name
         self._refuse(tunnel, Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, None)
         return False
-
-    def expired(self, tunnel: Tunnel) -> None:
-        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, None, "ClientHello incomplete in time")
 
     def _refuse(self, tunnel: Tunnel, reason: Reason, alert: Alert | None, detail: str | None) -> None:
         """An alert, the close, and the record says deny with ``reason`` (written when the tunnel ends)."""

@@ -11,11 +11,16 @@ tunnel is spliced (``tunnel``), bytes go from one transport to the other in
 Flow control both ways: a buffer holding more than ``HIGH_WATER`` unread
 bytes pauses reading from that peer, and a peer whose outgoing buffer is
 full makes ``send`` wait (``pause_writing``/``resume_writing``).
+
+The ``relay_*`` helpers take ``idle_s``: when no byte of the body moves for
+that long (the source sends nothing, or the destination takes nothing), they
+raise ``IdleTimeout``, saying how many body bytes had gone through.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -28,6 +33,14 @@ HIGH_WATER = 256 * 1024
 
 class PeerClosed(Exception):
     """The peer closed or broke the connection; nothing more to say to it."""
+
+
+class IdleTimeout(TimeoutError):
+    """A body moved no byte for the idle timeout; ``moved`` body bytes had gone through."""
+
+    def __init__(self, moved: int) -> None:
+        super().__init__(f"no byte moved for the idle timeout after {moved} body bytes")
+        self.moved = moved
 
 
 class Relay(Protocol):
@@ -153,20 +166,28 @@ class Peer(asyncio.Protocol):
                     timer.cancel()
         return len(self.buf) > size
 
-    async def send(self, data: bytes | bytearray | memoryview) -> None:
+    async def send(self, data: bytes | bytearray | memoryview, deadline: float | None = None) -> None:
+        """Write ``data``, then wait while our outgoing buffer is full (TimeoutError past ``deadline``)."""
         if self.closed or self.transport is None or self.transport.is_closing():
             raise PeerClosed("connection closed")
         self.transport.write(data)
-        await self.drain()
+        await self.drain(deadline)
 
-    async def drain(self) -> None:
-        """Wait while our outgoing buffer is over its high-water mark; PeerClosed if the peer went."""
+    async def drain(self, deadline: float | None = None) -> None:
+        """Wait while our outgoing buffer is over its high-water mark; PeerClosed if the peer went.
+
+        ``deadline`` (the loop's clock) raises TimeoutError if the buffer is still full then.
+        """
         while self._write_paused and not self.closed:
-            self._write_waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = self._write_waiter = loop.create_future()
+            timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
             try:
-                await self._write_waiter
+                await waiter
             finally:
                 self._write_waiter = None
+                if timer is not None:
+                    timer.cancel()
         if self.closed:
             raise PeerClosed("connection closed")
 
@@ -190,72 +211,92 @@ class Peer(asyncio.Protocol):
                     raise HttpError(400, "connection closed inside a message head")
                 return None
 
-    async def relay_exact(self, n: int, dst: Peer, *, head: bytes = b"") -> int:
-        """Copy exactly ``n`` body bytes to ``dst``, after ``head`` (sent in the same write when it can be)."""
+    async def relay_exact(self, n: int, dst: Peer, *, head: bytes = b"", idle_s: float | None = None) -> int:
+        """Copy exactly ``n`` body bytes to ``dst``, after ``head`` (sent in the same write when it can be).
+
+        ``idle_s``: IdleTimeout when no byte moves for that long.
+        """
         left = n
-        if head:
-            chunk = self.take(min(left, len(self.buf)))
-            await dst.send(head + chunk if chunk else head)
-            left -= len(chunk)
-        while left:
-            if not self.buf:
-                # Nothing buffered: pass what arrives straight on, from the
-                # callbacks, until the body is done or ``dst`` is full.
-                left = await self._pass_on(left, dst)
-                continue
-            chunk = self.take(min(left, len(self.buf)))
-            await dst.send(chunk)
-            left -= len(chunk)
+        passing: _PassOn | None = None
+        try:
+            if head:
+                chunk = self.take(min(left, len(self.buf)))
+                await dst.send(head + chunk if chunk else head, _deadline(idle_s))
+                left -= len(chunk)
+            while left:
+                if not self.buf:
+                    # Nothing buffered: pass what arrives straight on, from the
+                    # callbacks, until the body is done or ``dst`` is full.
+                    passing = _PassOn(dst, left, idle_s)
+                    await self._pass_on(passing)
+                    left, passing = passing.left, None
+                    continue
+                chunk = self.take(min(left, len(self.buf)))
+                await dst.send(chunk, _deadline(idle_s))
+                left -= len(chunk)
+        except TimeoutError:
+            if passing is not None:
+                left = passing.left
+            raise IdleTimeout(n - left) from None
         return n
 
-    async def _pass_on(self, left: int, dst: Peer) -> int:
-        """Write the next of ``left`` body bytes to ``dst`` as they arrive; the bytes still to come.
+    async def _pass_on(self, passing: _PassOn) -> None:
+        """Write the next of ``passing.left`` body bytes to its ``dst`` as they arrive.
 
         Returns once the body is done or ``dst``'s buffer is full (the caller
-        then waits for it through ``send``); no coroutine wakes per chunk,
-        and a chunk is written as received, never copied into our buffer.
+        then waits for it through ``send``), ``passing.left`` the bytes still
+        to come; no coroutine wakes per chunk, and a chunk is written as
+        received, never copied into our buffer.
         """
-        await dst.drain()
+        await passing.dst.drain(_deadline(passing.idle_s))
         if self.buf:
-            return left  # bytes came while we waited: they go first, from the buffer
+            return  # bytes came while we waited: they go first, from the buffer
         if self.eof:
             raise PeerClosed("peer closed inside a body")
         if self._read_paused:
             self._read_paused = False
             self.transport.resume_reading()  # type: ignore[union-attr]
-        passing = _PassOn(dst, left)
         self.relay = passing
+        passing.start()
         try:
             await passing.done
         finally:
             self.relay = None
-        return passing.left
+            passing.stop()
 
-    async def relay_chunked(self, dst: Peer, *, error_status: int = 400) -> int:
+    async def relay_chunked(self, dst: Peer, *, error_status: int = 400, idle_s: float | None = None) -> int:
         """Copy a chunked body unchanged, up to and including its last CRLF.
 
         ``error_status`` is the status of the HttpError for a malformed body:
-        400 when the client sent it, 502 when the upstream did.
+        400 when the client sent it, 502 when the upstream did. ``idle_s``:
+        IdleTimeout when no byte moves for that long.
         """
         scanner = ChunkedScanner(error_status=error_status)
         total = 0
-        while not scanner.done:
-            if not self.buf and not await self.fill():
-                raise PeerClosed("peer closed inside a chunked body")
-            n = scanner.feed(bytes(self.buf))
-            await dst.send(self.take(n))
-            total += n
+        try:
+            while not scanner.done:
+                if not self.buf and not await self.fill(_deadline(idle_s)):
+                    raise PeerClosed("peer closed inside a chunked body")
+                n = scanner.feed(bytes(self.buf))
+                await dst.send(self.take(n), _deadline(idle_s))
+                total += n
+        except TimeoutError:
+            raise IdleTimeout(total) from None
         return total
 
-    async def relay_until_eof(self, dst: Peer) -> int:
+    async def relay_until_eof(self, dst: Peer, *, idle_s: float | None = None) -> int:
+        """Copy everything until this peer's EOF; ``idle_s``: IdleTimeout when no byte moves for that long."""
         total = 0
-        while True:
-            if self.buf:
-                chunk = self.take()
-                await dst.send(chunk)
-                total += len(chunk)
-            if not await self.fill():
-                return total
+        try:
+            while True:
+                if self.buf:
+                    chunk = self.take()
+                    await dst.send(chunk, _deadline(idle_s))
+                    total += len(chunk)
+                if not await self.fill(_deadline(idle_s)):
+                    return total
+        except TimeoutError:
+            raise IdleTimeout(total) from None
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -277,14 +318,42 @@ class Peer(asyncio.Protocol):
 
 
 class _PassOn:
-    """``Peer._pass_on``'s relay: the source's bytes go to ``dst`` until ``left`` reaches 0 or ``dst`` is full."""
+    """``Peer._pass_on``'s relay: the source's bytes go to ``dst`` until ``left`` reaches 0 or ``dst`` is full.
 
-    __slots__ = ("dst", "left", "done")
+    With ``idle_s``, one loop timer (not one per chunk) ends it with
+    TimeoutError once no byte has come for that long.
+    """
 
-    def __init__(self, dst: Peer, left: int) -> None:
+    __slots__ = ("dst", "left", "done", "idle_s", "_last", "_timer")
+
+    def __init__(self, dst: Peer, left: int, idle_s: float | None = None) -> None:
         self.dst = dst
         self.left = left
+        self.idle_s = idle_s
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        if self.idle_s is not None:
+            self._last = time.monotonic()
+            self._timer = asyncio.get_running_loop().call_later(self.idle_s, self._check_idle)
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _check_idle(self) -> None:
+        assert self.idle_s is not None
+        idle = time.monotonic() - self._last
+        if self.done.done():
+            self._timer = None
+        elif idle >= self.idle_s:
+            self._timer = None
+            self.done.set_exception(TimeoutError())
+        else:
+            self._timer = asyncio.get_running_loop().call_later(self.idle_s - idle, self._check_idle)
 
     def forward(self, source: Peer, data: bytes) -> None:
         dst = self.dst
@@ -301,6 +370,8 @@ class _PassOn:
             data = data[: self.left]
         dst.transport.write(data)
         self.left -= len(data)
+        if self._timer is not None:
+            self._last = time.monotonic()
         if dst._write_paused and self.left:
             # Leave the rest in the kernel rather than in our buffer: the
             # coroutine resumes reading once ``dst`` has drained.
@@ -322,6 +393,11 @@ class _PassOn:
 
     def resume_from(self, target: Peer) -> None:
         pass
+
+
+def _deadline(idle_s: float | None) -> float | None:
+    """The loop-clock deadline ``idle_s`` from now (None: no limit)."""
+    return None if idle_s is None else asyncio.get_running_loop().time() + idle_s
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:

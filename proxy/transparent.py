@@ -14,7 +14,11 @@ checked address (``gate``), the audit record.
   (``tunnel``): the TLS session is end to end, between the client and the
   origin. It cannot answer in HTTP, so a refusal is a fatal TLS alert and
   the close (the audit record and the run's events say why); a ClientHello
-  without SNI, or a malformed one, is refused the same way.
+  without SNI, or a malformed one, is refused the same way, and one that
+  carries encrypted_client_hello (ECH: the SNI is a cover name) is refused
+  as ``sni_mismatch`` before anything is decided. The splice checks the
+  client's bytes until the handshake is settled (``server.SniCheck``): a
+  second ClientHello, after a HelloRetryRequest, must name the same host.
 - ``TransparentHttpServer`` is the proxy's absolute-form forwarding with the
   destination taken from the Host header (``host_destination``) on port 80;
   a Host naming another port is refused. Refusals are HTTP answers, as from
@@ -36,7 +40,7 @@ from .http1 import Destination, HttpError, RequestHead, request_destination
 from .policy import Reason
 from .responses import STATUS_FOR_REASON
 from .runs import IPAddress, Run, RunRegistry, source_address
-from .server import Limits, Listener, ProxyServer
+from .server import ECH_DETAIL, Limits, Listener, ProxyServer, SniCheck
 from .stream import Peer, PeerClosed
 
 log = logging.getLogger("egressd.transparent")
@@ -220,6 +224,10 @@ class TransparentTlsServer(Listener):
             raise _Refusal(Reason.AUTH_REQUIRED, Alert.ACCESS_DENIED)
         attempt.run = run
         attempt.command = run.command
+        if hello.ech:
+            # Refused before the policy runs: the SNI is a cover name, so no
+            # approver is asked about it and nothing is dialled.
+            raise _Refusal(Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, ECH_DETAIL)
         if run.open_connections >= self.limits.max_connections_per_run:
             raise _Refusal(Reason.LIMIT_EXCEEDED, Alert.INTERNAL_ERROR, "too many open connections in the run")
         run.open_connections += 1
@@ -232,7 +240,7 @@ class TransparentTlsServer(Listener):
                 upstream = await self.gate.dial(attempt, admission, Peer)
             except DialError as exc:
                 raise _Refusal(exc.reason, Alert.INTERNAL_ERROR, str(exc)) from None
-            self._splice(client, upstream, attempt)
+            self._splice(client, upstream, attempt, check=SniCheck(self.gate, attempt, name_required=True))
         finally:
             if not attempt.handed_off:
                 run.open_connections -= 1

@@ -10,11 +10,14 @@ transports' buffers. An EOF in one direction is passed on as a half-close
 when both directions have ended, when either connection is lost, or after
 ``idle_timeout_s`` with no byte either way.
 
-A tunnel may start with a ``ClientCheck``: the client's first bytes are
-held (not relayed) and shown to it until it says relay, or refuses and ends
-the tunnel; the upstream speaking first, or the client half-closing, ends
-the check and relays what was held. (The CONNECT listener checks a TLS
-ClientHello's server name this way.)
+A tunnel may start with a ``ClientCheck``: while it lasts, the client's
+bytes are held (not relayed) and shown to it; it says how many of them may
+go on, holds the rest until more arrive, or refuses and ends the tunnel. The
+upstream's bytes are relayed as they come, and shown to it first, so it can
+say when it is over. Once over (the check says so, or either side
+half-closes), what was held goes on and bytes pass with no inspection. (The
+listeners check the server name of every TLS ClientHello until the server
+has settled the handshake this way.)
 
 A tunnel runs on callbacks alone: no task waits for it. Whoever spliced it
 passes ``on_end``, which runs once when it ends, so the thousands of idle
@@ -33,14 +36,21 @@ from .stream import Peer
 
 
 class ClientCheck(Protocol):
-    """Looks at a tunnel's first client bytes (``tunnel.client.buf``) before any is relayed."""
+    """Looks at a tunnel's client bytes (``tunnel.client.buf``, held) before they are relayed."""
 
-    def check(self, tunnel: Tunnel) -> bool:
-        """True: relay from now on; False: hold, more bytes are needed. May end the tunnel (a refusal)."""
+    def client(self, tunnel: Tunnel) -> int | None:
+        """How many of the held bytes may go on now (the rest stay held); None: the check is over.
+
+        May end the tunnel (a refusal); what it returns then does not matter.
+        """
+        ...
+
+    def upstream(self, tunnel: Tunnel, data: bytes) -> bool:
+        """The upstream's next bytes, about to be relayed; True: the check is over."""
         ...
 
     def expired(self, tunnel: Tunnel) -> None:
-        """The bytes stayed incomplete for the check's timeout (counted from the first byte)."""
+        """Bytes stayed held for the check's timeout (counted from when holding began)."""
         ...
 
 
@@ -84,8 +94,8 @@ class Tunnel:
                 peer._read_paused = False
                 peer.transport.resume_reading()  # type: ignore[union-attr]
         if self.upstream.buf:
-            self.forward(self.upstream, self.upstream.take())  # the upstream spoke first: no check
-        if self.client.buf:
+            self.forward(self.upstream, self.upstream.take())  # the upstream spoke first
+        if self.client.buf and not self.ended:
             if self._check is not None:
                 self._look()
             else:
@@ -125,11 +135,15 @@ class Tunnel:
     def forward(self, source: Peer, data: bytes) -> None:
         if self._check is not None:
             if source is self.client:
-                source.buf += data  # held until the check says relay
+                source.buf += data  # held until the check lets it go
                 self._last = time.monotonic()
                 self._look()
                 return
-            self._release()  # the upstream spoke first: not a protocol the check is for
+            if self._check.upstream(self, data):
+                self._release()
+        self._send(source, data)
+
+    def _send(self, source: Peer, data: bytes) -> None:
         target = self.upstream if source is self.client else self.client
         if target.closed or target.transport is None:
             return
@@ -174,12 +188,22 @@ class Tunnel:
     # -- the client check ------------------------------------------------------
 
     def _look(self) -> None:
-        """Show the held bytes to the check; relay them once it says so."""
+        """Show the held bytes to the check; relay what it lets go, and time what it holds."""
         check = self._check
         assert check is not None
-        if check.check(self):
+        ready = check.client(self)
+        if self.ended:
+            return
+        if ready is None:
             self._release()
-        elif not self.ended and self._check_timer is None:
+            return
+        if ready:
+            self._send(self.client, self.client.take(ready))
+        if not self.client.buf:
+            if self._check_timer is not None:
+                self._check_timer.cancel()
+                self._check_timer = None
+        elif self._check_timer is None:
             self._check_timer = self._loop.call_later(self._check_timeout_s, self._check_expired)
 
     def _release(self) -> None:
@@ -189,7 +213,7 @@ class Tunnel:
             self._check_timer.cancel()
             self._check_timer = None
         if self.client.buf and not self.ended:
-            self.forward(self.client, self.client.take())
+            self._send(self.client, self.client.take())
 
     def _check_expired(self) -> None:
         self._check_timer = None

@@ -4,10 +4,16 @@
 ``records(message, sizes)`` cuts it into TLS records of the given fragment
 sizes (the last takes the rest); ``python_hello(sni)`` is the first flight
 OpenSSL sends through Python's ssl module, records and all.
+``ech_extension()`` is an outer encrypted_client_hello extension
+(draft-ietf-tls-esni §5), which Python's ssl cannot send; ``server_hello``
+is a server's ServerHello record, a HelloRetryRequest (RFC 8446 §4.1.3) when
+asked, and ``CCS`` the change_cipher_spec record of middlebox compatibility
+mode (RFC 8446 §D.4).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import ssl
 import struct
@@ -15,6 +21,9 @@ from collections.abc import Iterable, Sequence
 
 # RFC 8701: GREASE values, 0x0A0A .. 0xFAFA.
 GREASE = tuple(0x0A0A + 0x1010 * i for i in range(16))
+# RFC 8446 §4.1.3: a HelloRetryRequest is a ServerHello with this random.
+HRR_RANDOM = hashlib.sha256(b"HelloRetryRequest").digest()
+ECH = 0xFE0D
 
 
 def _vec(length_size: int, data: bytes) -> bytes:
@@ -109,3 +118,24 @@ def python_hello(sni: str | None, *, max_version: ssl.TLSVersion | None = None) 
     except ssl.SSLWantReadError:
         pass
     return outgoing.read()
+
+
+def ech_extension(outer: bool = True) -> bytes:
+    """encrypted_client_hello (draft-ietf-tls-esni §5): outer (type 0) with HKDF-SHA256/AES-128-GCM, or inner (1)."""
+    if not outer:
+        return extension(ECH, b"\x01")
+    payload = b"\x00" + struct.pack("!HH", 1, 1) + b"\x2a" + _vec(2, os.urandom(32)) + _vec(2, os.urandom(208))
+    return extension(ECH, payload)
+
+
+def server_hello(*, hrr: bool = False, group: int = 0x0017, session_id: bytes = b"") -> bytes:
+    """One record holding a TLS 1.3 ServerHello, or a HelloRetryRequest asking for ``group``."""
+    random = HRR_RANDOM if hrr else os.urandom(32)
+    key_share = struct.pack("!H", group) if hrr else struct.pack("!HH", 29, 32) + os.urandom(32)
+    exts = extension(43, struct.pack("!H", 0x0304)) + extension(51, key_share)
+    message = b"\x03\x03" + random + _vec(1, session_id) + struct.pack("!H", 0x1301) + b"\x00" + _vec(2, exts)
+    return record(handshake(message, msg_type=2), version=0x0303)
+
+
+# RFC 8446 §D.4: the dummy change_cipher_spec record of middlebox compatibility mode.
+CCS = record(b"\x01", content_type=20, version=0x0303)
