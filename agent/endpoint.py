@@ -5,6 +5,10 @@ Both model APIs share this shell. What it guarantees:
 - The model's own traffic goes straight to the endpoint: ``trust_env=False``,
   so HTTP(S)_PROXY and ~/.netrc of egressd's environment are never used
   (the model is egressd's own client, not the sandbox's).
+- No redirect is followed: the API key (``x-api-key``, ``Authorization``)
+  goes to the configured URL and nowhere else (DESIGN.md, "Secrets"); a 3xx
+  answer is an error naming where it pointed, for the user to check and
+  configure if they mean it.
 - Each attempt is bounded by ``timeout_s``. 408, 409, 429 and 5xx (529
   included) answers, connection errors and timeouts are retried up to
   ``attempts`` tries in all, waiting what ``retry-after-ms`` / ``retry-after``
@@ -136,7 +140,9 @@ class Endpoint:
         for attempt in range(1, policy.attempts + 1):
             wait: float | None = None
             try:
-                async with self._session_now().post(url, json=body, headers=headers) as response:
+                async with self._session_now().post(url, json=body, headers=headers, allow_redirects=False) as response:
+                    if 300 <= response.status < 400:
+                        raise self._redirected(url, response.status, response.headers.get("Location"))
                     text = await response.text(errors="replace")
                     if response.status == 200:
                         return self._parse_ok(url, text)
@@ -172,6 +178,15 @@ class Endpoint:
         if not isinstance(data, dict):
             raise ModelError(f"{self.provider}: {url} answered 200 with JSON that is not an object")
         return data
+
+    def _redirected(self, url: str, status: int, location: str | None) -> ModelError:
+        where = self.redact(location or "(no Location)")
+        if not where.isprintable() or len(where) > _MAX_MESSAGE_CHARS:
+            where = ascii(where[:_MAX_MESSAGE_CHARS])
+        return ModelError(
+            f"{self.provider}: {url} answered a redirect (HTTP {status} to {where}); redirects are not followed, "
+            "so the API key goes nowhere else: if that is the right endpoint, give its URL"
+        )
 
     def _failure(self, url: str, status: int, text: str) -> tuple[ModelError, bool]:
         """The error for a non-200 answer, and whether retrying can help."""

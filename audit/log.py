@@ -11,6 +11,7 @@ records in a list for tests.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -27,6 +28,12 @@ logger = logging.getLogger("egressd.audit")
 # Owner read/write only: the log names every host the sandbox tried and
 # every command it ran.
 _FILE_MODE = 0o600
+# O_RDWR rather than O_WRONLY only so __init__ can read the last byte (see
+# _end_torn_line); writes all go through O_APPEND. O_NOFOLLOW: the log's own
+# name is never followed (a planted link would have our records, or a model's
+# text in them, appended to whatever it points at). O_CLOEXEC keeps the
+# descriptor out of sandboxes we spawn.
+_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 # One encoder for every line: json.dumps with options builds a new one per call.
@@ -71,8 +78,16 @@ class JsonlAuditSink:
     Not thread-safe by design: egressd's event loop is the only writer in the
     process. Across processes an exclusive ``flock`` on the file keeps a
     second egressd out (``AuditError``), since two writers would interleave
-    their runs of records. Device files such as ``/dev/full`` or
-    ``/dev/stderr`` are accepted but not locked.
+    their runs of records. Device files such as ``/dev/full`` are accepted
+    but not locked.
+
+    The file is opened relative to its directory's descriptor and never
+    through a link (DESIGN.md, "Secrets"): a link at its name (including
+    ``/dev/stderr``, which is one) and a regular file with a second name (a
+    hard link) are refused with ``AuditError``; an existing regular file is
+    appended to; a missing one is made with ``O_EXCL``, mode 0600. The
+    directories above the last component are the operator's own and are
+    resolved as usual.
 
     The first failed write (``ENOSPC``, ``EIO``, a short write, ...) is
     logged once on the ``egressd.audit`` logger and makes the sink unhealthy
@@ -86,21 +101,12 @@ class JsonlAuditSink:
         self._fsync = fsync
         self._failure: str | None = None
         self._closed = False
-        # O_RDWR rather than O_WRONLY only so __init__ can read the last byte
-        # (see _end_torn_line); writes still all go through O_APPEND.
-        # O_CLOEXEC keeps the descriptor out of sandboxes we spawn.
-        flags = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-        try:
-            self._fd = os.open(self._path, flags, _FILE_MODE)
-        except FileNotFoundError as exc:
-            directory = os.path.dirname(os.path.abspath(self._path))
-            raise AuditError(
-                f"cannot open audit log {self._path}: directory {directory} does not exist"
-            ) from exc
-        except OSError as exc:
-            raise AuditError(f"cannot open audit log {self._path}: {exc.strerror}") from exc
+        self._fd = _open_log(self._path)
         try:
             info = os.fstat(self._fd)
+            if stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+                # Another name for the same file may be anyone's file (a hard link made to it).
+                raise AuditError(f"audit log {self._path} has more than one name (a hard link); not appended to")
             if stat.S_ISREG(info.st_mode):
                 self._lock()
                 self._end_torn_line(info.st_size)
@@ -199,6 +205,38 @@ class JsonlAuditSink:
             self._path,
             reason,
         )
+
+
+def _open_log(path: str) -> int:
+    """The log's descriptor: ``path`` opened if it exists, else made, its last component never followed."""
+    parent, name = os.path.split(path)
+    if not name:
+        raise AuditError(f"cannot open audit log {path}: it names a directory")
+    try:
+        dir_fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        directory = os.path.dirname(os.path.abspath(path))
+        raise AuditError(f"cannot open audit log {path}: directory {directory} does not exist") from None
+    except OSError as exc:
+        raise AuditError(f"cannot open audit log {path}: {exc.strerror}") from None
+    try:
+        # Two turns: a file that appears between "not there" and O_EXCL is opened as an existing one.
+        for _ in range(2):
+            try:
+                return os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+            try:
+                return os.open(name, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, _FILE_MODE, dir_fd=dir_fd)
+            except FileExistsError:
+                continue
+        raise AuditError(f"cannot open audit log {path}: it keeps appearing and disappearing")
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise AuditError(f"audit log {path} is a link, and the audit log is never opened through one") from None
+        raise AuditError(f"cannot open audit log {path}: {exc.strerror}") from None
+    finally:
+        os.close(dir_fd)
 
 
 class MemoryAuditSink:

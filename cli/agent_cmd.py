@@ -32,14 +32,21 @@ from agent.model import Conversation, Model
 from agent.prompt import system_prompt
 from agent.script import ScriptError
 from agent.spec import SpecError, open_model, parse_model_spec
-from agent.transcript import TranscriptWriter
+from agent.transcript import TranscriptError, TranscriptWriter
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
 from sandbox.launcher import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
 
 from .docker_session import copy_out
-from .run_cmd import add_backend_arguments, check_copy_out, open_session, parse_env, run_sandboxed
+from .run_cmd import (
+    add_backend_arguments,
+    check_copy_out,
+    check_private_files,
+    open_session,
+    parse_env,
+    run_sandboxed,
+)
 from .service import StartupError, entries_from_settings
 from .session import Session
 
@@ -324,6 +331,7 @@ _STOP_WORDS = {
 async def run_agent_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
     """Everything ``egressd agent`` does but signal handling."""
     _check_options(args)
+    check_private_files(args, settings)
     try:
         allow, _ = entries_from_settings(settings)
     except StartupError as exc:
@@ -337,8 +345,8 @@ async def run_agent_in_sandbox(args: argparse.Namespace, settings: Settings) -> 
         if args.transcript:
             try:
                 transcript = TranscriptWriter(Path(args.transcript), secrets=[key] if key else [])
-            except OSError as exc:
-                raise SettingsError(f"bad setting transcript: cannot write {args.transcript}: {exc.strerror}") from None
+            except TranscriptError as exc:
+                raise SettingsError(f"bad setting transcript: {exc}") from None
         try:
             return await _run(args, settings, model, [e.text for e in allow], extra_env, transcript)
         finally:

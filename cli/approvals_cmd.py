@@ -2,9 +2,12 @@
 
 They talk to the control API (``--control``, default ``127.0.0.1:3129``, or
 ``unix:PATH``) with the bearer token from ``--control-token`` or the token
-file the running egressd wrote (``service.token_path``). Exit status: 0 done;
-1 the approval is unknown or already settled (stderr says how); 2 egressd
-could not be reached or refused the token.
+file the running egressd wrote (``service.token_path``). The token goes only
+to an endpoint we can trust (``controltoken``: a unix socket or loopback TCP
+socket of ours, checked through the kernel before a byte is sent), and the
+token file is read only if it is ours alone. Exit status: 0 done; 1 the
+approval is unknown or already settled (stderr says how); 2 egressd could not
+be reached, was not trusted with the token, or refused it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import aiohttp
 from approvals.message import escape
 from config.settings import Settings
 
+from .controltoken import TokenFileError, UntrustedEndpoint, connector, read_token_file
 from .service import token_path
 
 # The control API answers at once; anything slower means it is not there.
@@ -37,7 +41,9 @@ def _token(settings: Settings) -> str:
         return settings.control_token.get_secret_value()
     path = token_path(settings)
     try:
-        token = path.read_text().strip()
+        token = read_token_file(path)
+    except TokenFileError as exc:
+        raise CommandError(str(exc)) from None
     except OSError as exc:
         raise CommandError(
             f"no control token in {path} ({exc.strerror}): is egressd running with --control {settings.control}? "
@@ -51,25 +57,25 @@ def _token(settings: Settings) -> str:
 async def _call(
     settings: Settings, token: str, method: str, path: str, body: dict[str, Any] | None = None
 ) -> tuple[int, Any]:
-    if settings.control.startswith("unix:"):
-        connector: aiohttp.BaseConnector = aiohttp.UnixConnector(path=settings.control.removeprefix("unix:"))
-        base = "http://egressd"
-    else:
-        connector = aiohttp.TCPConnector()
-        host, _, port = settings.control.rpartition(":")
-        base = f"http://{host}:{port}"
+    try:
+        checked, base = connector(settings.control)
+    except UntrustedEndpoint as exc:
+        raise CommandError(f"not sending the control token: {exc}") from None
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     # trust_env=False: the control API is local; a proxy from the environment must never see the token.
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=False) as session:
+    async with aiohttp.ClientSession(connector=checked, timeout=timeout, trust_env=False) as session:
         try:
             async with session.request(
-                method, base + path, json=body, headers={"Authorization": f"Bearer {token}"}
+                method, base + path, json=body, headers={"Authorization": f"Bearer {token}"},
+                allow_redirects=False,  # the token goes to the endpoint checked, and nowhere it points to
             ) as resp:
                 try:
                     data = await resp.json(content_type=None)
                 except json.JSONDecodeError:
                     data = None
                 return resp.status, data
+        except UntrustedEndpoint as exc:
+            raise CommandError(f"not sending the control token: {exc}") from None
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise CommandError(
                 f"cannot reach egressd's control API at {settings.control}: {exc or type(exc).__name__}"

@@ -96,6 +96,7 @@ from sandbox.docker import (
 )
 from sandbox.launcher import Observation, SandboxError
 
+from .controltoken import TokenFileError, UntrustedEndpoint, read_token_file, url_connector
 from .service import StartupError, entries_from_settings, token_path
 from .session import SessionBase, SessionError, refusal_summaries
 
@@ -173,10 +174,18 @@ class ControlClient:
     """egressd's control API over HTTP with its bearer token; every call bounded."""
 
     def __init__(self, url: str, token: str) -> None:
+        """SessionError if ``url`` is not one the token may go to (``controltoken``: https, or http to
+        loopback where the listening socket is ours, checked on each connection before a byte is sent)."""
         self.url = url.rstrip("/")
         self._token = token
+        try:
+            connector = url_connector(self.url)
+        except UntrustedEndpoint as exc:
+            raise SessionError(f"not sending the control token to {url}: {exc}") from None
         # trust_env=False: the control API is local; a proxy from the environment must never see the token.
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S), trust_env=False)
+        self._http = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S), trust_env=False
+        )
 
     async def close(self) -> None:
         await self._http.close()
@@ -184,7 +193,8 @@ class ControlClient:
     async def call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         try:
             async with self._http.request(
-                method, self.url + path, json=body, headers={"Authorization": f"Bearer {self._token}"}
+                method, self.url + path, json=body, headers={"Authorization": f"Bearer {self._token}"},
+                allow_redirects=False,  # the token goes to the endpoint checked, and nowhere it points to
             ) as resp:
                 text = await resp.text()
                 data = json.loads(text) if text else None
@@ -192,6 +202,8 @@ class ControlClient:
                     error = data.get("error") if isinstance(data, dict) else text[:200]
                     raise SessionError(f"egressd's control API refused {method} {path}: {resp.status} {error}")
                 return data
+        except UntrustedEndpoint as exc:
+            raise SessionError(f"not sending the control token to {self.url}: {exc}") from None
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
             why = exc or type(exc).__name__
             raise SessionError(f"cannot reach egressd's control API at {self.url}: {why}") from None
@@ -341,7 +353,9 @@ def _connect_token(settings: Settings) -> str:
         return settings.control_token.get_secret_value()
     path = token_path(settings)
     try:
-        return path.read_text().strip()
+        return read_token_file(path)
+    except TokenFileError as exc:
+        raise SessionError(f"--connect: {exc}") from None
     except OSError as exc:
         raise SessionError(f"--connect needs the control token: give --control-token or write it to {path} "
                            f"({exc.strerror})") from None

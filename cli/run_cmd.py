@@ -21,6 +21,7 @@ import os
 import shlex
 import signal
 import sys
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
@@ -34,8 +35,9 @@ from sandbox.launcher import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxErr
 from sandbox.limits import Limits
 from sandbox.network import DEFAULT_RANGE
 
+from .controltoken import UntrustedEndpoint, check_url
 from .docker_session import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerSession, copy_out
-from .service import StartupError
+from .service import StartupError, token_path
 from .session import SandboxSession, Session, SessionError
 
 
@@ -83,6 +85,11 @@ def open_session(args: argparse.Namespace, settings: Settings, **common: Any) ->
     """
     if args.connect and args.backend != "docker":
         raise SettingsError("bad argument: --connect needs --backend docker")
+    if args.connect:
+        try:
+            check_url(args.connect)  # before anything starts; ControlClient checks each connection again
+        except UntrustedEndpoint as exc:
+            raise SettingsError(f"bad argument: --connect: not sending the control token there: {exc}") from None
     if args.backend == "docker":
         net_range = DEFAULT_DOCKER_RANGE if args.net_range == DEFAULT_RANGE else args.net_range
         return DockerSession(settings, image=args.image, egressd_image=args.egressd_image, connect=args.connect,
@@ -172,10 +179,57 @@ def check_copy_out(args: argparse.Namespace) -> None:
             raise SettingsError(f"bad setting copy_out_dir: {exc}") from None
 
 
+def _keep_out(setting: str, path: Path, workdir: Path, where: str = "") -> None:
+    """SettingsError if ``path`` (or a file made at it) would be inside ``workdir``: copy-out's rule, one walk."""
+    try:
+        check_destination(path, workdir)
+    except CopyOutError:
+        raise SettingsError(
+            f"bad setting {setting}: {where or path} would be inside the working directory {workdir}, "
+            "where the sandboxed command can read and plant files"
+        ) from None
+
+
+def check_private_files(args: argparse.Namespace, settings: Settings) -> None:
+    """Files the command must never reach, before any sandbox exists (``egressd run`` and ``agent``).
+
+    DESIGN.md, "Secrets": the transcript and the audit log are opened
+    without following links and never inside a working directory; control
+    sockets and token files never live in one either.
+
+    1. the transcript (``agent``) and the audit log must not be links
+       (they are opened without following one: refused here, before the run);
+    2. none of these may be inside ``--workdir`` (a fresh working directory
+       holds none of them): the transcript, the audit log (the default one
+       is in the state directory, so ``--workdir ~`` is refused), the run's
+       control socket and token file (made in the temporary directory, with
+       bubblewrap), and the token file ``--connect`` reads.
+    """
+    files = [("audit_log", settings.audit_path, "audit log")]
+    if getattr(args, "transcript", None):
+        files.insert(0, ("transcript", Path(args.transcript), "transcript"))
+    for setting, path, what in files:
+        if path.is_symlink():
+            raise SettingsError(f"bad setting {setting}: {path} is a link, and the {what} is never opened through one")
+    if not args.workdir:
+        return
+    workdir = Path(args.workdir)
+    for setting, path, _ in files:
+        _keep_out(setting, path, workdir)
+    if args.backend == "bwrap":
+        temp = Path(tempfile.gettempdir())
+        # Where SandboxSession makes the run's private directory (control socket, token file).
+        _keep_out("workdir", temp / "egressd-run-", workdir,
+                  f"the run's control socket and token file (made in the temporary directory {temp}, TMPDIR)")
+    if args.connect and settings.control_token is None:
+        _keep_out("control_token", token_path(settings), workdir, f"the control token file {token_path(settings)}")
+
+
 async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
     if not args.command:
         raise SettingsError("bad argument: no command given (egressd run [options] -- COMMAND ...)")
     check_copy_out(args)
+    check_private_files(args, settings)
     command_text = shlex.join(args.command)
     common: dict[str, Any] = {
         "workdir": Path(args.workdir) if args.workdir else None,

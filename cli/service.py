@@ -38,6 +38,8 @@ from proxy.runs import DEFAULT_RUN_ID, Run, RunRegistry
 from proxy.server import Limits, ProxyServer
 from proxy.transparent import TransparentHttpServer, TransparentTlsServer
 
+from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
+
 log = logging.getLogger("egressd")
 
 
@@ -325,11 +327,12 @@ class EgressService:
             path = token_path(s)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                with os.fdopen(fd, "w") as fh:
-                    fh.write(self.control_token + "\n")
+                # A new file of ours, mode 0600, renamed over the name: never one another user put there first.
+                write_token_file(path, self.control_token)
             except OSError as exc:
                 raise StartupError(f"bad setting control: cannot write the token file {path}: {exc.strerror}") from None
+            except TokenFileError as exc:
+                raise StartupError(f"bad setting control: cannot write the token file {path}: {exc}") from None
         app = build_app(gate=self.gate, runs=self.runs, proxy_address=self.proxy_address, token=self.control_token)
         if isinstance(self.gate.approver, ManagedApprover):
             # /approvals for `egressd pending|allow|deny`; the webhook callback and
@@ -344,6 +347,10 @@ class EgressService:
         try:
             if s.control.startswith("unix:"):
                 path = s.control.removeprefix("unix:")
+                try:
+                    check_socket_directory(path)  # `egressd pending` would not trust it there
+                except UntrustedEndpoint as exc:
+                    raise StartupError(f"bad setting control: {exc}") from None
                 site: web.BaseSite = web.UnixSite(runner, path)
                 await site.start()
                 os.chmod(path, 0o600)
