@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,3 +194,15 @@ async def make_egressd(tmp_path: Path, dns: FakeDns) -> AsyncIterator[MakeEgress
     yield make
     for service in started:
         await service.close(grace_s=0)
+
+
+@pytest.fixture
+def workdir() -> Iterator[Path]:
+    """A working directory as a real project's: an ordinary user's (uid 1000), where that user can reach it.
+
+    The sandbox runs as the directory's owner, so a root-owned one (like tmp_path) is refused.
+    """
+    path = Path(tempfile.mkdtemp(prefix="egressd-test-work-"))
+    os.chown(path, 1000, 1000)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

@@ -628,7 +628,8 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
 
     async def run(*argv: str, limit_s: float = 180) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.STDOUT, env=env)
+                                                    stderr=asyncio.subprocess.STDOUT, env=env,
+                                                    cwd=Path(__file__).parent.parent)  # as the README runs it
         out, _ = await asyncio.wait_for(proc.communicate(), limit_s)
         return proc.returncode or 0, out.decode(errors="replace")
 
@@ -719,7 +720,7 @@ def test_the_compose_file_hardens_the_sandbox_as_documented() -> None:
     sandbox = text.split("\n  sandbox:\n")[1].split("\nnetworks:\n")[0]
     for needle in ("read_only: true", "cap_drop: [ALL]", "no-new-privileges:true", 'user: "1000:1000"',
                    "ipc: private", "pids_limit:", "mem_limit:", "memswap_limit:", "cpus:", "/tmp:", "runtime:",
-                   "dns:", "HTTP_PROXY=", '"seccomp=./sandbox-seccomp.json"'):
+                   "dns:", "HTTP_PROXY=", '"seccomp=${EGRESSD_SANDBOX_SECCOMP:-./docker/sandbox-seccomp.json}"'):
         assert needle in sandbox, needle
     assert "internal: true" in text and '"127.0.0.1:${EGRESSD_CONTROL_PORT:-3129}:3129"' in text
 

@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import sys
-import tempfile
 import textwrap
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,18 +26,6 @@ def _needs_root_and_tools() -> None:
     require(os.geteuid() == 0, "the sandbox tests need root (network namespaces, nftables, cgroups)")
     for tool in ("bwrap", "nft", "ip", "nsenter", "curl"):
         require(have(tool), f"{tool} is not installed")
-
-
-@pytest.fixture
-def workdir() -> Iterator[Path]:
-    """A working directory as a real project's: an ordinary user's (uid 1000), where that user can reach it.
-
-    The sandbox runs as the directory's owner, so a root-owned one (like tmp_path) is refused.
-    """
-    path = Path(tempfile.mkdtemp(prefix="egressd-test-work-"))
-    os.chown(path, 1000, 1000)
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 class UdpCounter(asyncio.DatagramProtocol):

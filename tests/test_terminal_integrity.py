@@ -316,15 +316,11 @@ async def test_relayed_output_waits_while_the_prompt_is_shown(screen: Screen) ->
 
 
 async def test_a_command_in_the_sandbox_cannot_paint_over_the_approval_prompt(
-    tmp_path: Path, dns, http_origin  # type: ignore[no-untyped-def]
+    tmp_path: Path, workdir: Path, dns, http_origin  # type: ignore[no-untyped-def]
 ) -> None:
     require(os.geteuid() == 0, "egressd run needs root (network namespaces, nftables, cgroups)")
     for tool in ("bwrap", "nft", "ip", "nsenter", "curl", "setsid"):
         require(have(tool), f"{tool} is not installed")
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    os.chown(workdir, 1000, 1000)
-    workdir.chmod(0o777)
     (workdir / "attack").write_bytes(ATTACK)
     held_url = f"http://origin.test:{http_origin.port}/held"
     # The command asks for origin.test (held: a prompt appears), waits until the test says the

@@ -756,7 +756,7 @@ async def test_egressd_serve_with_dns_and_transparent_listeners(
 
 
 async def test_a_tool_that_ignores_proxy_settings_in_a_sandbox_still_meets_the_policy(
-    tmp_path, tls_origin, pki, http80, leak_web, dns: FakeDns
+    tmp_path, workdir, tls_origin, pki, http80, leak_web, dns: FakeDns
 ) -> None:
     """`egressd run`: curl --noproxy resolves through egressd's DNS and lands on the transparent listeners."""
     require(os.geteuid() == 0, "egressd run needs root")
@@ -766,9 +766,8 @@ async def test_a_tool_that_ignores_proxy_settings_in_a_sandbox_still_meets_the_p
     import shutil
     import sys
 
-    workdir = tmp_path / "work"
-    workdir.mkdir()
     shutil.copy(pki.ca_pem, workdir / "ca.pem")
+    os.chmod(workdir / "ca.pem", 0o644)
     script = (
         "getent ahostsv4 origin.test | head -1; "
         "curl --noproxy '*' -sS -m 10 --cacert ca.pem https://origin.test/sandboxed; echo; "
