@@ -38,6 +38,7 @@ from cli.docker_session import DockerSession, sidecar_environment
 from config.settings import load_settings
 from sandbox.copyout import CopyReport
 from sandbox.docker import (
+    SECRETS_DIR,
     CommandSpec,
     DockerEngine,
     DockerPlan,
@@ -72,6 +73,8 @@ from tests.harness import IN_CI, LEAK, free_port, require
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 HOST_LEAK = LEAK  # 127.0.0.66: the host's loopback, unreachable from any container
 HELD_NAME = "held.test"  # another name of the origin, on no allowlist: asked about
+# The sidecar's image under test: the client passes it settings (secret files) only this tree's egressd reads.
+IMAGE = ("--egressd-image", dockerbed.EGRESSD_IMAGE)
 
 
 # -- pure parts (no engine) ----------------------------------------------------------------
@@ -176,7 +179,9 @@ def test_the_sidecar_gets_our_policy_settings_but_its_own_listeners() -> None:
     env = sidecar_environment(settings, egressd_ip="169.254.64.2", control_ip="169.254.64.18", token="t")
     assert env["EGRESSD_ALLOW_PRIVATE"] == "169.254.64.16/28" and env["EGRESSD_APPROVER"] == "webhook"
     assert env["EGRESSD_UNSAFE_WEBHOOK_HTTP"] == "true"  # the terminal relay's plain http to the gateway
-    assert env["EGRESSD_WEBHOOK_SECRET"] == "whsec_AAAA" and env["EGRESSD_REQUIRE_AUTH"] == "true"
+    assert env["EGRESSD_WEBHOOK_SECRET_FILE"] == f"{SECRETS_DIR}/webhook_secret"
+    assert env["EGRESSD_REQUIRE_AUTH"] == "true"
+    assert "EGRESSD_WEBHOOK_SECRET" not in env and "EGRESSD_CONTROL_TOKEN" not in env  # files: not in docker inspect
     assert env["EGRESSD_LISTEN"] == "169.254.64.2:3128" and env["EGRESSD_CONTROL"] == "169.254.64.18:3129"
     assert "EGRESSD_ALLOW" not in env  # the allowlist is the run's, sent with POST /runs
 
@@ -242,7 +247,7 @@ async def make_bed(engine: DockerEngine, tmp_path: Path) -> AsyncIterator[Any]:
             values.setdefault("webhook_secret", "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode())
         settings = load_settings(values)
         session = DockerSession(settings, workdir=None, task="docker bed", net_range=str(block), labels=TEST_LABELS,
-                                tty_path=tty_path)
+                                tty_path=tty_path, egressd_image=dockerbed.EGRESSD_IMAGE)
         async with session:
             net = session.resources
             assert net is not None
@@ -457,7 +462,7 @@ async def egressd_run(tmp_path: Path, *args: str, limit_s: float = 90) -> tuple[
     """``egressd run --backend docker ARGS`` as a user runs it; checks it left nothing behind."""
     env = _clean_env(tmp_path / "s")
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "run", "--backend", "docker", "--audit-log", str(tmp_path / "audit.jsonl"), *args,
+        EGRESSD, "run", "--backend", "docker", *IMAGE, "--audit-log", str(tmp_path / "audit.jsonl"), *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
     )
     out, err = await asyncio.wait_for(proc.communicate(), limit_s)
@@ -503,7 +508,7 @@ async def test_egressd_agent_runs_its_commands_in_a_docker_sandbox(engine: Docke
     out_dir.mkdir()
     env = _clean_env(tmp_path / "s")
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "agent", "--backend", "docker", "--audit-log", str(tmp_path / "audit.jsonl"),
+        EGRESSD, "agent", "--backend", "docker", *IMAGE, "--audit-log", str(tmp_path / "audit.jsonl"),
         "--task", "write a report", "--model", f"script:{script}", "--transcript", str(tmp_path / "t.jsonl"),
         "--copy-out", "report.txt", "--copy-out-dir", str(out_dir),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
@@ -533,7 +538,7 @@ async def _wait_for_run_containers(engine: DockerEngine, pid: int, count: int = 
 async def test_sigterm_destroys_everything_the_run_made(engine: DockerEngine, tmp_path: Path) -> None:
     env = _clean_env(tmp_path)
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "run", "--backend", "docker", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
+        EGRESSD, "run", "--backend", "docker", *IMAGE, "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
     )
     await _wait_for_run_containers(engine, proc.pid)
@@ -549,9 +554,9 @@ async def test_leftovers_of_a_killed_run_are_removed_by_doctor_clean_and_at_the_
     env = _clean_env(tmp_path)
     for cleaner in ("doctor --clean", "next run"):
         proc = await asyncio.create_subprocess_exec(
-            EGRESSD, "run", "--backend", "docker", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, stdin=asyncio.subprocess.DEVNULL,
-            env=env,
+            EGRESSD, "run", "--backend", "docker", *IMAGE, "--audit-log", str(tmp_path / "a.jsonl"), "--",
+            "sleep", "60", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.DEVNULL, env=env,
         )
         await _wait_for_run_containers(engine, proc.pid)
         proc.kill()  # no chance to clean up
