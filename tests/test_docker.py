@@ -614,25 +614,38 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
     control_ip = str(outgoing.network_address + 2)
     project = f"egdtest{secrets.token_hex(4)}"
     token = secrets.token_urlsafe(24)
+    webhook_secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
     control_port = free_port()
     hook_port = free_port()
+    # The secrets as the compose file's comment says: files of egressd's user (10001) that no one else may
+    # read, in the directory EGRESSD_SECRETS; the test's own copy of the token is root's (ours).
+    secret_dir = tmp_path / "secrets"
+    secret_dir.mkdir(mode=0o700)
+    for name, value in (("control_token", token), ("webhook_secret", webhook_secret)):
+        (secret_dir / name).write_text(value + "\n")
+        (secret_dir / name).chmod(0o400)
+        os.chown(secret_dir / name, 10001, 10001)
+    os.chown(secret_dir, 10001, 10001)
+    our_token = tmp_path / "control_token"
+    our_token.write_text(token + "\n")
+    our_token.chmod(0o600)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {
         "EGRESSD_SANDBOX_SUBNET": str(internal), "EGRESSD_OUTGOING_SUBNET": str(outgoing),
         "EGRESSD_SIDECAR_IP": sidecar, "EGRESSD_SANDBOX_IP": sandbox_ip, "EGRESSD_CONTROL_IP": control_ip,
-        "EGRESSD_CONTROL_PORT": str(control_port), "EGRESSD_CONTROL_TOKEN": token,
+        "EGRESSD_CONTROL_PORT": str(control_port), "EGRESSD_SECRETS": str(secret_dir),
         # Exactly the origin: egressd listens on every address it has, and must never dial one of them.
         "EGRESSD_ALLOW": f"{ORIGIN_NAME}:{ORIGIN_PORT}", "EGRESSD_ALLOW_PRIVATE": f"{outgoing.network_address + 5}/32",
         "EGRESSD_IMAGE": dockerbed.EGRESSD_IMAGE,
         "EGRESSD_APPROVER": "webhook", "EGRESSD_WEBHOOK_URL": f"http://{gateway}:{hook_port}/hook",
         "EGRESSD_UNSAFE_WEBHOOK_HTTP": "true",  # the gateway is no loopback address
-        "EGRESSD_WEBHOOK_SECRET": "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode(),
+        "EGRESSD_WEBHOOK_SECRET_FILE": "/run/secrets/egressd/webhook_secret",
         "XDG_STATE_HOME": str(tmp_path / "s"),
     }
     base = [*compose, "-f", str(Path(__file__).parent.parent / "docker" / "compose.yaml"), "-p", project]
 
-    async def run(*argv: str, limit_s: float = 180) -> tuple[int, str]:
+    async def run(*argv: str, limit_s: float = 180, environment: dict[str, str] = env) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.STDOUT, env=env)
+                                                    stderr=asyncio.subprocess.STDOUT, env=environment)
         out, _ = await asyncio.wait_for(proc.communicate(), limit_s)
         return proc.returncode or 0, out.decode(errors="replace")
 
@@ -694,16 +707,19 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
             reach = ("import socket; s = socket.socket(); s.settimeout(2);"
                      f" print('sandbox:', s.connect_ex(('{sandbox_ip}', 1)) or 'connected')")
             code, out = await run(EGRESSD, "run", "--backend", "docker", "--connect", f"http://127.0.0.1:{control_port}",
-                                  "--control-token", token, "--allow", f"{ORIGIN_NAME}:{ORIGIN_PORT}",
+                                  "--control-token-file", str(our_token), "--allow", f"{ORIGIN_NAME}:{ORIGIN_PORT}",
                                   "--net-range", str(await free_test_range(engine)), "--workdir", str(workdir), "--",
                                   "sh", "-c", f"curl -sS -m 10 http://{ORIGIN_NAME}:{ORIGIN_PORT}/connect; echo;"
-                                  f" python3 -c \"{reach}\"")
+                                  f" python3 -c \"{reach}\"",
+                                  environment={k: v for k, v in env.items() if not k.endswith("_SECRET_FILE")})
             assert code == 0 and "hello from origin: GET /connect" in out, out
             # Not even a reset (ECONNREFUSED, 111) from the compose sandbox: it is on no network of the run.
             assert "sandbox: " in out and "sandbox: 111" not in out and "sandbox: connected" not in out, out
             egressd = f"{project}-egressd-1" if compose != ["docker-compose"] else f"{project}_egressd_1"
             info = await engine.client.containers.container(egressd).show()
             assert set(info["NetworkSettings"]["Networks"]) == {f"{project}_sandbox", outgoing_net}
+            config = json.dumps(info["Config"])  # docker inspect: the secrets are files, not in the environment
+            assert token not in config and webhook_secret not in config, info["Config"]["Env"]
             assert (await _exec(engine, egressd, ["cat", "/proc/sys/net/ipv4/ip_forward"]))[1].strip() == "0"
             await asyncio.sleep(0.5)
             assert await leak.leaks() == [] and host.tcp == 0 and host.udp == 0
