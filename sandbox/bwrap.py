@@ -60,7 +60,7 @@ class BwrapSpec:
 
     workdir: str
     etc_dir: str  # a host directory holding the generated /etc files
-    env: Mapping[str, str]
+    env: Mapping[str, str]  # the command's environment: never in the argv (``environment_args``, ``args_fd``)
     argv: Sequence[str]
     seccomp_fd: int | None = None
     usr_links: Mapping[str, str] = field(default_factory=dict)  # name -> link target, e.g. bin -> usr/bin

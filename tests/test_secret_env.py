@@ -315,6 +315,18 @@ async def test_no_command_line_egressd_run_starts_carries_a_secret_or_the_runs_c
     await assert_no_leftovers()
 
 
+async def test_a_loader_variable_passed_with_env_reaches_the_command_alone(tmp_path: Path, dns) -> None:  # type: ignore[no-untyped-def]
+    """nsenter starts as root and bwrap outside the sandbox: an --env LD_PRELOAD naming a file the
+    sandbox can write must not load into them. The loader complains once per program it loads into."""
+    _needs_bwrap()
+    from tests.test_sandbox import egressd_run
+
+    missing = f"/work/egressd-test-{uuid.uuid4().hex}.so"
+    code, out, err = await egressd_run(tmp_path, dns, "--env", f"LD_PRELOAD={missing}", "--", "/usr/bin/true")
+    assert code == 0, err
+    assert err.count(f"'{missing}' from LD_PRELOAD cannot be preloaded") == 1, err  # /usr/bin/true's, no other
+
+
 # -- the Docker backend, for real --------------------------------------------------------------
 
 
