@@ -31,7 +31,7 @@ from agent.loop import DEFAULT_MAX_STEPS, ExecutorError, Outcome, Step, Stop, ru
 from agent.model import Conversation, Model
 from agent.prompt import system_prompt
 from agent.script import ScriptError
-from agent.spec import SpecError, open_model, parse_model_spec
+from agent.spec import KEY_VARIABLES, SpecError, open_model, parse_model_spec
 from agent.transcript import TranscriptError, TranscriptWriter
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
@@ -306,12 +306,21 @@ def _check_options(args: argparse.Namespace) -> None:
 
 
 def _open_model(args: argparse.Namespace) -> tuple[Model, str | None]:
+    """The model client and its key; then every model key variable is dropped from our environment.
+
+    The client holds the key it uses; no other process we start (nsenter,
+    ip, a shell of the user's) inherits any of them (DESIGN.md: model keys
+    never reach a sandbox).
+    """
     policy = RetryPolicy(attempts=args.model_retries + 1, timeout_s=args.model_timeout)
     try:
         spec = parse_model_spec(args.model, args.model_url)
-        return open_model(spec, environ=os.environ, policy=policy, notify=lambda text: _say(f"model: {text}"))
+        opened = open_model(spec, environ=os.environ, policy=policy, notify=lambda text: _say(f"model: {text}"))
     except (SpecError, ScriptError) as exc:
         raise SettingsError(f"bad setting model: {exc}") from None
+    for name in {name for names in KEY_VARIABLES.values() for name in names}:
+        os.environ.pop(name, None)
+    return opened
 
 
 def _exit_status(outcome: Outcome) -> int:

@@ -13,8 +13,10 @@ exactly like the bubblewrap session:
 Entering it: (1) connects to the Docker Engine and removes leftovers of dead
 runs (by label), (2) creates the run's internal and outgoing networks, (3)
 starts egressd's container from the egressd image, configured by EGRESSD_*
-variables (``--require-auth``: the sandbox's traffic is bound to its source
-address; the control API on the host's loopback with a fresh bearer token) —
+variables and given its secrets as files (``sidecar_secrets``: never as
+variables, which ``docker inspect`` shows) (``--require-auth``: the sandbox's
+traffic is bound to its source address; the control API on the host's
+loopback with a fresh bearer token) —
 or, with ``--connect URL``, uses a running egressd: the run still gets an
 internal network of its own (sandboxes of different runs never share one),
 and that egressd's container is attached to it for the run's lifetime — (4)
@@ -75,7 +77,7 @@ from approvals.message import render
 from approvals.signing import ReplayGuard, VerifyError, verify
 from approvals.terminal import TerminalChannel, TerminalOutput
 from audit.log import AuditError, JsonlAuditSink
-from config.settings import Settings
+from config.settings import SECRET_SETTINGS, Settings
 from sandbox.copyout import CopyOutError, CopyReport
 from sandbox.docker import (
     CONTROL_PORT,
@@ -84,6 +86,7 @@ from sandbox.docker import (
     DEFAULT_IMAGE,
     EGRESSD_STATE,
     PROXY_PORT,
+    SECRETS_DIR,
     DockerEngine,
     DockerRun,
     DockerRunNetwork,
@@ -140,10 +143,14 @@ def sidecar_environment(
     exemptions, approval channels, limits); the listeners are fixed: proxy,
     DNS and transparent TLS/HTTP on the internal network's address only,
     the control API on the outgoing network's address only (published on
-    the host's loopback), every client bound to a run.
+    the host's loopback), every client bound to a run. Secrets are not
+    values here: EGRESSD_<NAME>_FILE names the file ``sidecar_secrets``
+    puts in the container.
     """
     env: dict[str, str] = {}
     for name in PASSTHROUGH:
+        if name in SECRET_SETTINGS:
+            continue
         value = getattr(settings, name)
         default = Settings.model_fields[name].get_default(call_default_factory=True)
         if value is None or value == default:
@@ -162,12 +169,27 @@ def sidecar_environment(
             "EGRESSD_TRANSPARENT_HTTP": f"{egressd_ip}:80",
             "EGRESSD_DNS_ANSWER": egressd_ip,
             "EGRESSD_CONTROL": f"{control_ip}:{CONTROL_PORT}",
-            "EGRESSD_CONTROL_TOKEN": token,
             "EGRESSD_REQUIRE_AUTH": "true",
             "EGRESSD_AUDIT_LOG": f"{EGRESSD_STATE}/audit.jsonl",
         }
     )
+    for name in sidecar_secrets(settings, token=token):
+        env[f"EGRESSD_{name.upper()}_FILE"] = f"{SECRETS_DIR}/{name}"
     return env
+
+
+def sidecar_secrets(settings: Settings, *, token: str) -> dict[str, str]:
+    """The secrets egressd's container reads from files (name -> value) (pure).
+
+    The run's control ``token`` and each of our secret settings that is
+    passed on (``PASSTHROUGH``) and set.
+    """
+    files = {"control_token": token}
+    for name in PASSTHROUGH:
+        value = getattr(settings, name)
+        if name in SECRET_SETTINGS and value is not None:
+            files[name] = env_value(value)
+    return files
 
 
 class ControlClient:
@@ -504,7 +526,8 @@ class DockerSession(SessionBase[_SessionBox]):
         settings = await self._with_terminal_relay(str(p.outgoing.network_address + 1))
         env = sidecar_environment(settings, egressd_ip=str(p.egressd_ip), control_ip=str(p.egressd_outgoing_ip),
                                   token=token)
-        sidecar = await start_egressd(net, image=self.egressd_image, env=env)
+        sidecar = await start_egressd(net, image=self.egressd_image, env=env,
+                                      secrets=sidecar_secrets(settings, token=token))
         self.egressd_container = sidecar.id
         self._stack.push_async_callback(self._save_audit)
         await self._register(sidecar.control_url, token, p.sandbox_ip)

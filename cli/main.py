@@ -2,7 +2,10 @@
 
 Each subcommand parses its flags into the values ``config.settings`` takes
 (flags left out are not passed, so the environment and the config file still
-apply), then hands over to the module that does the work.
+apply), then hands over to the module that does the work. Once the settings
+are read, the variables that held secrets are dropped from our environment,
+so nothing egressd starts later inherits them (DESIGN.md: secrets never reach
+a sandbox).
 """
 
 from __future__ import annotations
@@ -12,24 +15,43 @@ import asyncio
 import contextlib
 import gc
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Coroutine
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from config.settings import Settings, SettingsError, load_settings
+from config.settings import SECRET_SETTINGS, Settings, SettingsError, load_settings, secret_variables
 
 from .agent_cmd import add_agent_arguments
 from .run_cmd import add_run_arguments
 from .service import EgressService, StartupError
+
+
+def _visible(name: str) -> str:
+    """What the help of a secret's flag says: where else to give it, and why."""
+    flag = "--" + name.replace("_", "-")
+    return f"(visible to other local users in the process list: better {flag}-file or EGRESSD_{name.upper()})"
+
+
+def _secret_file_flags() -> list[tuple[str, str, dict[str, Any]]]:
+    """``--NAME-file FILE`` for each secret setting: the secret kept off the command line."""
+    return [
+        ("--" + name.replace("_", "-") + "-file", f"{name}_file",
+         {"metavar": "FILE", "help": f"read {name} from FILE: a regular file of yours (or root's) "
+          "that no one else may read or write (mode 600)"})
+        for name in SECRET_SETTINGS
+    ]
+
 
 # Flags shared by serve/run/agent, as (flag, settings field, argparse kwargs).
 _COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--listen", "listen", {"metavar": "HOST:PORT", "help": "HTTP proxy address (default 127.0.0.1:3128)"}),
     ("--control", "control", {"metavar": "HOST:PORT|unix:PATH", "help": "control API (default 127.0.0.1:3129)"}),
     ("--control-token", "control_token",
-     {"metavar": "TOKEN", "help": "control API bearer token (default: generated and written to a file)"}),
+     {"metavar": "TOKEN",
+      "help": f"control API bearer token (default: generated and written to a file) {_visible('control_token')}"}),
     ("--allow", "allow",
      {"action": "append", "metavar": "ENTRY",
       "help": "allow a destination: example.com, *.example.com, host:PORT, host:* (repeatable)"}),
@@ -54,19 +76,21 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--webhook-url", "webhook_url",
      {"metavar": "URL", "help": "webhook approver: where approval requests are POSTed"}),
     ("--webhook-secret", "webhook_secret",
-     {"metavar": "WHSEC",
-      "help": "webhook approver: whsec_ key signing the requests (better: EGRESSD_WEBHOOK_SECRET)"}),
+     {"metavar": "WHSEC", "help": f"webhook approver: whsec_ key signing the requests {_visible('webhook_secret')}"}),
     ("--webhook-callback-secret", "webhook_callback_secret",
-     {"metavar": "WHSEC", "help": "webhook approver: a separate whsec_ key the callback must be signed with"}),
+     {"metavar": "WHSEC", "help": "webhook approver: a separate whsec_ key the callback must be signed with "
+      + _visible("webhook_callback_secret")}),
     ("--public-url", "public_url",
      {"metavar": "URL",
       "help": "base URL under which the control server is reachable (webhook callback, Slack interactivity)"}),
     ("--slack-bot-token", "slack_bot_token",
-     {"metavar": "XOXB", "help": "Slack approver: bot token (better: EGRESSD_SLACK_BOT_TOKEN)"}),
+     {"metavar": "XOXB", "help": f"Slack approver: bot token {_visible('slack_bot_token')}"}),
     ("--slack-app-token", "slack_app_token",
-     {"metavar": "XAPP", "help": "Slack approver: app-level token for Socket Mode (no public URL needed)"}),
+     {"metavar": "XAPP", "help": "Slack approver: app-level token for Socket Mode (no public URL needed) "
+      + _visible("slack_app_token")}),
     ("--slack-signing-secret", "slack_signing_secret",
-     {"metavar": "SECRET", "help": "Slack approver: signing secret for the HTTP interactivity endpoint"}),
+     {"metavar": "SECRET", "help": "Slack approver: signing secret for the HTTP interactivity endpoint "
+      + _visible("slack_signing_secret")}),
     ("--slack-channel", "slack_channel",
      {"metavar": "CHANNEL_ID", "help": "Slack approver: the channel id approval messages go to"}),
     ("--slack-approvers", "slack_approvers",
@@ -107,6 +131,7 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
      {"type": int, "metavar": "N", "help": "open client connections per run (default 1000)"}),
     ("--log-level", "log_level",
      {"choices": ["debug", "info", "warning", "error"], "help": "stderr log level (default info)"}),
+    *_secret_file_flags(),
 ]
 
 
@@ -121,8 +146,14 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    """The settings from the flags, environment and config file; then the secret variables are dropped."""
     fields = {dest for _, dest, _ in _COMMON} | {"ask", "require_auth"}
-    return load_settings({k: getattr(args, k) for k in fields}, args.config)
+    settings = load_settings({k: getattr(args, k) for k in fields}, args.config)
+    # Read once, kept in ``settings``: whatever we start from now on (ip, nft, nsenter,
+    # a shell of the user's) does not inherit them.
+    for name in secret_variables(os.environ):
+        del os.environ[name]
+    return settings
 
 
 def _setup_logging(level: str) -> None:
@@ -302,7 +333,10 @@ def _add_approval_commands(sub: Any) -> None:
         parser.add_argument("--control", dest="control", default=None, metavar="HOST:PORT|unix:PATH",
                             help="the running egressd's control API (default 127.0.0.1:3129)")
         parser.add_argument("--control-token", dest="control_token", default=None, metavar="TOKEN",
-                            help="bearer token (default: the token file egressd wrote)")
+                            help=f"bearer token (default: the token file egressd wrote) {_visible('control_token')}")
+        parser.add_argument("--control-token-file", dest="control_token_file", default=None, metavar="FILE",
+                            help="read the bearer token from FILE: a regular file of yours (or root's) "
+                            "that no one else may read or write (mode 600)")
         if action == "pending":
             parser.add_argument("--json", action="store_true", help="print the approvals as JSON")
         else:

@@ -56,7 +56,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where --copy-out puts files (default: the current directory); "
                         "never a link, nor inside the working directory")
     parser.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
-                        help="pass a variable into the sandbox (repeatable); nothing else from the host gets in")
+                        help="pass a variable into the sandbox (repeatable); nothing else from the host gets in. "
+                        "NAME alone takes the value from our environment; NAME=VALUE is visible to other "
+                        "local users in the process list")
     add_backend_arguments(parser)
     parser.add_argument("--task", help="what the run is for (shown in approval messages)")
 

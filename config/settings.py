@@ -11,19 +11,29 @@ Values here are checked for shape (an address is ``HOST:PORT``, a CIDR is a
 network, a number is in range). Whether an allowlist entry is meaningful is
 the proxy's business; ``cli`` checks entries with ``proxy.policy`` and reports
 them in the same form.
+
+Secrets (``SECRET_SETTINGS``) can also be read from a file: ``NAME_file``
+(``--NAME-file``, ``EGRESSD_NAME_FILE``), because a flag is on the command
+line, which every local user can read. The file must be a regular file (not
+a link) of ours or root's that no one else may read or write
+(``read_secret_file``); giving both a secret and its file is an error.
+``secret_variables`` names the environment variables that held secrets,
+for ``cli`` to drop once the settings are read.
 """
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
+import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, SecretStr, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -41,6 +51,58 @@ CsvList = Annotated[list[str], NoDecode]
 
 class SettingsError(Exception):
     """A setting is missing, malformed or out of range; the message names it."""
+
+
+# The settings that hold secrets: each also has a NAME_file setting. Model keys
+# are not settings (``agent.spec`` reads them from the environment).
+SECRET_SETTINGS = (
+    "control_token", "slack_bot_token", "slack_app_token", "slack_signing_secret",
+    "webhook_secret", "webhook_callback_secret",
+)
+# A token or key is a line; anything much longer is the wrong file.
+MAX_SECRET_BYTES = 64 * 1024
+
+
+def read_secret_file(path: Path, *, euid: int) -> str:
+    """The secret ``path`` holds, without surrounding whitespace; ValueError saying why not.
+
+    Refused: a link (opened without following it), anything but a regular
+    file (a FIFO is opened without waiting for a writer), a file owned by
+    anyone but ``euid`` or root, a file whose mode lets its group or others
+    read or write it, an empty one, one past MAX_SECRET_BYTES.
+    """
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a link: name the file itself") from None
+        raise ValueError(f"cannot open {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        if info.st_uid not in (euid, 0):
+            raise ValueError(f"{path} belongs to uid {info.st_uid}, not to uid {euid} (us) or root")
+        if info.st_mode & 0o077:
+            mode = oct(stat.S_IMODE(info.st_mode))[2:]
+            raise ValueError(f"{path} has mode {mode}, so other users may read or change it: chmod 600 {path}")
+        data = fh.read(MAX_SECRET_BYTES + 1)
+    if len(data) > MAX_SECRET_BYTES:
+        raise ValueError(f"{path} is larger than {MAX_SECRET_BYTES} bytes: not a token")
+    try:
+        text = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not UTF-8 text") from None
+    if not text:
+        raise ValueError(f"{path} is empty")
+    return text
+
+
+def secret_variables(environ: Mapping[str, str]) -> list[str]:
+    """The names in ``environ`` that hold a secret setting (``EGRESSD_<NAME>``, in any case) (pure)."""
+    names = {f"EGRESSD_{name}".upper() for name in SECRET_SETTINGS}
+    return [name for name in environ if name.upper() in names]
 
 
 def default_state_dir() -> Path:
@@ -111,6 +173,7 @@ class Settings(BaseSettings):
     listen: str = Field("127.0.0.1:3128", description="HTTP proxy HOST:PORT")
     control: str = Field("127.0.0.1:3129", description="control API HOST:PORT or unix:PATH")
     control_token: SecretStr | None = Field(None, description="bearer token for the control API")
+    control_token_file: Path | None = Field(None, description="a file holding control_token")
 
     # Policy.
     allow: CsvList = Field(default_factory=list, description="allowlist entries")
@@ -141,13 +204,18 @@ class Settings(BaseSettings):
         None, description="where approval requests are POSTed (https; plain http only to a loopback address)"
     )
     webhook_secret: SecretStr | None = Field(None, description="whsec_ key signing outgoing webhooks")
+    webhook_secret_file: Path | None = Field(None, description="a file holding webhook_secret")
     webhook_callback_secret: SecretStr | None = Field(None, description="whsec_ key the callback must be signed with")
+    webhook_callback_secret_file: Path | None = Field(None, description="a file holding webhook_callback_secret")
     public_url: str | None = Field(
         None, description="base URL under which the control server is reachable (webhook callback)"
     )
     slack_bot_token: SecretStr | None = Field(None, description="xoxb- token")
+    slack_bot_token_file: Path | None = Field(None, description="a file holding slack_bot_token")
     slack_app_token: SecretStr | None = Field(None, description="xapp- token for Socket Mode")
+    slack_app_token_file: Path | None = Field(None, description="a file holding slack_app_token")
     slack_signing_secret: SecretStr | None = Field(None, description="verifies the HTTP interactivity endpoint")
+    slack_signing_secret_file: Path | None = Field(None, description="a file holding slack_signing_secret")
     slack_channel: str | None = Field(None, description="channel id the approval messages go to")
     slack_approvers: CsvList = Field(
         default_factory=list, description="Slack user ids (U…) or user-group ids (S…) who may answer"
@@ -275,6 +343,26 @@ class Settings(BaseSettings):
     def _dedupe_approvers(cls, value: list[str]) -> list[str]:
         return list(dict.fromkeys(value))
 
+    @model_validator(mode="after")
+    def _read_secret_files(self) -> Settings:
+        # After every source is merged: a secret given one way (flag, variable, config
+        # file) and its file another is as ambiguous as both given the same way.
+        errors = []
+        for name in SECRET_SETTINGS:
+            path = getattr(self, f"{name}_file")
+            if path is None:
+                continue
+            if getattr(self, name) is not None:
+                errors.append(f"{name}_file: {name} is given too; give one of them")
+                continue
+            try:
+                setattr(self, name, SecretStr(read_secret_file(path, euid=os.geteuid())))
+            except ValueError as exc:
+                errors.append(f"{name}_file: {exc}")
+        if errors:
+            raise ValueError("; ".join(errors))
+        return self
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -306,8 +394,12 @@ class Settings(BaseSettings):
 def _format_error(error: ValidationError) -> str:
     parts = []
     for item in error.errors():
-        name = ".".join(str(p) for p in item["loc"]) or "settings"
-        msg = item["msg"].removeprefix("Value error, ").removeprefix(f"{name}: ")
+        name = ".".join(str(p) for p in item["loc"])
+        msg = item["msg"].removeprefix("Value error, ")
+        if not name:  # a check of several settings (``_read_secret_files``): it names them itself
+            parts.append(msg)
+            continue
+        msg = msg.removeprefix(f"{name}: ")
         if item["type"] == "extra_forbidden":
             msg = "unknown setting"
         parts.append(f"{name}: {msg}")

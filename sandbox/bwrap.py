@@ -17,6 +17,13 @@ capabilities are dropped, the command runs in a new session (no TIOCSTI into
 our terminal), and dies with its parent. bwrap sets no_new_privs before
 loading the seccomp filter.
 
+The environment (``environment_args``) is never on the command line: any
+local user reads ``/proc/PID/cmdline``, and it holds the run's proxy
+credentials and every ``--env`` value. bwrap reads ``--clearenv`` and one
+``--setenv`` per variable from a descriptor (``--args FD``) and sets them
+for the command alone; bwrap itself (and its init, pid 1 inside, which the
+command can read) is started with an empty environment by the launcher.
+
 Identity (``identity``): bwrap is started as the working directory's owner,
 not as root, so the user namespace it makes maps the sandbox to that host
 uid, never to host root; inside, the command has the same uid and gid
@@ -53,7 +60,7 @@ class BwrapSpec:
 
     workdir: str
     etc_dir: str  # a host directory holding the generated /etc files
-    env: Mapping[str, str]
+    env: Mapping[str, str]  # the command's environment: never in the argv (``environment_args``, ``args_fd``)
     argv: Sequence[str]
     seccomp_fd: int | None = None
     usr_links: Mapping[str, str] = field(default_factory=dict)  # name -> link target, e.g. bin -> usr/bin
@@ -62,20 +69,22 @@ class BwrapSpec:
     extra_readonly: Sequence[str] = ()  # other host paths the caller asked for, read-only
     uid: int = SANDBOX_UID  # who the command is inside: the working directory's owner
     gid: int = SANDBOX_GID
+    args_fd: int | None = None  # a descriptor holding ``environment_args(env)``: the command's environment
 
 
 GENERATED_ETC = ("resolv.conf", "hosts", "passwd", "group", "nsswitch.conf", "hostname")
 
 
 def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
-    """The full argv, ending with ``--`` and the command."""
-    args = [
-        bwrap,
+    """The full argv, ending with ``--`` and the command; ``spec.env`` is not in it (``environment_args``)."""
+    args = [bwrap]
+    if spec.args_fd is not None:
+        args += ["--args", str(spec.args_fd)]
+    args += [
         "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
         "--uid", str(spec.uid), "--gid", str(spec.gid),
         "--hostname", SANDBOX_HOSTNAME,
         "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-        "--clearenv",
         "--ro-bind", "/usr", "/usr",
     ]
     for name, target in sorted(spec.usr_links.items()):
@@ -94,13 +103,26 @@ def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
     # The root bwrap builds is a tmpfs; once everything is mounted it becomes
     # read-only, so /etc and the top level cannot be written either.
     args += ["--remount-ro", "/"]
-    for key, value in sorted(spec.env.items()):
-        args += ["--setenv", key, value]
     if spec.seccomp_fd is not None:
         args += ["--seccomp", str(spec.seccomp_fd)]
     args.append("--")
     args.extend(spec.argv)
     return args
+
+
+def environment_args(env: Mapping[str, str]) -> bytes:
+    """The command's whole environment as bwrap options for ``--args FD``: NUL-terminated, one per argument.
+
+    ``--clearenv`` first, so nothing bwrap was started with reaches the
+    command; then ``--setenv NAME VALUE`` for each variable. A NUL in a name
+    or value would end the argument early: ValueError.
+    """
+    args = ["--clearenv"]
+    for key, value in sorted(env.items()):
+        args += ["--setenv", key, value]
+    if any("\0" in arg for arg in args):
+        raise ValueError("an environment variable's name or value contains a NUL character")
+    return b"".join(os.fsencode(arg) + b"\0" for arg in args)
 
 
 def generated_etc(*, nameserver: str, uid: int = SANDBOX_UID, gid: int = SANDBOX_GID) -> dict[str, str]:

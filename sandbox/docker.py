@@ -108,6 +108,13 @@ METADATA_NET = ipaddress.ip_network("169.254.169.0/24")
 CONTROL_PORT = 3129
 PROXY_PORT = 3128
 EGRESSD_STATE = "/var/lib/egressd"  # the egressd image's volume: audit log and token
+# The sidecar's secrets: files in its state volume, put there before it starts
+# (``secrets_archive``) and gone with the volume when the run ends. Not
+# variables: the container's environment is in ``docker inspect``.
+SECRETS_DIR = f"{EGRESSD_STATE}/secrets"
+# Who egressd is in its image (docker/Dockerfile's USER): the secret files are theirs alone.
+SIDECAR_UID = 10001
+SIDECAR_GID = 10001
 # Every API call but a command's own wait is bounded: an engine that hangs
 # must not hang egressd run.
 API_TIMEOUT_S = 60.0
@@ -390,6 +397,28 @@ class EgressdSpec:
     outgoing_address: str
     volume: str
     labels: Mapping[str, str]
+
+
+def secrets_archive(secrets: Mapping[str, str], *, uid: int = SIDECAR_UID, gid: int = SIDECAR_GID) -> bytes:
+    """A tar of ``secrets/NAME`` files (mode 0400 in a 0700 directory, ``uid``:``gid``'s) for ``EGRESSD_STATE`` (pure).
+
+    egressd reads them as NAME_file settings, which refuse a file that
+    anyone but its owner may read. A name is a setting's: lower case and
+    underscores, nothing that could climb out of the directory.
+    """
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        directory = tarfile.TarInfo("secrets")
+        directory.type, directory.mode, directory.uid, directory.gid = tarfile.DIRTYPE, 0o700, uid, gid
+        tar.addfile(directory)
+        for name, value in sorted(secrets.items()):
+            if not name or not name.replace("_", "a").isalpha() or not name.islower():
+                raise ValueError(f"{name!r} is not a setting's name")
+            data = value.encode()
+            member = tarfile.TarInfo(f"secrets/{name}")
+            member.size, member.mode, member.uid, member.gid = len(data), 0o400, uid, gid
+            tar.addfile(member, io.BytesIO(data))
+    return buffer.getvalue()
 
 
 def egressd_config(spec: EgressdSpec) -> dict[str, Any]:
@@ -912,12 +941,15 @@ async def start_egressd(
     *,
     image: str,
     env: Mapping[str, str],
+    secrets: Mapping[str, str] = {},
     ready_timeout_s: float = 30.0,
 ) -> EgressdContainer:
     """Create egressd's container on both networks, start it and wait for ``/health``.
 
-    ``env`` is its configuration (EGRESSD_* variables). If it exits or stays
-    unhealthy, the error carries the last lines it printed.
+    ``env`` is its configuration (EGRESSD_* variables), ``secrets`` the
+    files it reads its secrets from (name -> value: ``SECRETS_DIR/name``,
+    see ``secrets_archive``; ``env`` names them as EGRESSD_<NAME>_FILE). If
+    it exits or stays unhealthy, the error carries the last lines it printed.
     """
     engine, p = net.engine, net.plan
     volume = f"egressd-{p.run_key}-state"
@@ -928,6 +960,8 @@ async def start_egressd(
                                outgoing_address=str(p.egressd_outgoing_ip), volume=volume,
                                labels=net.labels_for("egressd"))
             container = await engine.client.containers.create(egressd_config(spec), name=f"egressd-{p.run_key}")
+            if secrets:  # into the volume (the root file system is read-only), before egressd reads them
+                await container.put_archive(EGRESSD_STATE, secrets_archive(secrets))
             internal = await engine.client.networks.get(p.internal_name)
             await internal.connect({"Container": container.id,
                                     "EndpointConfig": {"IPAMConfig": {"IPv4Address": str(p.egressd_ip)}}})

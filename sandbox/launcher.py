@@ -19,6 +19,15 @@ drops every supplementary group and becomes the working directory's owner
 before bwrap starts. bwrap is then an ordinary process of that user: the user
 namespace it makes maps the sandbox to that uid, never to host root, and it
 holds no capability over the host.
+
+What they are started with (DESIGN.md: secrets never reach a sandbox nor a
+command line): ``nsenter`` and bwrap get an empty environment
+(``LAUNCH_ENVIRONMENT``), so nothing of ours (egressd's secrets, whatever
+its caller had) is in bwrap's init, which the command can read as
+``/proc/1/environ``. The command's own environment (the run's proxy
+credentials, ``--env`` values) goes to bwrap through a descriptor
+(``bwrap.environment_args``), never on a command line, which any local
+user can read.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from .bwrap import BwrapSpec, base_environment, bwrap_argv, generated_etc, host_layout
+from .bwrap import BwrapSpec, base_environment, bwrap_argv, environment_args, generated_etc, host_layout
 from .copyout import CopyReport, copy_out
 from .identity import refusal, run_as
 from .limits import Cgroup, Limits, rlimits_in_child
@@ -51,6 +60,14 @@ EXIT_MEMORY = 137
 DEFAULT_MAX_OUTPUT = 64 * 1024
 # run()'s default: no time or memory limit, DEFAULT_MAX_PIDS processes.
 NO_LIMITS = Limits()
+# What nsenter and bwrap are started with: nothing. Not egressd's environment
+# (its secrets would be in bwrap's init, readable inside), and not the
+# sandbox's either: nsenter starts as root and bwrap runs outside the sandbox,
+# so an --env LD_PRELOAD or LD_LIBRARY_PATH naming a file in the working
+# directory would load the sandbox's code into them. Both are named by
+# absolute path and need no variable; the command gets its environment from
+# bwrap (``environment_args``).
+LAUNCH_ENVIRONMENT: dict[str, str] = {}
 
 
 class SandboxError(Exception):
@@ -158,6 +175,7 @@ async def owner_reaches(path: Path, uid: int, gid: int, nsenter: str = "nsenter"
         shutil.which(nsenter) or nsenter, "--setgid", str(gid), "--setuid", str(uid), "--",
         shutil.which("test") or "/usr/bin/test", "-d", str(path), "-a", "-x", str(path),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+        env=LAUNCH_ENVIRONMENT,  # it runs as the owner, who may read its environment
     )
     return await probe.wait() == 0
 
@@ -204,7 +222,8 @@ class Sandbox:
         self._count = 0
         self._destroyed = False
 
-    def argv(self, command: Sequence[str], seccomp_fd: int | None) -> list[str]:
+    def argv(self, command: Sequence[str], seccomp_fd: int | None, args_fd: int | None = None) -> list[str]:
+        """nsenter's argv; ``args_fd`` holds ``environment_args(self.env)``: without it, no environment."""
         spec = BwrapSpec(
             workdir=str(self.workdir),
             etc_dir=str(self._etc),
@@ -217,6 +236,7 @@ class Sandbox:
             extra_readonly=self.extra_readonly,
             uid=self.uid,
             gid=self.gid,
+            args_fd=args_fd,
         )
         # nsenter joins the namespace as root, then drops the supplementary groups and
         # sets gid and uid, in that order, before it runs bwrap as the owner.
@@ -249,6 +269,17 @@ class Sandbox:
         read_fd, write_fd = os.pipe()
         os.write(write_fd, self._seccomp)  # small: fits the pipe buffer, bwrap reads it at start
         os.close(write_fd)
+        # The environment can outgrow a pipe's buffer (--env values): a memory file holds
+        # it whole, read by bwrap from the start; it is bwrap's to close, like the filter.
+        try:
+            args_fd = os.memfd_create("egressd-bwrap-env", os.MFD_CLOEXEC)
+            os.write(args_fd, environment_args(self.env))
+            os.lseek(args_fd, 0, os.SEEK_SET)
+        except (OSError, ValueError) as exc:
+            os.close(read_fd)
+            if cgroup is not None:
+                await cgroup.remove()
+            raise SandboxError(f"cannot pass the sandbox its environment: {exc}") from exc
 
         def in_child() -> None:
             # Nothing of ours crosses into the sandbox but stdio and the filter:
@@ -256,7 +287,7 @@ class Sandbox:
             # closing them here would pull the rug from under its own set-up).
             for name in os.listdir("/proc/self/fd"):
                 fd = int(name)
-                if fd > 2 and fd != read_fd:
+                if fd > 2 and fd not in (read_fd, args_fd):
                     with contextlib.suppress(OSError):
                         os.set_inheritable(fd, False)
             # Still root here: joining the cgroup writes a root-owned file. The owner's
@@ -277,12 +308,13 @@ class Sandbox:
         piped = capture or relay is not None
         try:
             proc = await asyncio.create_subprocess_exec(
-                *self.argv(command, read_fd),
+                *self.argv(command, read_fd, args_fd),
                 stdin=stdin if stdin is not None else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE if piped else None,
                 stderr=asyncio.subprocess.PIPE if piped else None,
-                pass_fds=(read_fd,),
+                pass_fds=(read_fd, args_fd),
                 preexec_fn=in_child,
+                env=LAUNCH_ENVIRONMENT,
             )
         except (OSError, subprocess.SubprocessError) as exc:  # the latter: in_child failed
             if cgroup is not None:
@@ -290,6 +322,7 @@ class Sandbox:
             raise SandboxError(f"cannot start the sandbox: {exc}") from exc
         finally:
             os.close(read_fd)
+            os.close(args_fd)
         timed_out = False
         try:
             pumps = asyncio.gather(_pump(proc.stdout, out), _pump(proc.stderr, err), proc.wait())

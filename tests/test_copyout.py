@@ -224,14 +224,15 @@ async def docker_session(engine: Any, tmp_path: Path) -> AsyncIterator[Any]:
     """A Docker run's session (its sidecar egressd, no origins) on a working directory of uid 1000."""
     from cli.docker_session import DockerSession
     from config.settings import load_settings
-    from tests.dockerbed import TEST_LABELS, free_test_range
+    from tests.dockerbed import EGRESSD_IMAGE, TEST_LABELS, free_test_range
 
     work = tmp_path / "work"
     work.mkdir()
     os.chown(work, 1000, 1000)
     settings = load_settings({"allow": [], "audit_log": str(tmp_path / "audit.jsonl")})
     block = await free_test_range(engine)
-    async with DockerSession(settings, workdir=work, task="copy-out", net_range=str(block), labels=TEST_LABELS) as s:
+    async with DockerSession(settings, workdir=work, task="copy-out", net_range=str(block), labels=TEST_LABELS,
+                             egressd_image=EGRESSD_IMAGE) as s:
         yield s
 
 
@@ -285,7 +286,9 @@ def _plant(forbidden: Path) -> str:
 
 
 def _backend(name: str) -> list[str]:
-    return ["--backend", name]
+    from tests.dockerbed import EGRESSD_IMAGE
+
+    return ["--backend", name, "--egressd-image", EGRESSD_IMAGE]
 
 
 def _give(path: Path, backend: list[str]) -> None:

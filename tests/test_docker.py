@@ -38,6 +38,7 @@ from cli.docker_session import DockerSession, sidecar_environment
 from config.settings import load_settings
 from sandbox.copyout import CopyReport
 from sandbox.docker import (
+    SECRETS_DIR,
     CommandSpec,
     DockerEngine,
     DockerPlan,
@@ -73,6 +74,8 @@ from tests.harness import IN_CI, LEAK, free_port, require
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 HOST_LEAK = LEAK  # 127.0.0.66: the host's loopback, unreachable from any container
 HELD_NAME = "held.test"  # another name of the origin, on no allowlist: asked about
+# The sidecar's image under test: the client passes it settings (secret files) only this tree's egressd reads.
+IMAGE = ("--egressd-image", dockerbed.EGRESSD_IMAGE)
 
 
 # -- pure parts (no engine) ----------------------------------------------------------------
@@ -177,7 +180,9 @@ def test_the_sidecar_gets_our_policy_settings_but_its_own_listeners() -> None:
     env = sidecar_environment(settings, egressd_ip="169.254.64.2", control_ip="169.254.64.18", token="t")
     assert env["EGRESSD_ALLOW_PRIVATE"] == "169.254.64.16/28" and env["EGRESSD_APPROVER"] == "webhook"
     assert env["EGRESSD_UNSAFE_WEBHOOK_HTTP"] == "true"  # the terminal relay's plain http to the gateway
-    assert env["EGRESSD_WEBHOOK_SECRET"] == "whsec_AAAA" and env["EGRESSD_REQUIRE_AUTH"] == "true"
+    assert env["EGRESSD_WEBHOOK_SECRET_FILE"] == f"{SECRETS_DIR}/webhook_secret"
+    assert env["EGRESSD_REQUIRE_AUTH"] == "true"
+    assert "EGRESSD_WEBHOOK_SECRET" not in env and "EGRESSD_CONTROL_TOKEN" not in env  # files: not in docker inspect
     assert env["EGRESSD_LISTEN"] == "169.254.64.2:3128" and env["EGRESSD_CONTROL"] == "169.254.64.18:3129"
     assert "EGRESSD_ALLOW" not in env  # the allowlist is the run's, sent with POST /runs
 
@@ -243,7 +248,7 @@ async def make_bed(engine: DockerEngine, tmp_path: Path) -> AsyncIterator[Any]:
             values.setdefault("webhook_secret", "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode())
         settings = load_settings(values)
         session = DockerSession(settings, workdir=None, task="docker bed", net_range=str(block), labels=TEST_LABELS,
-                                tty_path=tty_path)
+                                tty_path=tty_path, egressd_image=dockerbed.EGRESSD_IMAGE)
         async with session:
             net = session.resources
             assert net is not None
@@ -458,7 +463,7 @@ async def egressd_run(tmp_path: Path, *args: str, limit_s: float = 90) -> tuple[
     """``egressd run --backend docker ARGS`` as a user runs it; checks it left nothing behind."""
     env = _clean_env(tmp_path / "s")
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "run", "--backend", "docker", "--audit-log", str(tmp_path / "audit.jsonl"), *args,
+        EGRESSD, "run", "--backend", "docker", *IMAGE, "--audit-log", str(tmp_path / "audit.jsonl"), *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
     )
     out, err = await asyncio.wait_for(proc.communicate(), limit_s)
@@ -504,7 +509,7 @@ async def test_egressd_agent_runs_its_commands_in_a_docker_sandbox(engine: Docke
     out_dir.mkdir()
     env = _clean_env(tmp_path / "s")
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "agent", "--backend", "docker", "--audit-log", str(tmp_path / "audit.jsonl"),
+        EGRESSD, "agent", "--backend", "docker", *IMAGE, "--audit-log", str(tmp_path / "audit.jsonl"),
         "--task", "write a report", "--model", f"script:{script}", "--transcript", str(tmp_path / "t.jsonl"),
         "--copy-out", "report.txt", "--copy-out-dir", str(out_dir),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
@@ -534,7 +539,7 @@ async def _wait_for_run_containers(engine: DockerEngine, pid: int, count: int = 
 async def test_sigterm_destroys_everything_the_run_made(engine: DockerEngine, tmp_path: Path) -> None:
     env = _clean_env(tmp_path)
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "run", "--backend", "docker", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
+        EGRESSD, "run", "--backend", "docker", *IMAGE, "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
     )
     await _wait_for_run_containers(engine, proc.pid)
@@ -550,9 +555,9 @@ async def test_leftovers_of_a_killed_run_are_removed_by_doctor_clean_and_at_the_
     env = _clean_env(tmp_path)
     for cleaner in ("doctor --clean", "next run"):
         proc = await asyncio.create_subprocess_exec(
-            EGRESSD, "run", "--backend", "docker", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, stdin=asyncio.subprocess.DEVNULL,
-            env=env,
+            EGRESSD, "run", "--backend", "docker", *IMAGE, "--audit-log", str(tmp_path / "a.jsonl"), "--",
+            "sleep", "60", stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.DEVNULL, env=env,
         )
         await _wait_for_run_containers(engine, proc.pid)
         proc.kill()  # no chance to clean up
@@ -610,25 +615,38 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
     control_ip = str(outgoing.network_address + 2)
     project = f"egdtest{secrets.token_hex(4)}"
     token = secrets.token_urlsafe(24)
+    webhook_secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
     control_port = free_port()
     hook_port = free_port()
+    # The secrets as the compose file's comment says: files of egressd's user (10001) that no one else may
+    # read, in the directory EGRESSD_SECRETS; the test's own copy of the token is root's (ours).
+    secret_dir = tmp_path / "secrets"
+    secret_dir.mkdir(mode=0o700)
+    for name, value in (("control_token", token), ("webhook_secret", webhook_secret)):
+        (secret_dir / name).write_text(value + "\n")
+        (secret_dir / name).chmod(0o400)
+        os.chown(secret_dir / name, 10001, 10001)
+    os.chown(secret_dir, 10001, 10001)
+    our_token = tmp_path / "control_token"
+    our_token.write_text(token + "\n")
+    our_token.chmod(0o600)
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {
         "EGRESSD_SANDBOX_SUBNET": str(internal), "EGRESSD_OUTGOING_SUBNET": str(outgoing),
         "EGRESSD_SIDECAR_IP": sidecar, "EGRESSD_SANDBOX_IP": sandbox_ip, "EGRESSD_CONTROL_IP": control_ip,
-        "EGRESSD_CONTROL_PORT": str(control_port), "EGRESSD_CONTROL_TOKEN": token,
+        "EGRESSD_CONTROL_PORT": str(control_port), "EGRESSD_SECRETS": str(secret_dir),
         # Exactly the origin: egressd listens on every address it has, and must never dial one of them.
         "EGRESSD_ALLOW": f"{ORIGIN_NAME}:{ORIGIN_PORT}", "EGRESSD_ALLOW_PRIVATE": f"{outgoing.network_address + 5}/32",
         "EGRESSD_IMAGE": dockerbed.EGRESSD_IMAGE,
         "EGRESSD_APPROVER": "webhook", "EGRESSD_WEBHOOK_URL": f"http://{gateway}:{hook_port}/hook",
         "EGRESSD_UNSAFE_WEBHOOK_HTTP": "true",  # the gateway is no loopback address
-        "EGRESSD_WEBHOOK_SECRET": "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode(),
+        "EGRESSD_WEBHOOK_SECRET_FILE": "/run/secrets/egressd/webhook_secret",
         "XDG_STATE_HOME": str(tmp_path / "s"),
     }
     base = [*compose, "-f", str(Path(__file__).parent.parent / "docker" / "compose.yaml"), "-p", project]
 
-    async def run(*argv: str, limit_s: float = 180) -> tuple[int, str]:
+    async def run(*argv: str, limit_s: float = 180, environment: dict[str, str] = env) -> tuple[int, str]:
         proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.STDOUT, env=env,
+                                                    stderr=asyncio.subprocess.STDOUT, env=environment,
                                                     cwd=Path(__file__).parent.parent)  # as the README runs it
         out, _ = await asyncio.wait_for(proc.communicate(), limit_s)
         return proc.returncode or 0, out.decode(errors="replace")
@@ -694,16 +712,19 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
             reach = ("import socket; s = socket.socket(); s.settimeout(2);"
                      f" print('sandbox:', s.connect_ex(('{sandbox_ip}', 1)) or 'connected')")
             code, out = await run(EGRESSD, "run", "--backend", "docker", "--connect", f"http://127.0.0.1:{control_port}",
-                                  "--control-token", token, "--allow", f"{ORIGIN_NAME}:{ORIGIN_PORT}",
+                                  "--control-token-file", str(our_token), "--allow", f"{ORIGIN_NAME}:{ORIGIN_PORT}",
                                   "--net-range", str(await free_test_range(engine)), "--workdir", str(workdir), "--",
                                   "sh", "-c", f"curl -sS -m 10 http://{ORIGIN_NAME}:{ORIGIN_PORT}/connect; echo;"
-                                  f" python3 -c \"{reach}\"")
+                                  f" python3 -c \"{reach}\"",
+                                  environment={k: v for k, v in env.items() if not k.endswith("_SECRET_FILE")})
             assert code == 0 and "hello from origin: GET /connect" in out, out
             # Not even a reset (ECONNREFUSED, 111) from the compose sandbox: it is on no network of the run.
             assert "sandbox: " in out and "sandbox: 111" not in out and "sandbox: connected" not in out, out
             egressd = f"{project}-egressd-1" if compose != ["docker-compose"] else f"{project}_egressd_1"
             info = await engine.client.containers.container(egressd).show()
             assert set(info["NetworkSettings"]["Networks"]) == {f"{project}_sandbox", outgoing_net}
+            config = json.dumps(info["Config"])  # docker inspect: the secrets are files, not in the environment
+            assert token not in config and webhook_secret not in config, info["Config"]["Env"]
             assert (await _exec(engine, egressd, ["cat", "/proc/sys/net/ipv4/ip_forward"]))[1].strip() == "0"
             await asyncio.sleep(0.5)
             assert await leak.leaks() == [] and host.tcp == 0 and host.udp == 0

@@ -36,7 +36,7 @@ import pytest
 from aiohttp import web
 from dnslib import DNSRecord
 
-from cli.docker_session import DockerSession, sidecar_environment
+from cli.docker_session import DockerSession, sidecar_environment, sidecar_secrets
 from cli.session import SessionError
 from config.settings import load_settings
 from proxy.control import _run_address
@@ -269,7 +269,7 @@ async def running_egressd(engine: DockerEngine, *, every_address: bool = True) -
         if every_address:
             env.update({"EGRESSD_LISTEN": "0.0.0.0:3128", "EGRESSD_DNS_LISTEN": "0.0.0.0:53",
                         "EGRESSD_TRANSPARENT_TLS": "0.0.0.0:443", "EGRESSD_TRANSPARENT_HTTP": "0.0.0.0:80"})
-        sidecar = await start_egressd(net, image=EGRESSD_IMAGE, env=env)
+        sidecar = await start_egressd(net, image=EGRESSD_IMAGE, env=env, secrets=sidecar_secrets(settings, token=token))
         await start_helper(engine, network=p.outgoing_name, address=str(origin),
                            script=ORIGIN_SCRIPT, labels=net.labels_for("helper"), aliases=[ORIGIN_NAME])
         yield Running(engine, sidecar.id, sidecar.control_url, token, str(run_range),

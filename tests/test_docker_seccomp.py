@@ -42,7 +42,8 @@ async def engine() -> AsyncIterator[DockerEngine]:
 
 def _session(tmp_path: Path, block: Any) -> DockerSession:
     settings = load_settings({"allow": [], "audit_log": str(tmp_path / "audit.jsonl")})
-    return DockerSession(settings, workdir=None, task="seccomp probe", net_range=str(block), labels=TEST_LABELS)
+    return DockerSession(settings, workdir=None, task="seccomp probe", net_range=str(block), labels=TEST_LABELS,
+                         egressd_image=dockerbed.EGRESSD_IMAGE)
 
 
 async def test_the_docker_sandbox_refuses_foreign_socket_families_io_uring_and_other_abis(

@@ -109,7 +109,8 @@ async def egressd_run(tmp_path: Path, backend: str, *args: str, env: dict[str, s
     base = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
     base["XDG_STATE_HOME"] = str(tmp_path / "state")
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "run", "--backend", backend, "--audit-log", str(tmp_path / "audit.jsonl"), *args,
+        EGRESSD, "run", "--backend", backend, "--egressd-image", dockerbed.EGRESSD_IMAGE,
+        "--audit-log", str(tmp_path / "audit.jsonl"), *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         env=base | (env or {}),
     )
@@ -154,8 +155,8 @@ async def test_on_the_host_the_command_is_the_owner_with_no_capability(
     base = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
     base["XDG_STATE_HOME"] = str(tmp_path / "state")
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "run", "--backend", backend, "--audit-log", str(tmp_path / "audit.jsonl"),
-        "--workdir", str(owned_workdir), "--", "sleep", marker,
+        EGRESSD, "run", "--backend", backend, "--egressd-image", dockerbed.EGRESSD_IMAGE,
+        "--audit-log", str(tmp_path / "audit.jsonl"), "--workdir", str(owned_workdir), "--", "sleep", marker,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         env=base,
     )
@@ -297,8 +298,8 @@ async def test_the_stage_of_a_killed_docker_run_is_removed_at_the_next_start(tmp
     base = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
     base["XDG_STATE_HOME"] = str(tmp_path / "state")
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "run", "--backend", "docker", "--audit-log", str(tmp_path / "audit.jsonl"),
-        "--workdir", str(owned_workdir), "--", "sleep", "60",
+        EGRESSD, "run", "--backend", "docker", "--egressd-image", dockerbed.EGRESSD_IMAGE,
+        "--audit-log", str(tmp_path / "audit.jsonl"), "--workdir", str(owned_workdir), "--", "sleep", "60",
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
         env=base,
     )
