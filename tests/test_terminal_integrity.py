@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from approvals.broker import ApprovalBroker
 from approvals.interface import Answer
-from approvals.message import TerminalText, escape
+from approvals.message import TerminalText, escape, is_invisible
 from approvals.terminal import MAX_HELD_OUTPUT, TerminalChannel, TerminalOutput, prompt_line
 from audit.log import MemoryAuditSink
 from tests.dockerbed import ORIGIN_NAME, ORIGIN_PORT
@@ -56,8 +56,9 @@ def relayed(*chunks: bytes) -> str:
 
 
 def invisible(ch: str) -> bool:
-    """Renders nothing a person can see, or controls the terminal (message.py's categories)."""
-    return unicodedata.category(ch) in {"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"}
+    """Renders nothing a person can see, or controls the terminal (message.py's rule, which covers these categories)."""
+    assert is_invisible(ch) or unicodedata.category(ch) not in {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"}
+    return is_invisible(ch)
 
 
 # Bytes weighted towards what attacks a terminal: ESC, C0, C1 (raw and UTF-8), DEL, bidi overrides, CR.
