@@ -129,7 +129,9 @@ def test_the_prompt_line_is_fitted_to_the_width_without_ever_cutting_into_the_do
 
     whole = "allow or deny evil.example:443? [9:58 left, 1 more waiting; Enter = deny] > allo"
     assert line(0) == line(len(whole) + 1) == whole  # width not known, or room enough
-    assert line(len(whole)) == "allow or deny? [9:58 left; Enter = deny] > allo"  # the domain is shown above
+    # First the count waiting goes, then the domain, which is shown above.
+    assert line(len(whole)) == "allow or deny evil.example:443? [9:58 left; Enter = deny] > allo"
+    assert line(60) == "allow or deny? [9:58 left; Enter = deny] > allo"
     assert line(20) == "left; Enter = deny] > allo"[-19:]
     assert line(200, domain="еvil.example:443").startswith("allow or deny? [")  # only ASCII is measured
     assert all(len(line(n)) < n for n in range(2, 120))
