@@ -4,23 +4,34 @@ Pure: no I/O, no clock; the bundled Public Suffix List is read once, lazily
 (``config.suffixes``, the copy the policy uses too).
 
 Everything the agent controls (the domain's display form, the command, the
-task, the allowed entries) is made inert here: control and format characters
-become visible escapes (``\\x1b``, ``\\u202e``), so no text can repaint a
-terminal, hide a character or reverse a line; and each field is bounded so
-the message stays readable. Channels add their own escaping on top (Slack's
-``&<>``). ``TerminalText`` does the same, read by read, for a command's
-output relayed to the terminal an approval prompt is drawn on.
+task, the allowed entries) is made inert here: every character that does not
+render as a visible mark of its own becomes a visible escape (``\\x1b``,
+``\\u202e``, ``\\u3164``; the rule is ``is_invisible``), so no text can
+repaint a terminal, hide a character, reverse a line or pad a line with
+blanks; and each field is bounded so the message stays readable: a field
+shows at most ``MAX_FIELD_CHARS`` characters *as shown* (escapes counted),
+so a channel can show the command whole (Slack's budget for its line, 2900,
+is above five times that, for ``&amp;``). Channels add their own escaping
+on top (Slack's ``&<>``). ``TerminalText`` does the same, read by
+read, for a command's output relayed to the terminal an approval prompt is
+drawn on. A channel with less room (a small terminal) renders the message
+again with a smaller ``Room``: the same template, the same rule, on what it
+shows.
 
-The "unrelated" line: the domain is unrelated when
+The "unrelated" line is judged on the text shown (``Shown.read``): a name
+past the cut, or one the cut goes through, is a name nobody reads, so it
+relates nothing. The domain is unrelated when
 
-1. neither the task nor the command names it, or a name on the same
+1. neither the task nor the command, as shown, names it, or a name on the same
    registered domain (``api.github.com`` is named by "github.com" or by
    "docs.github.com"; never by "evilgithub.com"); and
 2. it is not an allowed host, under an allowed host, or on the registered
    domain of one (the allowlist's ``*.example.com`` relates
    ``example.com`` and ``a.b.example.com``). "Under" follows the policy:
    a public suffix between the two breaks it, so ``*.amazonaws.com`` does
-   not relate ``bucket.s3.amazonaws.com``, anyone's bucket.
+   not relate ``bucket.s3.amazonaws.com``, anyone's bucket. The allowlist
+   is the operator's, not the agent's, so all of it counts, also entries
+   past the ones the message lists.
 
 Registered domains come from the Public Suffix List with its private
 section, so ``alice.github.io`` and ``bob.github.io`` are unrelated.
@@ -33,7 +44,7 @@ import functools
 import ipaddress
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import idna
@@ -44,13 +55,18 @@ from .interface import Settlement
 
 __all__ = [
     "ApprovalMessage",
+    "Room",
+    "Shown",
     "TerminalText",
     "bounded",
     "escape",
+    "is_invisible",
     "is_unrelated",
     "registered_domain",
     "render",
     "settled_text",
+    "shorten",
+    "shown",
     "stopped_asking_text",
 ]
 
@@ -68,10 +84,33 @@ CLOSING = (
     "deny it: it may come from instructions planted in a file the agent read.",
 )
 
-# Categories shown as escapes: controls (C0, C1, DEL), format characters
-# (bidi overrides, zero-width joiners), line/paragraph separators, surrogates
-# and unassigned code points.
-_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"})
+# What ``escape`` shows as an escape: every character that does not render as a
+# visible mark of its own, or that acts on the terminal or on the text around it
+# (DESIGN.md: "every character that does not render visibly is escaped"):
+#
+# 1. by category: controls (Cc: C0, C1, DEL), format characters (Cf: bidi
+#    overrides, zero-width joiners, tags), private use (Co: a glyph only some
+#    font has, or none), surrogates (Cs), unassigned code points (Cn: what a
+#    newer Unicode may make invisible), line and paragraph separators (Zl, Zp),
+#    and every space separator but the space itself (Zs: a no-break or an
+#    ideographic space looks like a space and is not one);
+# 2. Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt, checked
+#    against Unicode 15.0): what a renderer shows as nothing whatever its
+#    category, among them the Hangul fillers (Lo), the variation selectors and
+#    the combining grapheme joiner (Mn);
+# 3. characters whose glyph is blank: U+2800 BRAILLE PATTERN BLANK, U+1D159
+#    MUSICAL SYMBOL NULL NOTEHEAD.
+_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp", "Zs"})
+_DEFAULT_IGNORABLE = (
+    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
+    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
+    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3),
+    (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
+)
+_BLANK_GLYPHS = (0x2800, 0x1D159)
+_INVISIBLE_CODES = frozenset(
+    [code for first, last in _DEFAULT_IGNORABLE for code in range(first, last + 1)] + list(_BLANK_GLYPHS)
+)
 
 # A run of dot-separated labels: how a name appears inside a command or a
 # task ("curl https://api.github.com/x", "see docs.python.org"). \w covers
@@ -80,6 +119,9 @@ _ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"})
 # without it a long run with no dot is retried from each of its characters
 # (quadratic: a 10,000-character command held the event loop for seconds).
 _NAME_IN_TEXT = re.compile(r"(?<![\w-])[\w-]+(?:\.[\w-]+)+")
+# A character a name can go on with, and a name (or the start of one) at the end of a text.
+_NAME_CHAR = re.compile(r"[\w.-]")
+_NAME_AT_END = re.compile(r"[\w.-]+\Z")
 
 
 # Output relayed to a terminal can be large, so ``escape`` finds which escaped
@@ -91,10 +133,15 @@ _MAX_REPLACE_PASSES = 16
 _PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
 
 
+def is_invisible(ch: str) -> bool:
+    """Whether ``escape`` shows the character ``ch`` as an escape (the three rules above)."""
+    return ch != " " and (ord(ch) in _INVISIBLE_CODES or unicodedata.category(ch) in _ESCAPED_CATEGORIES)
+
+
 @functools.cache
 def _escaped_bmp() -> tuple[int, ...]:
-    """The code points below U+10000 in an escaped category (about 17 ms, once)."""
-    return tuple(c for c in range(0x10000) if unicodedata.category(chr(c)) in _ESCAPED_CATEGORIES)
+    """The code points below U+10000 ``escape`` escapes (about 20 ms, once)."""
+    return tuple(c for c in range(0x10000) if is_invisible(chr(c)))
 
 
 @functools.cache
@@ -113,7 +160,7 @@ def _candidates(keep_layout: bool) -> re.Pattern[str]:
 
 
 def _escape_char(ch: str) -> str:
-    if unicodedata.category(ch) not in _ESCAPED_CATEGORIES:
+    if not is_invisible(ch):
         return ch
     code = ord(ch)
     if code <= 0xFF:
@@ -124,10 +171,13 @@ def _escape_char(ch: str) -> str:
 
 
 def escape(text: str, *, keep_layout: bool = False) -> str:
-    """Return ``text`` with every control or invisible character as a visible escape.
+    """Return ``text`` with every character ``is_invisible`` calls so as a visible escape.
 
-    ``keep_layout`` keeps newline and tab, for text shown line by line (a
-    command's output relayed to a terminal: ``TerminalText``).
+    ``\\xNN`` up to U+00FF, ``\\uNNNN`` up to U+FFFF, ``\\UNNNNNNNN`` above;
+    each character on its own, so the escape of a text is the escapes of its
+    characters one after another. ``keep_layout`` keeps newline and tab, for
+    text shown line by line (a command's output relayed to a terminal:
+    ``TerminalText``). About 3 ms a megabyte of ASCII, 20 of other text.
     """
     if text.isascii():
         found = {chr(b) for b in text.encode("ascii").translate(None, _PRINTABLE_ASCII)}
@@ -184,11 +234,92 @@ class TerminalText:
         return escape(text, keep_layout=True)
 
 
-def bounded(text: str, limit: int = MAX_FIELD_CHARS) -> str:
-    """Escape ``text`` and cut it to ``limit`` characters of the original, saying how much is left out."""
+@dataclass(frozen=True, slots=True)
+class Shown:
+    """A text as a person is shown it, and the part of it the "unrelated" rule reads.
+
+    ``text`` is escaped, cut, and says how much is left out; ``read`` is the
+    escaped part before that note, less a name the cut goes through.
+    """
+
+    text: str
+    read: str
+
+
+def shown(text: str, limit: int = MAX_FIELD_CHARS, measure: Callable[[str], int] = len) -> Shown:
+    """``text`` escaped and cut so that what is shown of it measures at most ``limit``.
+
+    1. the longest prefix of ``text`` whose escape measures at most ``limit``
+       (``len``, or the columns a terminal gives it) is shown: the cut falls
+       between two characters of the original, never inside an escape;
+    2. when something is left out, "… (N more characters)" follows, N counted
+       in the original;
+    3. what the rule reads is the shown prefix; when the text goes on past the
+       cut with a character a name can go on with, the name at the end of the
+       prefix is left out of it too: half a name ("telemetry-collector.n") is
+       no mention.
+    """
+    prefix, kept = _cut(text, limit, measure)
+    if kept == len(text):
+        return Shown(prefix, prefix)
+    read = prefix
+    following = text[kept]
+    if _NAME_CHAR.match(following) and not is_invisible(following):
+        read = _NAME_AT_END.sub("", prefix)
+    return Shown(f"{prefix}… ({len(text) - kept} more characters)", read)
+
+
+def _cut(text: str, limit: int, measure: Callable[[str], int]) -> tuple[str, int]:
+    """The escape of the longest prefix of ``text`` that fits ``limit``, and how long that prefix is."""
     if len(text) <= limit:
-        return escape(text)
-    return f"{escape(text[:limit])}… ({len(text) - limit} more characters)"
+        whole = escape(text)
+        if measure(whole) <= limit:
+            return whole, len(text)
+    # Every character shows as one column or more, so no more than ``limit`` of them fit;
+    # a longer prefix never shows shorter, so bisect on its length.
+    low, high = 0, min(len(text), limit)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if measure(escape(text[:middle])) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    return escape(text[:low]), low
+
+
+def bounded(text: str, limit: int = MAX_FIELD_CHARS) -> str:
+    """Escape ``text`` and cut it so that at most ``limit`` characters are shown, saying how much is left out."""
+    return shown(text, limit).text
+
+
+def shorten(name: str, limit: int, *, keep: str = "", measure: Callable[[str], int] = len) -> str | None:
+    """``name`` in at most ``limit``: its middle replaced by "…", ``keep`` (the end it has to show whole) kept.
+
+    ``keep`` is the name's registered domain (with its port): who owns a name
+    is the part a person has to read, so it is never cut, while the start of
+    the name stays too. None when even "…" and ``keep`` do not fit.
+    """
+    if measure(name) <= limit:
+        return name
+    if not name.endswith(keep):
+        keep = ""
+    rest = name[: len(name) - len(keep)]
+    room = limit - measure("…") - measure(keep)
+    if room < 0:
+        return None
+    head_room = (room + 1) // 2
+    head = ""
+    for ch in rest:
+        if measure(head + ch) > head_room:
+            break
+        head += ch
+    tail_room = room - measure(head)
+    tail = ""
+    for ch in reversed(rest[len(head):]):
+        if measure(ch + tail) > tail_room:
+            break
+        tail = ch + tail
+    return f"{head}…{tail}{keep}"
 
 
 def _normal_name(text: str) -> str | None:
@@ -250,7 +381,11 @@ def _names_in(text: str | None) -> set[str]:
 
 
 def is_unrelated(host: str, *, command: str | None, task: str | None, allowed: Sequence[str]) -> bool:
-    """Steps 1-2 of the module docstring, for a normalised ``host``."""
+    """Steps 1-2 of the module docstring, for a normalised ``host``.
+
+    ``command`` and ``task`` are the text a person reads of them
+    (``Shown.read``): ``render`` never passes more.
+    """
     site = _site(host)
     for name in _names_in(command) | _names_in(task):
         if name == host or _site(name) == site:
@@ -300,26 +435,58 @@ class ApprovalMessage:
         return "\n".join(text for _, text in self.lines)
 
 
-def render(*, host: str, port: int, command: str | None, task: str | None, allowed: Sequence[str]) -> ApprovalMessage:
-    """Render the message for a held request to ``host:port`` (host normalised, ASCII)."""
+@dataclass(frozen=True, slots=True)
+class Room:
+    """How much of each field a channel shows; ``render``'s default is what every channel shows.
+
+    Limits are in ``measure`` units (characters; a terminal passes columns):
+    ``command`` and ``task`` for their text, ``allowed`` for the allowlist's
+    entries together (None: up to ``MAX_ALLOWED_SHOWN`` of them), ``name``
+    for the domain's names on the Domain line (None: whole; else shortened in
+    the middle, the registered domain whole: ``shorten``).
+    """
+
+    command: int = MAX_FIELD_CHARS
+    task: int = MAX_FIELD_CHARS
+    allowed: int | None = None
+    name: int | None = None
+    measure: Callable[[str], int] = len
+
+
+EVERY_CHANNEL = Room()
+
+
+def render(
+    *,
+    host: str,
+    port: int,
+    command: str | None,
+    task: str | None,
+    allowed: Sequence[str],
+    room: Room = EVERY_CHANNEL,
+) -> ApprovalMessage:
+    """Render the message for a held request to ``host:port`` (host normalised, ASCII).
+
+    "Unrelated" is judged on the command and the task as this rendering
+    shows them (``Shown.read``), so a smaller ``room`` can only add the warning.
+    """
     shown_host = escape(host)
     domain = f"{shown_host}:{port}"
     unicode_host = _unicode_form(host)
     site = registered_domain(host)
-    notes = []
-    if unicode_host is not None:
-        notes.append(f"shown as {escape(unicode_host)}")
-    if site is not None and (site != host or unicode_host is not None):
-        notes.append(f"registered domain {escape(site)}")
-    domain_line = f"Domain: {domain}" + (f" ({'; '.join(notes)})" if notes else "")
+    domain_line = _domain_line(host, port, unicode_host, site, room)
 
-    command_text = bounded(command) if command else "(not known)"
-    task_text = bounded(task) if task else "(none given)"
-    shown_allowed = tuple(bounded(entry, 253) for entry in allowed[:MAX_ALLOWED_SHOWN])
-    allowed_text = ", ".join(shown_allowed) if shown_allowed else "(none)"
-    if len(allowed) > MAX_ALLOWED_SHOWN:
-        allowed_text += f", and {len(allowed) - MAX_ALLOWED_SHOWN} more"
-    unrelated = is_unrelated(host, command=command, task=task, allowed=allowed)
+    command_shown = shown(command, room.command, room.measure) if command else None
+    task_shown = shown(task, room.task, room.measure) if task else None
+    command_text = command_shown.text if command_shown else "(not known)"
+    task_text = task_shown.text if task_shown else "(none given)"
+    shown_allowed, allowed_text = _allowed_text(allowed, room)
+    unrelated = is_unrelated(
+        host,
+        command=command_shown.read if command_shown else None,
+        task=task_shown.read if task_shown else None,
+        allowed=allowed,
+    )
 
     lines: list[tuple[str, str]] = [
         ("intro", INTRO),
@@ -353,6 +520,44 @@ def render(*, host: str, port: int, command: str | None, task: str | None, allow
         unrelated=unrelated,
         lines=tuple(lines),
     )
+
+
+def _domain_line(host: str, port: int, unicode_host: str | None, site: str | None, room: Room) -> str:
+    """``Domain: host:port (shown as …; registered domain …)``, names shortened to ``room.name``."""
+    shown_host = escape(host)
+    shown_unicode = escape(unicode_host) if unicode_host is not None else None
+    if room.name is not None:
+        shown_host = _short(shown_host, site, room)
+        if shown_unicode is not None:
+            shown_unicode = _short(shown_unicode, (_unicode_form(site) or site) if site else None, room)
+    notes = []
+    if shown_unicode is not None:
+        notes.append(f"shown as {shown_unicode}")
+    if site is not None and (site != host or unicode_host is not None):
+        notes.append(f"registered domain {escape(site)}")
+    return f"Domain: {shown_host}:{port}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _short(name: str, site: str | None, room: Room) -> str:
+    """``name`` shortened to ``room.name``, its registered domain (as it is spelled in ``name``) whole."""
+    assert room.name is not None
+    keep = escape(site) if site is not None and (name == site or name.endswith("." + site)) else name
+    return shorten(name, room.name, keep=keep, measure=room.measure) or (f"…{keep}" if keep != name else name)
+
+
+def _allowed_text(allowed: Sequence[str], room: Room) -> tuple[tuple[str, ...], str]:
+    """The allowlist's entries shown (each bounded), and the line's text: as many as fit, then how many more."""
+    entries = tuple(bounded(entry, 253) for entry in allowed[:MAX_ALLOWED_SHOWN])
+    if not entries:
+        return (), "(none)"
+    for count in range(len(entries), -1, -1):
+        more = len(allowed) - count
+        text = ", ".join(entries[:count])
+        if more:
+            text += f", and {more} more" if count else f"{more} entries"
+        if room.allowed is None or count == 0 or room.measure(text) <= room.allowed:
+            return entries[:count], text
+    raise AssertionError("unreachable: no entries always fits")
 
 
 def _is_ip(host: str) -> bool:

@@ -10,17 +10,27 @@ countdown can be redrawn every second without garbling what is typed:
 
 1. showing a prompt first discards input typed before it appeared
    (``tcflush``): a keystroke meant for something else never answers;
-2. the domain line and the unrelated warning are emphasised; all text from
+2. the message is drawn once, rendered again for the terminal's size
+   (``fit``): the header, the message and the input line fit the screen,
+   so nothing of it scrolls away; on a small screen the allowlist and the
+   task get one row each, the domain's names are shortened in the middle
+   (the registered domain whole) and the command is cut, and the
+   "unrelated" warning is judged on what is shown;
+3. the domain line and the unrelated warning are emphasised; all text from
    the message is already escaped (``message.escape``), so nothing the
    agent controls can move the cursor or repaint the prompt; every drawing
    starts by putting the terminal's attributes, character set and scroll
-   region back to normal (``SANE``), whatever was written to it before, and
-   the redrawn input line fits the terminal's width, so it stays one line;
-3. ``allow`` allows; ``deny``, ``d``, ``n``, ``no`` and a bare Enter deny;
+   region back to normal (``SANE``), whatever was written to it before;
+4. the input line fits the terminal's width (``prompt_line``), so it stays
+   one line; the countdown is redrawn every second, alone, in place; an
+   answer that is neither allow nor deny says so on the input line, and a
+   notice (a run stopped asking) waits until the prompt is answered, so
+   nothing adds a row under a shown prompt;
+5. ``allow`` allows; ``deny``, ``d``, ``n``, ``no`` and a bare Enter deny;
    anything else asks again;
-4. an approval settled elsewhere (or expired) is withdrawn with a line
+6. an approval settled elsewhere (or expired) is withdrawn with a line
    saying how it ended, and the next one is shown;
-5. when the queue is empty the terminal's modes are restored.
+7. when the queue is empty the terminal's modes are restored.
 
 A command's output relayed to the same terminal goes through a
 ``TerminalOutput``: escaped (``message.TerminalText``), and held back from
@@ -44,6 +54,7 @@ import termios
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from .interface import (
     Answerer,
@@ -56,7 +67,7 @@ from .interface import (
     Route,
     Settlement,
 )
-from .message import TerminalText, bounded, settled_text
+from .message import UNRELATED, ApprovalMessage, Room, TerminalText, bounded, render, settled_text, shorten
 
 log = logging.getLogger("egressd.approvals.terminal")
 
@@ -70,6 +81,9 @@ RESET = "\x1b[0m"
 # drawing), insert mode off and line wrap on (off, a long line loses its end).
 SANE = "\x1b7\x1b[r\x1b8\x1b[0m\x0f\x1b(B\x1b[4l\x1b[?7h"
 CLEAR_LINE = SANE + "\r\x1b[K"
+# A terminal that does not say how wide it is (no window size) is taken to be this wide,
+# the width terminals have had since the VT100, so the input line still never wraps.
+DEFAULT_COLUMNS = 80
 # The longest answer anyone types; input past it is ignored.
 MAX_INPUT = 16
 # Output waiting for a stopped terminal (Ctrl-S); past this the terminal is
@@ -92,25 +106,195 @@ def countdown(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
-def prompt_line(*, domain: str, left: str, more: str, typed: str, columns: int) -> str:
+# -- pure: what fits the screen ---------------------------------------------------------------
+
+
+def columns_of(text: str) -> int:
+    """The columns ``text`` may take on a terminal, at most: one an ASCII character, two any other.
+
+    No character takes more than two; a terminal's own width tables (wide
+    East Asian characters, ambiguous ones like "…") decide below that.
+    """
+    if text.isascii():
+        return len(text)
+    return len(text) + sum(1 for ch in text if not ch.isascii())
+
+
+def rows_of(text: str, columns: int) -> int:
+    """The rows a line of ``text`` may take on a terminal ``columns`` wide, at most.
+
+    A wide character that does not fit at the end of a row moves to the next,
+    leaving a column unused, so a row holds ``columns - 1`` of ``columns_of``
+    at the least.
+    """
+    if text.isascii():
+        return max(1, -(-len(text) // columns))
+    return max(1, -(-columns_of(text) // max(columns - 1, 1)))
+
+
+def header(approval: PendingApproval) -> str:
+    """The line above the message: which approval, for which run."""
+    return f"egressd: approval {bounded(approval.id, 64)} for run {bounded(approval.request.run_id, 64)}"
+
+
+def keep_of(message: ApprovalMessage) -> str:
+    """The end of ``message.domain`` never shortened: its registered domain and port (all of it for an IP)."""
+    site = message.registered_domain
+    if site is not None:
+        keep = f"{site}:{message.port}"
+        if message.domain == keep or message.domain.endswith("." + keep):
+            return keep
+    return message.domain
+
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """Rows given to the lines ``fit`` may shorten."""
+
+    domain: int
+    command: int
+    task: int
+    allowed: int
+
+
+def fit(approval: PendingApproval, *, columns: int, rows: int) -> ApprovalMessage:
+    """The approval's message as a terminal of ``columns`` × ``rows`` shows it (0: size not known).
+
+    Drawn below a line break and the ``header``, with the input line under
+    it, the whole fits the screen, so no part of it scrolls away while the
+    prompt is up. In order:
+
+    1. the message as every channel shows it, when it fits;
+    2. else rendered again (``message.render``, the same template and rule)
+       with a ``Room`` that fits: the intro, the warning, the closing lines
+       and the scope line whole; each of the domain, command, task and
+       allowlist lines one row at the least (the domain's names shortened in
+       the middle, its registered domain whole); the rows left go to the
+       domain line, then the command, then the task, then the allowlist,
+       each up to its whole length. The "unrelated" warning is judged on the
+       command and task as cut here, and its rows are kept whether or not it
+       is shown;
+    3. on a screen too small even for that, the smallest rendering (its top
+       scrolls away).
+    """
+    message = approval.message
+    if columns <= 0 or rows <= 0:
+        return message
+    budget = rows - 2 - rows_of(header(approval), columns)  # the line break, the header, the input line
+    if _rows(message, columns, warning=False) <= budget:
+        return message
+    lines = dict(message.lines)
+    fixed = sum(rows_of(text, columns) for kind, text in message.lines if kind in ("intro", "closing", "scope"))
+    fixed += rows_of(UNRELATED, columns)
+    whole = _Rows(*(rows_of(lines[kind], columns) for kind in ("domain", "command", "task", "allowed")))
+    smallest_domain = dict(_render(approval, columns, _Rows(1, 1, 1, 1), name=0).lines)["domain"]
+    smallest = _Rows(rows_of(smallest_domain, columns), 1, 1, 1)
+    left = budget - fixed - sum((smallest.domain, smallest.command, smallest.task, smallest.allowed))
+    given = []
+    for kind in ("domain", "command", "task", "allowed"):
+        extra = min(max(left, 0), max(getattr(whole, kind) - getattr(smallest, kind), 0))
+        given.append(getattr(smallest, kind) + extra)
+        left -= extra
+    share = _Rows(*given)
+    name = _name_room(approval, columns, share)
+    fitted = _render(approval, columns, share, name=name)
+    while _rows(fitted, columns, warning=True) > budget and share.command > 1:
+        # The bounds above are estimates; a command that still does not fit gives a row back.
+        share = _Rows(share.domain, share.command - 1, share.task, share.allowed)
+        fitted = _render(approval, columns, share, name=name)
+    return fitted
+
+
+def _rows(message: ApprovalMessage, columns: int, *, warning: bool) -> int:
+    """Rows the message takes; with ``warning``, counting the warning's rows also when it is not shown."""
+    used = sum(rows_of(text, columns) for _, text in message.lines)
+    if warning and not message.unrelated:
+        used += rows_of(UNRELATED, columns)
+    return used
+
+
+def _render(approval: PendingApproval, columns: int, share: _Rows, *, name: int | None) -> ApprovalMessage:
+    """The message again, each shortened line given room for its ``share`` of rows."""
+    request = approval.request
+    width = max(columns - 1, 1)
+
+    def room(prefix: str, count: int, text: str | None) -> int:
+        note = columns_of(f"… ({len(text or '')} more characters)")
+        return max(count * width - columns_of(prefix) - note, 1)
+
+    return render(
+        host=request.host,
+        port=request.port,
+        command=request.command,
+        task=request.task,
+        allowed=request.allowed,
+        room=Room(
+            command=room("Command: ", share.command, request.command),
+            task=room("Task: ", share.task, request.task),
+            allowed=max(share.allowed * width - columns_of("Allowed domains: "), 1),
+            name=name,
+            measure=columns_of,
+        ),
+    )
+
+
+def _name_room(approval: PendingApproval, columns: int, share: _Rows) -> int | None:
+    """The most columns a name on the Domain line may take so that the line fits its rows (None: whole)."""
+    message = approval.message
+    if rows_of(dict(message.lines)["domain"], columns) <= share.domain:
+        return None
+    low, high = 0, columns_of(message.domain) + columns_of(message.unicode_host or "")
+    while low < high:
+        middle = (low + high + 1) // 2
+        line = dict(_render(approval, columns, _Rows(share.domain, 1, 1, 1), name=middle).lines)["domain"]
+        if rows_of(line, columns) <= share.domain:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def prompt_line(
+    *, domain: str, left: str, more: str, typed: str, columns: int, keep: str | None = None, hint: bool = False
+) -> str:
     """The input line, fitted to ``columns`` (0: not known) so that a redraw never wraps.
 
     A line wider than the terminal would wrap, and each redraw (which clears
-    only the line the cursor is on) would leave a copy behind. In order:
+    only the line the cursor is on) would leave a copy behind. ``keep`` is
+    the end of ``domain`` never cut (its registered domain and port; None:
+    all of it); ``hint`` says that the last answer was neither allow nor deny.
+    In order:
 
     1. the whole line, when it fits in all but the last column (a full line
        leaves the cursor waiting to wrap);
-    2. else without the domain, which the Domain line above shows whole;
-    3. else the end of that, where the answer being typed is.
+    2. else the domain's middle shortened (``message.shorten``), ``keep``
+       whole; then the same without the count of approvals waiting;
+    3. else without the domain, which the Domain line above shows whole;
+    4. else the end of that, where the answer being typed is.
+
+    A domain that is not ASCII is never shown here: its width is a guess.
     """
-    line = f"allow or deny {domain}? [{left} left{more}; Enter = deny] > {typed}"
+    ask = "type allow or deny" if hint else "allow or deny"
+
+    def line(name: str | None, waiting: str) -> str:
+        named = f" {name}" if name is not None else ""
+        return f"{ask}{named}? [{left} left{waiting}; Enter = deny] > {typed}"
+
+    if columns <= 0:
+        return line(domain, more)
     room = columns - 1
-    if columns <= 0 or (len(line) <= room and line.isascii()):
-        return line
-    line = f"allow or deny? [{left} left; Enter = deny] > {typed}"
-    if len(line) <= room:
-        return line
-    return line[len(line) - room:] if room > 0 else ""
+    if domain.isascii():
+        whole = line(domain, more)
+        if columns_of(whole) <= room:
+            return whole
+        for waiting in (more, ""):
+            short = shorten(domain, room - columns_of(line("", waiting)), keep=keep or domain, measure=columns_of)
+            if short is not None and columns_of(line(short, waiting)) <= room:
+                return line(short, waiting)
+    bare = line(None, "")
+    if columns_of(bare) <= room:
+        return bare
+    return bare[len(bare) - room:] if room > 0 else ""
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -193,6 +377,16 @@ class RelayedStream:
         self._output.write(self.fd, self._text.end().encode())
 
 
+@dataclass(frozen=True, slots=True)
+class _Drawn:
+    """The input line on screen: its text, the width it was fitted to, where its countdown starts (-1: not on it)."""
+
+    line: str
+    columns: int
+    at: int
+    left: str
+
+
 class TerminalChannel:
     """The module docstring, as a ``Channel``."""
 
@@ -220,7 +414,13 @@ class TerminalChannel:
         self._queue: deque[PendingApproval] = deque()
         self._current: PendingApproval | None = None
         self._typed = ""
+        self._hint = False
         self._escape_state = ""
+        # The input line as last drawn, so a tick redraws only its countdown.
+        self._drawn: _Drawn | None = None
+        self._left_width = 0
+        # Notices that came while a prompt was shown: written after it.
+        self._notices: list[str] = []
         self._out = bytearray()
         self._writing = False
         self._reading = False
@@ -253,6 +453,7 @@ class TerminalChannel:
         self._stop_reading()
         if self._current is not None or self._queue:
             self._write(f"{CLEAR_LINE}egressd stopped: {len(self._queue) + 1} request(s) denied\r\n")
+        self._write_notices()
         self._current = None
         self._queue.clear()
         self._restore_modes()
@@ -288,17 +489,24 @@ class TerminalChannel:
             self._draw_prompt()
 
     async def notify(self, notice: Notice) -> None:
-        """One line above the prompt (if one is shown, it is drawn again below the line)."""
+        """One line; while a prompt is shown, after it (a row added under a prompt pushes its top away)."""
         if self._fd is None or self._broken:
             raise ChannelError("the terminal is gone")
-        self._write(f"{CLEAR_LINE}{WARN}{notice.text}{RESET}\r\n")
-        self._draw_prompt()
+        self._notices.append(notice.text)
+        if self._current is None:
+            self._write_notices()
+
+    def _write_notices(self) -> None:
+        notices, self._notices = self._notices, []
+        for text in notices:
+            self._write(f"{CLEAR_LINE}{WARN}{text}{RESET}\r\n")
 
     # -- screen -------------------------------------------------------------------
 
     def _show_next(self) -> None:
         if self._fd is None or self._broken:
             return
+        self._write_notices()
         if not self._queue:
             self._current = None
             self._stop_reading()
@@ -309,12 +517,15 @@ class TerminalChannel:
         self._current = self._queue.popleft()
         self._sync_output()
         self._typed = ""
+        self._hint = False
         self._escape_state = ""
+        self._drawn = None
+        self._left_width = len(countdown(self._current.expires_at - self._clock()))
         if self._foreground():
             self._take_input()
-        message = self._current.message
-        run = bounded(self._current.request.run_id, 64)
-        out = [f"{SANE}\r\n{BOLD}egressd: approval {self._current.id} for run {run}{RESET}\r\n"]
+        columns, rows = self._size()
+        message = fit(self._current, columns=columns, rows=rows)
+        out = [f"{SANE}\r\n{BOLD}{header(self._current)}{RESET}\r\n"]
         for kind, text in message.lines:
             if kind == "domain":
                 out.append(f"{BOLD}{text}{RESET}\r\n")
@@ -336,23 +547,53 @@ class TerminalChannel:
             pass
         self._start_reading()
 
+    def _left(self, current: PendingApproval) -> str:
+        """The countdown, as wide as when the prompt was first drawn (so it is redrawn in place)."""
+        return countdown(current.expires_at - self._clock()).rjust(self._left_width)
+
     def _draw_prompt(self) -> None:
+        """Draw the input line whole (shown first, typed into, or the count waiting changed)."""
         current = self._current
         if current is None:
             return
         more = f", {len(self._queue)} more waiting" if self._queue else ""
-        left = countdown(current.expires_at - self._clock())
-        line = prompt_line(domain=current.message.domain, left=left, more=more, typed=self._typed,
-                           columns=self._columns())
+        left = self._left(current)
+        columns = self._columns()
+        line = prompt_line(domain=current.message.domain, keep=keep_of(current.message), left=left, more=more,
+                           typed=self._typed, columns=columns, hint=self._hint)
         self._write(f"{CLEAR_LINE}{line}")
+        at = line.rfind(f"[{left} left")
+        self._drawn = _Drawn(line, columns, at + 1 if at >= 0 else -1, left)
+
+    def _redraw_countdown(self) -> None:
+        """Redraw the countdown alone, where it is; the whole input line when that cannot be done."""
+        current, drawn = self._current, self._drawn
+        if current is None:
+            return
+        left = self._left(current)
+        if drawn is None or drawn.at < 0 or drawn.columns != self._columns() or len(left) != len(drawn.left):
+            self._draw_prompt()
+            return
+        if left == drawn.left:
+            return
+        # The cursor is at the end of the input line; from the countdown on, the line is
+        # ASCII, so its length is the columns to go back (the domain before it may not be).
+        back = len(drawn.line) - drawn.at
+        self._write(f"{SANE}\x1b[{back}D{left}\x1b[{back - len(left)}C")
+        line = drawn.line[: drawn.at] + left + drawn.line[drawn.at + len(left):]
+        self._drawn = _Drawn(line, drawn.columns, drawn.at, left)
 
     def _finish(self, outcome: str) -> None:
         """Close the current prompt with one line saying how it ended; show the next."""
         current = self._current
         if current is None:
             return
-        self._write(f"{CLEAR_LINE}{current.message.domain}: {outcome}\r\n")
+        # One row, like the input line it replaces: the domain's middle shortened if need be.
+        room = self._columns() - 1 - columns_of(f": {outcome}")
+        domain = shorten(current.message.domain, room, keep=keep_of(current.message), measure=columns_of)
+        self._write(f"{CLEAR_LINE}{domain or current.message.domain}: {outcome}\r\n")
         self._current = None
+        self._drawn = None
         self._show_next()
 
     def _schedule_tick(self) -> None:
@@ -369,7 +610,7 @@ class TerminalChannel:
                 self._take_input()
             elif not foreground and self._reading:
                 self._stop_reading()
-        self._draw_prompt()
+        self._redraw_countdown()
         self._schedule_tick()
 
     def _stop_timer(self) -> None:
@@ -445,7 +686,7 @@ class TerminalChannel:
             decision = Decision.DENY
         else:
             self._typed = ""
-            self._write(f"{CLEAR_LINE}type allow or deny (a bare Enter denies)\r\n")
+            self._hint = True  # said on the input line: a line of its own would push the message up
             self._draw_prompt()
             return
         answered = self._answerer.answer(current.id, decision, channel=self.name, by=self._who)
@@ -472,14 +713,19 @@ class TerminalChannel:
         except termios.error as exc:
             log.warning("cannot set terminal modes: %s", exc)
 
-    def _columns(self) -> int:
-        """The terminal's width now (it may have been resized); 0 when it does not say."""
+    def _size(self) -> tuple[int, int]:
+        """The terminal's columns and rows now (it may have been resized); 0 when it does not say."""
         if self._fd is None:
-            return 0
+            return 0, 0
         try:
-            return os.get_terminal_size(self._fd).columns
+            size = os.get_terminal_size(self._fd)
         except OSError:
-            return 0
+            return 0, 0
+        return size.columns, size.lines
+
+    def _columns(self) -> int:
+        """The width the input line is fitted to: the terminal's, or the usual 80 when it does not say."""
+        return self._size()[0] or DEFAULT_COLUMNS
 
     def _sync_output(self) -> None:
         """Relayed output waits from the moment a prompt is shown until our drawing has reached the terminal."""

@@ -15,6 +15,7 @@ from approvals.message import (
     UNRELATED,
     bounded,
     escape,
+    is_invisible,
     is_unrelated,
     render,
     settled_text,
@@ -123,8 +124,9 @@ def test_long_fields_are_cut_and_say_how_much_is_left_out() -> None:
 @given(st.text())
 def test_escape_leaves_nothing_invisible_or_controlling(text: str) -> None:
     shown = escape(text)
-    assert all(unicodedata.category(ch) not in {"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"} for ch in shown)
-    if all(unicodedata.category(ch) not in {"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"} for ch in text):
+    assert all(unicodedata.category(ch) not in {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"} for ch in shown)
+    assert not any(is_invisible(ch) for ch in shown)
+    if not any(is_invisible(ch) for ch in text):
         assert shown == text  # printable text is left alone
 
 
@@ -141,9 +143,13 @@ def test_render_never_fails_on_whatever_the_agent_sends(
     assert len(message.text.splitlines()) == len(message.lines)
 
 
-def test_bounded_counts_characters_of_the_original() -> None:
+def test_bounded_counts_characters_shown_and_says_how_many_of_the_original_are_left_out() -> None:
     assert bounded("abc", 5) == "abc"
-    assert bounded("\x1b" * 10, 2) == "\\x1b\\x1b… (8 more characters)"
+    # What is shown is bounded (escapes counted), never cut inside an escape; what is left out
+    # is counted in the original.
+    assert bounded("\x1b" * 10, 8) == "\\x1b\\x1b… (8 more characters)"
+    assert bounded("\x1b" * 10, 11) == "\\x1b\\x1b… (8 more characters)"
+    assert bounded("ab\x1b", 3) == "ab… (1 more characters)"
 
 
 def test_settled_text_says_who_and_how() -> None:

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from approvals.broker import ApprovalBroker
 from approvals.interface import Answer
-from approvals.message import TerminalText, escape
+from approvals.message import TerminalText, escape, is_invisible
 from approvals.terminal import MAX_HELD_OUTPUT, TerminalChannel, TerminalOutput, prompt_line
 from audit.log import MemoryAuditSink
 from tests.dockerbed import ORIGIN_NAME, ORIGIN_PORT
@@ -56,8 +56,9 @@ def relayed(*chunks: bytes) -> str:
 
 
 def invisible(ch: str) -> bool:
-    """Renders nothing a person can see, or controls the terminal (message.py's categories)."""
-    return unicodedata.category(ch) in {"Cc", "Cf", "Cs", "Cn", "Zl", "Zp"}
+    """Renders nothing a person can see, or controls the terminal (message.py's rule, which covers these categories)."""
+    assert is_invisible(ch) or unicodedata.category(ch) not in {"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp"}
+    return is_invisible(ch)
 
 
 # Bytes weighted towards what attacks a terminal: ESC, C0, C1 (raw and UTF-8), DEL, bidi overrides, CR.
@@ -128,7 +129,9 @@ def test_the_prompt_line_is_fitted_to_the_width_without_ever_cutting_into_the_do
 
     whole = "allow or deny evil.example:443? [9:58 left, 1 more waiting; Enter = deny] > allo"
     assert line(0) == line(len(whole) + 1) == whole  # width not known, or room enough
-    assert line(len(whole)) == "allow or deny? [9:58 left; Enter = deny] > allo"  # the domain is shown above
+    # First the count waiting goes, then the domain, which is shown above.
+    assert line(len(whole)) == "allow or deny evil.example:443? [9:58 left; Enter = deny] > allo"
+    assert line(60) == "allow or deny? [9:58 left; Enter = deny] > allo"
     assert line(20) == "left; Enter = deny] > allo"[-19:]
     assert line(200, domain="еvil.example:443").startswith("allow or deny? [")  # only ASCII is measured
     assert all(len(line(n)) < n for n in range(2, 120))
