@@ -494,19 +494,7 @@ class SlackChannel:
     async def deliver(self, approval: PendingApproval) -> None:
         if self._web is None:
             raise ChannelError("the Slack channel is not started")
-        try:
-            response = await self._web.chat_postMessage(
-                channel=self.channel,
-                text=fallback_text(approval),
-                blocks=request_blocks(approval, instance=self.instance),
-                mrkdwn=False,
-                parse="none",
-                link_names=False,
-                unfurl_links=False,
-                unfurl_media=False,
-            )
-        except SlackApiError as exc:
-            raise ChannelError(f"chat.postMessage failed: {_slack_error(exc)}") from None
+        response = await self._post(fallback_text(approval), request_blocks(approval, instance=self.instance))
         self._posted[approval.id] = (str(response.get("channel") or self.channel), str(response["ts"]))
         while len(self._posted) > REMEMBERED_POSTS:
             self._posted.popitem(last=False)
@@ -532,11 +520,16 @@ class SlackChannel:
         """The notice as a message of its own in the approvals channel."""
         if self._web is None:
             raise ChannelError("the Slack channel is not started")
+        await self._post(neutralise(notice.text, FALLBACK_MAX), notice_blocks(notice))
+
+    async def _post(self, text: str, blocks: list[dict[str, Any]]) -> Any:
+        """Post to the approvals channel with nothing of Slack's own parsing on (no markup, links or unfurls)."""
+        assert self._web is not None
         try:
-            await self._web.chat_postMessage(
+            return await self._web.chat_postMessage(
                 channel=self.channel,
-                text=neutralise(notice.text, FALLBACK_MAX),
-                blocks=notice_blocks(notice),
+                text=text,
+                blocks=blocks,
                 mrkdwn=False,
                 parse="none",
                 link_names=False,
