@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import ipaddress
 import json
 import logging
 import os
@@ -29,8 +30,8 @@ import pytest
 from approvals.broker import ApprovalBroker
 from audit.log import JsonlAuditSink
 from cli.docker_session import ControlClient, DockerSession
-from config.settings import load_settings
 from cli.service import EgressService
+from config.settings import load_settings
 from tests.conftest import Listener
 from tests.fakedns import FakeDns
 from tests.harness import ORIGIN_RANGE, connect_via, wait_until
@@ -88,7 +89,7 @@ async def bed(dns: FakeDns, echo_origin: Listener, tmp_path: Path) -> AsyncItera
         held.append(asyncio.ensure_future(
             connect_via(svc, f"origin.test:{echo_origin.port}", f"Proxy-Authorization: Basic {creds}\r\n")
         ))
-        await wait_until(lambda n=len(runs): len(channel.delivered) == n)
+    await wait_until(lambda: len({a.request.run_id for a in channel.delivered}) == 2)
     yield Bed(svc, channel, audit_path, runs, held)
     await broker.close()  # settles what is still held
     await svc.close(grace_s=0)
@@ -123,12 +124,13 @@ async def test_a_run_token_cannot_touch_another_run(bed: Bed) -> None:
         ("GET", "/runs", None),
         ("GET", "/metrics", None),
         ("GET", "/runs/no-such-run", None),
-        ("POST", "/approvals/a-nope/allow", None),
     ]
     for method, path, body in attempts:
         status, answer = await call(svc, method, path, a, body)
         assert status == 403, (method, path, status, answer)
         assert isinstance(answer, dict) and "run" in answer["error"], (method, path, answer)
+    # An approval that is nobody's pending one is unknown, as to the global token.
+    assert (await call(svc, "POST", "/approvals/a-nope/allow", a))[0] == 404
     # B is as it was: its command, its run, its approval still waiting.
     run_b = svc.runs.get(b_id)
     assert run_b is not None and run_b.command == "cmd B" and not run_b.ended
@@ -228,9 +230,9 @@ async def test_the_docker_session_uses_the_run_token_after_registering(bed: Bed,
     session = DockerSession(settings, workdir=None, task="connect task")
     global_client = ControlClient(bed.svc.control_address, GLOBAL)
     try:
-        await session._register_with(global_client, __import__("ipaddress").ip_address("127.0.0.77"))
+        await session._register_with(global_client, ipaddress.ip_address("127.0.0.77"))
         assert session.control is not None and session.control is not global_client
-        assert global_client._http.closed  # the global token's client is gone once the run exists
+        assert global_client._http.closed and global_client._token == ""  # the global token is not kept
         run_id = session.run_id
         assert run_id is not None
         run = bed.svc.runs.get(run_id)
