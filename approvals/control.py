@@ -7,12 +7,22 @@
 Answers go through the ``Answerer`` (the broker) with channel ``control``:
 200 ``{"id", "decision", "by"}`` when it decided, 409 when the approval was
 already settled (the body says how), 404 for an unknown id.
+
+Who may see and answer what is the caller's ``Scope``, which the control
+API's token check puts on every request (``request[SCOPE]``; a request
+without one is a bug and fails, never answered): the global token's scope is
+every run; a run's own control token's is that run, so the list holds its
+approvals alone and an answer to another run's approval is refused with 403
+(nothing is answered). To a run's token an approval no longer pending is
+unknown (404), whoever's it was: its settlement is not shown, since it may
+be another run's.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -25,6 +35,23 @@ from .message import settled_text
 CHANNEL = "control"
 DEFAULT_BY = "cli"
 MAX_BODY_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """The runs a control API caller may act on: ``run_id`` alone, or every run (None: the global token)."""
+
+    run_id: str | None
+
+    def covers(self, run_id: str) -> bool:
+        return self.run_id is None or self.run_id == run_id
+
+
+SCOPE = web.RequestKey("scope", Scope)
+# The approval routes a run's own token may use (their handlers narrow them to its run).
+RUN_SCOPED_ROUTES = frozenset(
+    {("GET", "/approvals"), ("POST", "/approvals/{approval_id}/allow"), ("POST", "/approvals/{approval_id}/deny")}
+)
 
 
 def describe(approval: PendingApproval) -> dict[str, Any]:
@@ -40,7 +67,10 @@ def control_routes(answerer: Answerer) -> list[Route]:
     """The three routes of the module docstring, bound to ``answerer``."""
 
     async def list_pending(request: web.Request) -> web.Response:
-        return web.json_response({"approvals": [describe(a) for a in answerer.pending()]})
+        scope = request[SCOPE]
+        return web.json_response(
+            {"approvals": [describe(a) for a in answerer.pending() if scope.covers(a.request.run_id)]}
+        )
 
     async def decide(request: web.Request, decision: Decision) -> web.Response:
         approval_id = request.match_info["approval_id"]
@@ -59,6 +89,15 @@ def control_routes(answerer: Answerer) -> list[Route]:
             if not isinstance(given, str) or not given.strip():
                 return _error(400, "by must be a non-empty string")
             by = given.strip()
+        scope = request[SCOPE]
+        if scope.run_id is not None:
+            # Checked after the body is read, with no await until answer(): nothing is settled in between.
+            runs = {a.id: a.request.run_id for a in answerer.pending()}
+            if approval_id not in runs:
+                return _error(404, f"no pending approval {approval_id} of run {scope.run_id}")
+            if runs[approval_id] != scope.run_id:
+                return _error(403, f"approval {approval_id} is not of run {scope.run_id}: "
+                                   "this token acts on its own run only")
         answered = answerer.answer(approval_id, decision, channel=CHANNEL, by=by)
         if answered.result is AnswerResult.UNKNOWN:
             return _error(404, f"no pending approval {approval_id}")

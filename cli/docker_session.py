@@ -20,7 +20,9 @@ loopback with a fresh bearer token) —
 or, with ``--connect URL``, uses a running egressd: the run still gets an
 internal network of its own (sandboxes of different runs never share one),
 and that egressd's container is attached to it for the run's lifetime — (4)
-registers the run through the control API, (5) prepares the sandbox.
+registers the run through the control API, with the global control token,
+which is then dropped: every later call goes with the run's own control
+token, which acts on this run alone (``proxy.control``), (5) prepares the sandbox.
 Leaving it ends the run, appends egressd's audit records to the host's audit
 log, and removes every container and volume of the run and its networks
 (detaching a running egressd first), whatever happened. A failure to set up
@@ -210,6 +212,8 @@ class ControlClient:
         )
 
     async def close(self) -> None:
+        """Close the connections and forget the token (a closed client is never used again)."""
+        self._token = ""
         await self._http.close()
 
     async def call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
@@ -598,7 +602,13 @@ class DockerSession(SessionBase[_SessionBox]):
     async def _register_with(
         self, control: ControlClient, address: ipaddress.IPv4Address, *, egressd: ipaddress.IPv4Address | None = None
     ) -> None:
-        """Register the run for the sandbox at ``address`` (and, on a shared egressd, egressd's address there)."""
+        """Register the run for the sandbox at ``address`` (and, on a shared egressd, egressd's address there).
+
+        ``control`` carries the global token; every later call (command,
+        events, approvals answered from our terminal, ending the run) goes
+        with the run's own control token, and ``control`` is closed. An
+        egressd too old to return one keeps being called with the global token.
+        """
         s = self.settings
         body: dict[str, Any] = {
             "task": self.task, "allow": list(s.allow), "deny": list(s.deny), "preset": list(s.preset),
@@ -607,6 +617,14 @@ class DockerSession(SessionBase[_SessionBox]):
         if egressd is not None:
             body["address"] = str(egressd)
         created = await control.call("POST", "/runs", body)
+        run_token = created.get("control_token") if isinstance(created, dict) else None
+        if isinstance(run_token, str) and run_token:
+            # From here on the run's own token, which acts on this run alone (proxy.control): the
+            # global one is dropped with its client, no longer held by this session.
+            run_control = ControlClient(control.url, run_token)
+            self._stack.push_async_callback(run_control.close)
+            await control.close()
+            control = run_control
         self.control = control
         if self.relay is not None:
             self.relay.control = control

@@ -1,12 +1,33 @@
 """The control API (aiohttp): health, metrics and runs, behind a bearer token.
 
+Two kinds of bearer token, and what each can do:
+
+- The global control token (``--control-token``, or the token file egressd
+  writes) has full power over every run: whoever holds it can create runs,
+  list them, rewrite any run's command — the command every approver is shown
+  when that run asks — end any run, and see and answer any run's approvals,
+  so it can allow any egress. Give it to the operator only.
+- A run's own control token, returned by ``POST /runs`` as
+  ``control_token`` (256 random bits; never logged, never in the audit log,
+  never in ``GET /runs``), acts on that run alone: ``GET /runs/ID``,
+  ``PUT /runs/ID/command``, ``GET /runs/ID/events``, ``DELETE /runs/ID``
+  for its own ID, and ``GET /approvals`` / ``POST /approvals/ID/allow|deny``
+  narrowed to its run's approvals (``approvals.control``). Everything else —
+  another run, creating or listing runs, ``/metrics`` (which counts every
+  run's traffic), any route added later — is 403 with a JSON error. It dies
+  with the run: once the run is ended its token is refused (401).
+  ``egressd run --connect`` creates its run with the global token and uses
+  the run's token from then on; a ``--connect`` user can be handed a run
+  token instead, and ``egressd pending|allow|deny`` take it like any other.
+
 Routes (JSON unless said otherwise):
 
 - ``GET /health``                      no token needed; ``{"status", "audit", "runs"}``
 - ``GET /metrics``                     Prometheus text
 - ``GET /runs``                        every live run
 - ``POST /runs``                       ``{"task", "allow", "deny", "preset", "ask", "sources", "address"}``
-                                       → ``{"id", "token", "proxy_url"}``; ``address``: egressd's
+                                       → ``{"id", "token", "proxy_url", "control_token"}``
+                                       (global token only); ``address``: egressd's
                                        own address on a network of the run's own, which its
                                        proxy URL names and its DNS answers with (the proxy must
                                        listen on every address, or on that one)
@@ -17,7 +38,8 @@ Routes (JSON unless said otherwise):
 
 Other packages add routes of their own to the application before it starts
 (approvals will); the token check covers every route except those whose path
-is in ``app[PUBLIC_PATHS]``.
+is in ``app[PUBLIC_PATHS]``, and puts the caller's ``Scope`` on each request
+(``request[SCOPE]``) for handlers that narrow what a run's token sees.
 """
 
 from __future__ import annotations
@@ -31,6 +53,7 @@ from typing import Any
 
 from aiohttp import web
 
+from approvals.control import RUN_SCOPED_ROUTES, SCOPE, Scope
 from audit.log import AuditError
 from audit.records import run_record
 from config.presets import UnknownPreset, preset_entries
@@ -48,6 +71,16 @@ TOKEN = web.AppKey("token", str)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+# The routes a run's own token may use; those naming a run (``{run_id}``) only for its run.
+_RUN_ROUTES = frozenset(
+    {
+        ("GET", "/runs/{run_id}"),
+        ("PUT", "/runs/{run_id}/command"),
+        ("GET", "/runs/{run_id}/events"),
+        ("DELETE", "/runs/{run_id}"),
+    }
+) | RUN_SCOPED_ROUTES
+
 
 def json_error(status: int, message: str) -> web.HTTPException:
     """An HTTP error whose body is ``{"error": message}``."""
@@ -55,18 +88,51 @@ def json_error(status: int, message: str) -> web.HTTPException:
         400: web.HTTPBadRequest,
         401: web.HTTPUnauthorized,
         404: web.HTTPNotFound,
+        403: web.HTTPForbidden,
         409: web.HTTPConflict,
     }
     return classes[status](text=json.dumps({"error": message}), content_type="application/json")
+
+
+def _scope(request: web.Request) -> Scope:
+    """Who the bearer token says the caller is: the global token, a live run's own token, or 401."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given = given.strip()
+    if scheme.lower() != "bearer" or not given:
+        raise json_error(401, "missing or wrong bearer token")
+    if hmac.compare_digest(given.encode(), request.app[TOKEN].encode()):
+        return Scope(run_id=None)
+    run = request.app[RUNS].by_control_token(given)
+    if run is None:
+        raise json_error(401, "missing or wrong bearer token")
+    return Scope(run_id=run.id)
+
+
+def _check_run_route(request: web.Request, scope: Scope) -> None:
+    """A run's token: only ``_RUN_ROUTES``, and those naming a run only for its own (else 403).
+
+    An allowlist, so a route added later is closed to run tokens until it
+    is listed here or in ``approvals.control.RUN_SCOPED_ROUTES``.
+    """
+    resource = request.match_info.route.resource
+    pattern = resource.canonical if resource is not None else None
+    if (request.method, pattern) not in _RUN_ROUTES:
+        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only: "
+                              f"{request.method} {request.path} needs the global control token")
+    named = request.match_info.get("run_id")
+    if named is not None and named != scope.run_id:
+        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only, "
+                              f"not on run {named}")
 
 
 @web.middleware
 async def _require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.path in request.app[PUBLIC_PATHS]:
         return await handler(request)
-    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), request.app[TOKEN].encode()):
-        raise json_error(401, "missing or wrong bearer token")
+    scope = _scope(request)
+    if scope.run_id is not None:
+        _check_run_route(request, scope)
+    request[SCOPE] = scope
     return await handler(request)
 
 
@@ -168,7 +234,12 @@ async def create_run(request: web.Request) -> web.Response:
     host = str(address) if address is not None else host
     host = f"[{host}]" if ":" in host else host
     return web.json_response(
-        {"id": run.id, "token": run.token, "proxy_url": f"http://{run.id}:{run.token}@{host}:{port}"},
+        {
+            "id": run.id,
+            "token": run.token,
+            "proxy_url": f"http://{run.id}:{run.token}@{host}:{port}",
+            "control_token": run.control_token,
+        },
         status=201,
     )
 

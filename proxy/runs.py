@@ -2,7 +2,10 @@
 
 A run holds the state the decision needs (its allowlist, what was approved or
 denied during it, whether to ask), the command it is executing now (for the
-approval message), its credentials and the source addresses bound to it, and
+approval message), its credentials (the proxy token its sandbox sends, and
+the control token its runner uses on the control API: ``control_token``,
+which acts on this run alone and dies with it) and the source addresses
+bound to it, and
 a bounded window of its recent egress events for the control API. A run on a
 network of its own (``egressd run --connect``: a Docker network per run)
 also holds egressd's address there, which its proxy URL names and its DNS
@@ -42,6 +45,8 @@ DEFAULT_RUN_ID = "default"
 EVENT_WINDOW = 10_000
 # Distinct (host, port) decisions remembered per run; a flood of new names only empties it.
 DECISION_CACHE = 4096
+# A run's control token: 32 random bytes (256 bits), not guessable within any number of tries.
+CONTROL_TOKEN_BYTES = 32
 
 
 class RunError(Exception):
@@ -53,7 +58,7 @@ class Run:
     """One run's mutable state. Only the event loop thread touches it."""
 
     id: str
-    token: str
+    token: str = field(repr=False)
     task: str | None
     allow: tuple[Entry, ...]
     deny: tuple[Entry, ...]
@@ -69,6 +74,8 @@ class Run:
     events: deque[tuple[int, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
     next_event: int = 1
     ended: bool = False
+    # The run's own bearer token on the control API (``RunRegistry.by_control_token``); never shown.
+    control_token: str = field(default="", repr=False)
     _policy: RunPolicy | None = None
     # decide() is pure, so its answers for this policy are kept until the policy changes.
     _decisions: dict[tuple[str, int], Decision] = field(default_factory=dict)
@@ -252,6 +259,7 @@ class RunRegistry:
         run = Run(
             id=run_id,
             token=secrets.token_urlsafe(24),
+            control_token=secrets.token_urlsafe(CONTROL_TOKEN_BYTES),
             task=task,
             allow=tuple(allow),
             deny=tuple(deny),
@@ -286,6 +294,21 @@ class RunRegistry:
             hmac.compare_digest(parsed[1], "x" * 32)
             return None
         return run if hmac.compare_digest(parsed[1].encode(), run.token.encode()) else None
+
+    def by_control_token(self, token: str) -> Run | None:
+        """The live run whose control token this is, or None (an ended run's token matches nothing).
+
+        Every live run's token is compared, in constant time, whichever
+        matches: the time taken says nothing about which run's token, or how
+        much of one, was guessed. A run without a control token (the default
+        run) never matches.
+        """
+        given = token.encode()
+        found: Run | None = None
+        for run in self._runs.values():
+            if hmac.compare_digest(given, run.control_token.encode()) and run.control_token:
+                found = run
+        return found
 
     def attribute(self, source: IPAddress | None, proxy_authorization: str | None) -> Run | None:
         """Steps 1-4 of the module docstring."""

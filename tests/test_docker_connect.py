@@ -313,6 +313,11 @@ async def test_two_runs_of_one_running_egressd_cannot_reach_each_other(engine: D
         async with egressd.session(tmp_path) as a, egressd.session(tmp_path) as b:
             keys = {s.resources.run_key for s in (a, b) if s.resources is not None}
             assert len(keys) == 2
+            # Registered, each session speaks with its run's own control token, which reaches no other run.
+            for session, other in ((a, b), (b, a)):
+                assert session.control is not None and session.control._token not in ("", egressd.token)
+                with pytest.raises(SessionError, match="403"):
+                    await session.control.call("GET", f"/runs/{other.run_id}")
             addresses = []
             for victim, attacker in ((a, b), (b, a)):
                 listened, attacked = await _listen_and_attack(victim, attacker)
