@@ -111,6 +111,12 @@ def _egressd(tmp_path: Path, *args: str, prefix: tuple[str, ...] = ()) -> subpro
                           stdin=subprocess.DEVNULL)
 
 
+# A network namespace of the test's own where the "remote" address is assigned to its
+# loopback: even a CLI that dialled it anyway would reach nothing beyond this namespace.
+OWN_NAMESPACE = ("unshare", "--net", "sh", "-c",
+                 'ip link set lo up && ip addr add 203.0.113.7/32 dev lo && exec "$@"', "sh")
+
+
 def _needs_root() -> None:
     require(os.geteuid() == 0, "acting as another local user (nobody) needs root")
 
@@ -140,9 +146,9 @@ def test_pending_talks_to_a_loopback_listener_of_its_own_user(tmp_path: Path) ->
 def test_allow_refuses_a_control_address_that_is_not_loopback_before_connecting(tmp_path: Path) -> None:
     # Nothing can leave the fresh network namespace, whatever the CLI tries.
     _needs_root()
-    require(have("unshare"), "unshare (util-linux) is needed to run in an empty network namespace")
+    require(have("unshare") and have("ip"), "unshare (util-linux) and ip are needed for a namespace of our own")
     result = _egressd(tmp_path, "allow", "a-x", "--control", "203.0.113.7:3129", "--control-token", TOKEN,
-                      prefix=("unshare", "--net"))
+                      prefix=OWN_NAMESPACE)
     assert result.returncode == 2, result.stderr
     assert "203.0.113.7" in result.stderr and "loopback" in result.stderr, result.stderr
     assert "cannot reach" not in result.stderr
@@ -189,9 +195,9 @@ def test_pending_talks_to_a_unix_socket_of_its_own_user(tmp_path: Path) -> None:
 
 def test_connect_refuses_plain_http_to_an_address_that_is_not_loopback_before_anything(tmp_path: Path) -> None:
     _needs_root()
-    require(have("unshare"), "unshare (util-linux) is needed to run in an empty network namespace")
+    require(have("unshare") and have("ip"), "unshare (util-linux) and ip are needed for a namespace of our own")
     result = _egressd(tmp_path, "run", "--backend", "docker", "--connect", "http://203.0.113.7:3129",
-                      "--control-token", TOKEN, "--", "true", prefix=("unshare", "--net"))
+                      "--control-token", TOKEN, "--", "true", prefix=OWN_NAMESPACE)
     assert result.returncode == 2, result.stderr
     assert "--connect" in result.stderr and "https" in result.stderr, result.stderr
 
