@@ -80,6 +80,7 @@ from approvals.signing import ReplayGuard, VerifyError, verify
 from approvals.terminal import TerminalChannel, TerminalOutput
 from audit.log import AuditError, JsonlAuditSink
 from config.settings import SECRET_SETTINGS, Settings
+from proxy.runs import new_control_token
 from sandbox.copyout import CopyOutError, CopyReport
 from sandbox.docker import (
     CONTROL_PORT,
@@ -526,7 +527,7 @@ class DockerSession(SessionBase[_SessionBox]):
         if net.note:
             print(f"egressd: {net.note}", file=sys.stderr)
         p = net.plan
-        token = secrets.token_urlsafe(32)
+        token = new_control_token()
         settings = await self._with_terminal_relay(str(p.outgoing.network_address + 1))
         env = sidecar_environment(settings, egressd_ip=str(p.egressd_ip), control_ip=str(p.egressd_outgoing_ip),
                                   token=token)

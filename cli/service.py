@@ -34,7 +34,7 @@ from proxy.gate import Gate
 from proxy.metrics import Metrics
 from proxy.policy import Entry, EntryError, parse_entry
 from proxy.resolver import DnsResolver, Resolver, SystemResolver, parse_server
-from proxy.runs import DEFAULT_RUN_ID, Run, RunRegistry
+from proxy.runs import DEFAULT_RUN_ID, Run, RunRegistry, new_control_token
 from proxy.server import Limits, ProxyServer
 from proxy.transparent import TransparentHttpServer, TransparentTlsServer
 
@@ -323,7 +323,7 @@ class EgressService:
         if s.control_token is not None:
             self.control_token = s.control_token.get_secret_value()
         else:
-            self.control_token = secrets.token_urlsafe(32)
+            self.control_token = new_control_token()
             path = token_path(s)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

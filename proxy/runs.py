@@ -49,6 +49,11 @@ DECISION_CACHE = 4096
 CONTROL_TOKEN_BYTES = 32
 
 
+def new_control_token() -> str:
+    """A fresh control token, in hex: never starting with '-' (``--control-token "$TOKEN"`` must parse)."""
+    return secrets.token_hex(CONTROL_TOKEN_BYTES)
+
+
 class RunError(Exception):
     """A run could not be created or found (unknown id, address already bound)."""
 
@@ -259,7 +264,7 @@ class RunRegistry:
         run = Run(
             id=run_id,
             token=secrets.token_urlsafe(24),
-            control_token=secrets.token_urlsafe(CONTROL_TOKEN_BYTES),
+            control_token=new_control_token(),
             task=task,
             allow=tuple(allow),
             deny=tuple(deny),

@@ -32,12 +32,20 @@ if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
 else
     echo "test.sh: no Docker Engine answers here: the Docker tests will say so" >&2
 fi
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+# Both passes run whatever the first one says (a failure in one must not hide
+# the other's); the script fails if either did.
+status=0
+.venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?
 # The proxy's tests once more on uvloop, the loop `egressd serve` runs on
 # (the two loops' transports buffer, pause and call back differently).
 if [ $# -eq 0 ]; then
     EGRESSD_TEST_LOOP=uvloop .venv/bin/python -m pytest -q -p no:cacheprovider \
         tests/test_proxy.py tests/test_transparent.py tests/test_attacks.py \
         tests/test_control.py tests/test_dnsserver.py tests/test_approvals_e2e.py \
-        tests/test_own_addresses.py tests/test_policy_edges.py
+        tests/test_own_addresses.py tests/test_policy_edges.py tests/test_ech.py tests/test_body_idle.py \
+        tests/test_run_tokens.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 fi
+if [ "$status" -ne 0 ]; then
+    echo "test.sh: a test pass failed (exit $status); both passes ran, see above" >&2
+fi
+exit "$status"

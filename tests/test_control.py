@@ -109,3 +109,16 @@ async def test_metrics_count_decisions(make_egressd) -> None:
             text = await resp.text()
     assert 'egressd_decisions_total{decision="deny",reason="not_allowlisted"} 1' in text
     assert "egressd_audit_healthy 1" in text
+
+
+async def test_generated_control_tokens_never_start_with_a_dash(make_egressd, tmp_path, monkeypatch) -> None:
+    # `--control-token "$TOKEN"` cannot parse a token starting with '-' (one in 64 did, base64url).
+    from proxy.runs import new_control_token
+
+    tokens = [new_control_token() for _ in range(2000)]
+    assert all(len(t) == 64 and t.strip("0123456789abcdef") == "" for t in tokens)
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path))  # where the generated token's file goes
+    svc = await make_egressd(control_token=None, require_auth=True)
+    assert not svc.control_token.startswith("-") and len(svc.control_token) == 64
+    run = svc.runs.create(task="t", allow=[], deny=[], ask=False, sources=[])
+    assert not run.control_token.startswith("-")
