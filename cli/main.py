@@ -303,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Check that every record's prev is the SHA-256 of the line before it, across the files "
         "given oldest first (default: the log and its rotated files PATH.N ... PATH.1 PATH); name the first "
         "record edited, removed or inserted, or a truncated tail. Exit 0 if intact, 1 if not, 2 if unreadable.")
+    # SUPPRESS: given after `verify` these count too; given before, the audit parser's value stays.
+    verify.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML config file (for audit_log)")
+    verify.add_argument("--audit-log", dest="audit_log", default=argparse.SUPPRESS, metavar="PATH",
+                        help="the log whose chain to check, with its rotated files")
     verify.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first")
     verify.set_defaults(func=cmd_audit_verify)
 

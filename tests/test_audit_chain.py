@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from audit.log import JsonlAuditSink
+from audit.query import ChainLine, ChainReport, verify_chain, verify_files
 from audit.records import run_record
 from tests.harness import free_port
 
@@ -211,3 +212,81 @@ def test_sigusr1_reopens_the_log_after_logrotate_moved_it_and_the_chain_continue
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def _chain(*bodies: str) -> list[ChainLine]:
+    """Lines chained the way the writer chains them (pure: no file)."""
+    out: list[ChainLine] = []
+    prev: str | None = None
+    for n, body in enumerate(bodies, 1):
+        raw = json.dumps({"id": body, "prev": prev}).encode() + b"\n"
+        out.append(ChainLine("log", n, raw))
+        prev = hashlib.sha256(raw).hexdigest()
+    return out
+
+
+def test_verify_chain_is_pure_and_names_the_break() -> None:
+    lines = _chain("a", "b", "c", "d")
+    assert verify_chain(lines) == ChainReport(4, None)
+    edited = [*lines[:1], ChainLine("log", 2, lines[1].raw.replace(b'"b"', b'"B"')), *lines[2:]]
+    report = verify_chain(edited)
+    assert not report.ok and report.records == 2 and "line 2 of log (id B) was edited" in str(report.problem)
+    assert "line 1 of log" in str(verify_chain([ChainLine("log", 1, b"not json\n")]).problem)
+    # A record without prev is not a chained record, whatever else it holds.
+    assert not verify_chain([ChainLine("log", 1, b'{"id":"x"}\n')]).ok
+
+
+def test_verify_notes_a_log_that_starts_mid_chain_and_still_passes() -> None:
+    report = verify_chain(_chain("a", "b", "c")[1:])
+    assert report.ok and report.records == 2 and "continues a chain" in report.notes[0]
+
+
+def test_the_writer_sets_prev_itself_whatever_the_caller_put_there(tmp_path: Path) -> None:
+    log = tmp_path / "audit.jsonl"
+    with JsonlAuditSink(log) as sink:
+        sink.write({"event": "x", "prev": "f" * 64})
+        sink.write({"event": "y", "prev": None})
+    assert verify_files([log]).ok
+
+
+def test_a_torn_record_left_by_a_crash_is_named_and_the_writer_chains_past_it(tmp_path: Path) -> None:
+    log = tmp_path / "audit.jsonl"
+    _write(log, 3)
+    with log.open("ab") as f:
+        f.write(b'{"event":"run.st')  # a crash mid-write
+    _write(log, 2)
+    lines = _lines(log)
+    assert json.loads(lines[4])["prev"] == hashlib.sha256(lines[3]).hexdigest()
+    report = verify_files([log])
+    assert not report.ok and "line 4 of" in str(report.problem) and report.records == 3
+
+
+def test_a_new_writer_on_an_empty_log_continues_the_chain_of_the_rotated_file(tmp_path: Path) -> None:
+    log = tmp_path / "audit.jsonl"
+    _write(log, 3)
+    os.rename(log, tmp_path / "audit.jsonl.1")  # moved away while egressd was stopped
+    _write(log, 2)
+    assert verify_files([tmp_path / "audit.jsonl.1", log]) == ChainReport(5, None)
+
+
+def test_reopen_without_a_move_keeps_writing_the_same_file(tmp_path: Path) -> None:
+    log = tmp_path / "audit.jsonl"
+    with JsonlAuditSink(log) as sink:
+        sink.write(_record(0))
+        sink.reopen()  # a SIGUSR1 with nothing moved: our own lock must not lock us out
+        sink.write(_record(1))
+        assert sink.healthy
+    assert verify_files([log]) == ChainReport(2, None)
+
+
+def test_reopen_that_cannot_open_the_path_loses_nothing(tmp_path: Path) -> None:
+    directory = tmp_path / "logs"
+    directory.mkdir()
+    log = directory / "audit.jsonl"
+    with JsonlAuditSink(log) as sink:
+        sink.write(_record(0))
+        os.rename(directory, tmp_path / "moved")
+        sink.reopen()  # the directory is gone: records keep going to the open file
+        sink.write(_record(1))
+        assert sink.healthy
+    assert verify_files([tmp_path / "moved" / "audit.jsonl"]) == ChainReport(2, None)
