@@ -40,9 +40,8 @@ _FILE_MODE = 0o600
 _OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-# How far back from the end the writer looks for the last line to chain onto;
-# a record is far shorter, so a longer "line" is damage, not a record.
-_MAX_LINE_BYTES = 1024 * 1024
+# How much is read at a time when finding and hashing the last line to chain onto.
+_CHUNK_BYTES = 64 * 1024
 
 # One encoder for every line: json.dumps with options builds a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
@@ -141,9 +140,11 @@ class JsonlAuditSink:
         self._closed = False
         self._prev: str | None = None
         self._fd, self._size, last = _open_chained(self._path)
-        if last is None and self._size == 0:
-            last = _last_line_of(self._path + ".1")
-        self._prev = _digest(last)
+        # Only a regular file is rotated: renaming /dev/null or a FIFO would be someone else's business.
+        self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+        if last is None and self._size == 0 and self._regular:
+            last = _last_line_hash_of(self._path + ".1")
+        self._prev = last
 
     @property
     def prev(self) -> str | None:
@@ -180,7 +181,7 @@ class JsonlAuditSink:
         except (TypeError, ValueError) as exc:
             raise AuditError(f"audit record does not serialise to JSON: {exc}") from exc
         data = line.encode("ascii") + b"\n"
-        if self._max_bytes and self._size and self._size + len(data) > self._max_bytes:
+        if self._max_bytes and self._regular and self._size and self._size + len(data) > self._max_bytes:
             self._rotate()
         try:
             written = os.write(self._fd, data)
@@ -214,7 +215,7 @@ class JsonlAuditSink:
         os.close(self._fd)
         self._fd, self._size = fd, size
         if last is not None:  # someone else's records there: chain onto what is actually before ours
-            self._prev = _digest(last)
+            self._prev = last
         logger.info("audit log %s reopened", self._path)
 
     def close(self) -> None:
@@ -255,7 +256,7 @@ class JsonlAuditSink:
         os.close(self._fd)
         self._fd, self._size = fd, size
         if last is not None:
-            self._prev = _digest(last)
+            self._prev = last
 
     def _fail(self, reason: str) -> None:
         self._failure = reason
@@ -273,12 +274,8 @@ def _chained(record: Mapping[str, object], prev: str | None) -> dict[str, object
     return chained
 
 
-def _digest(line: bytes | None) -> str | None:
-    return None if line is None else hashlib.sha256(line).hexdigest()
-
-
-def _open_chained(path: str, *, same_as: int | None = None) -> tuple[int, int, bytes | None]:
-    """Open the log for appending: (descriptor, size, its last line as written or None if empty).
+def _open_chained(path: str, *, same_as: int | None = None) -> tuple[int, int, str | None]:
+    """Open the log for appending: (descriptor, size, SHA-256 of its last line, or None if empty).
 
     Refuses a file with a second name and one another egressd holds; ends a
     torn last line. With ``same_as``, a ``path`` that is still the file open
@@ -299,7 +296,7 @@ def _open_chained(path: str, *, same_as: int | None = None) -> tuple[int, int, b
             raise AuditError(f"audit log {path} has more than one name (a hard link); not appended to")
         _lock(fd, path)
         size = _end_torn_line(fd, path, info.st_size)
-        return fd, size, _read_last_line(fd, size, path)
+        return fd, size, _last_line_hash(fd, size, path)
     except BaseException:
         os.close(fd)
         raise
@@ -333,23 +330,39 @@ def _end_torn_line(fd: int, path: str, size: int) -> int:
     return size
 
 
-def _read_last_line(fd: int, size: int, path: str) -> bytes | None:
-    """The bytes of the last line (newline included) of a file that ends in one; None if empty."""
+def _last_line_hash(fd: int, size: int, path: str) -> str | None:
+    """SHA-256 (hex) of the last line (newline included) of a file that ends in one; None if empty.
+
+    Reads back from the end a chunk at a time to the newline before it, then
+    hashes forward, so no line is too long to chain onto.
+    """
     if size == 0:
         return None
-    start = max(0, size - _MAX_LINE_BYTES - 1)
     try:
-        tail = os.pread(fd, size - start, start)
+        start = 0
+        end = size - 1  # the last line's own newline is not its start
+        while end > 0:
+            begin = max(0, end - _CHUNK_BYTES)
+            cut = os.pread(fd, end - begin, begin).rfind(b"\n")
+            if cut >= 0:
+                start = begin + cut + 1
+                break
+            end = begin
+        digest = hashlib.sha256()
+        offset = start
+        while offset < size:
+            chunk = os.pread(fd, min(_CHUNK_BYTES, size - offset), offset)
+            if not chunk:
+                raise AuditError(f"audit log {path} shrank while its last record was read")
+            digest.update(chunk)
+            offset += len(chunk)
     except OSError as exc:
         raise AuditError(f"cannot read the last record of {path}: {exc.strerror}") from exc
-    cut = tail.rfind(b"\n", 0, len(tail) - 1)
-    if cut < 0 and start > 0:
-        raise AuditError(f"the last line of audit log {path} is longer than any record; not chained onto")
-    return tail[cut + 1 :]
+    return digest.hexdigest()
 
 
-def _last_line_of(path: str) -> bytes | None:
-    """The last line of a rotated log (``PATH.1``), if it is a regular file that ends in a newline."""
+def _last_line_hash_of(path: str) -> str | None:
+    """The last line's hash of a rotated log (``PATH.1``), if it is a regular file that ends in a newline."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
@@ -360,7 +373,7 @@ def _last_line_of(path: str) -> bytes | None:
             return None
         if os.pread(fd, 1, info.st_size - 1) != b"\n":
             return None  # a torn tail: its chain cannot be continued honestly; start afresh
-        return _read_last_line(fd, info.st_size, path)
+        return _last_line_hash(fd, info.st_size, path)
     except (OSError, AuditError):
         return None
     finally:

@@ -290,3 +290,23 @@ def test_reopen_that_cannot_open_the_path_loses_nothing(tmp_path: Path) -> None:
         sink.write(_record(1))
         assert sink.healthy
     assert verify_files([tmp_path / "moved" / "audit.jsonl"]) == ChainReport(2, None)
+
+
+def test_a_last_line_longer_than_a_read_chunk_is_still_chained_onto(tmp_path: Path) -> None:
+    log = tmp_path / "audit.jsonl"
+    with JsonlAuditSink(log) as sink:
+        sink.write(_record(0))
+        sink.write({"event": "x", "command": "y" * 1_200_000})
+    _write(log, 1)
+    assert verify_files([log]) == ChainReport(3, None)
+
+
+def test_rotation_never_renames_a_file_that_is_not_a_regular_one(tmp_path: Path) -> None:
+    # A FIFO of the test's own stands for /dev/null and the like (never the real one: we are root).
+    fifo = tmp_path / "audit.fifo"
+    os.mkfifo(fifo, 0o600)
+    with JsonlAuditSink(fifo, max_bytes=10, keep=2) as sink:
+        for n in range(5):
+            sink.write(_record(n))
+        assert sink.healthy
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.fifo"]
