@@ -16,9 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from audit.log import JsonlAuditSink
 from audit.query import ChainLine, ChainReport, verify_chain, verify_files
-from audit.records import run_record
+from audit.records import RecordError, egress_record, run_record
 from tests.harness import free_port
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
@@ -310,3 +312,15 @@ def test_rotation_never_renames_a_file_that_is_not_a_regular_one(tmp_path: Path)
             sink.write(_record(n))
         assert sink.healthy
     assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.fifo"]
+
+
+def test_no_record_builder_lets_a_caller_set_prev() -> None:
+    # prev is the writer's: a builder that passed one through would let a caller pick its place in the chain.
+    with pytest.raises(RecordError, match="prev"):
+        run_record("run.start", ts=0.0, run="r", prev="0" * 64)
+    with pytest.raises(RecordError, match="prev"):
+        egress_record(
+            id="q", ts=0.0, run="r", kind="connect", client=None, host="h", port=1, address=None,
+            decision="deny", reason="denied", rule=None, approval=None, command=None,
+            bytes_up=None, bytes_down=None, duration_s=None, prev="0" * 64,
+        )
