@@ -32,8 +32,8 @@ logger = logging.getLogger("egressd.audit")
 # Owner read/write only: the log names every host the sandbox tried and
 # every command it ran.
 _FILE_MODE = 0o600
-# O_RDWR rather than O_WRONLY only so __init__ can read the last byte (see
-# _end_torn_line); writes all go through O_APPEND. O_NOFOLLOW: the log's own
+# O_RDWR rather than O_WRONLY only so opening can read the last line (to end a
+# torn one, and to chain onto it); writes all go through O_APPEND. O_NOFOLLOW: the log's own
 # name is never followed (a planted link would have our records, or a model's
 # text in them, appended to whatever it points at). O_CLOEXEC keeps the
 # descriptor out of sandboxes we spawn.
