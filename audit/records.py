@@ -7,6 +7,10 @@ environment. The one exception is ``new_request_id``, which draws from
 What a record may never hold (DESIGN.md, "Audit log"): payloads, credentials
 and query strings. Callers already strip them; the builders here strip them
 again, because a leak into an append-only log cannot be taken back.
+
+``prev`` (the hash chain) is not built here: it is the SHA-256 of the line
+written before, known only to the writer at the moment it writes
+(``audit.log.JsonlAuditSink``), so no builder accepts a field of that name.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Mapping, Sequence
 __all__ = [
     "APPROVAL_DECIDED",
     "APPROVAL_REQUESTED",
+    "CHAIN_FIELD",
     "DECISIONS",
     "EGRESS",
     "EGRESS_FIELDS",
@@ -65,6 +70,9 @@ EGRESS_FIELDS: tuple[str, ...] = (
 )
 
 _EGRESS_FIELD_SET: frozenset[str] = frozenset(EGRESS_FIELDS)
+# The writer's own field (the hash chain); a builder's caller cannot set it.
+CHAIN_FIELD = "prev"
+_EGRESS_RESERVED: frozenset[str] = _EGRESS_FIELD_SET | {CHAIN_FIELD}
 
 EGRESS_KINDS: frozenset[str] = frozenset({"connect", "http", "tls", "dns"})
 DECISIONS: frozenset[str] = frozenset({"allow", "deny"})
@@ -166,7 +174,7 @@ def egress_record(
     ``kind`` must be one of ``EGRESS_KINDS`` and ``decision`` one of
     ``DECISIONS`` (an ``enum.Enum`` whose value is such a string is accepted);
     anything else raises ``RecordError``, as does an extra key that would
-    shadow a field. ``host`` loses any userinfo, path or query string the
+    shadow a field or set ``prev`` (the writer's). ``host`` loses any userinfo, path or query string the
     caller forgot to remove; ``duration_s`` is rounded to microseconds.
     Credential-named keys are dropped from ``approval`` and ``extra``.
     """
@@ -176,8 +184,8 @@ def egress_record(
         kind = _member(kind, EGRESS_KINDS, "kind")
     if decision.__class__ is not str or decision not in DECISIONS:
         decision = _member(decision, DECISIONS, "decision")
-    if extra and not _EGRESS_FIELD_SET.isdisjoint(extra):
-        clash = sorted(set(extra) & _EGRESS_FIELD_SET)
+    if extra and not _EGRESS_RESERVED.isdisjoint(extra):
+        clash = sorted(set(extra) & _EGRESS_RESERVED)
         raise RecordError(f"extra fields shadow egress fields: {', '.join(clash)}")
     record: dict[str, object] = {
         "event": EGRESS,
@@ -209,11 +217,11 @@ def run_record(event: str, *, ts: float, run: str, **fields: object) -> dict[str
     key whose name mentions a credential (token, password, secret,
     credentials, authorization, ...; case-insensitive, at any depth) dropped
     and the userinfo removed from any URL inside a string. Raises
-    ``RecordError`` for another event name or a field named event/ts/run.
+    ``RecordError`` for another event name or a field named event/ts/run/prev.
     """
     if event not in (RUN_START, RUN_END):
         raise RecordError(f"not a run event: {event!r}")
-    clash = sorted(set(fields) & {"event", "ts", "run"})
+    clash = sorted(set(fields) & {"event", "ts", "run", CHAIN_FIELD})
     if clash:
         raise RecordError(f"fields shadow run record keys: {', '.join(clash)}")
     record: dict[str, object] = {"event": event, "ts": rfc3339(ts), "run": run}

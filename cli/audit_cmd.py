@@ -1,4 +1,4 @@
-"""``egressd audit``: print the audit log, filtered, as a table or JSON Lines."""
+"""``egressd audit``: print the audit log, filtered, as a table or JSON Lines; ``audit verify``: check its chain."""
 
 from __future__ import annotations
 
@@ -8,8 +8,17 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
-from audit.query import AuditFilter, follow_records, format_json, format_table, parse_since, read_records_from
+from audit.query import (
+    AuditFilter,
+    follow_records,
+    format_json,
+    format_table,
+    parse_since,
+    read_records_from,
+    verify_files,
+)
 from config.settings import Settings, SettingsError
 
 
@@ -65,4 +74,32 @@ def run_audit(args: argparse.Namespace, settings: Settings) -> int:
 
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(follow())
+    return 0
+
+
+def log_files(path: Path) -> list[Path]:
+    """The log at ``path`` and its rotated files, oldest first: ``PATH.N``, ..., ``PATH.1``, ``PATH``.
+
+    Rotated files are taken while their numbers run on without a gap.
+    """
+    rotated: list[Path] = []
+    while (candidate := path.with_name(f"{path.name}.{len(rotated) + 1}")).exists():
+        rotated.append(candidate)
+    return [*reversed(rotated), path]
+
+
+def run_verify(args: argparse.Namespace, settings: Settings) -> int:
+    """Check the hash chain over FILE... (oldest first) or the configured log; 0 intact, 1 not, 2 unreadable."""
+    files = [Path(name) for name in args.files] if args.files else log_files(settings.audit_path)
+    try:
+        report = verify_files(files)
+    except OSError as exc:
+        print(f"egressd: cannot read {exc.filename or 'the audit log'}: {exc.strerror}", file=sys.stderr)
+        return 2
+    for note in report.notes:
+        print(f"note: {note}")
+    if report.problem is not None:
+        print(f"audit chain NOT intact: {report.problem} ({report.records} records verified before it)")
+        return 1
+    print(f"audit chain intact: {report.records} records in {len(files)} file(s)")
     return 0

@@ -117,6 +117,11 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
       "help": "transparent HTTP listener: the Host header decides, destination port 80 (default: off)"}),
     ("--audit-log", "audit_log",
      {"metavar": "PATH", "help": "audit log file (default ~/.local/state/egressd/audit.jsonl)"}),
+    ("--audit-max-bytes", "audit_max_bytes",
+     {"type": int, "metavar": "N",
+      "help": "rotate the audit log before it would pass N bytes (default 0: never; SIGUSR1 reopens it)"}),
+    ("--audit-keep", "audit_keep",
+     {"type": int, "metavar": "N", "help": "rotated audit logs kept, PATH.1 ... PATH.N (default 5)"}),
     ("--max-head-bytes", "max_head_bytes",
      {"type": int, "metavar": "N", "help": "largest request head (default 65536)"}),
     ("--head-timeout-s", "head_timeout_s",
@@ -189,6 +194,7 @@ async def _serve(settings: Settings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, service.reopen_audit)  # logrotate's postrotate
     run = service.default_run
     host, port = service.proxy_address
     logging.getLogger("egressd").info(
@@ -222,6 +228,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     return run_audit(args, settings)
+
+
+def cmd_audit_verify(args: argparse.Namespace) -> int:
+    from .audit_cmd import run_verify
+
+    settings = _settings(args)
+    return run_verify(args, settings)
 
 
 def cmd_run_sandbox(args: argparse.Namespace) -> int:
@@ -284,6 +297,18 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--follow", "-f", action="store_true", help="keep printing new records")
     audit.add_argument("--json", action="store_true", help="print JSON Lines instead of a table")
     audit.set_defaults(func=cmd_audit)
+    audit_sub = audit.add_subparsers(dest="audit_action", metavar="ACTION")
+    verify = audit_sub.add_parser(
+        "verify", help="check the audit log's hash chain",
+        description="Check that every record's prev is the SHA-256 of the line before it, across the files "
+        "given oldest first (default: the log and its rotated files PATH.N ... PATH.1 PATH); name the first "
+        "record edited, removed or inserted, or a truncated tail. Exit 0 if intact, 1 if not, 2 if unreadable.")
+    # SUPPRESS: given after `verify` these count too; given before, the audit parser's value stays.
+    verify.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML config file (for audit_log)")
+    verify.add_argument("--audit-log", dest="audit_log", default=argparse.SUPPRESS, metavar="PATH",
+                        help="the log whose chain to check, with its rotated files")
+    verify.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first")
+    verify.set_defaults(func=cmd_audit_verify)
 
     run = sub.add_parser(
         "run",

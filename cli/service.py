@@ -175,6 +175,7 @@ class EgressService:
         self._approvals: ManagedApprover | None = None  # the broker this service started (and stops)
         self._resolver = resolver
         self._audit = audit
+        self._own_audit: JsonlAuditSink | None = None  # the file sink this service opened (SIGUSR1 reopens it)
         self.runs: RunRegistry | None = None
         self.gate: Gate | None = None
         self.proxy: ProxyServer | None = None
@@ -205,6 +206,14 @@ class EgressService:
     def default_run(self) -> Run | None:
         return self.runs.default if self.runs else None
 
+    def reopen_audit(self) -> None:
+        """Reopen the audit log at its path (``SIGUSR1``, after logrotate moved it); a sink given to us is left alone.
+
+        Runs on the event loop, between two records, so none is split or lost.
+        """
+        if self._own_audit is not None:
+            self._own_audit.reopen()
+
     async def start(self) -> None:
         try:
             await self._start()
@@ -222,10 +231,11 @@ class EgressService:
             if s.audit_log is None:
                 path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             try:
-                audit = JsonlAuditSink(path, fsync=s.audit_fsync)
+                audit = JsonlAuditSink(path, fsync=s.audit_fsync, max_bytes=s.audit_max_bytes, keep=s.audit_keep)
             except AuditError as exc:
                 raise StartupError(f"bad setting audit_log: {exc}") from None
             self._stack.callback(audit.close)
+            self._own_audit = audit
         resolver = self._resolver
         if resolver is None:
             if s.upstream_dns:

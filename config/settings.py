@@ -240,6 +240,14 @@ class Settings(BaseSettings):
     # Audit.
     audit_log: Path | None = Field(None, description="JSON Lines file; default: STATE_DIR/audit.jsonl")
     audit_fsync: bool = Field(False, description="fsync after every record (slower, survives power loss)")
+    # Off by default: the log is evidence, and egressd deletes none of it unless told to. Operators who
+    # rotate with logrotate keep this off and send SIGUSR1 after the move (rotating twice would drop files).
+    audit_max_bytes: int = Field(
+        0, ge=0, description="rotate the audit log before a record would take it past this many bytes; 0: never"
+    )
+    audit_keep: int = Field(
+        5, ge=1, le=1000, description="rotated audit logs kept (PATH.1 newest ... PATH.N); older ones are deleted"
+    )
 
     # Limits. Each default is what a well-behaved client never meets.
     max_head_bytes: int = Field(64 * 1024, ge=1024, le=1024 * 1024, description="request head size (431 past it)")

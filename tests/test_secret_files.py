@@ -13,6 +13,7 @@ for it) that redirects to another host to collect the API key.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -145,7 +146,9 @@ def test_an_existing_audit_log_is_appended_to_and_a_new_one_is_private(tmp_path:
     existing.write_text('{"event":"old"}\n')
     with JsonlAuditSink(existing) as sink:
         sink.write({"event": "new"})
-    assert existing.read_text() == '{"event":"old"}\n{"event":"new"}\n'
+    # The record appended chains onto the line before it (DESIGN.md, "Audit log").
+    prev = hashlib.sha256(b'{"event":"old"}\n').hexdigest()
+    assert existing.read_text() == f'{{"event":"old"}}\n{{"event":"new","prev":"{prev}"}}\n'
     fresh = tmp_path / "new.jsonl"
     with JsonlAuditSink(fresh) as sink:
         sink.write({"event": "first"})
