@@ -51,6 +51,7 @@ import datetime as dt
 import ipaddress
 import json
 import secrets
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -480,6 +481,11 @@ class DockerSession(SessionBase[_SessionBox]):
         entries_from_settings(self.settings)  # a bad entry stops us before anything is created
         self._prepare_workdir()  # so does a root-owned working directory: before the engine is asked anything
         stack = self._stack
+        # SIGUSR1 (logrotate) must not kill the run: this backend opens the host's audit log only when the
+        # run ends (``_save_audit``), so whatever the log was moved to, the records go to its path then.
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, lambda: None)
+        stack.callback(loop.remove_signal_handler, signal.SIGUSR1)
         self.engine = await stack.enter_async_context(DockerEngine.connect(self.docker_url))
         machine = str((await self.engine.version()).get("Arch") or "")
         seccomp_option(machine)  # an engine of another architecture: refused before anything is created

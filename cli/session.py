@@ -20,9 +20,11 @@ whatever happened. A failure to set up raises ``SessionError`` (exit 125).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -273,6 +275,10 @@ class SandboxSession(SessionBase[Sandbox]):
         except StartupError as exc:
             raise SessionError(str(exc)) from None
         stack.push_async_callback(self.service.close, 1.0)
+        # SIGUSR1 reopens the audit log, as for `egressd serve` (logrotate's postrotate), instead of killing the run.
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, self.service.reopen_audit)
+        stack.callback(loop.remove_signal_handler, signal.SIGUSR1)
         assert self.service.runs is not None and self.service.gate is not None
         run = self.service.runs.create(task=self.task, allow=allow, deny=deny, ask=self.settings.ask,
                                        sources=[self.network.plan.sandbox_ip])

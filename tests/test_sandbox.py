@@ -7,7 +7,9 @@ arrived at a leak-detector listener on the host.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
 import sys
 import textwrap
 import uuid
@@ -305,6 +307,24 @@ async def test_interrupting_egressd_run_destroys_the_sandbox(tmp_path, dns) -> N
     proc.send_signal(15)
     _, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode == 128 + 15 and b"destroyed" in err
+    await assert_no_leftovers()
+
+
+async def test_sigusr1_reopens_egressd_runs_audit_log_instead_of_killing_the_run(tmp_path, dns) -> None:
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    base_env["XDG_STATE_HOME"] = str(tmp_path / "s")
+    log = tmp_path / "a.jsonl"
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "run", "--audit-log", str(log), "--", "sleep", "2",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=base_env,
+    )
+    await wait_for_sandbox(proc.pid)
+    log.rename(tmp_path / "a.jsonl.1")  # as logrotate moves it, then signals
+    proc.send_signal(signal.SIGUSR1)
+    _, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode == 0, err
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()]  # noqa: ASYNC240
+    assert events[-1] == "run.end" and "run.start" not in events  # the rest went to the reopened file
     await assert_no_leftovers()
 
 
