@@ -195,13 +195,8 @@ async def _serve(settings: Settings) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, service.reopen_audit)  # logrotate's postrotate
-    run = service.default_run
-    host, port = service.proxy_address
-    logging.getLogger("egressd").info(
-        "serving: proxy %s:%d, control %s, audit log %s, %s",
-        host, port, service.control_address, settings.audit_path,
-        f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
-    )
+    # The ports actually bound (port 0 in a setting gets one from the kernel); "serving:" comes last,
+    # so whoever waits for it has seen every listener's address.
     sandbox_facing = [
         f"{name} {server.address[0]}:{server.address[1]}"
         for name, server in (("dns", service.dns), ("tls", service.transparent_tls), ("http", service.transparent_http))
@@ -209,6 +204,13 @@ async def _serve(settings: Settings) -> int:
     ]
     if sandbox_facing:
         logging.getLogger("egressd").info("transparent: %s", ", ".join(sandbox_facing))
+    run = service.default_run
+    host, port = service.proxy_address
+    logging.getLogger("egressd").info(
+        "serving: proxy %s:%d, control %s, audit log %s, %s",
+        host, port, service.control_address, settings.audit_path,
+        f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
+    )
     try:
         await stop.wait()
     finally:

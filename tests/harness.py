@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import select
 import shutil
 import socket
+import subprocess
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -73,9 +78,74 @@ def have(binary: str) -> bool:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listened on a moment ago: only for a refused connection, never to bind later (a race)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def serve_ports(text: str) -> dict[str, int] | None:
+    """The ports ``egressd serve`` says it bound, from its stderr; None until its "serving:" line is whole.
+
+    Keys: ``proxy``, ``control`` (when on TCP), and ``dns``, ``tls``, ``http`` for the transparent listeners.
+    """
+    text = text[: text.rfind("\n") + 1]  # a line still being written is not read
+    serving = re.search(r"serving: proxy (\S+), control (\S+?),", text)
+    if serving is None:
+        return None
+    ports = {"proxy": int(serving[1].rsplit(":", 1)[1])}
+    if serving[2].startswith("http"):
+        ports["control"] = int(serving[2].rsplit(":", 1)[1])
+    transparent = re.search(r"transparent: (.*)", text)
+    for part in transparent[1].split(", ") if transparent else ():
+        name, address = part.split(" ")
+        ports[name] = int(address.rsplit(":", 1)[1])
+    return ports
+
+
+def wait_serve_ports(proc: subprocess.Popen, timeout_s: float = 15.0) -> dict[str, int]:  # type: ignore[type-arg]
+    """Read an ``egressd serve`` child's stderr pipe until it reports its bound ports (bounded wait)."""
+    assert proc.stderr is not None
+    fd, seen = proc.stderr.fileno(), b""
+    deadline = time.monotonic() + timeout_s
+    while (ports := serve_ports(seen.decode(errors="replace"))) is None:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise AssertionError(f"egressd did not report its ports in time: {seen.decode(errors='replace')}")
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise AssertionError(f"egressd exited before serving: {seen.decode(errors='replace')}")
+        seen += chunk
+    return ports
+
+
+def wait_serve_ports_in(path: Path, proc: subprocess.Popen, timeout_s: float = 15.0) -> dict[str, int]:  # type: ignore[type-arg]
+    """The same for a child whose stderr goes to the file ``path``."""
+    deadline = time.monotonic() + timeout_s
+    while (ports := serve_ports(path.read_text(errors="replace") if path.exists() else "")) is None:
+        assert proc.poll() is None, f"egressd exited before serving: {path.read_text(errors='replace')}"
+        assert time.monotonic() < deadline, f"egressd did not report its ports in time: {path.read_text()}"
+        time.sleep(0.02)
+    return ports
+
+
+async def aserve_ports(stderr: asyncio.StreamReader, timeout_s: float = 15.0) -> dict[str, int]:
+    """The same for an asyncio child's stderr pipe: read lines until the "serving:" one."""
+    seen = ""
+
+    async def read() -> dict[str, int]:
+        nonlocal seen
+        while (ports := serve_ports(seen)) is None:
+            line = await stderr.readline()
+            if not line:
+                raise AssertionError(f"egressd exited before serving: {seen}")
+            seen += line.decode(errors="replace")
+        return ports
+
+    try:
+        return await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise AssertionError(f"egressd did not report its ports in time: {seen}") from None
 
 
 async def wait_until(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]

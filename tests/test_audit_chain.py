@@ -21,7 +21,7 @@ import pytest
 from audit.log import JsonlAuditSink
 from audit.query import ChainLine, ChainReport, verify_chain, verify_files
 from audit.records import RecordError, egress_record, run_record
-from tests.harness import free_port
+from tests.harness import free_port, wait_serve_ports_in
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 
@@ -178,23 +178,18 @@ def _wait(predicate, timeout_s: float = 10) -> None:  # type: ignore[no-untyped-
 
 def test_sigusr1_reopens_the_log_after_logrotate_moved_it_and_the_chain_continues(tmp_path: Path) -> None:
     log = tmp_path / "audit.jsonl"
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
     env["XDG_STATE_HOME"] = str(tmp_path / "state")
     stderr = tmp_path / "serve.stderr"
     with stderr.open("wb") as err:
         proc = subprocess.Popen(
-            [EGRESSD, "serve", "--listen", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{free_port()}",
+            [EGRESSD, "serve", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
+             # Only names outside the allowlist are asked for, denied before any lookup: nothing dials this port.
              "--upstream-dns", f"127.0.0.1:{free_port()}", "--audit-log", str(log)],
             env=env, stderr=err,
         )
     try:
-        def listening() -> bool:
-            assert proc.poll() is None, stderr.read_text()
-            with socket.socket() as s:
-                return s.connect_ex(("127.0.0.1", port)) == 0
-
-        _wait(listening)
+        port = wait_serve_ports_in(stderr, proc)["proxy"]  # the port it bound, read from its report
         _deny_one(port)
         _deny_one(port)
         moved = tmp_path / "audit.jsonl.1"

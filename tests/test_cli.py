@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.harness import ORIGIN_RANGE, free_port, have, require
+from tests.harness import ORIGIN_RANGE, have, require, wait_serve_ports
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 
@@ -25,36 +24,21 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def _wait_for_port(port: int, proc: subprocess.Popen, timeout_s: float = 10) -> None:  # type: ignore[type-arg]
-    import socket
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"egressd exited early: {proc.stderr.read() if proc.stderr else ''}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise AssertionError("egressd did not start listening")
-
-
 @pytest.fixture
 def serve(tmp_path: Path, dns):  # type: ignore[no-untyped-def]
     """Start `egressd serve` as a subprocess; yields (proxy port, audit path, process)."""
     procs: list[subprocess.Popen] = []  # type: ignore[type-arg]
 
     def start(*args: str) -> tuple[int, Path, subprocess.Popen]:  # type: ignore[type-arg]
-        port = free_port()
         audit = tmp_path / "audit.jsonl"
         proc = subprocess.Popen(
-            [EGRESSD, "serve", "--listen", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{free_port()}",
+            [EGRESSD, "serve", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
              "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--audit-log", str(audit),
              "--allow-private", ORIGIN_RANGE, *args],
             env=_env(tmp_path), stderr=subprocess.PIPE, text=True,
         )
         procs.append(proc)
-        _wait_for_port(port, proc)
+        port = wait_serve_ports(proc)["proxy"]  # the port it bound: none picked here and taken by another first
         return port, audit, proc
 
     yield start

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from tests.harness import ORIGIN, ORIGIN_RANGE, free_port
+from tests.harness import ORIGIN, ORIGIN_RANGE, aserve_ports
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 
@@ -62,7 +62,6 @@ async def test_pip_download_through_egressd_serve(tmp_path: Path, dns) -> None:
     await site.start()
     index_port = runner.addresses[0][1]
 
-    port = free_port()
     env = {
         k: v
         for k, v in os.environ.items()
@@ -70,20 +69,15 @@ async def test_pip_download_through_egressd_serve(tmp_path: Path, dns) -> None:
     }
     env["XDG_STATE_HOME"] = str(tmp_path / "state")
     serve = await asyncio.create_subprocess_exec(
-        EGRESSD, "serve", "--listen", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{free_port()}",
+        EGRESSD, "serve", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
         "--allow", f"index.test:{index_port}", "--allow-private", ORIGIN_RANGE,
         "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--audit-log", str(tmp_path / "audit.jsonl"),
         env=env, stderr=asyncio.subprocess.PIPE,
     )
     dns.set("index.test", [ORIGIN])
     try:
-        for _ in range(100):
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", port)
-                w.close()
-                break
-            except OSError:
-                await asyncio.sleep(0.05)
+        assert serve.stderr is not None
+        port = (await aserve_ports(serve.stderr))["proxy"]  # the port it bound, read from its report
         out_dir = tmp_path / "out"
         pip = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "--disable-pip-version-check",

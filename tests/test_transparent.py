@@ -672,20 +672,19 @@ async def test_egressd_serve_with_dns_and_transparent_listeners(
     import signal
     import sys
 
-    from tests.harness import free_port
+    from tests.harness import aserve_ports
 
     egressd = str(Path(sys.executable).with_name("egressd"))
     sandbox_facing = "127.0.0.44"
-    dns_port = free_port(sandbox_facing)
     audit = tmp_path / "audit.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path)}
     proc = await asyncio.create_subprocess_exec(
         egressd,
         "serve",
         "--listen",
-        f"127.0.0.1:{free_port()}",
+        "127.0.0.1:0",
         "--control",
-        f"127.0.0.1:{free_port()}",
+        "127.0.0.1:0",
         "--upstream-dns",
         f"127.0.0.1:{dns.address[1]}",
         "--allow-private",
@@ -696,7 +695,7 @@ async def test_egressd_serve_with_dns_and_transparent_listeners(
         "origin.test",
         "--no-ask",
         "--dns-listen",
-        f"{sandbox_facing}:{dns_port}",
+        f"{sandbox_facing}:0",
         "--transparent-tls",
         f"{sandbox_facing}:443",
         "--transparent-http",
@@ -705,11 +704,8 @@ async def test_egressd_serve_with_dns_and_transparent_listeners(
         stderr=asyncio.subprocess.PIPE,
     )
     try:
-        line = b""
-        while b"transparent:" not in line:
-            line = await asyncio.wait_for(proc.stderr.readline(), 10)
-            assert line, "egressd exited before serving"
-        assert f"dns {sandbox_facing}:{dns_port}".encode() in line
+        assert proc.stderr is not None
+        dns_port = (await aserve_ports(proc.stderr))["dns"]  # the port it bound, read from its report
 
         async def run(*cmd: str) -> str:
             child = await asyncio.create_subprocess_exec(
