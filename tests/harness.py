@@ -84,6 +84,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def listening_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket bound to a port the kernel chose and listening now: hand it to the server, never its number."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.bind((host, 0))
+    sock.listen(128)
+    return sock
+
+
 def serve_ports(text: str) -> dict[str, int] | None:
     """The ports ``egressd serve`` says it bound, from its stderr; None until its "serving:" line is whole.
 

@@ -39,7 +39,7 @@ from proxy.hosts import HostError, normalise_host
 from proxy.policy import EntryError, Reason, RunPolicy, Verdict, decide, parse_entry
 from tests.conftest import Listener, MakeEgressd
 from tests.fakedns import FakeDns
-from tests.harness import LEAK, ORIGIN, egress, free_port, open_proxy, read_response, wait_until
+from tests.harness import LEAK, ORIGIN, egress, listening_socket, open_proxy, read_response, wait_until
 from tests.test_broker import request
 from tests.test_webhook import control_server
 from tests.webhookreceiver import WebhookReceiver, make_secret
@@ -293,7 +293,8 @@ async def test_an_answer_in_a_plain_http_response_off_loopback_is_ignored(caplog
     # must not decide: only the signed callback does.
     secret, key = make_secret()
     _, callback_key = make_secret()
-    port = free_port()
+    sock = listening_socket()  # bound before its port is named in public_url: nobody else can take it
+    port = sock.getsockname()[1]
     async with WebhookReceiver(key, callback_key=callback_key, mode="now", decision="allow") as receiver:
         channel = WebhookChannel(
             url=receiver.url.replace("127.0.0.1", "localhost"),
@@ -302,7 +303,7 @@ async def test_an_answer_in_a_plain_http_response_off_loopback_is_ignored(caplog
             public_url=f"http://127.0.0.1:{port}/",
         )
         broker = ApprovalBroker([channel], audit=MemoryAuditSink(), timeout_s=10)
-        async with control_server(broker.routes, port):
+        async with control_server(broker.routes, sock):
             await broker.start()
             try:
                 with caplog.at_level(logging.WARNING, logger="egressd.approvals.webhook"):

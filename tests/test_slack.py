@@ -30,7 +30,7 @@ from audit.log import MemoryAuditSink
 from config.settings import load_settings
 from tests.conftest import Listener
 from tests.fakeslack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request
-from tests.harness import free_port, wait_until
+from tests.harness import free_port, listening_socket, wait_until
 from tests.test_broker import RecordingChannel, request
 from tests.test_webhook import control_server
 from tests.webhookreceiver import WebhookReceiver
@@ -273,8 +273,7 @@ async def test_the_http_interactivity_endpoint_checks_slacks_signature(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="egressd.approvals.slack")
     broker = await slack_broker(app_token=None, signing_secret=SIGNING_SECRET)
-    port = free_port()
-    async with control_server(broker.routes, port) as base:
+    async with control_server(broker.routes, listening_socket()) as base:
         url = base + INTERACTIVITY_PATH
         held = asyncio.create_task(broker.ask(request()))
         await wait_until(lambda: fake_slack.posted)

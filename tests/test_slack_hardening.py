@@ -37,7 +37,7 @@ from approvals.slack import (
 )
 from audit.log import MemoryAuditSink
 from tests.fakeslack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request, limit_problems, units
-from tests.harness import free_port, wait_until
+from tests.harness import listening_socket, wait_until
 from tests.test_broker import RecordingChannel, request
 from tests.test_webhook import control_server
 from tests.webhookreceiver import WebhookReceiver
@@ -327,7 +327,7 @@ async def test_the_http_endpoint_rejects_a_signed_click_from_another_message(
     fake_slack: FakeSlack, slack_broker: Callable[..., Any]
 ) -> None:
     broker = await slack_broker(app_token=None, signing_secret=SIGNING_SECRET)
-    async with control_server(broker.routes, free_port()) as base:
+    async with control_server(broker.routes, listening_socket()) as base:
         url = base + INTERACTIVITY_PATH
         held = asyncio.create_task(broker.ask(request()))
         await wait_until(lambda: fake_slack.posted)

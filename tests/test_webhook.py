@@ -6,6 +6,7 @@ import asyncio
 import base64
 import json
 import logging
+import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ from approvals.webhook import CALLBACK_PATH, WebhookChannel
 from audit.log import MemoryAuditSink
 from config.settings import load_settings
 from tests.conftest import Listener
-from tests.harness import free_port, wait_until
+from tests.harness import free_port, listening_socket, wait_until
 from tests.test_broker import request
 from tests.webhookreceiver import WebhookReceiver, make_secret
 
@@ -97,16 +98,16 @@ def test_the_replay_guard_remembers_ids_for_its_window_within_its_bound() -> Non
 
 
 @asynccontextmanager
-async def control_server(routes: Callable[[], Sequence[Route]], port: int) -> AsyncIterator[str]:
-    """Serve routes on 127.0.0.1:port the way the control API would (the callback is public)."""
+async def control_server(routes: Callable[[], Sequence[Route]], sock: socket.socket) -> AsyncIterator[str]:
+    """Serve routes on ``sock`` (already listening) the way the control API would (the callback is public)."""
     app = web.Application()
     for route in routes():
         app.router.add_route(route.method, route.path, route.handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.SockSite(runner, sock).start()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         await runner.cleanup()
 
@@ -128,7 +129,8 @@ async def hook() -> AsyncIterator[Callable[..., Any]]:
         receiver = WebhookReceiver(key, callback_key=callback_key, mode=mode, decision=decision)
         await receiver.__aenter__()
         stack.append(receiver)
-        port = free_port()
+        sock = listening_socket()  # bound before its port is named in public_url: nobody else can take it
+        port = sock.getsockname()[1]
         channel = WebhookChannel(
             url=url or receiver.url,
             secret=parse_secret(secret),
@@ -139,7 +141,7 @@ async def hook() -> AsyncIterator[Callable[..., Any]]:
         )
         audit = MemoryAuditSink()
         broker = ApprovalBroker([channel], audit=audit, timeout_s=timeout_s)
-        server = control_server(broker.routes, port)
+        server = control_server(broker.routes, sock)
         await server.__aenter__()
         stack.append(server)
         await broker.start()
