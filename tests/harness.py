@@ -137,11 +137,13 @@ def wait_serve_ports_in(path: Path, proc: subprocess.Popen, timeout_s: float = 1
     return ports
 
 
-async def aserve_ports(stderr: asyncio.StreamReader, timeout_s: float = 15.0) -> dict[str, int]:
-    """The same for an asyncio child's stderr pipe: read lines until the "serving:" one."""
+async def aserve_ports(
+    stderr: asyncio.StreamReader, timeout_s: float = 15.0, *, read: list[str] | None = None
+) -> dict[str, int]:
+    """The same for an asyncio child's stderr pipe: read lines until the "serving:" one (appended to ``read``)."""
     seen = ""
 
-    async def read() -> dict[str, int]:
+    async def lines() -> dict[str, int]:
         nonlocal seen
         while (ports := serve_ports(seen)) is None:
             line = await stderr.readline()
@@ -151,9 +153,12 @@ async def aserve_ports(stderr: asyncio.StreamReader, timeout_s: float = 15.0) ->
         return ports
 
     try:
-        return await asyncio.wait_for(read(), timeout_s)
+        return await asyncio.wait_for(lines(), timeout_s)
     except TimeoutError:
         raise AssertionError(f"egressd did not report its ports in time: {seen}") from None
+    finally:
+        if read is not None:
+            read.append(seen)
 
 
 async def wait_until(predicate, timeout_s: float = 5.0) -> None:  # type: ignore[no-untyped-def]

@@ -34,7 +34,17 @@ from config.settings import load_settings
 from tests.conftest import HttpOrigin, Listener, MakeEgressd
 from tests.fakedns import FakeDns
 from tests.fakeslack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request
-from tests.harness import ORIGIN_RANGE, connect_via, egress, free_port, have, require, wait_until
+from tests.harness import (
+    ORIGIN_RANGE,
+    aserve_ports,
+    connect_via,
+    egress,
+    free_port,
+    have,
+    require,
+    serve_ports,
+    wait_until,
+)
 from tests.test_broker import RecordingChannel
 from tests.test_terminal import Pty
 from tests.webhookreceiver import WebhookReceiver, make_secret
@@ -54,7 +64,7 @@ async def egressd(tmp_path: Path, dns: FakeDns) -> AsyncIterator[Callable[..., A
 
     async def make(**values: Any) -> EgressService:
         values.setdefault("listen", "127.0.0.1:0")
-        values.setdefault("control", f"127.0.0.1:{free_port()}")
+        values.setdefault("control", "127.0.0.1:0")
         values.setdefault("control_token", TOKEN)
         values.setdefault("upstream_dns", f"{dns.address[0]}:{dns.address[1]}")
         values.setdefault("allow_private", [ORIGIN_RANGE])
@@ -392,18 +402,16 @@ def _curl(port: int, url: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-async def _wait_listening(port: int, proc: asyncio.subprocess.Process, pty: Pty) -> None:
+async def _wait_serving(proc: asyncio.subprocess.Process, pty: Pty) -> dict[str, int]:
+    """The ports egressd reports on its terminal once it serves (it bound port 0: none picked here)."""
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
+    while (ports := serve_ports(pty.output.replace("\r\n", "\n"))) is None:
         if proc.returncode is not None:
             raise AssertionError(f"egressd exited: {pty.output}")
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            return
-        except OSError:
-            await asyncio.sleep(0.05)
-    raise AssertionError(f"egressd did not start: {pty.output}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"egressd did not start: {pty.output}")
+        await asyncio.sleep(0.05)
+    return ports
 
 
 async def test_serve_with_a_terminal_approver_is_answered_by_typing_and_by_egressd_allow_deny(
@@ -412,7 +420,6 @@ async def test_serve_with_a_terminal_approver_is_answered_by_typing_and_by_egres
     require(have("curl"), "curl is not installed")
     require(have("setsid"), "setsid (util-linux) is not installed")
     pty = Pty()
-    port, control_port = free_port(), free_port()
     audit_path = tmp_path / "audit.jsonl"
     env = _env(tmp_path)
     # setsid -c: a new session whose controlling terminal is the pty on stdin, as in a real shell.
@@ -425,9 +432,9 @@ async def test_serve_with_a_terminal_approver_is_answered_by_typing_and_by_egres
             "--approver",
             "terminal",
             "--listen",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--control",
-            f"127.0.0.1:{control_port}",
+            "127.0.0.1:0",
             "--control-token",
             TOKEN,
             "--upstream-dns",
@@ -442,9 +449,10 @@ async def test_serve_with_a_terminal_approver_is_answered_by_typing_and_by_egres
         stderr=pty.slave,
         env=env,
     )
-    control_args = ("--control", f"127.0.0.1:{control_port}", "--control-token", TOKEN)
     try:
-        await _wait_listening(port, proc, pty)
+        ports = await _wait_serving(proc, pty)
+        port = ports["proxy"]
+        control_args = ("--control", f"127.0.0.1:{ports['control']}", "--control-token", TOKEN)
         # 1. answered by typing at the prompt
         curl = asyncio.create_task(asyncio.to_thread(_curl, port, f"http://origin.test:{http_origin.port}/typed"))
         await pty.shows(f"allow or deny origin.test:{http_origin.port}?", timeout_s=15)
@@ -502,7 +510,7 @@ async def test_serve_with_a_terminal_approver_is_answered_by_typing_and_by_egres
 
 async def test_serve_without_a_terminal_has_no_terminal_approver(tmp_path: Path, dns: FakeDns) -> None:
     require(have("curl"), "curl is not installed")
-    port = free_port()
+    early: list[str] = []  # stderr read while waiting for the ports
     proc = await asyncio.create_subprocess_exec(
         *[
             EGRESSD,
@@ -510,7 +518,7 @@ async def test_serve_without_a_terminal_has_no_terminal_approver(tmp_path: Path,
             "--approver",
             "terminal",
             "--listen",
-            f"127.0.0.1:{port}",
+            "127.0.0.1:0",
             "--control",
             "127.0.0.1:0",
             "--control-token",
@@ -527,21 +535,14 @@ async def test_serve_without_a_terminal_has_no_terminal_approver(tmp_path: Path,
         start_new_session=True,  # no controlling terminal
     )
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.returncode is None
-                await asyncio.sleep(0.05)
+        assert proc.stderr is not None
+        port = (await aserve_ports(proc.stderr, read=early))["proxy"]
         result = await asyncio.to_thread(_curl, port, "http://origin.test/")
         assert "X-Egress-Reason: no_approver" in result.stdout
     finally:
         proc.send_signal(signal.SIGTERM)
         _, stderr = await asyncio.wait_for(proc.communicate(), 20)
-    assert "approval channel terminal not attached: no controlling terminal" in stderr.decode()
+    assert "approval channel terminal not attached: no controlling terminal" in "".join(early) + stderr.decode()
 
 
 @pytest.mark.parametrize(
