@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sandbox.doctor import clean_docker, render, run_checks
+from sandbox.doctor import clean_docker, clean_tmp, render, run_checks
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -20,6 +20,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
             removed = await clean_stale()
             removed += await clean_docker()
+            removed += clean_tmp()  # after clean_stale: a run it found dead has no owner file left
             print(f"removed {len(removed)} leftover(s) of dead runs" + (": " + ", ".join(removed) if removed else ""))
         checks = await run_checks()
         for line in render(checks):

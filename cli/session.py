@@ -184,6 +184,14 @@ class SessionBase(Generic[BoxT]):
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
 
+    _start_failed = False  # set by a session whose start failed: nothing ran in its fresh directory
+
+    def _drop_unstarted_workdir(self, path: Path) -> None:
+        """A kept fresh directory of a run that never started holds nothing to keep: remove it (empty only)."""
+        if self._start_failed:
+            with contextlib.suppress(OSError):
+                path.rmdir()
+
     def _take_workdir(self) -> tuple[int, int]:
         """Make or check the working directory; returns who the command will run as (uid, gid).
 
@@ -196,6 +204,8 @@ class SessionBase(Generic[BoxT]):
             self.workdir = Path(tempfile.mkdtemp(prefix="egressd-work-"))
             if not self.keep_workdir:
                 self._stack.callback(shutil.rmtree, self.workdir, True)
+            else:
+                self._stack.callback(self._drop_unstarted_workdir, self.workdir)
             try:
                 os.chown(self.workdir, SANDBOX_UID, SANDBOX_GID)
             except OSError as exc:
@@ -237,6 +247,7 @@ class SandboxSession(SessionBase[Sandbox]):
         try:
             await self._enter()
         except BaseException:
+            self._start_failed = True
             await self._stack.aclose()
             raise
         return self
@@ -250,13 +261,15 @@ class SandboxSession(SessionBase[Sandbox]):
             raise SessionError(unreachable(str(self.workdir), uid, gid))
         await clean_stale()
         stack = self._stack
-        private = Path(tempfile.mkdtemp(prefix="egressd-run-"))
-        stack.callback(shutil.rmtree, private, True)
         try:
             self.network = await RunNetwork.create(pool=self.net_range, ports=EgressPorts())
         except NetworkError as exc:
             raise SessionError(f"cannot create the sandbox network: {exc}") from None
         stack.push_async_callback(self.network.destroy)
+        # Made after the network, whose owner file names this process: the run key in the
+        # name lets `egressd doctor --clean` remove it once a killed run's egressd is gone.
+        private = Path(tempfile.mkdtemp(prefix=f"egressd-run-{self.network.plan.run_key}-"))
+        stack.callback(shutil.rmtree, private, True)
         host, ports = str(self.network.plan.host_ip), self.network.ports
         service_settings = self.settings.model_copy(
             update={

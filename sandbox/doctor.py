@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import socket
+import stat
 import tempfile
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from .limits import Limits, cgroup_mode
 from .seccomp import SeccompUnsupported, build_filter, check_machine
@@ -234,6 +238,41 @@ async def clean_docker() -> list[str]:
             return await clean_leftovers(engine)
     except DockerUnavailable:
         return []
+
+
+# A run's private temporary directories carry its run key (sandbox/network.py's 8 hex
+# characters), so a dead run's are told apart from a live run's and from anyone else's.
+# egressd-work-* carries none and may hold a user's files: never removed here.
+_RUN_TMP = re.compile(r"egressd-(?:etc|run)-(?P<key>[0-9a-f]{8})-[A-Za-z0-9_]+")
+
+
+def stale_tmp_names(names: Iterable[str], alive: Callable[[str], bool]) -> list[str]:
+    """The names of dead runs' temporary directories among ``names`` (``alive(run_key)``: its egressd runs)."""
+    return sorted(n for n in names if (m := _RUN_TMP.fullmatch(n)) and not alive(m["key"]))
+
+
+def clean_tmp(tmp: Path | None = None) -> list[str]:
+    """Remove /tmp/egressd-etc-KEY-* and /tmp/egressd-run-KEY-* of runs whose egressd is gone.
+
+    Only a real directory (no symlink) owned by us: /tmp is everyone's, and a name
+    is no proof of who made it.
+    """
+    from .network import owner_alive
+
+    tmp = Path(tempfile.gettempdir()) if tmp is None else tmp
+    removed = []
+    for name in stale_tmp_names(os.listdir(tmp), owner_alive):
+        path = tmp / name
+        try:
+            info = path.lstat()
+        except OSError:
+            continue
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(str(path))
+    return removed
 
 
 async def run_checks() -> list[Check]:

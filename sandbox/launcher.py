@@ -208,17 +208,24 @@ class Sandbox:
         if ids is None:
             raise SandboxError(refusal(str(workdir)))
         self.uid, self.gid = ids
-        self._etc = Path(tempfile.mkdtemp(prefix=f"egressd-etc-{network.plan.run_key}-"))
-        for name, content in generated_etc(nameserver=str(network.plan.host_ip), uid=self.uid, gid=self.gid).items():
-            (self._etc / name).write_text(content)
-            (self._etc / name).chmod(0o644)
-        # bwrap runs as the owner and binds these files itself: it must reach them (nothing here is secret).
-        self._etc.chmod(0o755)
         self.env = base_environment(term=term, proxy_url=proxy_url, extra=extra_env)
         self.extra_readonly = list(extra_readonly)
         self._links, self._dirs, self._etc_ro = host_layout()
         self._nsenter = shutil.which(nsenter) or nsenter
         self._bwrap = shutil.which(bwrap) or bwrap
+        # Last: whatever can still raise after it is in the try below, so a failed start leaves no directory.
+        self._etc = Path(tempfile.mkdtemp(prefix=f"egressd-etc-{network.plan.run_key}-"))
+        try:
+            for name, content in generated_etc(
+                nameserver=str(network.plan.host_ip), uid=self.uid, gid=self.gid
+            ).items():
+                (self._etc / name).write_text(content)
+                (self._etc / name).chmod(0o644)
+            # bwrap runs as the owner and binds these files itself: it must reach them (nothing here is secret).
+            self._etc.chmod(0o755)
+        except BaseException:
+            shutil.rmtree(self._etc, ignore_errors=True)  # no Sandbox, so no destroy() to remove it
+            raise
         self._count = 0
         self._destroyed = False
 

@@ -9,13 +9,15 @@ cannot remove.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from tests.harness import serve_ports, wait_serve_ports
+from tests.harness import have, require, serve_ports, wait_serve_ports
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 
@@ -62,3 +64,62 @@ def test_serve_given_port_0_for_every_listener_reports_the_bound_ports_and_they_
         proc.wait(20)
         assert proc.stderr is not None
         proc.stderr.close()
+
+
+# -- temporary directories ----------------------------------------------------------------
+
+
+def test_only_a_dead_runs_etc_and_run_directories_are_stale() -> None:
+    from sandbox.doctor import stale_tmp_names
+
+    names = [
+        "egressd-etc-0123abcd-x1_y", "egressd-run-0123abcd-q9", "egressd-etc-feedbeef-z", "egressd-work-0123abcd-a",
+        "egressd-etc-0123ABCD-x", "egressd-etc-0123abc-x", "egressd-run-0123abcd", "egressd-run-0123abcd-../x",
+        "other-0123abcd",
+    ]
+    alive = {"feedbeef"}
+    assert stale_tmp_names(names, lambda key: key in alive) == ["egressd-etc-0123abcd-x1_y", "egressd-run-0123abcd-q9"]
+
+
+def _ours(key: str) -> list[Path]:
+    tmp = Path(tempfile.gettempdir())
+    return sorted(p for p in tmp.iterdir() if p.name.startswith((f"egressd-etc-{key}-", f"egressd-run-{key}-")))
+
+
+async def test_a_killed_runs_tmp_directories_are_removed_by_doctor_clean_and_nobody_elses(tmp_path: Path) -> None:
+    require(os.geteuid() == 0, "egressd run needs root (network namespaces, nftables, cgroups)")
+    for tool in ("bwrap", "nft", "ip", "nsenter"):
+        require(have(tool), f"{tool} is not installed")
+    from sandbox.network import OWNERS_DIR
+    from tests.test_sandbox import wait_for_sandbox
+
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=_env(tmp_path),
+    )
+    decoy = Path(tempfile.gettempdir())
+    try:
+        await wait_for_sandbox(proc.pid)
+        [key] = [p.name for p in OWNERS_DIR.iterdir() if p.read_text().strip() == str(proc.pid)]
+        left = _ours(key)
+        assert [p.name.split("-")[1] for p in left] == ["etc", "run"]
+        # Someone else's directory with the same dead run key in its name: not provably ours, kept.
+        decoy = Path(tempfile.gettempdir()) / f"egressd-etc-{key}-notours"
+        decoy.mkdir()
+        os.chown(decoy, 65534, 65534)
+        proc.kill()  # kill -9: no chance to clean up
+        await proc.wait()
+        assert all(p.exists() for p in left)  # left behind by design
+        done = await asyncio.to_thread(
+            subprocess.run, [EGRESSD, "doctor", "--clean"], env=_env(tmp_path), capture_output=True, text=True,
+            timeout=120,
+        )
+        assert not any(p.exists() for p in left), done.stdout + done.stderr
+        assert all(str(p) in done.stdout for p in left)
+        assert decoy.is_dir()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        if decoy.name.endswith("-notours"):
+            decoy.rmdir()
