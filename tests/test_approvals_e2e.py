@@ -41,6 +41,7 @@ from tests.harness import (
     egress,
     free_port,
     have,
+    refused_port,
     require,
     serve_ports,
     wait_until,
@@ -605,9 +606,10 @@ async def test_a_slack_token_that_auth_test_rejects_stops_start_up(
 
 
 def test_pending_without_a_running_egressd_says_so(tmp_path: Path) -> None:
-    result = _run("pending", "--control", f"127.0.0.1:{free_port()}", env=_env(tmp_path))
-    assert result.returncode == 2 and "no control token" in result.stderr
-    result = _run("allow", "a-x", "--control", f"127.0.0.1:{free_port()}", "--control-token", "t", env=_env(tmp_path))
+    with refused_port() as port:
+        result = _run("pending", "--control", f"127.0.0.1:{port}", env=_env(tmp_path))
+        assert result.returncode == 2 and "no control token" in result.stderr
+        result = _run("allow", "a-x", "--control", f"127.0.0.1:{port}", "--control-token", "t", env=_env(tmp_path))
     assert result.returncode == 2 and "cannot reach egressd's control API" in result.stderr
 
 

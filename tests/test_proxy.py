@@ -161,10 +161,11 @@ async def test_per_run_connection_cap_answers_429(make_egressd, echo_origin) -> 
 
 
 async def test_upstream_refusing_the_connection_is_a_502(make_egressd, dns) -> None:
-    from tests.harness import free_port
+    from tests.harness import refused_port
 
     svc = await make_egressd(allow=["origin.test:*"])
-    status, headers, _, _, w = await connect_via(svc, f"origin.test:{free_port(ORIGIN)}")
+    with refused_port(ORIGIN) as port:
+        status, headers, _, _, w = await connect_via(svc, f"origin.test:{port}")
     w.close()
     assert status == 502 and headers["x-egress-reason"] == "upstream_unreachable"
 

@@ -30,7 +30,7 @@ from audit.log import MemoryAuditSink
 from config.settings import load_settings
 from tests.conftest import Listener
 from tests.fakeslack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request
-from tests.harness import free_port, listening_socket, wait_until
+from tests.harness import listening_socket, refused_port, wait_until
 from tests.test_broker import RecordingChannel, request
 from tests.test_webhook import control_server
 from tests.webhookreceiver import WebhookReceiver
@@ -312,13 +312,13 @@ async def test_tokens_slack_rejects_stop_start_up(fake_slack: FakeSlack, slack_b
         await slack_broker(bot_token="xoxb-wrong")
     with pytest.raises(SetupError, match=r"bad setting slack_app_token: Slack refused it \(invalid_auth\)"):
         await slack_broker(app_token="xapp-wrong")
-    with pytest.raises(SetupError, match="bad setting slack_api_url: cannot reach Slack"):
+    with refused_port() as port, pytest.raises(SetupError, match="bad setting slack_api_url: cannot reach Slack"):
         channel = SlackChannel(
             bot_token="xoxb-1",
             channel=CHANNEL,
             approvers=[ALICE],
             app_token="xapp-1",
-            api_url=f"http://127.0.0.1:{free_port()}/api/",
+            api_url=f"http://127.0.0.1:{port}/api/",
             retry_backoff_s=0.01,
         )
         broker = ApprovalBroker([channel], audit=MemoryAuditSink())

@@ -24,7 +24,7 @@ from approvals.webhook import CALLBACK_PATH, WebhookChannel
 from audit.log import MemoryAuditSink
 from config.settings import load_settings
 from tests.conftest import Listener
-from tests.harness import free_port, listening_socket, wait_until
+from tests.harness import listening_socket, refused_port, wait_until
 from tests.test_broker import request
 from tests.webhookreceiver import WebhookReceiver, make_secret
 
@@ -224,9 +224,10 @@ async def test_a_receiver_that_refuses_fails_delivery_at_once(hook: Callable[...
 
 
 async def test_an_unreachable_receiver_is_retried_until_the_approval_expires(hook: Callable[..., Any]) -> None:
-    broker, receiver, _ = await hook(url=f"http://127.0.0.1:{free_port()}/hook", timeout_s=0.3)
-    started = time.monotonic()
-    outcome = await asyncio.wait_for(broker.ask(request()), 5)
+    with refused_port() as port:
+        broker, receiver, _ = await hook(url=f"http://127.0.0.1:{port}/hook", timeout_s=0.3)
+        started = time.monotonic()
+        outcome = await asyncio.wait_for(broker.ask(request()), 5)
     assert outcome.answer is Answer.NO_APPROVER  # nobody was ever reached
     assert time.monotonic() - started >= 0.25
 
