@@ -203,6 +203,19 @@ class EgressService:
         return self.proxy.address
 
     @property
+    def dns_address(self) -> tuple[str, int] | None:
+        """Where the DNS server listens (the port it got, for ``dns_listen`` port 0); None without one."""
+        return self.dns.address if self.dns is not None else None
+
+    @property
+    def transparent_tls_address(self) -> tuple[str, int] | None:
+        return self.transparent_tls.address if self.transparent_tls is not None else None
+
+    @property
+    def transparent_http_address(self) -> tuple[str, int] | None:
+        return self.transparent_http.address if self.transparent_http is not None else None
+
+    @property
     def default_run(self) -> Run | None:
         return self.runs.default if self.runs else None
 

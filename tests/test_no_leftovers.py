@@ -66,6 +66,24 @@ def test_serve_given_port_0_for_every_listener_reports_the_bound_ports_and_they_
         proc.stderr.close()
 
 
+async def test_an_in_process_service_on_port_0_says_where_each_listener_is(tmp_path: Path) -> None:
+    from cli.service import EgressService
+    from config.settings import load_settings
+
+    settings = load_settings({
+        "listen": "127.0.0.1:0", "control": "127.0.0.1:0", "dns_listen": "127.0.0.1:0",
+        "transparent_tls": "127.0.0.1:0", "transparent_http": "127.0.0.1:0", "control_token": "t", "ask": False,
+        "audit_log": str(tmp_path / "audit.jsonl"),
+    })
+    async with EgressService(settings) as svc:
+        addresses = [svc.proxy_address, svc.dns_address, svc.transparent_tls_address, svc.transparent_http_address]
+        control = int(svc.control_address.rsplit(":", 1)[1])
+        assert all(a is not None and a[1] != 0 for a in addresses) and control != 0
+        for port in [a[1] for a in addresses if a is not None] + [control]:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)  # TCP: DNS listens on both
+            writer.close()
+
+
 # -- temporary directories ----------------------------------------------------------------
 
 
