@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sandbox.doctor import clean_docker, clean_tmp, render, run_checks
+from sandbox.doctor import clean_docker, render, run_checks
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -18,9 +18,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 return 1
             from .session import clean_stale
 
-            removed = await clean_stale()
+            removed = await clean_stale()  # with a dead run's /tmp/egressd-etc-KEY-* and egressd-run-KEY-*
             removed += await clean_docker()
-            removed += clean_tmp()  # after clean_stale: a run it found dead has no owner file left
             print(f"removed {len(removed)} leftover(s) of dead runs" + (": " + ", ".join(removed) if removed else ""))
         checks = await run_checks()
         for line in render(checks):

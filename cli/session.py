@@ -36,6 +36,7 @@ from audit.records import run_record
 from config.settings import Settings
 from proxy.runs import Run
 from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
+from sandbox.doctor import clean_tmp
 from sandbox.identity import refusal, run_as, unreachable
 from sandbox.launcher import Sandbox, SandboxError, owner_reaches
 from sandbox.limits import leftover_cgroups
@@ -120,13 +121,14 @@ class SessionError(Exception):
 
 
 async def clean_stale() -> list[str]:
-    """Remove leftovers of runs whose egressd is gone: namespaces, veths, cgroups."""
+    """Remove leftovers of runs whose egressd is gone: namespaces, veths, cgroups, /tmp directories."""
     removed = await clean_leftovers()
     live = {p.name for p in OWNERS_DIR.glob("*") if owner_alive(p.name)} if OWNERS_DIR.is_dir() else set()
     for group in leftover_cgroups(live):
         with contextlib.suppress(OSError):
             group.rmdir()
             removed.append(str(group))
+    removed += clean_tmp()
     return removed
 
 

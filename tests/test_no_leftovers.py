@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from tests.harness import have, require, serve_ports, wait_serve_ports
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
@@ -104,7 +106,12 @@ def _ours(key: str) -> list[Path]:
     return sorted(p for p in tmp.iterdir() if p.name.startswith((f"egressd-etc-{key}-", f"egressd-run-{key}-")))
 
 
-async def test_a_killed_runs_tmp_directories_are_removed_by_doctor_clean_and_nobody_elses(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "cleaner",
+    [["doctor", "--clean"], ["run", "--audit-log", "b.jsonl", "--", "true"]],  # the next start cleans as well
+    ids=["doctor-clean", "next-run"],
+)
+async def test_a_killed_runs_tmp_directories_are_removed_and_nobody_elses(tmp_path: Path, cleaner: list[str]) -> None:
     require(os.geteuid() == 0, "egressd run needs root (network namespaces, nftables, cgroups)")
     for tool in ("bwrap", "nft", "ip", "nsenter"):
         require(have(tool), f"{tool} is not installed")
@@ -129,11 +136,12 @@ async def test_a_killed_runs_tmp_directories_are_removed_by_doctor_clean_and_nob
         await proc.wait()
         assert all(p.exists() for p in left)  # left behind by design
         done = await asyncio.to_thread(
-            subprocess.run, [EGRESSD, "doctor", "--clean"], env=_env(tmp_path), capture_output=True, text=True,
-            timeout=120,
+            subprocess.run, [EGRESSD, *cleaner], env=_env(tmp_path), capture_output=True, text=True,
+            timeout=120, cwd=tmp_path,
         )
         assert not any(p.exists() for p in left), done.stdout + done.stderr
-        assert all(str(p) in done.stdout for p in left)
+        if cleaner[0] == "doctor":
+            assert all(str(p) in done.stdout for p in left)
         assert decoy.is_dir()
     finally:
         if proc.returncode is None:
