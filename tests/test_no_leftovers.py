@@ -149,3 +149,20 @@ async def test_a_killed_runs_tmp_directories_are_removed_and_nobody_elses(tmp_pa
             await proc.wait()
         if decoy.name.endswith("-notours"):
             decoy.rmdir()
+
+
+async def test_a_run_that_fails_to_start_with_keep_workdir_leaves_no_working_directory(tmp_path: Path) -> None:
+    require(os.geteuid() == 0, "egressd run needs root (network namespaces, nftables, cgroups)")
+    for tool in ("bwrap", "nft", "ip", "nsenter"):
+        require(have(tool), f"{tool} is not installed")
+    tmp = tmp_path / "tmp"  # egressd's TMPDIR: what is in it, this test's run made
+    tmp.mkdir()
+    # The working directory is made, then the run cannot start: its owner (uid 1000) cannot reach it
+    # under pytest's root-only directory, and the network's range is too small (and loopback) besides.
+    done = await asyncio.to_thread(
+        subprocess.run, [EGRESSD, "run", "--keep-workdir", "--net-range", "127.0.0.0/31", "--audit-log",
+                         str(tmp_path / "a.jsonl"), "--", "true"],
+        env=_env(tmp_path) | {"TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 125 and "egressd-work-" in done.stderr, done.stderr  # it made one, then failed
+    assert not list(tmp.iterdir())
