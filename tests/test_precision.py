@@ -16,9 +16,13 @@ from approvals.interface import Answer, ChannelError
 from approvals.ledger import Ledger
 from audit.log import MemoryAuditSink
 from proxy.responses import REASON_MESSAGES, STATUS_FOR_REASON
-from tests.harness import free_port, wait_until
+from tests.conftest import Listener
+from tests.harness import connect_via, egress, free_port, wait_until
+from tests.test_approvals_e2e import egressd  # noqa: F401  (the fixture)
+from tests.test_approvals_e2e import records as e2e_records
 from tests.test_broker import RecordingChannel, events, make_broker, request
 from tests.test_webhook import hook  # noqa: F401, F811  (the fixture)
+from tests.webhookreceiver import WebhookReceiver, make_secret
 
 
 async def test_the_deny_approver_gives_every_approval_an_id_and_records_it() -> None:
@@ -94,3 +98,40 @@ async def test_a_webhook_that_cannot_be_reached_is_still_no_approver(hook: Any) 
     assert outcome.answer is Answer.NO_APPROVER
     (decided,) = events(audit, "approval.decided")
     assert decided["reason"] == "no_approver"
+
+
+# -- through the real proxy ----------------------------------------------------------------------
+
+
+async def test_deny_approver_held_request_names_its_approval_in_the_egress_record(
+    egressd: Any,  # noqa: F811
+) -> None:
+    svc = await egressd(approver=["deny"])
+    status, headers, _, _, writer = await connect_via(svc, "origin.test:443")
+    writer.close()
+    assert status == 403 and headers["x-egress-reason"] == "denied"
+    (record,) = egress(svc)
+    approval_id = record["approval"]["id"]
+    assert approval_id
+    assert [r["id"] for r in e2e_records(svc, "approval.requested")] == [approval_id]
+    assert [r["id"] for r in e2e_records(svc, "approval.decided")] == [approval_id]
+
+
+async def test_a_request_held_when_egressd_stops_gets_503_shutting_down(
+    egressd: Any,  # noqa: F811
+    echo_origin: Listener,
+) -> None:
+    secret, key = make_secret()
+    async with WebhookReceiver(key, mode="never") as receiver:
+        svc = await egressd(approver=["webhook"], webhook_url=receiver.url, webhook_secret=secret)
+        held = asyncio.create_task(connect_via(svc, f"origin.test:{echo_origin.port}"))
+        await wait_until(lambda: receiver.requests)
+        await svc.close(grace_s=0)
+        status, headers, _, _, writer = await asyncio.wait_for(held, 5)
+        writer.close()
+        assert status == 503 and headers["x-egress-reason"] == "shutting_down"
+        (decided,) = e2e_records(svc, "approval.decided")
+        assert decided["reason"] == "shutting_down"
+        (record,) = egress(svc)
+        assert record["reason"] == "shutting_down" and record["approval"]["id"] == decided["id"]
+    assert echo_origin.connections == 0
