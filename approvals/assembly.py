@@ -104,7 +104,7 @@ def approver_from_settings(
             raise SetupError(
                 f"bad setting approver: deny answers every request at once, so {others} could never answer"
             )
-        return DenyApprover()
+        return DenyApprover(audit=audit, clock=clock)
     channels: list[Channel] = []
     for name in names:
         if name == "terminal":

@@ -4,7 +4,8 @@
 
 1. an approval for the same (run, host, port) is open → wait for that one
    (concurrent requests share one approval, one message);
-2. no channel attached (or the broker is closed) → NO_APPROVER at once;
+2. the broker is closed → SHUTTING_DOWN at once; no channel attached →
+   NO_APPROVER at once;
 3. the run already opened ``max_requests_per_run`` approvals in its life
    (however they ended) → STOPPED_ASKING at once (``not_allowlisted``), and
    the first time, every channel is told the run stopped asking
@@ -15,8 +16,9 @@
    ``approval.requested`` audit record, then one driver task that delivers
    to every channel concurrently and waits, bounded by the deadline, for the
    first answer (``answer``, from any channel or the control API). Every
-   channel failing to deliver settles NO_APPROVER at once; the deadline
-   settles TIMEOUT.
+   channel failing to deliver for certain settles NO_APPROVER at once; the
+   deadline settles TIMEOUT (also while a delivery is still in flight: a
+   delivery cut off by the deadline is not a failure).
 6. The settlement is recorded (``approval.decided``), wakes every waiting
    request, and every channel that showed the approval is told (the Slack
    message updated, the terminal prompt withdrawn).
@@ -173,7 +175,7 @@ class ApprovalBroker:
     async def close(self) -> None:
         """Deny what is still open (nobody can answer any more), tell the channels, close them.
 
-        Idempotent. Waiting requests get NO_APPROVER at once; channels get
+        Idempotent. Waiting requests get SHUTTING_DOWN at once; channels get
         ``settle_timeout_s`` to update what they showed.
         """
         if self._closed:
@@ -229,7 +231,9 @@ class ApprovalBroker:
         existing = self._ledger.find(key_of(request))
         if existing is not None:
             return self._held[existing.id]
-        if self._closed or not self._channels:
+        if self._closed:
+            return Answer.SHUTTING_DOWN
+        if not self._channels:
             return Answer.NO_APPROVER
         if not self._ledger.may_ask(request.run_id):
             if self._ledger.stop(request.run_id):
@@ -267,7 +271,7 @@ class ApprovalBroker:
             )
         except AuditError:
             # Nothing may happen unrecorded: nobody is asked.
-            self._settled(approval.id, self._ledger.withdraw(approval.id, now=now))
+            self._settled(approval.id, self._ledger.withdraw(approval.id, now=now, answer=Answer.NO_APPROVER))
             del self._held[approval.id]
             return held
         log.info(
@@ -371,7 +375,7 @@ class ApprovalBroker:
             raise
         except Exception:
             log.exception("approval %s failed; denying", view.id)
-            self._settled(view.id, self._ledger.withdraw(view.id, now=self._clock()))
+            self._settled(view.id, self._ledger.withdraw(view.id, now=self._clock(), answer=Answer.NO_APPROVER))
         finally:
             self._held.pop(view.id, None)
 
@@ -382,6 +386,10 @@ class ApprovalBroker:
                 await channel.deliver(view)
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            # Cut off by the deadline, not failed for certain: the driver
+            # settles TIMEOUT (DESIGN.md: a delivery in flight is a timeout).
+            log.warning("approval %s: %s was still delivering it at the deadline", view.id, channel.name)
         except Exception as exc:
             log.warning(
                 "approval %s: %s could not deliver it: %s", view.id, channel.name, str(exc) or type(exc).__name__

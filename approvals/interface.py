@@ -40,6 +40,8 @@ class Answer(enum.Enum):
     TOO_MANY_PENDING = "too_many_pending"
     # The run made as many approval requests as it may: nobody is asked (DESIGN.md, "Decision order").
     STOPPED_ASKING = "stopped_asking"
+    # egressd stopped while the request was held: nobody can answer any more.
+    SHUTTING_DOWN = "shutting_down"
 
 
 # The refusal code (DESIGN.md, "What a client sees") each failed answer becomes;
@@ -50,6 +52,7 @@ ANSWER_REASONS: dict[Answer, str] = {
     Answer.NO_APPROVER: "no_approver",
     Answer.TOO_MANY_PENDING: "too_many_pending",
     Answer.STOPPED_ASKING: "not_allowlisted",
+    Answer.SHUTTING_DOWN: "shutting_down",
 }
 
 

@@ -7,9 +7,12 @@ One approval::
 
     OPEN ── answer(allow | deny) ─────────▶ SETTLED  ALLOW | DENY
       ├──── every channel failed to deliver ▶ SETTLED  NO_APPROVER
-      ├──── expire, something was delivered ▶ SETTLED  TIMEOUT
-      ├──── expire, nothing was delivered ──▶ SETTLED  NO_APPROVER
-      └──── withdraw (shutdown) ────────────▶ SETTLED  NO_APPROVER
+      ├──── expire ─────────────────────────▶ SETTLED  TIMEOUT
+      └──── withdraw (shutdown) ────────────▶ SETTLED  SHUTTING_DOWN
+
+An approval still open at its deadline was delivered somewhere or has a
+delivery still in flight (every channel failing for certain settles it at
+once), so the deadline is always a timeout, never ``no_approver``.
 
 Only OPEN has transitions: the first one wins and every later answer hears
 ``SETTLED``. A settled approval leaves the open maps at once (so the same key
@@ -180,19 +183,18 @@ class Ledger:
         return Answered(AnswerResult.ACCEPTED, self._settle(approval, answer, channel, by, now))
 
     def expire(self, approval_id: str, *, now: float) -> Settlement | None:
-        """The deadline passed: TIMEOUT, or NO_APPROVER when nothing ever reached a person."""
+        """The deadline passed: TIMEOUT (a delivery reached a person or was still in flight)."""
         approval = self._open.get(approval_id)
         if approval is None:
             return None
-        answer = Answer.TIMEOUT if approval.delivered else Answer.NO_APPROVER
-        return self._settle(approval, answer, None, None, now)
+        return self._settle(approval, Answer.TIMEOUT, None, None, now)
 
-    def withdraw(self, approval_id: str, *, now: float) -> Settlement | None:
-        """egressd is stopping: nobody can answer any more."""
+    def withdraw(self, approval_id: str, *, now: float, answer: Answer = Answer.SHUTTING_DOWN) -> Settlement | None:
+        """Nobody will answer: egressd is stopping (SHUTTING_DOWN), or ``answer`` (a failure's denial)."""
         approval = self._open.get(approval_id)
         if approval is None:
             return None
-        return self._settle(approval, Answer.NO_APPROVER, None, None, now)
+        return self._settle(approval, answer, None, None, now)
 
     def amend(self, approval_id: str, settlement: Settlement) -> None:
         """Replace a remembered settlement (the broker turned an unrecordable allow into a denial)."""

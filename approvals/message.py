@@ -584,5 +584,6 @@ def settled_text(settlement: Settlement) -> str:
         return f"{verb} by {settlement.by or 'someone'} via {settlement.channel}"
     return {
         "approval_timeout": "expired (denied)",
-        "no_approver": "denied: nobody could be asked, or egressd stopped",
+        "no_approver": "denied: nobody could be asked",
+        "shutting_down": "denied: egressd stopped",
     }.get(settlement.reason or "", settlement.reason or "settled")

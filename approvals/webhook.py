@@ -176,15 +176,24 @@ class WebhookChannel:
         msg_id = self._new_id()
         delay = self._backoff_first_s
         attempt = 0
+        # Whether any attempt may have reached the receiver (it answered, or a
+        # POST was cut off waiting): then the deadline is a timeout. Only when
+        # every attempt failed to connect did the delivery fail for certain
+        # (DESIGN.md: that, and only that, is no_approver).
+        reached = False
+        loop = asyncio.get_running_loop()
         while True:
             attempt += 1
-            status, answer_body, retry_after = await self._post(msg_id, body, approval.deadline)
+            status, answer_body, retry_after, sent = await self._post(msg_id, body, approval.deadline)
+            reached = reached or sent
             if status is not None and 200 <= status < 300:
                 self._take_answer(approval, answer_body)
                 return
             if status is not None and 400 <= status < 500 and status not in _RETRY_STATUSES:
                 raise ChannelError(f"the receiver refused the approval with HTTP {status}")
             wait = min(self._backoff_max_s, max(delay, retry_after or 0.0))
+            if not reached and loop.time() + wait >= approval.deadline:
+                raise ChannelError("the receiver could not be reached before the approval expired")
             log.info(
                 "approval %s: webhook attempt %d failed (%s); retrying in %.1fs",
                 approval.id,
@@ -195,8 +204,11 @@ class WebhookChannel:
             await asyncio.sleep(wait)
             delay = min(self._backoff_max_s, delay * 2)
 
-    async def _post(self, msg_id: str, body: bytes, deadline: float) -> tuple[int | None, bytes, float | None]:
-        """One signed attempt: (status or None, response body, Retry-After seconds)."""
+    async def _post(self, msg_id: str, body: bytes, deadline: float) -> tuple[int | None, bytes, float | None, bool]:
+        """One signed attempt: (status or None, response body, Retry-After seconds, maybe reached).
+
+        "Maybe reached" is False only when the connection itself failed.
+        """
         if self._session is None:
             raise ChannelError("the webhook channel is closed")
         headers = signed_headers(self._secret, msg_id, int(self._clock()), body)
@@ -207,12 +219,15 @@ class WebhookChannel:
                 async with self._session.post(self.url, data=body, headers=headers, allow_redirects=False) as resp:
                     answer = await resp.content.read(MAX_BODY_BYTES)
                     retry_after = resp.headers.get("Retry-After", "")
-                    return resp.status, answer, float(retry_after) if retry_after.isdigit() else None
+                    return resp.status, answer, float(retry_after) if retry_after.isdigit() else None, True
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            connected = not isinstance(exc, (aiohttp.ClientConnectorError, ConnectionRefusedError))
             if loop.time() >= deadline:
+                if not connected:
+                    raise ChannelError(f"the receiver could not be reached: {exc}") from exc
                 raise
             log.debug("webhook POST failed: %s", exc)
-            return None, b"", None
+            return None, b"", None, connected
 
     def _take_answer(self, approval: PendingApproval, body: bytes) -> None:
         answer = parse_answer(body) if body else None
@@ -233,7 +248,7 @@ class WebhookChannel:
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
         """One signed ``approval.settled`` POST; failures only logged (the broker bounds it)."""
         body = json.dumps(settled_payload(approval, settlement)).encode()
-        status, _, _ = await self._post(
+        status, _, _, _ = await self._post(
             self._new_id(), body, asyncio.get_running_loop().time() + self._attempt_timeout_s
         )
         if status is None or not 200 <= status < 300:
@@ -242,7 +257,7 @@ class WebhookChannel:
     async def notify(self, notice: Notice) -> None:
         """One signed notice event (``run.stopped_asking``); failures only logged (the broker bounds it)."""
         body = json.dumps(notice.fields()).encode()
-        status, _, _ = await self._post(
+        status, _, _, _ = await self._post(
             self._new_id(), body, asyncio.get_running_loop().time() + self._attempt_timeout_s
         )
         if status is None or not 200 <= status < 300:

@@ -70,6 +70,8 @@ class Reason(enum.Enum):
     # Not in the design's list: the audit log cannot be written, so nothing may
     # go out unrecorded (fail closed). Answered with 503.
     AUDIT_UNAVAILABLE = "audit_unavailable"
+    # egressd stopped while the request was held or queued (503).
+    SHUTTING_DOWN = "shutting_down"
 
 
 class Verdict(enum.Enum):

@@ -41,6 +41,7 @@ REASON_MESSAGES: Final[Mapping[str, str]] = MappingProxyType(
         "upstream_timeout": "upstream timed out",
         "limit_exceeded": "a limit was exceeded",
         "audit_unavailable": "the audit log cannot be written",
+        "shutting_down": "egressd stopped while the request was held",
     }
 )
 
@@ -75,6 +76,7 @@ STATUS_FOR_REASON: Final[Mapping[str, int]] = MappingProxyType(
         "upstream_timeout": 504,
         "limit_exceeded": 429,
         "audit_unavailable": 503,
+        "shutting_down": 503,
     }
 )
 

@@ -142,13 +142,14 @@ def test_ledger_every_channel_failing_settles_no_approver_but_one_delivery_keeps
     assert ledger.failed("a-2", "y", now=1) is None
 
 
-def test_ledger_expiry_is_a_timeout_only_when_someone_was_shown_the_approval() -> None:
+def test_ledger_expiry_is_a_timeout_whether_shown_or_still_in_flight() -> None:
+    # DESIGN.md: a deadline passing while a delivery is still in flight is approval_timeout.
     ledger = Ledger(max_pending_per_run=5)
     shown = ledger.open(request("a.example"), approval_id="a-1", channels=["x"], now=0)
     ledger.delivered(shown, "x")
     ledger.open(request("b.example"), approval_id="a-2", channels=["x"], now=0)
     assert ledger.expire("a-1", now=600).answer is Answer.TIMEOUT  # type: ignore[union-attr]
-    assert ledger.expire("a-2", now=600).answer is Answer.NO_APPROVER  # type: ignore[union-attr]
+    assert ledger.expire("a-2", now=600).answer is Answer.TIMEOUT  # type: ignore[union-attr]
     assert ledger.expire("a-1", now=601) is None
 
 
@@ -415,9 +416,9 @@ async def test_closing_denies_what_waits_tells_the_channels_and_closes_them() ->
     held = asyncio.create_task(broker.ask(request()))
     await wait_until(lambda: channel.delivered)
     await broker.close()
-    assert (await held).answer is Answer.NO_APPROVER
-    assert channel.settled and channel.settled[0][1].answer is Answer.NO_APPROVER and channel.closed
-    assert (await broker.ask(request("later.example"))).answer is Answer.NO_APPROVER
+    assert (await held).answer is Answer.SHUTTING_DOWN
+    assert channel.settled and channel.settled[0][1].answer is Answer.SHUTTING_DOWN and channel.closed
+    assert (await broker.ask(request("later.example"))).answer is Answer.SHUTTING_DOWN
     await broker.close()  # idempotent
 
 

@@ -157,3 +157,4 @@ def test_settled_text_says_who_and_how() -> None:
     assert settled_text(Settlement(Answer.DENY, "control", "cli", 0, 1)) == "denied by cli via control"
     assert settled_text(Settlement(Answer.TIMEOUT, None, None, 0, 1)) == "expired (denied)"
     assert "nobody could be asked" in settled_text(Settlement(Answer.NO_APPROVER, None, None, 0, 1))
+    assert settled_text(Settlement(Answer.SHUTTING_DOWN, None, None, 0, 1)) == "denied: egressd stopped"

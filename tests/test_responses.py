@@ -34,6 +34,7 @@ DESIGN_REASONS = {
     "upstream_unreachable",
     "upstream_timeout",
     "limit_exceeded",
+    "shutting_down",
 }
 
 

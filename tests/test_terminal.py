@@ -231,8 +231,8 @@ async def test_closing_says_what_was_denied_and_restores_the_terminal(pty: Pty) 
     held = asyncio.create_task(broker.ask(request()))
     await pty.shows("Enter = deny] > ")
     await broker.close()
-    assert (await held).answer is Answer.NO_APPROVER
-    await pty.shows("nobody could be asked, or egressd stopped")
+    assert (await held).answer is Answer.SHUTTING_DOWN
+    await pty.shows("denied: egressd stopped")
     assert pty.lflag() & termios.ICANON and pty.lflag() & termios.ECHO
 
 

@@ -8,6 +8,7 @@ egressd's), records what arrived, and answers the way ``mode`` says:
 - ``"never"``   202, and nobody ever calls back
 - ``"refuse"``  403
 - ``"garbage"`` 200 with a body that holds no answer
+- ``"hang"``    never answers the POST at all (held until the receiver stops)
 
 ``fail_first=N`` answers the first N requests 503 (a receiver briefly down).
 ``approval.settled`` events are acknowledged with 200 and recorded.
@@ -15,6 +16,7 @@ egressd's), records what arrived, and answers the way ``mode`` says:
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -59,6 +61,7 @@ class WebhookReceiver:
         self.fail_first = 0
         self.received: list[Received] = []
         self._runner: web.AppRunner | None = None
+        self._stopping = asyncio.Event()
         self.url = ""
 
     @property
@@ -83,6 +86,7 @@ class WebhookReceiver:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._stopping.set()
         if self._runner is not None:
             await self._runner.cleanup()
 
@@ -106,6 +110,8 @@ class WebhookReceiver:
             return web.Response(status=403)
         if self.mode == "garbage":
             return web.Response(status=200, text="thanks!")
+        if self.mode == "hang":
+            await self._stopping.wait()
         return web.Response(status=202)
 
     async def callback(
