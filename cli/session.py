@@ -39,7 +39,7 @@ from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
 from sandbox.doctor import clean_tmp
 from sandbox.identity import refusal, run_as, unreachable
 from sandbox.launcher import Sandbox, SandboxError, owner_reaches
-from sandbox.limits import leftover_cgroups
+from sandbox.limits import Cgroup, cgroup_mode, leftover_cgroups
 from sandbox.network import (
     DEFAULT_RANGE,
     OWNERS_DIR,
@@ -124,9 +124,12 @@ async def clean_stale() -> list[str]:
     """Remove leftovers of runs whose egressd is gone: namespaces, veths, cgroups, /tmp directories."""
     removed = await clean_leftovers()
     live = {p.name for p in OWNERS_DIR.glob("*") if owner_alive(p.name)} if OWNERS_DIR.is_dir() else set()
+    mode = cgroup_mode()[0] or "v1"
     for group in leftover_cgroups(live):
-        with contextlib.suppress(OSError):
-            group.rmdir()
+        # A dead run's sandbox may still be running (killed egressd before bwrap armed its
+        # parent-death signal): kill what is in its cgroup, then remove it.
+        await Cgroup(mode, [group]).remove(timeout_s=2.0)
+        if not group.exists():
             removed.append(str(group))
     removed += clean_tmp()
     return removed

@@ -166,3 +166,27 @@ async def test_a_run_that_fails_to_start_with_keep_workdir_leaves_no_working_dir
     )
     assert done.returncode == 125 and "egressd-work-" in done.stderr, done.stderr  # it made one, then failed
     assert not list(tmp.iterdir())
+
+
+async def test_a_dead_runs_cgroup_still_holding_a_process_is_emptied_and_removed(tmp_path: Path) -> None:
+    # A sandbox can outlive an egressd killed before bwrap armed its parent-death signal.
+    require(os.geteuid() == 0, "cgroups need root")
+    from sandbox.limits import Cgroup, Limits
+
+    key = "dead0000"  # no owner file in /run/egressd/runs: a dead run
+    group = Cgroup.create(f"{key}-1", Limits())
+    require(group is not None, "no cgroup can be made here")
+    assert group is not None
+    survivor = subprocess.Popen(["sleep", "60"], preexec_fn=group.join_self)  # noqa: ASYNC220 - a child to kill
+    try:
+        done = await asyncio.to_thread(
+            subprocess.run, [EGRESSD, "doctor", "--clean"], env=_env(tmp_path), capture_output=True, text=True,
+            timeout=120, cwd=tmp_path,
+        )
+        assert await asyncio.to_thread(survivor.wait, 10) == -9, done.stdout + done.stderr
+        assert not any(d.exists() for d in group.dirs), done.stdout + done.stderr
+    finally:
+        if survivor.poll() is None:
+            survivor.kill()
+            survivor.wait()
+        await group.remove(timeout_s=5)

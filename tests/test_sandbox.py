@@ -105,10 +105,19 @@ def descendants(pid: int) -> list[str]:
     return found
 
 
-async def wait_for_sandbox(pid: int, limit_s: float = 10) -> None:
-    """Wait until the egressd process ``pid`` has a bubblewrap sandbox running."""
+async def wait_for_sandbox(pid: int, limit_s: float = 10, command: str = "sleep ") -> None:
+    """Wait until the egressd process ``pid`` runs ``command`` in its bubblewrap sandbox.
+
+    Waiting for the command, not just for bwrap, means bwrap has finished setting up
+    (its parent-death signal armed), so a kill -9 of egressd now takes the sandbox down.
+    """
     deadline = asyncio.get_running_loop().time() + limit_s
-    while not any(args.startswith(("bwrap ", "/usr/bin/bwrap ")) for args in descendants(pid)):
+    while True:
+        running = descendants(pid)
+        if any(a.startswith(("bwrap ", "/usr/bin/bwrap ")) for a in running) and any(
+            a.startswith(command) for a in running
+        ):
+            return
         assert asyncio.get_running_loop().time() < deadline, "the sandbox never started"
         await asyncio.sleep(0.1)
 
