@@ -13,6 +13,7 @@ list for tests (unchained: the chain is a property of the file's bytes).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import fcntl
@@ -55,13 +56,23 @@ class AuditError(Exception):
 class AuditSink(Protocol):
     """Where audit records go.
 
-    ``write`` returns only once the record is as durable as the sink
+    ``write_ahead`` returns only once the record is as durable as the sink
     promises; otherwise it raises ``AuditError`` and the caller must refuse
-    the egress it was recording.
+    the egress it was recording: it is what comes before a dial. ``write``
+    may queue the record for a write at the end of the loop iteration (a
+    final record: what it records has happened or been refused already).
     """
 
     def write(self, record: Mapping[str, object]) -> None:
-        """Append one record; raise ``AuditError`` if it was not stored."""
+        """Append one record (perhaps queued); raise ``AuditError`` if the sink cannot take it."""
+        ...
+
+    async def write_ahead(self, record: Mapping[str, object]) -> None:
+        """Append one record and return once it is stored; raise ``AuditError`` if it was not."""
+        ...
+
+    def flush(self) -> None:
+        """Store every queued record now; raise ``AuditError`` if that failed."""
         ...
 
     @property
@@ -75,12 +86,15 @@ class AuditSink(Protocol):
 
 
 class JsonlAuditSink:
-    """Append records to a JSON Lines file, one ``os.write`` per record, chained.
+    """Append records to a JSON Lines file, one ``os.write`` per loop iteration, chained.
 
-    Each record is one compact, ASCII-only JSON line written by a single
-    ``os.write`` on an ``O_APPEND`` descriptor, so a line is never split by
-    another of our lines, and a crash leaves at most one torn last line
-    (readers skip it; the next sink opened on the file ends it first).
+    Each record is one compact, ASCII-only JSON line; the lines queued in one
+    event-loop iteration go out by a single ``os.write`` on an ``O_APPEND``
+    descriptor when it ends, so a line is never split by another of our
+    lines, and a crash leaves at most one torn last line (readers skip it;
+    the next sink opened on the file ends it first). A dial waits for its
+    record's write (``write_ahead``): one more loop iteration, shared by
+    every dial of that iteration.
 
     Not thread-safe by design: egressd's event loop is the only writer in the
     process. Across processes an exclusive ``flock`` on the file keeps a
@@ -139,6 +153,11 @@ class JsonlAuditSink:
         self._failure: str | None = None
         self._closed = False
         self._prev: str | None = None
+        # Lines queued in this loop iteration (without ``prev``), the flush
+        # scheduled for its end, and the future ``write_ahead`` callers wait on.
+        self._bodies: list[str] = []
+        self._flush_handle: asyncio.Handle | None = None
+        self._flushed: asyncio.Future[None] | None = None
         self._fd, self._size, last = _open_chained(self._path)
         # Only a regular file is rotated: renaming /dev/null or a FIFO would be someone else's business.
         self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
@@ -148,7 +167,7 @@ class JsonlAuditSink:
 
     @property
     def prev(self) -> str | None:
-        """The ``prev`` the next record will carry."""
+        """The ``prev`` the next line written will carry (lines still queued come first)."""
         return self._prev
 
     @property
@@ -164,10 +183,64 @@ class JsonlAuditSink:
     def write(self, record: Mapping[str, object]) -> None:
         """Append ``record`` as one JSON line.
 
-        Raises ``AuditError`` when the sink is closed or unhealthy, when the
-        write fails (which makes it unhealthy), or when the record does not
-        serialise to JSON (a caller's bug; the sink stays healthy).
+        Inside a running event loop the line is queued and written, with
+        every other line queued in the same loop iteration, by one
+        ``os.write`` when the iteration ends (``flush``); outside one it is
+        written at once. Raises ``AuditError`` when the sink is closed or
+        unhealthy, when an immediate write fails (which makes it unhealthy),
+        or when the record does not serialise to JSON (a caller's bug; the
+        sink stays healthy). A queued line whose write fails later is
+        reported by the flush (logged; the sink turns unhealthy).
         """
+        self._queue(record)
+        if self._flush_handle is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._flush_handle = loop.call_soon(self._flush_soon)
+
+    async def write_ahead(self, record: Mapping[str, object]) -> None:
+        """Append ``record`` and return once it is written: what a dial waits for.
+
+        Shares the iteration's single write with everything queued beside it.
+        Raises ``AuditError`` as ``write`` does, and when that write fails.
+        """
+        self.write(record)
+        if self._flushed is None:
+            self._flushed = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._flushed)
+
+    def flush(self) -> None:
+        """Write every queued line now, one ``os.write`` per file (rotation splits a batch between lines).
+
+        Raises ``AuditError`` if that fails; the sink is then unhealthy and
+        the queued lines are lost (their writers are told: ``write_ahead``
+        raises, so nothing they recorded goes out).
+        """
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        waiters, self._flushed = self._flushed, None
+        bodies, self._bodies = self._bodies, []
+        try:
+            if bodies:
+                self._write_lines(bodies)
+        except AuditError as exc:
+            if waiters is not None and not waiters.done():
+                waiters.set_exception(exc)
+                waiters.exception()  # retrieved here: a waiter that was cancelled must not warn
+            raise
+        if waiters is not None and not waiters.done():
+            waiters.set_result(None)
+
+    def _flush_soon(self) -> None:
+        self._flush_handle = None
+        with contextlib.suppress(AuditError):  # _fail has logged it; write_ahead's callers get it
+            self.flush()
+
+    def _queue(self, record: Mapping[str, object]) -> None:
         if self._closed:
             raise AuditError(f"audit log {self._path} is closed")
         if self._failure is not None:
@@ -177,12 +250,39 @@ class JsonlAuditSink:
             # fails to encode (lone surrogates from hostile input), and a
             # terminal reading the file sees no raw control characters.
             # allow_nan=False: NaN is not JSON, and strict readers reject it.
-            line = _ENCODER.encode(_chained(record, self._prev))
+            # ``prev`` is added when the line is written (it depends on the line before).
+            body = _ENCODER.encode({key: value for key, value in record.items() if key != "prev"})
         except (TypeError, ValueError) as exc:
             raise AuditError(f"audit record does not serialise to JSON: {exc}") from exc
-        data = line.encode("ascii") + b"\n"
-        if self._max_bytes and self._regular and self._size and self._size + len(data) > self._max_bytes:
-            self._rotate()
+        self._bodies.append(body)
+
+    def _write_lines(self, bodies: list[str]) -> None:
+        """Chain ``bodies`` and write them, one ``os.write`` per run of lines that fits the current file."""
+        batch: list[bytes] = []
+        batch_size = 0
+        prev = self._prev
+        for body in bodies:
+            data = _with_prev(body, prev).encode("ascii")
+            if (
+                self._max_bytes
+                and self._regular
+                and (self._size or batch)
+                and self._size + batch_size + len(data) > self._max_bytes
+            ):
+                if batch:
+                    self._write_batch(batch, batch_size, prev)
+                    batch, batch_size = [], 0
+                if self._size:
+                    self._rotate()
+            batch.append(data)
+            batch_size += len(data)
+            prev = hashlib.sha256(data).hexdigest()
+        self._write_batch(batch, batch_size, prev)
+
+    def _write_batch(self, batch: list[bytes], size: int, last_hash: str | None) -> None:
+        if not batch:
+            return
+        data = batch[0] if len(batch) == 1 else b"".join(batch)
         try:
             written = os.write(self._fd, data)
             if self._fsync:
@@ -190,11 +290,11 @@ class JsonlAuditSink:
         except OSError as exc:
             self._fail(exc.strerror or str(exc))
             raise AuditError(f"audit log {self._path} write failed: {self._failure}") from exc
-        if written != len(data):
-            self._fail(f"short write ({written} of {len(data)} bytes)")
+        if written != size:
+            self._fail(f"short write ({written} of {size} bytes)")
             raise AuditError(f"audit log {self._path} write failed: {self._failure}")
         self._size += written
-        self._prev = hashlib.sha256(data).hexdigest()
+        self._prev = last_hash
 
     def reopen(self) -> None:
         """Open ``PATH`` anew (after logrotate moved it) and go on with the chain there.
@@ -204,6 +304,10 @@ class JsonlAuditSink:
         file already open: a reopen that failed loses nothing.
         """
         if self._closed or self._failure is not None:
+            return
+        with contextlib.suppress(AuditError):  # logged by _fail; the lines queued belong to the old file
+            self.flush()
+        if self._failure is not None:
             return
         try:
             fd, size, last = _open_chained(self._path, same_as=self._fd)
@@ -219,10 +323,16 @@ class JsonlAuditSink:
         logger.info("audit log %s reopened", self._path)
 
     def close(self) -> None:
-        """Close the file and release the lock; safe to call twice."""
+        """Write what is queued, close the file and release the lock; safe to call twice."""
         if self._closed:
             return
+        if self._failure is None:
+            with contextlib.suppress(AuditError):  # logged by _fail
+                self.flush()
         self._closed = True
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
         os.close(self._fd)
 
     def __enter__(self) -> Self:
@@ -267,11 +377,14 @@ class JsonlAuditSink:
         )
 
 
-def _chained(record: Mapping[str, object], prev: str | None) -> dict[str, object]:
-    # prev goes last, so the record's own fields keep their order; one the caller set is replaced.
-    chained = {key: value for key, value in record.items() if key != "prev"}
-    chained["prev"] = prev
-    return chained
+def _with_prev(body: str, prev: str | None) -> str:
+    """One line: the record's JSON object with ``prev`` as its last field, and the newline.
+
+    prev goes last, so the record's own fields keep their order (one the
+    caller set was dropped when the body was encoded).
+    """
+    chain = '"prev":null}\n' if prev is None else f'"prev":"{prev}"}}\n'
+    return body[:-1] + ("," if len(body) > 2 else "") + chain
 
 
 def _open_chained(path: str, *, same_as: int | None = None) -> tuple[int, int, str | None]:
@@ -445,6 +558,13 @@ class MemoryAuditSink:
         except (TypeError, ValueError) as exc:
             raise AuditError(f"audit record does not serialise to JSON: {exc}") from exc
         self.records.append(copy)
+
+    async def write_ahead(self, record: Mapping[str, object]) -> None:
+        """``write``: a memory sink stores at once."""
+        self.write(record)
+
+    def flush(self) -> None:
+        """Nothing is queued in memory."""
 
     def close(self) -> None:
         """Refuse further writes; the stored records stay readable."""

@@ -4,7 +4,10 @@ Flow: ``read_records`` (or ``read_records_from`` with an offset) reads what
 is already in the file; ``follow_records`` then yields what is appended, from
 the offset the read ended at, so nothing is lost or shown twice between the
 two; ``format_table`` or ``format_json`` turn records into lines to print.
-``verify_chain`` (pure) checks the hash chain over lines given in order and
+``join_ends`` (pure) shows an allowed connection as one record: its
+``egress`` record (written before the dial) with its ``egress.end`` record
+folded in, or ``end: "open"`` while there is none yet. ``verify_chain``
+(pure) checks the hash chain over lines given in order and
 ``verify_files`` feeds it the lines of files (``egressd audit verify``).
 
 The log is written by egressd, but its fields carry what a sandboxed process
@@ -34,6 +37,7 @@ __all__ = [
     "follow_records",
     "format_json",
     "format_table",
+    "join_ends",
     "parse_since",
     "read_records",
     "read_records_from",
@@ -85,10 +89,7 @@ class AuditFilter:
         if self.host is not None:
             rest = self.host[2:] if self.host.startswith("*.") else self.host
             if "*" in rest or not _normal_host(rest):
-                raise ValueError(
-                    f"host filter must be a name or *.name (one leading wildcard), "
-                    f"not {self.host!r}"
-                )
+                raise ValueError(f"host filter must be a name or *.name (one leading wildcard), not {self.host!r}")
 
     def matches(self, record: Mapping[str, object]) -> bool:
         """Return True if ``record`` passes every condition given."""
@@ -106,6 +107,58 @@ class AuditFilter:
             if when is None or when < self.since:
                 return False
         return True
+
+
+# What an ``egress.end`` record adds to its ``egress`` record; the rest of it
+# (``event``, ``id``, ``ts``, ``run``, ``prev``) belongs to the end itself.
+_END_OWN = frozenset({"event", "id", "ts", "run", "prev"})
+# Ends that are not a refusal (audit.records.ENDS; the query side does not import the builders).
+_NORMAL_ENDS = frozenset({"closed", "idle_timeout", "shutdown"})
+OPEN = "open"
+
+
+def join_ends(records: Iterable[Mapping[str, object]]) -> list[dict[str, object]]:
+    """Fold each ``egress.end`` record into its allowed ``egress`` record; keep everything else in order.
+
+    The joined record takes the end's bytes, duration, address, ``end`` and
+    extra fields (``status``, ``detail``, ...); an ``end`` that is a reason
+    code (``sni_mismatch``, ``upstream_unreachable``: cut or failed after
+    the dial was recorded) makes it ``decision: deny`` with that reason. An
+    allowed connection with no end yet gets ``end: "open"`` (a DNS query is
+    answered, not dialled: its one record is final). An end whose
+    ``egress`` record is not among ``records`` (it is in an older, rotated
+    file) is kept as it is.
+    """
+    items = [dict(record) for record in records]
+    ends: dict[object, dict[str, object]] = {}
+    for record in items:
+        if record.get("event") == "egress.end" and record.get("id") is not None:
+            ends[record["id"]] = record
+    joined: list[dict[str, object]] = []
+    used: set[int] = set()
+    for record in items:
+        event = record.get("event")
+        if event == "egress" and record.get("decision") == "allow" and record.get("kind") != "dns":
+            end = ends.get(record.get("id"))
+            if end is None:
+                record["end"] = OPEN
+            else:
+                used.add(id(end))
+                _fold(record, end)
+        elif event == "egress.end" and id(record) in used:
+            continue
+        joined.append(record)
+    return joined
+
+
+def _fold(record: dict[str, object], end: Mapping[str, object]) -> None:
+    for key, value in end.items():
+        if key not in _END_OWN:
+            record[key] = value
+    how = end.get("end")
+    if isinstance(how, str) and how not in _NORMAL_ENDS:
+        record["decision"] = "deny"
+        record["reason"] = how
 
 
 def parse_since(text: str, now: float) -> float:
@@ -256,9 +309,7 @@ def verify_chain(lines: Iterable[ChainLine]) -> ChainReport:
         prev = record["prev"]
         if previous is None:
             if prev is not None:
-                notes.append(
-                    f"{where} continues a chain from a file not given; records before it are not checked"
-                )
+                notes.append(f"{where} continues a chain from a file not given; records before it are not checked")
         else:
             expected = hashlib.sha256(previous.raw).hexdigest()
             if prev != expected:
@@ -271,8 +322,7 @@ def verify_chain(lines: Iterable[ChainLine]) -> ChainReport:
                     problem = f"{here} was inserted: the record after it chains past it"
                 else:
                     problem = (
-                        f"chain broken at {here}: {there} was edited, "
-                        f"or records were removed between it and {where}"
+                        f"chain broken at {here}: {there} was edited, or records were removed between it and {where}"
                     )
                 return ChainReport(count, problem, tuple(notes))
         count += 1
@@ -523,9 +573,7 @@ def _report(on_bad_line: OnBadLine | None, offset: int, reason: str) -> None:
         on_bad_line(offset, reason)
 
 
-def _parse_line(
-    line: bytes, offset: int, on_bad_line: OnBadLine | None
-) -> dict[str, object] | None:
+def _parse_line(line: bytes, offset: int, on_bad_line: OnBadLine | None) -> dict[str, object] | None:
     try:
         value = json.loads(line)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
@@ -662,13 +710,16 @@ def _egress_row(record: Mapping[str, object]) -> str:
     if isinstance(approval, Mapping):
         by = _text(approval.get("by")) if approval.get("by") is not None else "(no answer)"
     decision = record.get("decision")
+    reason = record.get("reason")
+    if reason is None and record.get("end") not in (None, "closed"):
+        reason = record.get("end")  # open, idle_timeout, shutdown
     return _row(
         [
             _time(record),
             _text(record.get("run")),
             _text(record.get("kind")),
             _text(decision.upper() if isinstance(decision, str) else decision),
-            _text(record.get("reason")),
+            _text(reason),
             _destination(record.get("host"), record.get("port")),
             _text(record.get("address")),
             _bytes(record.get("bytes_up")),
@@ -706,9 +757,7 @@ def _event_row(record: Mapping[str, object]) -> str:
     else:
         label = _text(event).upper().replace(".", " ")
         fields = "  ".join(
-            f"{_safe(key)}: {_field(value)}"
-            for key, value in record.items()
-            if key not in ("event", "ts", "run")
+            f"{_safe(key)}: {_field(value)}" for key, value in record.items() if key not in ("event", "ts", "run")
         )
         summary = f"{label:<17} {fields}".rstrip()
     return f"{_time(record):<19}  {_text(record.get('run')):<12}  {summary}"

@@ -28,13 +28,17 @@ __all__ = [
     "CHAIN_FIELD",
     "DECISIONS",
     "EGRESS",
+    "EGRESS_END",
+    "EGRESS_END_FIELDS",
     "EGRESS_FIELDS",
+    "ENDS",
     "EGRESS_KINDS",
     "RUN_END",
     "RUN_START",
     "RecordError",
     "approval_decided_record",
     "approval_requested_record",
+    "egress_end_record",
     "egress_record",
     "new_request_id",
     "rfc3339",
@@ -42,6 +46,7 @@ __all__ = [
 ]
 
 EGRESS = "egress"
+EGRESS_END = "egress.end"
 RUN_START = "run.start"
 RUN_END = "run.end"
 APPROVAL_REQUESTED = "approval.requested"
@@ -69,7 +74,26 @@ EGRESS_FIELDS: tuple[str, ...] = (
     "duration_s",
 )
 
+# An allowed connection's second record, written when it ends (its first,
+# the ``egress`` record, was written before egressd dialled).
+EGRESS_END_FIELDS: tuple[str, ...] = (
+    "event",
+    "id",
+    "ts",
+    "run",
+    "address",
+    "bytes_up",
+    "bytes_down",
+    "duration_s",
+    "end",
+)
+# Why an allowed connection ended when nothing was refused; any other ``end``
+# is a reason code (``sni_mismatch``, ``upstream_unreachable``, ...): the
+# connection was cut, and readers show it as a refusal.
+ENDS: frozenset[str] = frozenset({"closed", "idle_timeout", "shutdown"})
+
 _EGRESS_FIELD_SET: frozenset[str] = frozenset(EGRESS_FIELDS)
+_END_RESERVED: frozenset[str] = frozenset(EGRESS_END_FIELDS) | {"prev"}
 # The writer's own field (the hash chain); a builder's caller cannot set it.
 CHAIN_FIELD = "prev"
 _EGRESS_RESERVED: frozenset[str] = _EGRESS_FIELD_SET | {CHAIN_FIELD}
@@ -207,6 +231,47 @@ def egress_record(
         "duration_s": _seconds(duration_s, "duration_s"),
     }
     record.update(_scrub_mapping(extra))
+    return record
+
+
+def egress_end_record(
+    *,
+    id: str,  # the design's field name: the id of the ``egress`` record this one ends
+    ts: float,
+    run: str | None,
+    address: str | None,
+    bytes_up: int,
+    bytes_down: int,
+    duration_s: float,
+    end: str,
+    **extra: object,
+) -> dict[str, object]:
+    """Build the ``egress.end`` record of an allowed connection.
+
+    ``end`` is one of ``ENDS`` or a reason code; ``address`` is the one
+    finally dialled (null when no dial succeeded); ``extra`` holds what was
+    learnt on the way (``status`` for http, ``detail``, ``sni``), scrubbed as
+    in ``egress_record``. Raises ``RecordError`` for an empty ``end`` or an
+    extra key that would shadow a field.
+    """
+    if not end or end.__class__ is not str:
+        raise RecordError(f"end must be a non-empty string, not {end!r}")
+    if extra and not _END_RESERVED.isdisjoint(extra):
+        clash = sorted(set(extra) & _END_RESERVED)
+        raise RecordError(f"extra fields shadow egress.end fields: {', '.join(clash)}")
+    record: dict[str, object] = {
+        "event": EGRESS_END,
+        "id": id,
+        "ts": rfc3339(ts),
+        "run": run,
+        "address": address,
+        "bytes_up": bytes_up,
+        "bytes_down": bytes_down,
+        "duration_s": _seconds(duration_s, "duration_s"),
+        "end": end,
+    }
+    if extra:
+        record.update(_scrub_mapping(extra))
     return record
 
 

@@ -15,6 +15,7 @@ from audit.query import (
     follow_records,
     format_json,
     format_table,
+    join_ends,
     parse_since,
     read_records_from,
     verify_files,
@@ -57,19 +58,30 @@ def run_audit(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 1
     bad: list[int] = []
-    records, offset = read_records_from(path, flt, on_bad_line=lambda off, why: bad.append(off))
+    # Joined before filtering: an egress.end carries no host or decision of its own.
+    everything, offset = read_records_from(path, AuditFilter(), on_bad_line=lambda off, why: bad.append(off))
+    joined = join_ends(everything)
     emit = _printer(args.json)
-    emit(records)
+    emit(record for record in joined if flt.matches(record))
     if bad:
         print(f"egressd: skipped {len(bad)} unreadable line(s) in {path}", file=sys.stderr)
     if not args.follow:
         return 0
+    # Connections still open: their end, when it comes, is shown joined to them (a second line).
+    still_open = {r.get("id"): r for r in joined if r.get("event") == "egress" and r.get("end") == "open"}
 
     async def follow() -> int:
-        stream = follow_records(path, flt, offset=offset)
+        stream = follow_records(path, AuditFilter(), offset=offset)
         async with contextlib.aclosing(stream):
             async for record in stream:
-                emit([record])
+                if record.get("event") == "egress.end" and record.get("id") in still_open:
+                    record = join_ends([still_open.pop(record.get("id")), record])[0]
+                else:
+                    record = join_ends([record])[0]
+                    if record.get("end") == "open":
+                        still_open[record.get("id")] = record
+                if flt.matches(record):
+                    emit([record])
         return 0
 
     with contextlib.suppress(KeyboardInterrupt):

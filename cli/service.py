@@ -416,4 +416,8 @@ class EgressService:
         if self.runs is not None and self.runs.default is not None and self.gate is not None:
             self._write_run_record(run_record("run.end", ts=time.time(), run=self.runs.default.id))
             self.runs = None
+        if self.gate is not None:
+            # What the last loop iteration queued (a sink the caller gave is not closed here).
+            with contextlib.suppress(AuditError):
+                self.gate.audit.flush()
         await self._stack.aclose()

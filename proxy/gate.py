@@ -13,10 +13,13 @@ decide the same way:
    classified and only those that pass are kept (``private_address`` if none);
    an address and port where egressd itself listens never passes, and when
    that is why nothing passed the client is told so;
-5. ``dial`` connects to exactly those addresses — never a second lookup.
+5. ``dial`` writes the attempt's ``egress`` record ahead (``open``: if it
+   cannot be written, ``audit_unavailable``), then connects to exactly
+   those addresses — never a second lookup.
 
-Each attempt is an ``Attempt`` that ``finish`` turns into exactly one audit
-record, one run event and the metrics. The DNS server records its queries
+Each attempt is an ``Attempt`` that ``finish`` turns into its final audit
+record (the ``egress`` record of a refusal, the ``egress.end`` record of an
+opened connection), one run event and the metrics. The DNS server records its queries
 through ``begin``/``finish`` too, but never admits: a query is answered
 without asking anyone or resolving anything.
 """
@@ -35,7 +38,7 @@ from typing import Any, TypeVar
 
 from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
 from audit.log import AuditError, AuditSink
-from audit.records import egress_record, new_request_id
+from audit.records import egress_end_record, egress_record, new_request_id
 
 from .addresses import OwnEndpoints, forbidden_reason, is_own
 from .hosts import parse_ip_literal
@@ -101,6 +104,8 @@ class Attempt:
     message: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     decided: bool = False
+    # Its ``egress`` record is written (``Gate.open``): what ends it is an ``egress.end`` record.
+    opened: bool = False
     finished: bool = False
     # A spliced tunnel now owns the connection: it finishes the attempt when it ends.
     handed_off: bool = False
@@ -166,9 +171,7 @@ class Gate:
         self.observers: list[Callable[[dict[str, Any]], None]] = []
 
     def begin(self, kind: str, client: str | None) -> Attempt:
-        return Attempt(
-            id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic()
-        )
+        return Attempt(id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic())
 
     async def admit(self, attempt: Attempt, run: Run, host: str, port: int) -> Admission:
         """Steps 1-4 of the module docstring; fills the attempt as it goes."""
@@ -277,14 +280,33 @@ class Gate:
         # Not remembered: a wildcard listener's answer depends on the interfaces of the moment.
         return is_own(address, port, self.own, bound_locally)
 
+    async def open(self, attempt: Attempt, address: str | None) -> None:
+        """Write an allowed attempt's ``egress`` record before any of its bytes go out (write-ahead).
+
+        Bytes and duration are null in it; ``finish`` then writes the
+        ``egress.end`` record. Raises DialError(``audit_unavailable``) when
+        the record could not be written: the attempt must not go out.
+        Idempotent (a request on a kept upstream connection opens once).
+        """
+        if attempt.opened:
+            return
+        attempt.address = address
+        try:
+            await self.audit.write_ahead(self._record(attempt, final=False))
+        except AuditError as exc:
+            raise DialError(Reason.AUDIT_UNAVAILABLE, str(exc)) from None
+        attempt.opened = True
+
     async def dial(self, attempt: Attempt, admission: Admission, protocol: Callable[[], P]) -> P:
-        """Connect to the first admitted address that answers, within the connect timeout.
+        """Record the attempt ahead (``open``), then connect to the first admitted address that answers.
 
         Returns the connection's ``protocol()`` instance (the event loop
         connects in its own code: on uvloop no Python socket is involved).
         The address is passed as a literal, so nothing is looked up again.
-        Raises DialError (``upstream_unreachable`` or ``upstream_timeout``).
+        Raises DialError (``audit_unavailable``, ``upstream_unreachable`` or
+        ``upstream_timeout``); the connect timeout starts after the record.
         """
+        await self.open(attempt, admission.texts[0])
         loop = asyncio.get_running_loop()
         last: OSError | None = None
         try:
@@ -322,12 +344,51 @@ class Gate:
             log.info("DENY  %s %s run=%s reason=%s", attempt.kind, target, run_id, attempt.reason)
 
     def finish(self, attempt: Attempt) -> None:
-        """Write the attempt's one audit record (idempotent), its run event and metrics."""
+        """Write the attempt's final audit record (idempotent), its run event and metrics.
+
+        Not opened: the one ``egress`` record. Opened: the ``egress.end``
+        record; the run and the observers still see the whole attempt as
+        one record (bytes, duration and ``end`` filled in).
+        """
         if attempt.finished:
             return
         attempt.finished = True
         run = attempt.run
-        record = egress_record(
+        duration_s = self.monotonic() - attempt.started
+        if attempt.opened:
+            end = attempt.extra.pop("end", None) or (attempt.reason if attempt.decision == "deny" else "closed")
+            written = egress_end_record(
+                id=attempt.id,
+                ts=self.clock(),
+                run=run.id if run else None,
+                address=attempt.address,
+                bytes_up=attempt.bytes_up,
+                bytes_down=attempt.bytes_down,
+                duration_s=duration_s,
+                end=end or "closed",
+                **attempt.extra,
+            )
+            attempt.extra["end"] = end
+        record = self._record(attempt, final=True, duration_s=duration_s)
+        if not attempt.opened:
+            written = record
+        if not attempt.decided:  # refused before the policy ran (bad request, auth, limits)
+            self.metrics.decided(attempt.decision, attempt.reason, duration_s)
+        self.metrics.bytes_up += attempt.bytes_up
+        self.metrics.bytes_down += attempt.bytes_down
+        if run is not None:
+            run.record_event(record)
+        try:
+            self.audit.write(written)
+        except AuditError:
+            pass  # the sink has said why once and is now unhealthy: new egress is refused
+        for observer in self.observers:
+            observer(record)
+
+    def _record(self, attempt: Attempt, *, final: bool, duration_s: float | None = None) -> dict[str, Any]:
+        """The attempt as an ``egress`` record: final (bytes, duration, extras) or written ahead (nulls)."""
+        run = attempt.run
+        return egress_record(
             id=attempt.id,
             ts=attempt.ts,
             run=run.id if run else None,
@@ -341,23 +402,11 @@ class Gate:
             rule=attempt.rule,
             approval=attempt.approval,
             command=attempt.command,
-            bytes_up=attempt.bytes_up,
-            bytes_down=attempt.bytes_down,
-            duration_s=self.monotonic() - attempt.started,
-            **attempt.extra,
+            bytes_up=attempt.bytes_up if final else None,
+            bytes_down=attempt.bytes_down if final else None,
+            duration_s=duration_s,
+            **(attempt.extra if final else {}),
         )
-        if not attempt.decided:  # refused before the policy ran (bad request, auth, limits)
-            self.metrics.decided(attempt.decision, attempt.reason, self.monotonic() - attempt.started)
-        self.metrics.bytes_up += attempt.bytes_up
-        self.metrics.bytes_down += attempt.bytes_down
-        if run is not None:
-            run.record_event(record)
-        try:
-            self.audit.write(record)
-        except AuditError:
-            pass  # the sink has said why once and is now unhealthy: new egress is refused
-        for observer in self.observers:
-            observer(record)
 
     def _log_decision(self, attempt: Attempt, admission: Admission) -> None:
         if not log.isEnabledFor(logging.INFO):

@@ -59,6 +59,8 @@ log = logging.getLogger("egressd.proxy")
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # The audit record's ``end`` when a connection ended because nothing moved (DESIGN.md "Audit log").
 IDLE_END = "idle_timeout"
+# ... and when egressd cut it on stopping, after the grace period.
+SHUTDOWN_END = "shutdown"
 # Why a ClientHello carrying encrypted_client_hello is refused (the record's detail).
 ECH_DETAIL = "encrypted_client_hello hides the server name asked for"
 
@@ -91,6 +93,7 @@ class Listener:
         self._tasks: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
         self._all_ended: asyncio.Event | None = None  # while close() waits for the tunnels
+        self._cutting = False  # close() is ending what the grace period left open
 
     @property
     def address(self) -> tuple[str, int]:
@@ -125,6 +128,7 @@ class Listener:
             if self._tunnels:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._all_ended.wait(), max(0.0, deadline - loop.time()))
+        self._cutting = True
         for tunnel in list(self._tunnels):
             tunnel.close()
         for task in list(self._tasks):
@@ -135,6 +139,12 @@ class Listener:
     async def _serve_client(self, client: Peer) -> None:
         raise NotImplementedError
 
+    def _finish(self, attempt: Attempt) -> None:
+        """``gate.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
+        if self._cutting and attempt.opened:
+            attempt.extra.setdefault("end", SHUTDOWN_END)
+        self.gate.finish(attempt)
+
     def _splice(self, client: Peer, upstream: Peer, attempt: Attempt, check: ClientCheck | None = None) -> None:
         """Hand a decided connection to a tunnel, which relays both ways from now on.
 
@@ -144,8 +154,15 @@ class Listener:
         either side go first.
         """
         attempt.handed_off = True
-        tunnel = Tunnel(client, upstream, idle_timeout_s=self.limits.idle_timeout_s, on_end=self._tunnel_ended,
-                        owner=attempt, check=check, check_timeout_s=self.limits.head_timeout_s)
+        tunnel = Tunnel(
+            client,
+            upstream,
+            idle_timeout_s=self.limits.idle_timeout_s,
+            on_end=self._tunnel_ended,
+            owner=attempt,
+            check=check,
+            check_timeout_s=self.limits.head_timeout_s,
+        )
         self._tunnels.add(tunnel)
         tunnel.start()
 
@@ -162,7 +179,7 @@ class Listener:
         tunnel.upstream.close()
         if attempt.run is not None:
             attempt.run.open_connections -= 1
-        self.gate.finish(attempt)
+        self._finish(attempt)
         self.gate.metrics.connections_open -= 1
         self._close_client(tunnel.client)
 
@@ -219,7 +236,7 @@ class ProxyServer(Listener):
         finally:
             if attempt is None or not attempt.handed_off:
                 if attempt is not None and attempt.host is not None:
-                    self.gate.finish(attempt)
+                    self._finish(attempt)
                 metrics.connections_open -= 1
                 self._close_client(client)
 
@@ -269,7 +286,7 @@ class ProxyServer(Listener):
         finally:
             if not attempt.handed_off:
                 run.open_connections -= 1
-                self.gate.finish(attempt)
+                self._finish(attempt)
 
     async def _dial(self, client: Peer, attempt: Attempt, admission: Admission) -> Peer | None:
         try:
@@ -317,7 +334,12 @@ class ProxyServer(Listener):
                     return False
                 upstream.dialled = attempt.address
             else:
-                attempt.address = upstream.dialled
+                try:
+                    await self.gate.open(attempt, upstream.dialled)  # the record before the request goes out
+                except DialError as exc:
+                    upstream.close()
+                    await self._refuse(client, attempt, exc.reason)
+                    return False
             keep_upstream = False
             try:
                 response = None

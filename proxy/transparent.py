@@ -186,7 +186,7 @@ class TransparentTlsServer(Listener):
         finally:
             if not attempt.handed_off:
                 if record:
-                    self.gate.finish(attempt)
+                    self._finish(attempt)
                 metrics.connections_open -= 1
                 client.close()
 

@@ -187,7 +187,8 @@ async def make_egressd(tmp_path: Path, dns: FakeDns) -> AsyncIterator[MakeEgress
         sink = audit if audit is not None else MemoryAuditSink()
         service = EgressService(settings, approver=approver, audit=sink)
         await service.start()
-        service.audit_records = sink.records  # type: ignore[attr-defined]
+        # A file sink's records are in its file; a memory sink's are here.
+        service.audit_records = getattr(sink, "records", None)  # type: ignore[attr-defined]
         started.append(service)
         return service
 

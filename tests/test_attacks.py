@@ -276,12 +276,12 @@ async def test_a_run_without_credentials_is_refused_when_auth_is_required(make_e
 async def test_audit_log_failure_refuses_new_egress(make_egressd, echo_origin) -> None:
     from audit.log import MemoryAuditSink
 
-    sink = MemoryAuditSink(fail_after=1)  # room for run.start only
+    sink = MemoryAuditSink(fail_after=2)  # room for run.start and the tunnel's write-ahead record
     svc = await make_egressd(allow=["origin.test:*"], audit=sink)
     status, _, _, _, w = await connect_via(svc, f"origin.test:{echo_origin.port}")
     w.close()
     assert status == 200
-    await wait_until(lambda: not sink.healthy)  # the tunnel's record could not be written
+    await wait_until(lambda: not sink.healthy)  # the tunnel's end record could not be written
     status, headers, _, _, w = await connect_via(svc, f"origin.test:{echo_origin.port}")
     w.close()
     assert status == 503 and headers["x-egress-reason"] == "audit_unavailable"

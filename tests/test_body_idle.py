@@ -185,7 +185,7 @@ async def test_a_response_body_that_trickles_slower_than_the_timeout_overall_arr
         writer.close()
         assert got.endswith(b"\r\n\r\n" + b"t" * pieces * 10)  # longer than IDLE_S in all, never idle that long
         await wait_until(lambda: egress(svc))
-        assert "end" not in egress(svc)[-1]
+        assert egress(svc)[-1]["end"] == "closed"
 
 
 async def test_a_request_body_that_trickles_arrives_whole(make_egressd) -> None:
