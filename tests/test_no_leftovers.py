@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -101,8 +102,7 @@ def test_only_a_dead_runs_etc_and_run_directories_are_stale() -> None:
     assert stale_tmp_names(names, lambda key: key in alive) == ["egressd-etc-0123abcd-x1_y", "egressd-run-0123abcd-q9"]
 
 
-def _ours(key: str) -> list[Path]:
-    tmp = Path(tempfile.gettempdir())
+def _ours(key: str, tmp: Path) -> list[Path]:
     return sorted(p for p in tmp.iterdir() if p.name.startswith((f"egressd-etc-{key}-", f"egressd-run-{key}-")))
 
 
@@ -118,25 +118,30 @@ async def test_a_killed_runs_tmp_directories_are_removed_and_nobody_elses(tmp_pa
     from sandbox.network import OWNERS_DIR
     from tests.test_sandbox import wait_for_sandbox
 
+    # The run's TMPDIR is this test's own: another egressd starting meanwhile (another
+    # suite on this machine) cleans the shared /tmp, not this, so what is seen here is ours.
+    tmp = Path(tempfile.mkdtemp(prefix="egressd-test-tmpdir-"))
+    os.chmod(tmp, 0o1777)  # as /tmp: the sandbox user reaches its etc directory through it
+    env = _env(tmp_path) | {"TMPDIR": str(tmp)}
     proc = await asyncio.create_subprocess_exec(
         EGRESSD, "run", "--audit-log", str(tmp_path / "a.jsonl"), "--", "sleep", "60",
-        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=_env(tmp_path),
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, env=env,
     )
-    decoy = Path(tempfile.gettempdir())
+    decoy = tmp
     try:
         await wait_for_sandbox(proc.pid)
         [key] = [p.name for p in OWNERS_DIR.iterdir() if p.read_text().strip() == str(proc.pid)]
-        left = _ours(key)
+        left = _ours(key, tmp)
         assert [p.name.split("-")[1] for p in left] == ["etc", "run"]
         # Someone else's directory with the same dead run key in its name: not provably ours, kept.
-        decoy = Path(tempfile.gettempdir()) / f"egressd-etc-{key}-notours"
+        decoy = tmp / f"egressd-etc-{key}-notours"
         decoy.mkdir()
         os.chown(decoy, 65534, 65534)
         proc.kill()  # kill -9: no chance to clean up
         await proc.wait()
         assert all(p.exists() for p in left)  # left behind by design
         done = await asyncio.to_thread(
-            subprocess.run, [EGRESSD, *cleaner], env=_env(tmp_path), capture_output=True, text=True,
+            subprocess.run, [EGRESSD, *cleaner], env=env, capture_output=True, text=True,
             timeout=120, cwd=tmp_path,
         )
         assert not any(p.exists() for p in left), done.stdout + done.stderr
@@ -147,8 +152,7 @@ async def test_a_killed_runs_tmp_directories_are_removed_and_nobody_elses(tmp_pa
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-        if decoy.name.endswith("-notours"):
-            decoy.rmdir()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def test_a_run_that_fails_to_start_with_keep_workdir_leaves_no_working_directory(tmp_path: Path) -> None:
