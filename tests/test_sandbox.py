@@ -355,6 +355,45 @@ async def test_leftovers_of_a_killed_run_are_removed_at_the_next_start(tmp_path,
     await assert_no_leftovers()
 
 
+async def test_kill_9_mid_run_leaves_no_way_out_and_a_log_of_every_request_that_went_out(
+    tmp_path, dns, http_origin
+) -> None:
+    """egressd run killed while its command keeps making requests: nothing more gets out,
+    every request the origin saw has its record in a log of whole lines, and the next start cleans up."""
+    log = tmp_path / "audit.jsonl"
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    base_env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    loop = f"while :; do curl -sS -m 2 -o /dev/null http://origin.test:{http_origin.port}/again; sleep 0.1; done"
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "run", "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--allow-private", ORIGIN_RANGE,
+        "--allow", "origin.test:*", "--audit-log", str(log), "--", "sh", "-c", loop,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL, stdin=asyncio.subprocess.DEVNULL,
+        env=base_env,
+    )  # fmt: skip
+    try:
+        await wait_for_sandbox(proc.pid, command="sh -c")
+        ours = [p.name for p in OWNERS_DIR.iterdir() if p.read_text().strip() == str(proc.pid)]
+        deadline = asyncio.get_running_loop().time() + 30
+        while len(http_origin.requests) < 5:
+            assert asyncio.get_running_loop().time() < deadline, "the command's requests never arrived"
+            await asyncio.sleep(0.05)
+    finally:
+        proc.kill()  # kill -9, mid-request quite possibly
+        await proc.wait()
+    reached = len(http_origin.requests)
+    await asyncio.sleep(3)  # a command still running would have made many more requests by now
+    assert len(http_origin.requests) == reached, "requests got out after egressd died"
+    data = log.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    records = [json.loads(line) for line in whole.splitlines()]  # valid JSON Lines up to the last whole record
+    allowed = [r for r in records if r["event"] == "egress" and r["decision"] == "allow" and r["host"] == "origin.test"]
+    assert len(allowed) >= reached  # every request that went out has its record (a dial may have failed after)
+    assert ours and f"{PREFIX}-{ours[0]}" in sh("ip netns list")  # left behind, for the next start
+    code, _, err = await egressd_run(tmp_path, dns, "--", "true")
+    assert code == 0, err
+    await assert_no_leftovers()
+
+
 def test_the_sandbox_mounts_nothing_of_the_host_but_the_toolchain_and_workdir() -> None:
     from sandbox.bwrap import BwrapSpec, bwrap_argv
 
