@@ -38,16 +38,19 @@ from cli.docker_session import DockerSession, sidecar_environment
 from config.settings import load_settings
 from sandbox.copyout import CopyReport
 from sandbox.docker import (
+    DEFAULT_DOCKER_RANGE,
     SECRETS_DIR,
     CommandSpec,
     DockerEngine,
     DockerPlan,
+    DockerRunNetwork,
     MemberCheck,
     SandboxError,
     already_gone,
     check_member,
     choose_subnets,
     command_config,
+    network_config,
     owner_alive,
     sandbox_user,
 )
@@ -751,3 +754,47 @@ def test_the_compose_sandboxs_seccomp_profile_is_the_one_egressd_generates() -> 
     #   print(json.dumps(docker_profile(), indent=1, sort_keys=True))' > docker/sandbox-seccomp.json
     path = Path(__file__).parent.parent / "docker" / "sandbox-seccomp.json"
     assert json.loads(path.read_text()) == json.loads(json.dumps(docker_profile(machine="x86_64")))
+
+
+class _StaleView:
+    """The engine, except that its first list of taken subnets is one from before another run took one."""
+
+    def __init__(self, engine: DockerEngine, stale: list[Any]) -> None:
+        self._engine = engine
+        self._stale: list[Any] | None = stale
+
+    async def taken_subnets(self) -> list[Any]:
+        if self._stale is not None:
+            stale, self._stale = self._stale, None
+            return stale
+        return await self._engine.taken_subnets()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+async def test_a_subnet_another_run_took_meanwhile_is_given_up_for_another(engine: DockerEngine) -> None:
+    """The race two runs starting together lose: both pick the same free /28, the engine refuses the second."""
+    before = await engine.taken_subnets()
+    [wanted, _] = choose_subnets(DEFAULT_DOCKER_RANGE, before, count=2)
+    blocker = f"egressd-test-blocker-{secrets.token_hex(4)}"
+    await engine.client.networks.create(
+        network_config(blocker, wanted, internal=True, labels={"egressd.test": str(os.getpid())})
+    )
+    net = None
+    try:
+        stale = _StaleView(engine, before)
+        net = await DockerRunNetwork.create(stale, labels={"egressd.test": str(os.getpid())})  # type: ignore[arg-type]
+        assert not net.plan.internal.overlaps(wanted) and not net.plan.outgoing.overlaps(wanted)
+        pool = ipaddress.ip_network(DEFAULT_DOCKER_RANGE)
+        assert net.plan.internal.subnet_of(pool) and net.note == ""  # retried in the pool, not sent elsewhere
+    finally:
+        if net is not None:
+            await net.destroy()
+        await engine.remove_network(blocker)
+
+
+async def test_runs_started_together_never_collide(engine: DockerEngine, tmp_path: Path) -> None:
+    runs = [tmp_path / str(n) for n in range(3)]
+    results = await asyncio.gather(*(egressd_run(path, "--", "sh", "-c", "echo ran") for path in runs))
+    assert [(code, out) for code, out, _ in results] == [(0, "ran\n")] * 3, [err for _, _, err in results]
