@@ -110,7 +110,7 @@ class JsonlAuditSink:
     directories above the last component are the operator's own and are
     resolved as usual.
 
-    The first failed write (``ENOSPC``, ``EIO``, a short write, ...) is
+    The first failed write (``ENOSPC``, ``EIO``, a short write whose rest cannot be written, ...) is
     logged once on the ``egressd.audit`` logger and makes the sink unhealthy
     for good: a log with a hole in it is not trusted to carry on. With
     ``fsync=True`` every write is followed by ``fsync`` (slower; survives a
@@ -283,16 +283,21 @@ class JsonlAuditSink:
         if not batch:
             return
         data = batch[0] if len(batch) == 1 else b"".join(batch)
+        written = 0
         try:
-            written = os.write(self._fd, data)
+            # A short write is followed by one for the rest (the single writer's O_APPEND puts it
+            # right after): it completes the batch, or fails with the reason (ENOSPC, EDQUOT, EIO).
+            while written < size:
+                n = os.write(self._fd, data[written:] if written else data)
+                if n <= 0:
+                    raise OSError(errno.EIO, "the file took no bytes")
+                written += n
             if self._fsync:
                 os.fsync(self._fd)
         except OSError as exc:
-            self._fail(exc.strerror or str(exc))
+            why = exc.strerror or str(exc)
+            self._fail(why if not written else f"{why} (after {written} of {size} bytes)")
             raise AuditError(f"audit log {self._path} write failed: {self._failure}") from exc
-        if written != size:
-            self._fail(f"short write ({written} of {size} bytes)")
-            raise AuditError(f"audit log {self._path} write failed: {self._failure}")
         self._size += written
         self._prev = last_hash
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from audit.log import AuditError, JsonlAuditSink
@@ -192,7 +193,7 @@ def tiny_filesystem(kib: int) -> Iterator[Path]:
         mountpoint.rmdir()
 
 
-async def test_a_full_disk_lets_no_request_out_unrecorded(make_egressd, http_origin) -> None:
+async def test_a_full_disk_lets_no_request_out_unrecorded(make_egressd, http_origin, caplog) -> None:
     """The reported breach: 67 requests at the origin, 66 allow records. Now: equal, then 503 audit_unavailable."""
     with tiny_filesystem(64) as fs:
         log = fs / "audit.jsonl"
@@ -218,6 +219,10 @@ async def test_a_full_disk_lets_no_request_out_unrecorded(make_egressd, http_ori
             writer.close()
             assert (status, headers["x-egress-reason"]) == (503, "audit_unavailable")
         assert len(http_origin.requests) == reached
+        async with aiohttp.ClientSession(svc.control_address) as http:  # says why, to a monitor
+            async with http.get("/health") as resp:
+                assert (resp.status, (await resp.json())["audit"]) == (503, False)
+        assert any("No space left on device" in r.getMessage() for r in caplog.records if r.name == "egressd.audit")
         await svc.close(grace_s=0)
 
 
