@@ -58,8 +58,14 @@ def run_audit(args: argparse.Namespace, settings: Settings) -> int:
         )
         return 1
     bad: list[int] = []
-    # Joined before filtering: an egress.end carries no host or decision of its own.
-    everything, offset = read_records_from(path, AuditFilter(), on_bad_line=lambda off, why: bad.append(off))
+    # The rotated files first (oldest first), so a connection and its end join across a rotation;
+    # joined before filtering: an egress.end carries no host or decision of its own.
+    everything: list[dict[str, object]] = []
+    for older in log_files(path)[:-1]:
+        records, _ = read_records_from(older, AuditFilter(), on_bad_line=lambda off, why: bad.append(off))
+        everything += records
+    current, offset = read_records_from(path, AuditFilter(), on_bad_line=lambda off, why: bad.append(off))
+    everything += current
     joined = join_ends(everything)
     emit = _printer(args.json)
     emit(record for record in joined if flt.matches(record))

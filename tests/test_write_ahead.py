@@ -403,3 +403,21 @@ def test_egressd_audit_filters_the_joined_line(tmp_path: Path) -> None:
     )  # fmt: skip
     [line] = [json.loads(x) for x in shown.stdout.splitlines()]
     assert (line["event"], line["reason"]) == ("egress", "sni_mismatch")
+
+
+def test_egressd_audit_reads_the_rotated_files_too_and_joins_across_them(tmp_path: Path) -> None:
+    log = tmp_path / "audit.jsonl"
+    line = len(json.dumps(_record(0), separators=(",", ":"))) + 80
+    with JsonlAuditSink(log, max_bytes=line * 2, keep=5) as sink:
+        sink.write(_record(1))
+        sink.write(_record(2))
+        sink.write(_record(3))  # rotates: 1 and 2 are now in audit.jsonl.1
+        sink.write(egress_end_record(id="q-0000000000000001", ts=2.0, run="r", address=ORIGIN, bytes_up=3,
+                                     bytes_down=4, duration_s=0.1, end="closed"))  # fmt: skip
+    assert (tmp_path / "audit.jsonl.1").exists()
+    shown = subprocess.run(
+        [EGRESSD, "audit", "--audit-log", str(log), "--json"], env=_env(tmp_path),
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    lines = [json.loads(x) for x in shown.stdout.splitlines()]
+    assert [(r["id"][-1], r["end"]) for r in lines] == [("1", "closed"), ("2", "open"), ("3", "open")]
