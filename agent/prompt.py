@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sandbox.launcher import Observation
+from sandbox.backend import Observation
 
 SYSTEM_PROMPT = """\
 You are a coding agent. Everything you run happens inside a sandbox; a person \

@@ -35,7 +35,7 @@ from agent.spec import KEY_VARIABLES, SpecError, open_model, parse_model_spec
 from agent.transcript import TranscriptError, TranscriptWriter
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
-from sandbox.launcher import EXIT_CANNOT_START, Observation, SandboxError
+from sandbox.backend import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
 
 from .docker_session import copy_out

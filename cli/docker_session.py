@@ -82,8 +82,10 @@ from approvals.terminal import TerminalChannel, TerminalOutput
 from audit.log import AuditError, JsonlAuditSink
 from config.settings import SECRET_SETTINGS, Settings
 from proxy.runs import new_control_token
+from sandbox.backend import Observation, Sandbox, SandboxError
 from sandbox.copyout import CopyOutError, CopyReport
-from sandbox.docker import (
+from sandbox.docker.commands import DockerSandbox
+from sandbox.docker.config import (
     CONTROL_PORT,
     DEFAULT_DOCKER_RANGE,
     DEFAULT_EGRESSD_IMAGE,
@@ -91,17 +93,11 @@ from sandbox.docker import (
     EGRESSD_STATE,
     PROXY_PORT,
     SECRETS_DIR,
-    DockerEngine,
-    DockerRun,
-    DockerRunNetwork,
-    DockerSandbox,
-    SharedEgressdNetwork,
-    clean_leftovers,
-    read_file,
     seccomp_option,
-    start_egressd,
 )
-from sandbox.launcher import Observation, SandboxError
+from sandbox.docker.engine import DockerEngine, clean_leftovers
+from sandbox.docker.networks import DockerRun, DockerRunNetwork, SharedEgressdNetwork
+from sandbox.docker.sidecar import read_file, start_egressd
 
 from .controltoken import TokenFileError, UntrustedEndpoint, read_token_file, url_connector
 from .service import StartupError, entries_from_settings, token_path
@@ -398,7 +394,7 @@ class RemoteRun:
 
 
 class _SessionBox:
-    """The sandbox as runners see it: ``run`` also sends the command and collects its events."""
+    """The sandbox as runners see it (a ``backend.Sandbox``): ``run`` also sends the command and collects its events."""
 
     def __init__(self, session: DockerSession, sandbox: DockerSandbox) -> None:
         self._session = session
@@ -419,6 +415,9 @@ class _SessionBox:
 
     async def copy_out(self, patterns: list[str], dest: Path) -> CopyReport:
         return await self.sandbox.copy_out(patterns, dest)
+
+    async def destroy(self) -> None:
+        await self.sandbox.destroy()
 
 
 class DockerSession(SessionBase[_SessionBox]):
@@ -726,17 +725,13 @@ class DockerSession(SessionBase[_SessionBox]):
         self._observers.append(callback)
 
 
-async def copy_out(box: Any, patterns: list[str], dest: Path) -> CopyReport:
-    """``box.copy_out`` for either backend (the bubblewrap one is synchronous, Docker's a coroutine).
+async def copy_out(box: Sandbox, patterns: list[str], dest: Path) -> CopyReport:
+    """``box.copy_out``, whichever backend made ``box``.
 
     A refused destination or a backend failure is a ``SessionError`` ("copy-out
     failed: ...", exit 125), for ``egressd run`` and ``egressd agent`` alike.
     """
     try:
-        report = box.copy_out(patterns, dest)
-        if asyncio.iscoroutine(report):
-            report = await report
+        return await box.copy_out(patterns, dest)
     except (CopyOutError, SandboxError) as exc:
         raise SessionError(f"copy-out failed: {exc}") from None
-    assert isinstance(report, CopyReport)
-    return report

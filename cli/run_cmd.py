@@ -29,9 +29,9 @@ from typing import Any, TextIO
 from approvals.terminal import TerminalOutput
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
+from sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
 from sandbox.copyout import CopyOutError, check_destination, check_pattern
-from sandbox.docker import DEFAULT_DOCKER_RANGE
-from sandbox.launcher import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
+from sandbox.docker.config import DEFAULT_DOCKER_RANGE
 from sandbox.limits import Limits
 from sandbox.network import DEFAULT_RANGE
 

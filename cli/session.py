@@ -35,10 +35,11 @@ from approvals.terminal import TerminalOutput
 from audit.records import run_record
 from config.settings import Settings
 from proxy.runs import Run
+from sandbox.backend import Sandbox, SandboxError
 from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
 from sandbox.doctor import clean_tmp
 from sandbox.identity import refusal, run_as, unreachable
-from sandbox.launcher import Sandbox, SandboxError, owner_reaches
+from sandbox.launcher import BwrapSandbox, owner_reaches
 from sandbox.limits import Cgroup, cgroup_mode, leftover_cgroups
 from sandbox.network import (
     DEFAULT_RANGE,
@@ -97,7 +98,7 @@ class Session(Protocol):
     terminal_output: TerminalOutput
 
     @property
-    def box(self) -> Any: ...
+    def box(self) -> Sandbox: ...
 
     def set_command(self, command: str | None) -> None:
         """What the run executes now: shown in approval messages and audit records."""
@@ -226,7 +227,7 @@ class SessionBase(Generic[BoxT]):
         return ids
 
 
-class SandboxSession(SessionBase[Sandbox]):
+class SandboxSession(SessionBase[BwrapSandbox]):
     """Everything one sandboxed run needs, created and destroyed together."""
 
     def __init__(
@@ -305,7 +306,7 @@ class SandboxSession(SessionBase[Sandbox]):
                                deny=[e.text for e in deny], sources=[str(self.network.plan.sandbox_ip)]))
         stack.callback(self._end_run)
         try:
-            self._box = Sandbox(
+            self._box = BwrapSandbox(
                 network=self.network,
                 workdir=self.workdir,
                 proxy_url=f"http://{run.id}:{run.token}@{host}:{ports.proxy}",

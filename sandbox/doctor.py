@@ -216,7 +216,8 @@ async def check_docker() -> Check:
 
 async def _docker_images() -> str:
     """Whether the images ``egressd run --backend docker`` uses by default are here."""
-    from .docker import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerEngine, DockerUnavailable
+    from .docker.config import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE
+    from .docker.engine import DockerEngine, DockerUnavailable
 
     try:
         async with DockerEngine.connect() as engine:
@@ -231,7 +232,7 @@ async def _docker_images() -> str:
 
 async def clean_docker() -> list[str]:
     """Remove containers, networks and volumes of Docker runs whose egressd died ([] without Docker)."""
-    from .docker import DockerEngine, DockerUnavailable, clean_leftovers
+    from .docker.engine import DockerEngine, DockerUnavailable, clean_leftovers
 
     try:
         async with DockerEngine.connect() as engine:

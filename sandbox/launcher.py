@@ -2,9 +2,9 @@
 
     net = await RunNetwork.create()                    # namespace, veth, nftables
     ... start egressd on net.plan.host_ip, register a run for net.plan.sandbox_ip ...
-    box = Sandbox(network=net, workdir=..., proxy_url=...)
+    box = BwrapSandbox(network=net, workdir=..., proxy_url=...)
     obs = await box.run(["pip", "download", "requests"], limits=Limits(timeout_s=60))
-    box.copy_out(["dist/*.whl"], Path("out"))
+    await box.copy_out(["dist/*.whl"], Path("out"))
     await box.destroy()                                # and net.destroy()
 
 Each command is a fresh bubblewrap invocation entered into the run's network
@@ -35,16 +35,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import select
 import shutil
 import subprocess
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
 
+from .backend import (
+    DEFAULT_MAX_OUTPUT,
+    EXIT_MEMORY,
+    EXIT_TIMEOUT,
+    NO_LIMITS,
+    BoundedOutput,
+    Observation,
+    OutputSink,
+    SandboxError,
+)
 from .bwrap import BwrapSpec, base_environment, bwrap_argv, environment_args, generated_etc, host_layout
 from .copyout import CopyReport, copy_out
 from .identity import refusal, run_as
@@ -52,14 +59,6 @@ from .limits import Cgroup, Limits, rlimits_in_child
 from .network import RunNetwork
 from .seccomp import SeccompUnsupported, build_filter
 
-EXIT_TIMEOUT = 124
-EXIT_CANNOT_START = 125
-EXIT_MEMORY = 137
-# Captured output beyond this is cut (with a marker): an observation for a model
-# has to fit in its context, and a runaway command must not fill our memory.
-DEFAULT_MAX_OUTPUT = 64 * 1024
-# run()'s default: no time or memory limit, DEFAULT_MAX_PIDS processes.
-NO_LIMITS = Limits()
 # What nsenter and bwrap are started with: nothing. Not egressd's environment
 # (its secrets would be in bwrap's init, readable inside), and not the
 # sandbox's either: nsenter starts as root and bwrap runs outside the sandbox,
@@ -68,78 +67,6 @@ NO_LIMITS = Limits()
 # absolute path and need no variable; the command gets its environment from
 # bwrap (``environment_args``).
 LAUNCH_ENVIRONMENT: dict[str, str] = {}
-
-
-class SandboxError(Exception):
-    """The sandbox could not be created or the command could not be started."""
-
-
-@dataclass
-class Observation:
-    """What one command did, as the agent runner reports it."""
-
-    exit_code: int
-    stdout: str = ""
-    stderr: str = ""
-    timed_out: bool = False
-    memory_exceeded: bool = False
-    duration_s: float = 0.0
-    stdout_truncated: int = 0
-    stderr_truncated: int = 0
-    egress_refusals: list[dict[str, Any]] = field(default_factory=list)
-
-
-class BoundedOutput:
-    """Keeps the first ``limit`` bytes of a stream and counts the rest."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.data = bytearray()
-        self.dropped = 0
-
-    def add(self, chunk: bytes) -> None:
-        room = self.limit - len(self.data)
-        if room > 0:
-            self.data += chunk[:room]
-        self.dropped += max(0, len(chunk) - max(room, 0))
-
-    def text(self) -> str:
-        text = self.data.decode("utf-8", errors="replace")
-        if self.dropped:
-            text += f"\n[… {self.dropped} more bytes truncated]"
-        return text
-
-
-class OutputSink(Protocol):
-    """Where ``relay=`` passes one of a command's streams: each chunk as it arrives, then its end.
-
-    ``FdOutput`` writes the bytes as they are; a terminal gets a sink from
-    cli that makes them inert first (``approvals.terminal.TerminalOutput``).
-    """
-
-    def add(self, chunk: bytes) -> None: ...
-
-    def end(self) -> None: ...
-
-
-class FdOutput:
-    """An ``OutputSink`` that writes the bytes as they are to one of our descriptors (a file, a pipe)."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-
-    def add(self, chunk: bytes) -> None:
-        view = memoryview(chunk)
-        while view:
-            try:
-                view = view[os.write(self.fd, view):]
-            except BlockingIOError:
-                select.select([], [self.fd], [])
-            except OSError:  # our own output is gone (closed pipe): drop, keep draining
-                return
-
-    def end(self) -> None:
-        pass
 
 
 class _Relay:
@@ -168,7 +95,7 @@ async def _pump(stream: asyncio.StreamReader | None, sink: BoundedOutput | _Rela
 async def owner_reaches(path: Path, uid: int, gid: int, nsenter: str = "nsenter") -> bool:
     """Whether ``uid``:``gid``, with no other group, can enter ``path``: bwrap, running as them, must.
 
-    Asked of the kernel, with the same change of identity as ``Sandbox.run``
+    Asked of the kernel, with the same change of identity as ``BwrapSandbox.run``
     (so ACLs and every directory above count), not worked out from modes.
     """
     probe = await asyncio.create_subprocess_exec(
@@ -180,8 +107,8 @@ async def owner_reaches(path: Path, uid: int, gid: int, nsenter: str = "nsenter"
     return await probe.wait() == 0
 
 
-class Sandbox:
-    """A working directory, an environment and a network, ready to run commands."""
+class BwrapSandbox:
+    """A working directory, an environment and a network, ready to run commands (``backend.Sandbox``)."""
 
     def __init__(
         self,
@@ -378,8 +305,9 @@ class Sandbox:
         if cgroup is not None:
             cgroup.kill_all()
 
-    def copy_out(self, patterns: list[str], dest: Path) -> CopyReport:
-        return copy_out(self.workdir, patterns, dest)
+    async def copy_out(self, patterns: list[str], dest: Path) -> CopyReport:
+        # Plain file system work, kept off the event loop (egressd serves the run meanwhile).
+        return await asyncio.to_thread(copy_out, self.workdir, patterns, dest)
 
     async def destroy(self) -> None:
         """Remove the sandbox's own files (the network is its creator's to destroy)."""

@@ -29,7 +29,8 @@ from typing import Any
 
 from aiohttp import web
 
-from sandbox.docker import LABEL_OWNER, DockerEngine
+from sandbox.docker.config import LABEL_OWNER
+from sandbox.docker.engine import DockerEngine
 
 # The egressd image under test (another tag: one built from this tree while other trees build egressd:latest).
 EGRESSD_IMAGE = os.environ.get("EGRESSD_TEST_IMAGE", "egressd:latest")

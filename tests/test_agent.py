@@ -22,7 +22,7 @@ from agent.prompt import render_observation, system_prompt
 from agent.script import ScriptError, ScriptModel, parse_script
 from agent.spec import Api, SpecError, api_key, open_model, parse_model_spec
 from agent.transcript import TranscriptWriter
-from sandbox.launcher import Observation
+from sandbox.backend import Observation
 from tests.fakemodels import FakeModelServer
 from tests.harness import LEAK
 

@@ -185,7 +185,7 @@ def _archive(*members: tuple[str, bytes | None]) -> io.BytesIO:
 
 
 def test_the_docker_archive_goes_through_the_same_writer(tmp_path: Path) -> None:
-    from sandbox.docker import _extract
+    from sandbox.docker.commands import _extract
 
     work, dest, forbidden = tmp_path / "work", tmp_path / "dest", tmp_path / "forbidden"
     for path in (work, dest / "sub", forbidden):
@@ -209,7 +209,7 @@ def test_the_docker_archive_goes_through_the_same_writer(tmp_path: Path) -> None
 
 @pytest.fixture
 async def engine() -> AsyncIterator[Any]:
-    from sandbox.docker import DockerEngine
+    from sandbox.docker.engine import DockerEngine
     from tests import dockerbed
 
     ok, why = dockerbed.engine_answers()

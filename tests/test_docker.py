@@ -36,24 +36,22 @@ import pytest
 
 from cli.docker_session import DockerSession, sidecar_environment
 from config.settings import load_settings
+from sandbox.backend import SandboxError
 from sandbox.copyout import CopyReport
-from sandbox.docker import (
+from sandbox.docker.config import (
     DEFAULT_DOCKER_RANGE,
     SECRETS_DIR,
     CommandSpec,
-    DockerEngine,
     DockerPlan,
-    DockerRunNetwork,
     MemberCheck,
-    SandboxError,
-    already_gone,
     check_member,
     choose_subnets,
     command_config,
     network_config,
-    owner_alive,
     sandbox_user,
 )
+from sandbox.docker.engine import DockerEngine, already_gone, owner_alive
+from sandbox.docker.networks import DockerRunNetwork
 from sandbox.limits import Limits
 from sandbox.seccomp import docker_profile
 from tests import dockerbed
@@ -132,6 +130,13 @@ def test_subnets_are_link_local_or_cgnat_and_never_overlap() -> None:
         with pytest.raises(ValueError):
             choose_subnets(pool, [])
     assert choose_subnets("100.64.64.0/24", [])[0] == ipaddress.ip_network("100.64.64.0/28")
+
+
+def test_runs_starting_together_can_spread_over_the_free_subnets() -> None:
+    first = choose_subnets("100.64.64.0/24", [])
+    assert first == [ipaddress.ip_network("100.64.64.0/28"), ipaddress.ip_network("100.64.64.16/28")]
+    assert choose_subnets("100.64.64.0/24", [], skip=3)[0] == ipaddress.ip_network("100.64.64.48/28")
+    assert choose_subnets("100.64.64.0/24", [], skip=15) == first  # past the last pair: round to the start
 
 
 def test_subnets_skip_the_cloud_metadata_range() -> None:

@@ -40,13 +40,9 @@ from cli.docker_session import DockerSession, sidecar_environment, sidecar_secre
 from cli.session import SessionError
 from config.settings import load_settings
 from proxy.control import _run_address
-from sandbox.docker import (
-    DockerEngine,
-    DockerRunNetwork,
-    clean_leftovers,
-    containers_serving,
-    start_egressd,
-)  # noqa: F401
+from sandbox.docker.engine import DockerEngine, clean_leftovers, containers_serving  # noqa: F401
+from sandbox.docker.networks import DockerRunNetwork  # noqa: F401
+from sandbox.docker.sidecar import start_egressd  # noqa: F401
 from tests import dockerbed
 from tests.dockerbed import (
     ORIGIN_NAME,

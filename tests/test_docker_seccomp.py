@@ -23,7 +23,7 @@ import pytest
 from cli.docker_session import DockerSession
 from cli.session import SessionError
 from config.settings import load_settings
-from sandbox.docker import DockerEngine
+from sandbox.docker.engine import DockerEngine
 from sandbox.seccomp import docker_profile
 from tests import dockerbed
 from tests.dockerbed import SANDBOX_IMAGE, TEST_LABELS, free_test_range, leftovers

@@ -29,10 +29,11 @@ from typing import Any
 
 import pytest
 
+from sandbox.backend import SandboxError
 from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID, generated_etc, host_layout
-from sandbox.docker import LABEL_OWNER, LABEL_RUN, DockerEngine, clean_leftovers
+from sandbox.docker.config import LABEL_OWNER, LABEL_RUN
+from sandbox.docker.engine import DockerEngine, clean_leftovers
 from sandbox.identity import refusal, run_as
-from sandbox.launcher import SandboxError
 from sandbox.stage import STAGE_DIR, remount_flags
 from tests import dockerbed
 from tests.harness import have, require

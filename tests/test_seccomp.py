@@ -233,12 +233,13 @@ def test_no_sandbox_and_no_sandbox_container_is_made_without_the_filter(
 ) -> None:
     import platform
 
-    from sandbox.docker import CommandSpec, command_config
-    from sandbox.launcher import Sandbox, SandboxError
+    from sandbox.backend import SandboxError
+    from sandbox.docker.config import CommandSpec, command_config
+    from sandbox.launcher import BwrapSandbox
 
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     with pytest.raises(SandboxError, match="this machine is aarch64"):
-        Sandbox(network=None, workdir=tmp_path, proxy_url="http://r:t@169.254.100.1:3128")  # type: ignore[arg-type]
+        BwrapSandbox(network=None, workdir=tmp_path, proxy_url="http://r:t@169.254.100.1:3128")  # type: ignore[arg-type]
     spec = CommandSpec(image="img", argv=["true"], env={}, workdir="/w", network="net", address="169.254.64.3",
                        dns="169.254.64.2", labels={}, machine="arm64")
     with pytest.raises(SandboxError, match="this machine is arm64"):

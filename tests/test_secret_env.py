@@ -332,7 +332,7 @@ async def test_a_loader_variable_passed_with_env_reaches_the_command_alone(tmp_p
 
 def test_the_sidecar_gets_its_secrets_as_files_not_as_variables() -> None:
     from cli.docker_session import sidecar_environment, sidecar_secrets
-    from sandbox.docker import SECRETS_DIR
+    from sandbox.docker.config import SECRETS_DIR
 
     markers = secret_markers()
     settings = load_settings({
@@ -357,7 +357,7 @@ def test_the_sidecar_gets_its_secrets_as_files_not_as_variables() -> None:
 
 
 def test_the_sidecars_secret_files_are_its_users_alone() -> None:
-    from sandbox.docker import EGRESSD_STATE, SECRETS_DIR, SIDECAR_GID, SIDECAR_UID, secrets_archive
+    from sandbox.docker.config import EGRESSD_STATE, SECRETS_DIR, SIDECAR_GID, SIDECAR_UID, secrets_archive
 
     data = secrets_archive({"control_token": "t0ken", "webhook_secret": "whsec_x"})
     assert SECRETS_DIR.startswith(EGRESSD_STATE + "/")
@@ -374,7 +374,7 @@ def test_the_sidecars_secret_files_are_its_users_alone() -> None:
 
 @contextlib.asynccontextmanager
 async def _engine() -> AsyncIterator[Any]:
-    from sandbox.docker import DockerEngine
+    from sandbox.docker.engine import DockerEngine
     from tests import dockerbed
 
     ok, why = dockerbed.engine_answers()

@@ -1,0 +1,135 @@
+"""What every sandbox backend is and gives: the ``Sandbox`` protocol and its vocabulary.
+
+Two backends implement it: bubblewrap in a network namespace
+(``launcher.BwrapSandbox``) and a container per command on a Docker Engine
+(``docker.commands.DockerSandbox``). ``egressd run`` and ``egressd agent``
+use only what is here, whichever made the sandbox, and one conformance
+suite (tests/conformance) holds both to it: a command's exit code and
+output, the time limit (exit 124) and the memory limit (exit 137), output
+cut at ``max_output``, a working directory that persists between commands
+(and a /tmp that does not), and copy-out's rules.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from .copyout import CopyReport
+from .limits import Limits
+
+EXIT_TIMEOUT = 124
+EXIT_CANNOT_START = 125
+EXIT_MEMORY = 137
+# Captured output beyond this is cut (with a marker): an observation for a model
+# has to fit in its context, and a runaway command must not fill our memory.
+DEFAULT_MAX_OUTPUT = 64 * 1024
+# run()'s default: no time or memory limit, DEFAULT_MAX_PIDS processes.
+NO_LIMITS = Limits()
+
+
+class SandboxError(Exception):
+    """The sandbox could not be created or the command could not be started."""
+
+
+@dataclass
+class Observation:
+    """What one command did, as the agent runner reports it."""
+
+    exit_code: int
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+    memory_exceeded: bool = False
+    duration_s: float = 0.0
+    stdout_truncated: int = 0
+    stderr_truncated: int = 0
+    egress_refusals: list[dict[str, Any]] = field(default_factory=list)
+
+
+class BoundedOutput:
+    """Keeps the first ``limit`` bytes of a stream and counts the rest."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.data = bytearray()
+        self.dropped = 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.limit - len(self.data)
+        if room > 0:
+            self.data += chunk[:room]
+        self.dropped += max(0, len(chunk) - max(room, 0))
+
+    def text(self) -> str:
+        text = self.data.decode("utf-8", errors="replace")
+        if self.dropped:
+            text += f"\n[… {self.dropped} more bytes truncated]"
+        return text
+
+
+class OutputSink(Protocol):
+    """Where ``relay=`` passes one of a command's streams: each chunk as it arrives, then its end.
+
+    ``FdOutput`` writes the bytes as they are; a terminal gets a sink from
+    cli that makes them inert first (``approvals.terminal.TerminalOutput``).
+    """
+
+    def add(self, chunk: bytes) -> None: ...
+
+    def end(self) -> None: ...
+
+
+class FdOutput:
+    """An ``OutputSink`` that writes the bytes as they are to one of our descriptors (a file, a pipe)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def add(self, chunk: bytes) -> None:
+        view = memoryview(chunk)
+        while view:
+            try:
+                view = view[os.write(self.fd, view):]
+            except BlockingIOError:
+                select.select([], [self.fd], [])
+            except OSError:  # our own output is gone (closed pipe): drop, keep draining
+                return
+
+    def end(self) -> None:
+        pass
+
+
+@runtime_checkable
+class Sandbox(Protocol):
+    """A working directory, an environment and a network whose only way out is egressd."""
+
+    async def run(
+        self,
+        command: Sequence[str],
+        *,
+        limits: Limits = NO_LIMITS,
+        capture: bool = True,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        stdin: int | None = None,
+        relay: tuple[OutputSink, OutputSink] | None = None,
+    ) -> Observation:
+        """Run one command to completion (or its limits); raise ``SandboxError`` if it cannot start.
+
+        ``capture=False`` passes stdout and stderr on as they come (to
+        ``relay``'s sinks, else to ours); ``stdin``: a descriptor to read, or
+        /dev/null.
+        """
+        ...
+
+    async def copy_out(self, patterns: list[str], dest: Path) -> CopyReport:
+        """Copy the working directory's regular files matching ``patterns`` to ``dest`` (``copyout``'s rules)."""
+        ...
+
+    async def destroy(self) -> None:
+        """Remove what the sandbox made (idempotent); its network is its creator's."""
+        ...

@@ -1,0 +1,340 @@
+"""The sandbox on Docker: each command a fresh, hardened container (``backend.Sandbox``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import stat
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiodocker.exceptions import DockerError
+
+from ..backend import (
+    DEFAULT_MAX_OUTPUT,
+    EXIT_MEMORY,
+    EXIT_TIMEOUT,
+    NO_LIMITS,
+    BoundedOutput,
+    FdOutput,
+    Observation,
+    OutputSink,
+    SandboxError,
+)
+from ..bwrap import SANDBOX_WORKDIR, base_environment
+from ..copyout import MAX_BYTES, MAX_FILES, CopyReport, Destination, check_pattern, unmatched_patterns
+from ..limits import Limits
+from ..stage import stage, unstage
+from .config import (
+    API_TIMEOUT_S,
+    COPY_TIMEOUT_S,
+    DEFAULT_CPUS,
+    WORKDIR_ROOT,
+    CommandSpec,
+    check_member,
+    command_config,
+    member_kind,
+    sandbox_user,
+    seccomp_option,
+)
+from .engine import DockerEngine, DockerUnavailable, boot_id, container_state, engine_errors, owner_alive, owner_token
+
+# -- the sandbox -------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcome:
+    exit_code: int = -1
+    oom: bool = False
+
+
+@dataclass
+class DockerSandbox:
+    """Run commands as containers on the run's internal network; the launcher's ``Sandbox`` API.
+
+    ``run`` returns the same ``Observation``; ``copy_out`` and ``destroy``
+    are coroutines here (the engine is across a socket).
+    """
+
+    engine: DockerEngine
+    network: str
+    address: str
+    dns: str
+    image: str
+    workdir: Path
+    proxy_url: str
+    labels: Mapping[str, str]
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    term: str | None = None
+    runtime: str | None = None
+    cpus: float | None = DEFAULT_CPUS
+    machine: str = "x86_64"  # the engine's architecture, for the seccomp profile
+    env: dict[str, str] = field(init=False)
+    user: tuple[int, int] = field(init=False)
+    _stage: Path = field(init=False)  # what the engine mounts at /work: the working directory, nosuid,nodev
+    _current: str | None = field(default=None, init=False)
+    _destroyed: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.workdir = self.workdir.resolve()
+        if not self.workdir.is_dir():
+            raise SandboxError(f"working directory {self.workdir} does not exist")
+        seccomp_option(self.machine)  # an engine the profile is not written for: refused here, not per command
+        boot = boot_id()
+        try:
+            self._stage, self.user = stage(
+                self.workdir, owner=owner_token(), alive=lambda token: owner_alive(token, boot_id=boot),
+                identity=lambda uid, gid: sandbox_user(uid, gid, workdir=str(self.workdir)),
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot mount the working directory nosuid,nodev for the sandbox (egressd needs "
+                               f"root for that): {exc}") from None
+        self.env = base_environment(term=self.term, proxy_url=self.proxy_url, extra=self.extra_env)
+
+    async def run(
+        self,
+        command: Sequence[str],
+        *,
+        limits: Limits = NO_LIMITS,
+        capture: bool = True,
+        max_output: int = DEFAULT_MAX_OUTPUT,
+        stdin: int | None = None,
+        relay: tuple[OutputSink, OutputSink] | None = None,
+    ) -> Observation:
+        """Run one command in a fresh container to completion (or its limits).
+
+        ``capture=False`` passes stdout/stderr on as they come, to
+        ``relay=(out_sink, err_sink)`` or else to ours as they are (the
+        command never holds a descriptor of ours: its output crosses the
+        engine's socket).
+        ``stdin`` is a file descriptor whose contents the command reads
+        (default: nothing, an empty stdin).
+        """
+        if self._destroyed:
+            raise SandboxError("the sandbox was destroyed")
+        spec = CommandSpec(image=self.image, argv=command, env=self.env, workdir=str(self._stage),
+                           network=self.network, address=self.address, dns=self.dns, labels=self.labels,
+                           limits=limits, user=self.user, cpus=self.cpus, runtime=self.runtime,
+                           stdin=stdin is not None, machine=self.machine)
+        started = time.monotonic()
+        out, err = BoundedOutput(max_output), BoundedOutput(max_output)
+        sinks = None if capture else (relay or (FdOutput(sys.stdout.fileno()), FdOutput(sys.stderr.fileno())))
+        with engine_errors("cannot start the command's container"):
+            async with asyncio.timeout(API_TIMEOUT_S):
+                container = await self.engine.client.containers.create(command_config(spec))
+        self._current = container.id
+        timed_out = False
+        outcome = _Outcome()
+        try:
+            with engine_errors("cannot attach to the command's container"):
+                stream = container.attach(stdout=True, stderr=True, stdin=stdin is not None)
+                async with asyncio.timeout(API_TIMEOUT_S):
+                    await stream.__aenter__()  # attached before it starts: no output is missed
+            try:
+                with engine_errors("cannot start the command's container"):
+                    async with asyncio.timeout(API_TIMEOUT_S):
+                        await container.start()
+                async with asyncio.TaskGroup() as tasks:
+                    work = tasks.create_task(self._follow(container, stream, out, err, sinks, stdin, outcome))
+                    try:
+                        async with asyncio.timeout(limits.timeout_s):
+                            await asyncio.shield(work)
+                    except TimeoutError:
+                        timed_out = True
+                        await self._kill(container.id)
+                        try:
+                            async with asyncio.timeout(10):
+                                await asyncio.shield(work)
+                        except TimeoutError:
+                            work.cancel()
+            finally:
+                await stream.close()
+        finally:
+            self._current = None
+            # Removal must happen even when we are being cancelled (Ctrl-C).
+            await asyncio.shield(self._remove(container.id))
+        code = outcome.exit_code
+        if timed_out:
+            code = EXIT_TIMEOUT
+        elif outcome.oom:
+            code = EXIT_MEMORY
+        return Observation(
+            exit_code=code,
+            stdout=out.text(),
+            stderr=err.text(),
+            timed_out=timed_out,
+            memory_exceeded=outcome.oom and not timed_out,
+            duration_s=time.monotonic() - started,
+            stdout_truncated=out.dropped,
+            stderr_truncated=err.dropped,
+        )
+
+    async def _follow(
+        self,
+        container: Any,
+        stream: Any,
+        out: BoundedOutput,
+        err: BoundedOutput,
+        sinks: tuple[OutputSink, OutputSink] | None,
+        stdin: int | None,
+        outcome: _Outcome,
+    ) -> None:
+        """Pump output (and stdin) until the container ends, then read its exit status."""
+        async with asyncio.TaskGroup() as tasks:
+            feeder = tasks.create_task(_feed_stdin(stream, stdin)) if stdin is not None else None
+            while (message := await stream.read_out()) is not None:
+                if sinks is None:
+                    (out if message.stream == 1 else err).add(message.data)
+                else:
+                    (sinks[0] if message.stream == 1 else sinks[1]).add(message.data)
+            for sink in sinks or ():
+                sink.end()
+            with engine_errors("cannot wait for the command's container"):
+                await container.wait()
+            state = await container_state(self.engine, container.id)
+            outcome.exit_code = int(state.get("ExitCode", -1))
+            outcome.oom = bool(state.get("OOMKilled", False))
+            if feeder is not None:  # stdin may still be open: the command is done with it
+                feeder.cancel()
+
+    async def _kill(self, container_id: str) -> None:
+        # SIGKILL to the container's init takes its PID namespace, every process in it, down.
+        with contextlib.suppress(DockerError, TimeoutError, OSError):
+            async with asyncio.timeout(API_TIMEOUT_S):
+                await self.engine.client.containers.container(container_id).kill(signal="SIGKILL")
+
+    async def _remove(self, container_id: str) -> None:
+        with contextlib.suppress(DockerUnavailable, TimeoutError):
+            await self.engine.remove_container(container_id)
+
+    async def copy_out(
+        self,
+        patterns: list[str],
+        dest: Path,
+        *,
+        max_files: int = MAX_FILES,
+        max_bytes: int = MAX_BYTES,
+    ) -> CopyReport:
+        """Copy matching regular files of the working directory to ``dest`` via the archive API.
+
+        The same rules as ``copyout.copy_out``: on the source side
+        ``check_member`` (safe relative names, no links, no devices, bounded
+        count and bytes, every skipped match and every pattern that matched
+        nothing reported); on the destination side the same ``Destination``
+        writer, opened before anything is fetched (CopyOutError: a link, or
+        inside the working directory).
+        """
+        for pattern in patterns:
+            check_pattern(pattern)
+        report = CopyReport()
+        out = await asyncio.to_thread(Destination.open, dest, workdir=self.workdir)
+        try:
+            # A created, never started container with the same mount: the archive
+            # API reads /work from it, whatever the engine's host looks like.
+            spec = CommandSpec(image=self.image, argv=["true"], env={}, workdir=str(self._stage), network="none",
+                               address="", dns=self.dns, labels=self.labels)
+            config = command_config(spec)
+            config["HostConfig"]["NetworkMode"] = "none"
+            for key in ("Dns", "DnsOptions"):
+                config["HostConfig"].pop(key)
+            config.pop("NetworkingConfig")
+            with engine_errors("cannot read the working directory"):
+                async with asyncio.timeout(API_TIMEOUT_S):
+                    container = await self.engine.client.containers.create(config)
+            try:
+                async with asyncio.timeout(COPY_TIMEOUT_S):
+                    with tempfile.TemporaryFile() as spool:
+                        await self._fetch_archive(container.id, spool, max_bytes)
+                        spool.seek(0)
+                        await asyncio.to_thread(_extract, spool, patterns, out, report, max_files, max_bytes)
+            except TimeoutError:
+                raise SandboxError(f"copy-out took longer than {COPY_TIMEOUT_S:g}s") from None
+            finally:
+                await asyncio.shield(self._remove(container.id))
+        finally:
+            out.close()
+        return report
+
+    async def _fetch_archive(self, container_id: str, spool: Any, max_bytes: int) -> None:
+        # The whole working directory is read (only the engine can walk it), but
+        # at most a bounded amount beyond the copy-out limit is kept.
+        limit = max_bytes * 4 + 64 * 1024 * 1024
+        total = 0
+        with engine_errors("cannot read the working directory"):
+            async with self.engine.client._query(
+                f"containers/{container_id}/archive", params={"path": SANDBOX_WORKDIR}
+            ) as resp:
+                async for chunk in resp.content.iter_chunked(1024 * 1024):
+                    total += len(chunk)
+                    if total > limit:
+                        mib = limit // (1024 * 1024)
+                        raise SandboxError(f"the working directory is over {mib} MiB; copy-out refused")
+                    await asyncio.to_thread(spool.write, chunk)
+
+    async def destroy(self) -> None:
+        """Kill and remove a command's container still running (the network's owner removes the rest)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        if self._current is not None:
+            await self._remove(self._current)
+        unstage(self._stage)
+
+
+def _extract(
+    spool: Any, patterns: list[str], out: Destination, report: CopyReport, max_files: int, max_bytes: int
+) -> None:
+    """Write the files ``check_member`` lets through with ``out`` (runs in a thread: plain file I/O)."""
+    links: set[str] = set()
+    matched: list[str] = []
+    with tarfile.open(fileobj=spool, mode="r|") as tar:
+        for member in tar:
+            check = check_member(member.name, member_kind(member), member.size, root=WORKDIR_ROOT, patterns=patterns,
+                                 links=links, report=report, max_files=max_files, max_bytes=max_bytes)
+            if check.name is None:
+                continue
+            matched.append(check.name)
+            if check.skip is not None:
+                report.skipped.append((check.name, check.skip))
+                continue
+            source = tar.extractfile(member)
+            if source is None:
+                report.skipped.append((check.name, "not a regular file"))
+                continue
+            why = out.write(check.name, source, report=report, max_bytes=max_bytes)
+            if why is not None:
+                report.skipped.append((check.name, why))
+    report.unmatched = unmatched_patterns(patterns, matched)
+
+
+async def _feed_stdin(stream: Any, fd: int) -> None:
+    """Copy ``fd`` into the container's stdin, then half-close it (EOF for the command)."""
+    mode = os.fstat(fd).st_mode
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        # A file or a device such as /dev/null: a read never blocks for long (a
+        # terminal is never passed in: it stays the approval prompt's).
+        while chunk := await asyncio.to_thread(os.read, fd, 65536):
+            await stream.write_in(chunk)
+    else:
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader()
+        pipe = os.fdopen(os.dup(fd), "rb")
+        transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+        try:
+            while chunk := await reader.read(65536):
+                await stream.write_in(chunk)
+        finally:
+            transport.close()
+    # aiodocker's Stream.close() would close both directions; EOF on the write
+    # side alone is what StdinOnce waits for.
+    response = getattr(stream, "_resp", None)
+    transport = response.connection.transport if response is not None and response.connection else None
+    if transport is not None and transport.can_write_eof():
+        transport.write_eof()

@@ -1,0 +1,1 @@
+"""Suites every implementation of an interface passes, run against each implementation."""
