@@ -20,16 +20,22 @@ from ipaddress import ip_address
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from audit.log import JsonlAuditSink
 from proxy.policy import parse_entry
 from proxy.runs import Run
 from tests.conftest import Listener, MakeEgressd
+from tests.harness import wait_until
+from tests.webhookreceiver import WebhookReceiver, make_secret
 
 FLOOD_SOURCE = "127.0.0.11"
 DNS_QUERIES = 20_000
 REFUSED_CONNECTS = 2_000
 CONNECT_WORKERS = 40
 QUIET_TUNNELS = 20
+NEW_DOMAINS = 200
+PER_RUN = 5
 # The defaults (config.settings): 50 refusal records per run per 10 s.
 MAX_REFUSAL_RECORDS = 50
 REFUSAL_INTERVAL_S = 10.0
@@ -76,11 +82,11 @@ async def dns_flood(address: tuple[str, int], rng: random.Random) -> int:
     return replies
 
 
-async def connect_once(proxy: tuple[str, int], authority: str, extra: str) -> tuple[int, str]:
+async def connect_once(proxy: tuple[str, int], authority: str, extra: str, timeout_s: float = 10) -> tuple[int, str]:
     reader, writer = await asyncio.open_connection(*proxy)
     try:
         writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{extra}\r\n".encode())
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
         status = int(head.split(b" ", 2)[1])
         reason = next(
             (
@@ -191,3 +197,125 @@ async def test_a_refusal_flood_from_one_run_leaves_the_log_bounded_and_the_other
         assert one_by_one + by_dns_limits + by_budget == sent, (kind, one_by_one, by_dns_limits, by_budget)
     assert all(s["suppressed"] == sum(n for c in s["counts"].values() for n in c.values()) for s in summaries)
     assert all(s["samples"] and len(s["samples"]) <= 5 for s in summaries)
+
+
+# --- new-domain requests: at most max_pending_approvals per run reach a channel --------------------
+
+
+async def test_a_flood_of_new_domains_asks_a_channel_at_most_the_pending_cap_and_the_other_run_still_asks(
+    make_egressd: MakeEgressd, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret, key = make_secret()
+    monkeypatch.setenv("EGRESSD_APPROVER", "webhook")  # make_egressd's approver= is an Approver object
+    async with WebhookReceiver(key, mode="never") as receiver:  # answers 202 and never decides: all stay pending
+        svc = await make_egressd(
+            require_auth=True, webhook_url=receiver.url, webhook_secret=secret, approval_timeout=60
+        )
+        assert svc.settings.approver == ["webhook"] and svc.settings.max_pending_approvals == 5
+        flood = svc.runs.create(task="flood", allow=[])
+        quiet = svc.runs.create(task="quiet", allow=[])
+        tasks = [
+            asyncio.create_task(connect_once(svc.proxy_address, f"h{i}.unknown.test:443", credentials(flood), 60))
+            for i in range(NEW_DOMAINS)
+        ]
+        await wait_until(lambda: sum(t.done() for t in tasks) >= NEW_DOMAINS - 5, timeout_s=30)
+        await asyncio.sleep(0.3)  # and no more than those
+        done = [t for t in tasks if t.done()]
+        held = [t for t in tasks if not t.done()]
+        assert Counter(t.result() for t in done) == {(403, "too_many_pending"): NEW_DOMAINS - 5}
+        assert len(held) == 5
+        await wait_until(lambda: len(receiver.requests) == 5)
+        # The other run is not starved of its own approvals.
+        quiet_task = asyncio.create_task(
+            connect_once(svc.proxy_address, "quiet.unknown.test:443", credentials(quiet), 60)
+        )
+        await wait_until(lambda: len(receiver.requests) == 6)
+        await asyncio.sleep(0.3)  # nothing more arrives
+        asked = Counter(r.payload["run"] for r in receiver.requests)
+        assert asked == {flood.id: 5, quiet.id: 1}
+        assert len({r.payload["id"] for r in receiver.requests}) == 6
+        await svc.close(grace_s=0)
+        for task in [*held, quiet_task]:
+            assert (await asyncio.wait_for(task, 10))[0] == 503  # shutting_down: nobody is left to answer
+    refused = [r for r in svc.audit_records if r.get("reason") == "too_many_pending"]  # type: ignore[attr-defined]
+    summarised = sum(
+        s["counts"].get("connect", {}).get("too_many_pending", 0)
+        for s in svc.audit_records  # type: ignore[attr-defined]
+        if s["event"] == "egress.suppressed"
+    )
+    assert len(refused) + summarised == NEW_DOMAINS - 5
+
+
+# --- connections: one run at its cap does not stop another run's ------------------------------------
+
+
+async def open_tunnel(proxy: tuple[str, int], authority: str, extra: str) -> tuple[int, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection(*proxy)
+    writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{extra}\r\n".encode())
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    return int(head.split(b" ", 2)[1]), writer
+
+
+async def test_a_run_at_its_connection_cap_does_not_stop_another_runs_connections(
+    make_egressd: MakeEgressd, echo_origin: Listener
+) -> None:
+    svc = await make_egressd(require_auth=True, max_connections_per_run=PER_RUN, max_connections=3 * PER_RUN)
+    allow = [parse_entry("origin.test:*")]
+    flood = svc.runs.create(task="flood", allow=allow, ask=False)
+    quiet = svc.runs.create(task="quiet", allow=allow, ask=False)
+    authority = f"origin.test:{echo_origin.port}"
+    held = [await open_tunnel(svc.proxy_address, authority, credentials(flood)) for _ in range(PER_RUN)]
+    assert [status for status, _ in held] == [200] * PER_RUN
+    over = [await open_tunnel(svc.proxy_address, authority, credentials(flood)) for _ in range(PER_RUN)]
+    assert [status for status, _ in over] == [429] * PER_RUN
+    theirs = [await open_tunnel(svc.proxy_address, authority, credentials(quiet)) for _ in range(PER_RUN)]
+    assert [status for status, _ in theirs] == [200] * PER_RUN
+    for _, writer in held + over + theirs:
+        writer.close()
+
+
+# --- slow request heads (slowloris): a run's unfinished heads count against its own cap -------------
+
+
+@pytest.mark.parametrize("listener", ["proxy", "transparent_tls"])
+async def test_a_run_holding_slow_heads_does_not_stop_another_runs_connections(
+    make_egressd: MakeEgressd, echo_origin: Listener, listener: str
+) -> None:
+    svc = await make_egressd(
+        require_auth=True,
+        max_connections_per_run=PER_RUN,
+        max_connections=3 * PER_RUN,
+        head_timeout_s=5,
+        transparent_tls="127.0.0.1:0",
+    )
+    allow = [parse_entry("origin.test:*")]
+    flood = svc.runs.create(task="flood", allow=allow, ask=False, sources=[ip_address(FLOOD_SOURCE)])
+    quiet = svc.runs.create(task="quiet", allow=allow, ask=False)
+    address = svc.proxy_address if listener == "proxy" else svc.transparent_tls_address
+    start = b"CONNECT origin.te" if listener == "proxy" else b"\x16\x03\x01\x02\x00\x01"  # never finished
+    slow = []
+    for _ in range(3 * PER_RUN):  # as many as egressd takes overall
+        reader, writer = await asyncio.open_connection(*address, local_addr=(FLOOD_SOURCE, 0))
+        writer.write(start)
+        slow.append((reader, writer))
+    try:
+
+        def flood_records() -> list[dict[str, Any]]:
+            return [r for r in svc.audit_records if r.get("run") == flood.id]  # type: ignore[attr-defined]
+
+        # Every slow client reached egressd: it holds a connection for it, or refused it.
+        await wait_until(lambda: svc.gate.metrics.connections_open + len(flood_records()) >= 3 * PER_RUN)
+        status, writer = await open_tunnel(svc.proxy_address, f"origin.test:{echo_origin.port}", credentials(quiet))
+        writer.close()
+        assert status == 200, "the quiet run was starved by the other run's slow heads"
+        # The flooding run's heads past its cap were refused at once, and said so.
+        over = flood_records()
+        assert (
+            flood.waiting_heads == PER_RUN
+            and len(over) == 2 * PER_RUN
+            and {r["reason"] for r in over} == {"limit_exceeded"}
+        )
+    finally:
+        for _, writer in slow:
+            writer.close()
+    await wait_until(lambda: flood.waiting_heads == 0 and flood.open_connections == 0)
