@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 
 import aiohttp
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from audit.records import suppressed_record
 from config.settings import SettingsError, load_settings
 from proxy.floods import MAX_SAMPLE_CHARS, MAX_SAMPLES, RefusalBudget
+from tests import hellos
 from tests.harness import connect_via, egress, wait_until
 
 
@@ -219,3 +221,18 @@ def test_the_refusal_budget_has_flags_and_sensible_defaults() -> None:
     flags = {flag: dest for flag, dest, _ in _COMMON}
     assert flags["--max-refusal-records"] == "max_refusal_records"
     assert flags["--refusal-interval-s"] == "refusal_interval_s"
+
+
+async def test_a_tunnel_cut_after_it_was_recorded_ahead_still_gets_its_end(make_egressd, echo_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"], ask=False, max_refusal_records=1, refusal_interval_s=60)
+    await refuse(svc, 3)  # the run's budget is spent
+    status, headers, _, reader, writer = await connect_via(svc, f"origin.test:{echo_origin.port}")
+    assert status == 200
+    writer.write(hellos.client_hello("elsewhere.test"))  # another server than the one allowed: sni_mismatch
+    await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    await wait_until(lambda: any(r["event"] == "egress.end" for r in svc.audit_records))
+    (end,) = [r for r in svc.audit_records if r["event"] == "egress.end"]
+    assert end["end"] == "sni_mismatch"
+    (ahead,) = [r for r in svc.audit_records if r["event"] == "egress" and r["id"] == end["id"]]
+    assert ahead["decision"] == "allow"  # written ahead, before the dial
