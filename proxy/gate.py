@@ -19,7 +19,9 @@ decide the same way:
 
 Each attempt is an ``Attempt`` that ``finish`` turns into its final audit
 record (the ``egress`` record of a refusal, the ``egress.end`` record of an
-opened connection), one run event and the metrics. The DNS server records its queries
+opened connection), one run event and the metrics; a refusal past its run's
+budget for the interval is counted into one ``egress.suppressed`` record
+instead (``floods.RefusalBudget``). The DNS server records its queries
 through ``begin``/``finish`` too, but never admits: a query is answered
 without asking anyone or resolving anything.
 """
