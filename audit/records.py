@@ -33,6 +33,7 @@ __all__ = [
     "EGRESS_FIELDS",
     "ENDS",
     "EGRESS_KINDS",
+    "EGRESS_SUPPRESSED",
     "RUN_END",
     "RUN_START",
     "RecordError",
@@ -43,6 +44,7 @@ __all__ = [
     "new_request_id",
     "rfc3339",
     "run_record",
+    "suppressed_record",
 ]
 
 EGRESS = "egress"
@@ -51,6 +53,7 @@ RUN_START = "run.start"
 RUN_END = "run.end"
 APPROVAL_REQUESTED = "approval.requested"
 APPROVAL_DECIDED = "approval.decided"
+EGRESS_SUPPRESSED = "egress.suppressed"
 
 # The design fixes these keys and their order; every egress record carries
 # all of them, null when not applicable, so readers never need .get().
@@ -292,6 +295,39 @@ def run_record(event: str, *, ts: float, run: str, **fields: object) -> dict[str
     record: dict[str, object] = {"event": event, "ts": rfc3339(ts), "run": run}
     record.update(_scrub_mapping(fields))
     return record
+
+
+def suppressed_record(
+    *,
+    ts: float,
+    run: str | None,
+    start: float,
+    end: float,
+    counts: Mapping[tuple[str, str], int],
+    samples: Sequence[str],
+) -> dict[str, object]:
+    """Build the ``egress.suppressed`` record: refusals of one run counted instead of recorded.
+
+    ``start``/``end`` bound the interval (epoch seconds); ``counts`` maps
+    (kind, reason) to how many refusals of that kind and reason were not
+    written one by one; ``suppressed`` is their sum; ``samples`` names a few
+    of the hosts asked for. ``decision`` is ``deny`` (every one was refused),
+    so ``egressd audit --decision deny`` shows it beside the refusals.
+    """
+    by_kind: dict[str, dict[str, int]] = {}
+    for (kind, reason), count in sorted(counts.items()):
+        by_kind.setdefault(str(kind), {})[str(reason)] = int(count)
+    return {
+        "event": EGRESS_SUPPRESSED,
+        "ts": rfc3339(ts),
+        "run": run,
+        "decision": "deny",
+        "start": rfc3339(start),
+        "end": rfc3339(end),
+        "suppressed": sum(by_kind[k][r] for k in by_kind for r in by_kind[k]),
+        "counts": by_kind,
+        "samples": [_strip_host(sample) for sample in samples],
+    }
 
 
 def approval_requested_record(

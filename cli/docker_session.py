@@ -116,6 +116,7 @@ PASSTHROUGH = (
     "slack_app_token", "slack_signing_secret", "slack_channel", "slack_approvers", "slack_api_url", "dns_strict",
     "upstream_dns", "audit_fsync", "max_head_bytes", "head_timeout_s", "connect_timeout_s",
     "idle_timeout_s", "max_connections", "max_connections_per_run", "shutdown_grace_s", "log_level",
+    "max_refusal_records", "refusal_interval_s",
 )
 
 

@@ -134,6 +134,12 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
      {"type": int, "metavar": "N", "help": "open client connections overall (default 10000)"}),
     ("--max-connections-per-run", "max_connections_per_run",
      {"type": int, "metavar": "N", "help": "open client connections per run (default 1000)"}),
+    ("--max-refusal-records", "max_refusal_records",
+     {"type": int, "metavar": "N",
+      "help": "refusal records per run per interval; past it they are counted in one egress.suppressed "
+      "record per interval (default 50)"}),
+    ("--refusal-interval-s", "refusal_interval_s",
+     {"type": float, "metavar": "S", "help": "the interval of --max-refusal-records (default 10)"}),
     ("--log-level", "log_level",
      {"choices": ["debug", "info", "warning", "error"], "help": "stderr log level (default info)"}),
     *_secret_file_flags(),

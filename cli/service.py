@@ -30,6 +30,7 @@ from config.settings import Settings, default_state_dir, parse_hostport
 from proxy.addresses import OwnEndpoints
 from proxy.control import PUBLIC_PATHS, build_app
 from proxy.dnsserver import DnsServer
+from proxy.floods import RefusalBudget
 from proxy.gate import Gate
 from proxy.metrics import Metrics
 from proxy.policy import Entry, EntryError, parse_entry
@@ -275,6 +276,7 @@ class EgressService:
             allow_private=s.allow_private_networks,
             own=own_endpoints(s),
             connect_timeout_s=s.connect_timeout_s,
+            refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s),
         )
         default = None
         if not s.require_auth:
@@ -413,6 +415,8 @@ class EgressService:
         if self._control_runner is not None:
             await self._control_runner.cleanup()
             self._control_runner = None
+        if self.gate is not None:
+            self.gate.flush_suppressed(every=True)  # refusals counted but not yet summarised
         if self.runs is not None and self.runs.default is not None and self.gate is not None:
             self._write_run_record(run_record("run.end", ts=time.time(), run=self.runs.default.id))
             self.runs = None

@@ -257,6 +257,15 @@ class Settings(BaseSettings):
     max_connections: int = Field(10000, ge=1, le=1_000_000, description="open client connections overall")
     max_connections_per_run: int = Field(1000, ge=1, le=1_000_000, description="open client connections per run")
     shutdown_grace_s: float = Field(10.0, ge=0, le=3600, description="time tunnels get to finish on shutdown")
+    # Floods: a run refused thousands of times a second (random DNS labels, unknown hosts)
+    # must not fill the disk. Past this many refusal records per interval, a run's further
+    # refusals are still refused but counted into one egress.suppressed record per interval.
+    max_refusal_records: int = Field(
+        50, ge=1, le=1_000_000, description="refusal records per run per interval; past it they are counted"
+    )
+    refusal_interval_s: float = Field(
+        10.0, ge=0.1, le=3600, description="the interval max_refusal_records counts over, in seconds"
+    )
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 

@@ -12,14 +12,15 @@ A connection flows through these modules, in this order:
 3. ``tunnel``   relays bytes both ways (CONNECT), or ``server`` forwards
    absolute-form HTTP requests one at a time;
 4. every attempt ends as exactly one audit record (``audit``), and refusals are
-   rendered by ``responses``.
+   rendered by ``responses``; past a run's budget of refusal records per
+   interval, its refusals are counted into one summary instead (``floods``).
 
 The sandbox-facing side: ``dnsserver`` answers every name with egressd's own
 address and forwards nothing; ``transparent`` reads the destination of a
 connection that arrives there from its TLS ClientHello (``clienthello``) or
 its Host header, and from then on everything happens as above.
 
-``hosts``, ``addresses``, ``policy``, ``http1``, ``clienthello`` and
+``hosts``, ``addresses``, ``policy``, ``http1``, ``clienthello``, ``floods`` and
 ``responses`` are pure: no I/O, no clock, no environment; so is the answering
 half of ``dnsserver``. ``control`` is the HTTP control API (aiohttp) and
 ``metrics`` its Prometheus counters.

@@ -306,6 +306,7 @@ async def end_run(request: web.Request) -> web.Response:
         request.app[RUNS].end(run.id)
     except RunError as exc:
         raise json_error(404, str(exc)) from None
+    request.app[GATE].flush_suppressed(run.id)  # what was counted in the run comes before its end
     _write_audit(request, run_record("run.end", ts=time.time(), run=run.id))
     return web.json_response({"id": run.id, "ended": True})
 

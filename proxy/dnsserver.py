@@ -710,6 +710,7 @@ class DnsServer:
         attempt.command = run.command if run is not None else None
         attempt.refuse(Reason.LIMIT_EXCEEDED)
         attempt.decided = True  # each query was counted in the metrics as it came
+        attempt.summary = True  # a count of others: written whatever the run's refusal budget
         attempt.extra.update(qtype=None, answer=None, suppressed=count, limit=limit)
         self.gate.finish(attempt)
 

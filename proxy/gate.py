@@ -19,7 +19,9 @@ decide the same way:
 
 Each attempt is an ``Attempt`` that ``finish`` turns into its final audit
 record (the ``egress`` record of a refusal, the ``egress.end`` record of an
-opened connection), one run event and the metrics. The DNS server records its queries
+opened connection), one run event and the metrics; a refusal past its run's
+budget for the interval is counted into one ``egress.suppressed`` record
+instead (``floods.RefusalBudget``). The DNS server records its queries
 through ``begin``/``finish`` too, but never admits: a query is answered
 without asking anyone or resolving anything.
 """
@@ -38,9 +40,10 @@ from typing import Any, TypeVar
 
 from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
 from audit.log import AuditError, AuditSink
-from audit.records import egress_end_record, egress_record, new_request_id
+from audit.records import egress_end_record, egress_record, new_request_id, suppressed_record
 
 from .addresses import OwnEndpoints, forbidden_reason, is_own
+from .floods import RefusalBudget, Suppressed
 from .hosts import parse_ip_literal
 from .memo import remembered
 from .metrics import Metrics
@@ -109,6 +112,8 @@ class Attempt:
     finished: bool = False
     # A spliced tunnel now owns the connection: it finishes the attempt when it ends.
     handed_off: bool = False
+    # A record that counts others (the DNS server's limits): never itself counted instead of written.
+    summary: bool = False
 
     def refuse(self, reason: Reason | str) -> None:
         self.decision = "deny"
@@ -153,6 +158,7 @@ class Gate:
         connect_timeout_s: float = 10.0,
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
+        refusals: RefusalBudget | None = None,
     ) -> None:
         self.resolver = resolver
         self.approver = approver
@@ -169,6 +175,9 @@ class Gate:
         self._texts: dict[IPAddress, str] = {}
         # Called with every finished egress record (e.g. `egressd run` prints refusals).
         self.observers: list[Callable[[dict[str, Any]], None]] = []
+        # Floods: past a run's budget, refusals are counted into egress.suppressed records (None: all written).
+        self.refusals = refusals
+        self._refusals_timer: asyncio.TimerHandle | None = None
 
     def begin(self, kind: str, client: str | None) -> Attempt:
         return Attempt(id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic())
@@ -379,7 +388,7 @@ class Gate:
         if run is not None:
             run.record_event(record)
         try:
-            self.audit.write(written)
+            self._write(attempt, written)
         except AuditError:
             pass  # the sink has said why once and is now unhealthy: new egress is refused
         for observer in self.observers:
@@ -407,6 +416,77 @@ class Gate:
             duration_s=duration_s,
             **(attempt.extra if final else {}),
         )
+
+    def _write(self, attempt: Attempt, record: dict[str, Any]) -> None:
+        """Write a finished attempt's record, unless it is a refusal past its run's budget (``floods``)."""
+        budget = self.refusals
+        if budget is None:
+            self.audit.write(record)
+            return
+        now = self.monotonic()
+        if budget.next_due is not None and now >= budget.next_due:
+            self._write_suppressed(budget.due(now))
+        # An opened attempt's egress.end follows its written-ahead record whatever the decision became.
+        if attempt.decision != "deny" or attempt.summary or attempt.opened:
+            self.audit.write(record)
+            return
+        run_id = attempt.run.id if attempt.run is not None else None
+        # A DNS query refused for its type has no reason code; its response code says why.
+        reason = attempt.reason or str(attempt.extra.get("answer") or "-")
+        if budget.admit(run_id, now, attempt.kind, reason, attempt.host):
+            self.audit.write(record)
+        elif self._refusals_timer is None and budget.next_due is not None:
+            self._arm_refusals_timer(budget.next_due - now)
+
+    def flush_suppressed(self, run_id: str | None = None, *, every: bool = False) -> None:
+        """Write the ``egress.suppressed`` summaries of ``run_id`` (or of every run) now.
+
+        Before a run's ``run.end`` record, and when egressd stops (``every``,
+        which also stops the timer): no refusal is left uncounted.
+        """
+        if self.refusals is None:
+            return
+        if every and self._refusals_timer is not None:
+            self._refusals_timer.cancel()
+            self._refusals_timer = None
+        self._write_suppressed(self.refusals.drain(run_id, every=every))
+
+    def _arm_refusals_timer(self, delay_s: float) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return  # no loop (a unit test finishing by hand): summaries go out with the next record
+        self._refusals_timer = loop.call_later(max(0.0, delay_s), self._refusals_tick)
+
+    def _refusals_tick(self) -> None:
+        """An interval ended: write its summaries, and wait for the next one that counts."""
+        self._refusals_timer = None
+        budget = self.refusals
+        if budget is None:
+            return
+        now = self.monotonic()
+        self._write_suppressed(budget.due(now))
+        if budget.next_due is not None:
+            self._arm_refusals_timer(budget.next_due - now)
+
+    def _write_suppressed(self, summaries: list[Suppressed]) -> None:
+        if not summaries:
+            return
+        # The budget counts in monotonic time; the records say when in wall-clock time.
+        offset = self.clock() - self.monotonic()
+        for summary in summaries:
+            record = suppressed_record(
+                ts=self.clock(),
+                run=summary.run,
+                start=summary.start + offset,
+                end=summary.end + offset,
+                counts=summary.counts,
+                samples=summary.samples,
+            )
+            try:
+                self.audit.write(record)
+            except AuditError:
+                return  # the sink is unhealthy now: nothing more can be written
 
     def _log_decision(self, attempt: Attempt, admission: Admission) -> None:
         if not log.isEnabledFor(logging.INFO):

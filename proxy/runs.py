@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import functools
 import hmac
 import ipaddress
 import secrets
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,8 @@ class Run:
     approved: dict[str, frozenset[int]] = field(default_factory=dict)
     denied: set[str] = field(default_factory=set)
     open_connections: int = 0
+    # Connections from the run's own source addresses still sending a request head (slowloris).
+    waiting_heads: int = 0
     pending_approvals: int = 0
     events: deque[tuple[int, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
     next_event: int = 1
@@ -145,6 +148,24 @@ class Run:
     def _changed(self) -> None:
         self._policy = None
         self._decisions.clear()
+
+    def at_connection_cap(self, cap: int) -> bool:
+        """Whether the run holds ``cap`` client connections, decided or still sending their head."""
+        return self.open_connections + self.waiting_heads >= cap
+
+    @contextlib.contextmanager
+    def waiting_head(self) -> Iterator[None]:
+        """Count a connection whose request head is still arriving against this run's cap.
+
+        A head says which run it belongs to only once it is read; a run whose
+        source addresses are its own (a sandbox on a network of its own) is
+        known at accept, so its slow heads fill its own cap, not egressd's.
+        """
+        self.waiting_heads += 1
+        try:
+            yield
+        finally:
+            self.waiting_heads -= 1
 
     def allowed_texts(self) -> tuple[str, ...]:
         """The allowlist as a person reads it: entries, then approvals."""
@@ -314,6 +335,10 @@ class RunRegistry:
             if hmac.compare_digest(given, run.control_token.encode()) and run.control_token:
                 found = run
         return found
+
+    def bound(self, source: IPAddress | None) -> Run | None:
+        """The run this source address is bound to, if any (never the default run by default)."""
+        return self._by_source.get(source) if source is not None else None
 
     def attribute(self, source: IPAddress | None, proxy_authorization: str | None) -> Run | None:
         """Steps 1-4 of the module docstring."""

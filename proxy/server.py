@@ -61,6 +61,8 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 IDLE_END = "idle_timeout"
 # ... and when egressd cut it on stopping, after the grace period.
 SHUTDOWN_END = "shutdown"
+# Why a run's connection is refused at its cap (the record's detail).
+RUN_CAP_DETAIL = "too many open connections in the run"
 # Why a ClientHello carrying encrypted_client_hello is refused (the record's detail).
 ECH_DETAIL = "encrypted_client_hello hides the server name asked for"
 
@@ -242,9 +244,15 @@ class ProxyServer(Listener):
 
     async def _serve_request(self, client: Peer, attempt: Attempt, source: IPAddress | None, first: bool) -> bool:
         """Serve one request; True when the connection may carry another."""
+        holder = self.runs.bound(source)  # known before the head: its slow heads count against its own cap
+        if holder is not None and holder.at_connection_cap(self.limits.max_connections_per_run):
+            attempt.run = holder
+            await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429, message=RUN_CAP_DETAIL)
+            return False
         try:
             deadline = asyncio.get_running_loop().time() + self.limits.head_timeout_s
-            head = await client.read_head(parse_request_head, self.limits.max_head_bytes, deadline)
+            with holder.waiting_head() if holder is not None else contextlib.nullcontext():
+                head = await client.read_head(parse_request_head, self.limits.max_head_bytes, deadline)
         except TimeoutError:
             if not first and not client.buf:
                 return False  # an idle keep-alive connection, not an attempt

@@ -31,6 +31,7 @@ bound to no run is refused (``auth_required``) and recorded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello, tls_alert
@@ -40,7 +41,7 @@ from .http1 import Destination, HttpError, RequestHead, request_destination
 from .policy import Reason
 from .responses import STATUS_FOR_REASON
 from .runs import IPAddress, Run, RunRegistry, source_address
-from .server import ECH_DETAIL, Limits, Listener, ProxyServer, SniCheck
+from .server import ECH_DETAIL, RUN_CAP_DETAIL, Limits, Listener, ProxyServer, SniCheck
 from .stream import Peer, PeerClosed
 
 log = logging.getLogger("egressd.transparent")
@@ -161,11 +162,17 @@ class TransparentTlsServer(Listener):
         try:
             if metrics.connections_open > self.limits.max_connections:
                 raise _Refusal(Reason.LIMIT_EXCEEDED, None, "too many open connections")
-            hello = await self._read_hello(client)
+            source = source_address(str(peer[0]))
+            holder = self.runs.bound(source)  # known before the hello: its slow hellos count against its own cap
+            if holder is not None and holder.at_connection_cap(self.limits.max_connections_per_run):
+                attempt.run = holder
+                raise _Refusal(Reason.LIMIT_EXCEEDED, Alert.INTERNAL_ERROR, RUN_CAP_DETAIL)
+            with holder.waiting_head() if holder is not None else contextlib.nullcontext():
+                hello = await self._read_hello(client)
             if hello is None:
                 record = False  # closed before sending a byte: nothing was attempted
                 return
-            await self._serve_hello(client, attempt, hello, source_address(str(peer[0])))
+            await self._serve_hello(client, attempt, hello, source)
         except _Refusal as refusal:
             attempt.refuse(refusal.reason)
             if refusal.detail:
