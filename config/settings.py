@@ -184,13 +184,21 @@ class Settings(BaseSettings):
     require_auth: bool = Field(False, description="no default run: every client needs run credentials")
 
     # Approvals (the config file may also group these under an [approvals] table).
-    approver: Annotated[list[Approver], NoDecode] = Field(default_factory=list)
+    approver: Annotated[list[Approver], NoDecode] = Field(
+        default_factory=list, description="who answers unknown domains: terminal, slack, webhook, deny (repeatable)"
+    )
     approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
-    max_pending_approvals: int = Field(5, ge=1, le=10000, description="per run")
+    max_pending_approvals: int = Field(
+        5, ge=1, le=10000, description="approvals one run may have waiting at once; past it: `too_many_pending`"
+    )
     # Approval fatigue: a person asked twenty times in one run is being worn
     # down, not informed; past this the run stops asking (not_allowlisted).
     max_approvals_per_run: int = Field(
-        20, ge=1, le=100_000, description="approval requests one run may make; past it: not_allowlisted"
+        20,
+        ge=1,
+        le=100_000,
+        description="approval requests one run may make, timeouts included; past it the run stops asking "
+        "(`not_allowlisted`) and every channel says so once",
     )
     # Weakens protection, hence the name: a plain http --webhook-url off loopback can be read
     # and answered by anyone on the path. With it, egressd ignores the answer in the
@@ -198,17 +206,22 @@ class Settings(BaseSettings):
     # `egressd run --backend docker` sets it for its terminal relay on the Docker gateway.
     # Declared before webhook_url, whose check reads it.
     unsafe_webhook_http: bool = Field(
-        False, description="allow a plain http webhook_url off loopback; its immediate answers are then ignored"
+        False,
+        description="allow a plain http `webhook_url` off loopback; an answer in the receiver's response is then "
+        "ignored (only the signed callback or the control API decide). `egressd run --backend docker` sets it for "
+        "its terminal relay",
     )
     webhook_url: str | None = Field(
-        None, description="where approval requests are POSTed (https; plain http only to a loopback address)"
+        None,
+        description="where approval requests are POSTed: https, or plain http only to a loopback address written "
+        "as one (`127.0.0.1`, `[::1]`)",
     )
     webhook_secret: SecretStr | None = Field(None, description="whsec_ key signing outgoing webhooks")
     webhook_secret_file: Path | None = Field(None, description="a file holding webhook_secret")
     webhook_callback_secret: SecretStr | None = Field(None, description="whsec_ key the callback must be signed with")
     webhook_callback_secret_file: Path | None = Field(None, description="a file holding webhook_callback_secret")
     public_url: str | None = Field(
-        None, description="base URL under which the control server is reachable (webhook callback)"
+        None, description="base URL under which the control server is reachable (webhook callback, Slack interactivity)"
     )
     slack_bot_token: SecretStr | None = Field(None, description="xoxb- token")
     slack_bot_token_file: Path | None = Field(None, description="a file holding slack_bot_token")
@@ -224,7 +237,11 @@ class Settings(BaseSettings):
 
     # The sandbox-facing DNS server and transparent listeners.
     dns_listen: str | None = Field(None, description="DNS server HOST:PORT (UDP and TCP)")
-    dns_answer: str | None = Field(None, description="the address every A query is answered with")
+    dns_answer: str | None = Field(
+        None,
+        description="the IPv4 address every A query is answered with (default: the transparent listeners' host, "
+        "then the DNS listener's own)",
+    )
     dns_answer6: str | None = Field(
         None, description="the address AAAA queries are answered with (default: empty answer)"
     )
@@ -253,7 +270,13 @@ class Settings(BaseSettings):
     max_head_bytes: int = Field(64 * 1024, ge=1024, le=1024 * 1024, description="request head size (431 past it)")
     head_timeout_s: float = Field(10.0, gt=0, le=600, description="time to receive a request head")
     connect_timeout_s: float = Field(10.0, gt=0, le=600, description="time to connect upstream")
-    idle_timeout_s: float = Field(300.0, gt=0, le=86400, description="a tunnel idle this long both ways is closed")
+    idle_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        le=86400,
+        description="a tunnel idle this long both ways, or a plain-HTTP body that moves no byte this long, is closed "
+        "(`end: idle_timeout` in its record)",
+    )
     max_connections: int = Field(10000, ge=1, le=1_000_000, description="open client connections overall")
     max_connections_per_run: int = Field(1000, ge=1, le=1_000_000, description="open client connections per run")
     shutdown_grace_s: float = Field(10.0, ge=0, le=3600, description="time tunnels get to finish on shutdown")
@@ -267,7 +290,9 @@ class Settings(BaseSettings):
         10.0, ge=0.1, le=3600, description="the interval max_refusal_records counts over, in seconds"
     )
 
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="stderr log level: debug, info, warning, error"
+    )
 
     @field_validator("allow", "deny", "preset", "allow_private", "approver", "slack_approvers", mode="before")
     @classmethod
