@@ -86,7 +86,8 @@ def error_fields(body: Any) -> tuple[str | None, str | None]:
     if isinstance(error, str):
         return error, None
     if isinstance(error, dict):
-        details = error.get("details") if isinstance(error.get("details"), dict) else {}
+        found = error.get("details")
+        details = found if isinstance(found, dict) else {}
         code = details.get("error_code") or error.get("code") or error.get("type")
         message = error.get("message")
         return (str(message) if message is not None else None), (str(code) if code is not None else None)

@@ -755,7 +755,7 @@ class TerminalChannel:
             self._saved_modes = None  # the shell restores the modes of a job it stopped
             return
         try:
-            termios.tcsetattr(self._fd, termios.TCSANOW, self._saved_modes)
+            termios.tcsetattr(self._fd, termios.TCSANOW, self._saved_modes)  # type: ignore[arg-type]  # tcgetattr's own list
         except termios.error:
             pass
         self._saved_modes = None

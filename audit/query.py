@@ -26,7 +26,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -375,7 +375,7 @@ async def follow_records(
     poll_s: float = 0.2,
     stop: asyncio.Event | None = None,
     on_bad_line: OnBadLine | None = None,
-) -> AsyncIterator[dict[str, object]]:
+) -> AsyncGenerator[dict[str, object], None]:
     """Yield matching records as they are appended, like ``tail -F``.
 
     ``offset=None`` starts at the current end of the file (skipping the rest

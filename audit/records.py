@@ -468,7 +468,7 @@ def _scrub(value: object) -> object:
     cls = value.__class__
     if value is None or cls is int or cls is bool or cls is float:
         return value
-    if cls is str:
+    if isinstance(value, str) and cls is str:
         # Only a URL can carry userinfo; most strings have no "://" at all.
         return _URL_USERINFO.sub(r"\g<scheme>", value) if "://" in value else value
     value = _plain(value)

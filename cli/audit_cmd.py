@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import sys
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from audit.query import (
@@ -23,7 +23,7 @@ from audit.query import (
 from config.settings import Settings, SettingsError
 
 
-def _printer(as_json: bool):  # type: ignore[no-untyped-def]
+def _printer(as_json: bool) -> Callable[[Iterable[Mapping[str, object]]], None]:
     header_done = False
 
     def emit(records: Iterable[Mapping[str, object]]) -> None:

@@ -142,11 +142,12 @@ def dns_answers(settings: Settings) -> tuple[ipaddress.IPv4Address, ipaddress.IP
                 f"bad setting dns_answer: the listeners are on {text}, which is no IPv4 address to answer with; "
                 "set dns_answer"
             )
-    answer6 = None
+    answer6: ipaddress.IPv6Address | None = None
     if settings.dns_answer6 is not None:
-        answer6 = ipaddress.ip_address(settings.dns_answer6)
-        if answer6.version != 6:
-            raise StartupError(f"bad setting dns_answer6: {answer6} is not an IPv6 address")
+        given = ipaddress.ip_address(settings.dns_answer6)
+        if not isinstance(given, ipaddress.IPv6Address):
+            raise StartupError(f"bad setting dns_answer6: {given} is not an IPv6 address")
+        answer6 = given
     assert isinstance(answer, ipaddress.IPv4Address)
     return answer, answer6
 
@@ -371,14 +372,14 @@ class EgressService:
         self._control_runner = runner
         try:
             if s.control.startswith("unix:"):
-                path = s.control.removeprefix("unix:")
+                socket_path = s.control.removeprefix("unix:")
                 try:
-                    check_socket_directory(path)  # `egressd pending` would not trust it there
+                    check_socket_directory(socket_path)  # `egressd pending` would not trust it there
                 except UntrustedEndpoint as exc:
                     raise StartupError(f"bad setting control: {exc}") from None
-                site: web.BaseSite = web.UnixSite(runner, path)
+                site: web.BaseSite = web.UnixSite(runner, socket_path)
                 await site.start()
-                os.chmod(path, 0o600)
+                os.chmod(socket_path, 0o600)
                 self.control_address = s.control
             else:
                 host, port = parse_hostport(s.control, "control")

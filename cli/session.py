@@ -94,8 +94,11 @@ class Session(Protocol):
 
     workdir: Path
     made_workdir: bool
-    run: RunHandle | None
     terminal_output: TerminalOutput
+
+    @property
+    def run(self) -> RunHandle | None:
+        """The run in egressd once entered (read-only here: each backend's own type)."""
 
     @property
     def box(self) -> Sandbox: ...

@@ -679,9 +679,10 @@ class DnsServer:
         if last is not None and last[0]() is run:
             ledger = last[1]
         else:
-            ledger = self._ledgers.get(run)
-            if ledger is None:
-                ledger = self._ledgers[run] = _RunLedger()
+            found = self._ledgers.get(run)
+            if found is None:
+                found = self._ledgers[run] = _RunLedger()
+            ledger = found
             self._last_ledger = (weakref.ref(run), ledger)
         if name in ledger.names:
             return True
@@ -749,13 +750,14 @@ class _TcpDns(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports do not subclass asyncio's: no isinstance check.
-        self._transport = transport  # type: ignore[assignment]
+        stream: asyncio.Transport = transport  # type: ignore[assignment]
+        self._transport = stream
         if len(self._server._tcp_connections) >= MAX_TCP_CONNECTIONS:
-            transport.abort()
+            stream.abort()
             return
         self._server._tcp_connections.add(self)
-        self._peer = transport.get_extra_info("peername") or ("", 0)
-        transport.set_write_buffer_limits(high=_TCP_WRITE_HIGH_WATER)
+        self._peer = stream.get_extra_info("peername") or ("", 0)
+        stream.set_write_buffer_limits(high=_TCP_WRITE_HIGH_WATER)
         self._arm()
 
     def _arm(self) -> None:

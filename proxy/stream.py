@@ -22,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .http1 import ChunkedScanner, HttpError
 
 # Unread bytes a peer may hold before we stop reading from it: one large
 # request head plus some body, and no more.
 HIGH_WATER = 256 * 1024
+
+H = TypeVar("H")  # a parsed message head (request or response)
 
 
 class PeerClosed(Exception):
@@ -197,7 +199,9 @@ class Peer(asyncio.Protocol):
         del self.buf[:n]
         return data
 
-    async def read_head(self, parse: Callable, max_bytes: int, deadline: float | None = None):  # type: ignore[no-untyped-def]
+    async def read_head(
+        self, parse: Callable[[bytearray, int], tuple[H, int] | None], max_bytes: int, deadline: float | None = None
+    ) -> H | None:
         """The next head, or None on a clean EOF before any byte of it; TimeoutError past ``deadline``."""
         while True:
             if self.buf:

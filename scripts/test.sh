@@ -26,6 +26,7 @@ fi
 bash scripts/install.sh
 .venv/bin/lint-imports --no-cache
 .venv/bin/ruff check .
+.venv/bin/mypy
 # egressd's images, built offline and cached (a second run rebuilds only what changed).
 if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
     bash docker/build.sh

@@ -335,6 +335,6 @@ async def _feed_stdin(stream: Any, fd: int) -> None:
     # aiodocker's Stream.close() would close both directions; EOF on the write
     # side alone is what StdinOnce waits for.
     response = getattr(stream, "_resp", None)
-    transport = response.connection.transport if response is not None and response.connection else None
-    if transport is not None and transport.can_write_eof():
-        transport.write_eof()
+    socket_end: Any = response.connection.transport if response is not None and response.connection else None
+    if socket_end is not None and socket_end.can_write_eof():
+        socket_end.write_eof()

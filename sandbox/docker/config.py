@@ -129,7 +129,7 @@ def choose_subnets(
     network = ipaddress.ip_network(pool, strict=True)
     if not isinstance(network, ipaddress.IPv4Network):
         raise ValueError(f"{pool} is not an IPv4 network")
-    allowed = (ipaddress.ip_network("169.254.0.0/16"), ipaddress.ip_network("100.64.0.0/10"))
+    allowed = (ipaddress.IPv4Network("169.254.0.0/16"), ipaddress.IPv4Network("100.64.0.0/10"))
     if not any(network.subnet_of(a) for a in allowed):
         raise ValueError(f"{pool} is outside 169.254.0.0/16 (link-local) and 100.64.0.0/10 (carrier-grade NAT)")
     if network.prefixlen > prefix:
