@@ -110,13 +110,20 @@ POLL_INTERVAL_S = 0.25
 MAX_AUDIT_BYTES = 256 * 1024 * 1024
 # Settings the sidecar takes from ours as they are. The rest is per run (the
 # allowlist goes in POST /runs) or fixed by the session (listeners, control).
-PASSTHROUGH = (
-    "allow_private", "approver", "approval_timeout", "max_pending_approvals", "max_approvals_per_run",
-    "unsafe_webhook_http", "webhook_url", "webhook_secret", "webhook_callback_secret", "public_url", "slack_bot_token",
-    "slack_app_token", "slack_signing_secret", "slack_channel", "slack_approvers", "slack_api_url", "dns_strict",
-    "upstream_dns", "audit_fsync", "max_head_bytes", "head_timeout_s", "connect_timeout_s",
-    "idle_timeout_s", "max_connections", "max_connections_per_run", "shutdown_grace_s", "log_level",
-    "max_refusal_records", "refusal_interval_s",
+# The settings the sidecar does not take from ours; every other one is passed on, so a
+# new setting reaches the sidecar without anyone remembering to list it here.
+SIDECAR_OWN = frozenset({
+    # its listeners and control API: fixed to the run's networks (``sidecar_environment``)
+    "listen", "control", "dns_listen", "dns_answer", "dns_answer6", "transparent_tls", "transparent_http",
+    "require_auth", "control_token", "control_token_file",
+    # the run's policy: registered with the run through the control API, not egressd-wide
+    "allow", "deny", "preset", "ask",
+    # its audit log: in its volume, appended to ours when the run ends
+    "audit_log", "audit_max_bytes", "audit_keep",
+})
+PASSTHROUGH = tuple(
+    name for name in Settings.model_fields
+    if name not in SIDECAR_OWN and not name.endswith("_file")  # a *_file secret arrives as its value
 )
 
 

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from cli.docker_session import DockerSession, sidecar_environment
+from cli.docker_session import PASSTHROUGH, SIDECAR_OWN, DockerSession, sidecar_environment
 from config.settings import load_settings
 from sandbox.backend import SandboxError
 from sandbox.copyout import CopyReport
@@ -193,6 +193,16 @@ def test_the_sidecar_gets_our_policy_settings_but_its_own_listeners() -> None:
     assert "EGRESSD_WEBHOOK_SECRET" not in env and "EGRESSD_CONTROL_TOKEN" not in env  # files: not in docker inspect
     assert env["EGRESSD_LISTEN"] == "169.254.64.2:3128" and env["EGRESSD_CONTROL"] == "169.254.64.18:3129"
     assert "EGRESSD_ALLOW" not in env  # the allowlist is the run's, sent with POST /runs
+
+
+def test_every_setting_is_passed_to_the_sidecar_or_named_as_its_own() -> None:
+    from config.settings import Settings
+
+    fields = set(Settings.model_fields)
+    assert SIDECAR_OWN <= fields  # no stale name
+    secret_files = {name for name in fields if name.endswith("_file")}
+    assert set(PASSTHROUGH) == fields - SIDECAR_OWN - secret_files
+    assert {"max_refusal_records", "upstream_dns", "approver"} <= set(PASSTHROUGH)
 
 
 def test_an_owner_is_alive_only_while_its_process_runs() -> None:
