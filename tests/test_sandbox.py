@@ -465,3 +465,17 @@ async def test_a_held_request_is_allowed_with_egressd_allow_from_another_process
     decided = [r for r in records if r.get("event") == "approval.decided"]
     assert decided and decided[0]["decision"] == "allow"
     await assert_no_leftovers()
+
+
+async def test_runs_started_together_never_collide(tmp_path, dns, http_origin) -> None:
+    """Three `egressd run` at once: each gets its own namespace, addresses and cgroup, and reaches its origin."""
+    url = f"http://origin.test:{http_origin.port}/together"
+    runs = [tmp_path / str(n) for n in range(3)]
+    for path in runs:
+        path.mkdir()
+    results = await asyncio.gather(*(
+        egressd_run(path, dns, "--allow", "origin.test:*", "--", "curl", "-fsS", "-m", "10", url) for path in runs
+    ))
+    assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
+    assert len([r for r in http_origin.requests if r["path"] == "/together"]) == 3
+    await assert_no_leftovers()
