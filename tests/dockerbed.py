@@ -225,8 +225,9 @@ async def host_listeners(addresses: list[str]) -> AsyncIterator[HostListeners]:
 
 
 @contextlib.asynccontextmanager
-async def hook_receiver(address: str, port: int) -> AsyncIterator[list[dict[str, Any]]]:
-    """A webhook endpoint that takes every approval request and answers "later" (202)."""
+async def hook_receiver(sock: socket.socket) -> AsyncIterator[list[dict[str, Any]]]:
+    """A webhook endpoint on ``sock`` (bound and listening already) that takes every approval request and
+    answers "later" (202)."""
     received: list[dict[str, Any]] = []
 
     async def hook(request: web.Request) -> web.Response:
@@ -238,7 +239,7 @@ async def hook_receiver(address: str, port: int) -> AsyncIterator[list[dict[str,
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
-        await web.TCPSite(runner, address, port).start()
+        await web.SockSite(runner, sock).start()
         yield received
     finally:
         await runner.cleanup()

@@ -102,9 +102,15 @@ def refused_port(host: str = "127.0.0.1") -> Iterator[int]:
         yield int(sock.getsockname()[1])
 
 
-def listening_socket(host: str = "127.0.0.1") -> socket.socket:
-    """A TCP socket bound to a port the kernel chose and listening now: hand it to the server, never its number."""
+def listening_socket(host: str = "127.0.0.1", *, freebind: bool = False) -> socket.socket:
+    """A TCP socket bound to a port the kernel chose and listening now: hand it to the server, never its number.
+
+    ``freebind``: ``host`` need not be configured yet (IP_FREEBIND), e.g. the gateway of a Docker network
+    made later; connections arrive once the address exists, and the port is ours meanwhile.
+    """
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    if freebind:
+        sock.setsockopt(socket.IPPROTO_IP, getattr(socket, "IP_FREEBIND", 15), 1)
     sock.bind((host, 0))
     sock.listen(128)
     return sock

@@ -11,9 +11,11 @@ curl through it, answered by typing and by ``egressd allow|deny ID``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -39,8 +41,8 @@ from tests.harness import (
     aserve_ports,
     connect_via,
     egress,
-    free_port,
     have,
+    listening_socket,
     refused_port,
     require,
     serve_ports,
@@ -132,6 +134,34 @@ async def control(
                 return resp.status, await resp.json(content_type=None)
             except json.JSONDecodeError:
                 return resp.status, None
+
+
+@contextlib.asynccontextmanager
+async def relay(sock: socket.socket) -> AsyncIterator[list[str]]:
+    """Relay every connection to ``sock`` (listening already) to the ``http://host:port`` appended to the list."""
+    target: list[str] = []
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def forward(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = target[0].removeprefix("http://").rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    server = await asyncio.start_server(forward, sock=sock)
+    try:
+        yield target
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 # -- through the real proxy, in process ----------------------------------------------------------
@@ -276,8 +306,11 @@ async def test_forged_and_replayed_answers_are_refused_by_the_control_server(
 ) -> None:
     secret, key = make_secret()
     callback_secret, callback_key = make_secret()
-    async with WebhookReceiver(key, callback_key=callback_key, mode="later") as receiver:
-        control_port = free_port()
+    # --public-url names a front door held from the start (a reverse proxy's, as in a real deployment),
+    # relayed to the control server once that has bound the port the kernel gave it.
+    front = listening_socket()
+    control_port = front.getsockname()[1]
+    async with WebhookReceiver(key, callback_key=callback_key, mode="later") as receiver, relay(front) as to:
         svc = await egressd(
             **slack_settings(
                 fake_slack, slack_app_token=None, slack_signing_secret=SIGNING_SECRET, approver=["slack", "webhook"]
@@ -286,8 +319,8 @@ async def test_forged_and_replayed_answers_are_refused_by_the_control_server(
             webhook_secret=secret,
             webhook_callback_secret=callback_secret,
             public_url=f"http://127.0.0.1:{control_port}",
-            control=f"127.0.0.1:{control_port}",
         )
+        to.append(svc.control_address)
         held = asyncio.create_task(connect_via(svc, f"origin.test:{echo_origin.port}"))
         await wait_until(lambda: receiver.requests and fake_slack.posted)
         approval_id = receiver.requests[0].payload["id"]

@@ -70,7 +70,7 @@ from tests.dockerbed import (
     split_range,
     start_helper,
 )
-from tests.harness import IN_CI, LEAK, free_port, require
+from tests.harness import IN_CI, LEAK, listening_socket, require
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 HOST_LEAK = LEAK  # 127.0.0.66: the host's loopback, unreachable from any container
@@ -256,7 +256,9 @@ async def make_bed(engine: DockerEngine, tmp_path: Path) -> AsyncIterator[Any]:
         block = await free_test_range(engine)
         internal, outgoing = split_range(block)
         gateway = str(outgoing.network_address + 1)
-        hook_port = free_port()
+        # Held from now on: the gateway address appears when the session makes the network.
+        hook_sock = listening_socket(gateway, freebind=True)
+        hook_port = hook_sock.getsockname()[1]
         values.setdefault("allow", [f"{ORIGIN_NAME}:*"])
         values.setdefault("allow_private", [str(outgoing)])
         values.setdefault("audit_log", str(tmp_path / "audit.jsonl"))
@@ -265,21 +267,22 @@ async def make_bed(engine: DockerEngine, tmp_path: Path) -> AsyncIterator[Any]:
             values.setdefault("unsafe_webhook_http", True)  # the gateway is no loopback address
             values.setdefault("webhook_secret", "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode())
         settings = load_settings(values)
-        session = DockerSession(settings, workdir=None, task="docker bed", net_range=str(block), labels=TEST_LABELS,
-                                tty_path=tty_path, egressd_image=dockerbed.EGRESSD_IMAGE)
-        async with session:
-            net = session.resources
-            assert net is not None
-            run_label = f"egressd.run={net.run_key}"
-            outgoing_name = f"egressd-{net.run_key}-outgoing"
-            labels = net.labels_for("helper")
-            origin = await start_helper(engine, network=outgoing_name, address=str(outgoing.network_address + 5),
-                                        script=ORIGIN_SCRIPT, labels=labels, aliases=[ORIGIN_NAME])
-            leak = await start_helper(engine, network=outgoing_name, address=str(outgoing.network_address + 6),
-                                      script=LEAK_SCRIPT, labels=labels)
-            async with host_listeners([HOST_LEAK, gateway]) as host, hook_receiver(gateway, hook_port) as hooks:
-                yield Bed(session, engine, origin, leak, host, internal, outgoing, hooks)
-        assert await leftovers(engine, run_label) == []
+        with contextlib.closing(hook_sock):
+            session = DockerSession(settings, workdir=None, task="docker bed", net_range=str(block),
+                                    labels=TEST_LABELS, tty_path=tty_path, egressd_image=dockerbed.EGRESSD_IMAGE)
+            async with session:
+                net = session.resources
+                assert net is not None
+                run_label = f"egressd.run={net.run_key}"
+                outgoing_name = f"egressd-{net.run_key}-outgoing"
+                labels = net.labels_for("helper")
+                origin = await start_helper(engine, network=outgoing_name, address=str(outgoing.network_address + 5),
+                                            script=ORIGIN_SCRIPT, labels=labels, aliases=[ORIGIN_NAME])
+                leak = await start_helper(engine, network=outgoing_name, address=str(outgoing.network_address + 6),
+                                          script=LEAK_SCRIPT, labels=labels)
+                async with host_listeners([HOST_LEAK, gateway]) as host, hook_receiver(hook_sock) as hooks:
+                    yield Bed(session, engine, origin, leak, host, internal, outgoing, hooks)
+            assert await leftovers(engine, run_label) == []
 
     yield make
 
@@ -634,8 +637,10 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
     project = f"egdtest{secrets.token_hex(4)}"
     token = secrets.token_urlsafe(24)
     webhook_secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
-    control_port = free_port()
-    hook_port = free_port()
+    # The host's end of the control port is Docker's to choose (read back after `up`); the webhook
+    # receiver's socket is held from now on, on the gateway address `up` brings.
+    hook_sock = listening_socket(gateway, freebind=True)
+    hook_port = hook_sock.getsockname()[1]
     # The secrets as the compose file's comment says: files of egressd's user (10001) that no one else may
     # read, in the directory EGRESSD_SECRETS; the test's own copy of the token is root's (ours).
     secret_dir = tmp_path / "secrets"
@@ -651,7 +656,7 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {
         "EGRESSD_SANDBOX_SUBNET": str(internal), "EGRESSD_OUTGOING_SUBNET": str(outgoing),
         "EGRESSD_SIDECAR_IP": sidecar, "EGRESSD_SANDBOX_IP": sandbox_ip, "EGRESSD_CONTROL_IP": control_ip,
-        "EGRESSD_CONTROL_PORT": str(control_port), "EGRESSD_SECRETS": str(secret_dir),
+        "EGRESSD_CONTROL_PORT": "0", "EGRESSD_SECRETS": str(secret_dir),
         # Exactly the origin: egressd listens on every address it has, and must never dial one of them.
         "EGRESSD_ALLOW": f"{ORIGIN_NAME}:{ORIGIN_PORT}", "EGRESSD_ALLOW_PRIVATE": f"{outgoing.network_address + 5}/32",
         "EGRESSD_IMAGE": dockerbed.EGRESSD_IMAGE,
@@ -673,6 +678,9 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
     try:
         code, out = await run(*base, "up", "-d", "--no-build")
         assert code == 0, out
+        egressd = f"{project}-egressd-1" if compose != ["docker-compose"] else f"{project}_egressd_1"
+        published = (await engine.client.containers.container(egressd).show())["NetworkSettings"]["Ports"]
+        control_port = int(published["3129/tcp"][0]["HostPort"])
         sandbox = f"{project}_sandbox_1" if compose == ["docker-compose"] else f"{project}-sandbox-1"
         outgoing_net = f"{project}_outgoing"
         labels = {"egressd.test": "1", "com.docker.compose.project": project}
@@ -681,7 +689,7 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
         leak = await start_helper(engine, network=outgoing_net, address=str(outgoing.network_address + 6),
                                   script=LEAK_SCRIPT, labels=labels)
         helpers = [{"Id": origin.id}, {"Id": leak.id}]
-        async with host_listeners([HOST_LEAK, gateway]) as host, hook_receiver(gateway, hook_port) as hooks:
+        async with host_listeners([HOST_LEAK, gateway]) as host, hook_receiver(hook_sock) as hooks:
             # The normal path: through the proxy variables, and transparently.
             code, out = await _exec(engine, sandbox, ["sh", "-c",
                                     f"curl -sS -m 10 http://{ORIGIN_NAME}:{ORIGIN_PORT}/compose; echo;"
@@ -738,7 +746,6 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
             assert code == 0 and "hello from origin: GET /connect" in out, out
             # Not even a reset (ECONNREFUSED, 111) from the compose sandbox: it is on no network of the run.
             assert "sandbox: " in out and "sandbox: 111" not in out and "sandbox: connected" not in out, out
-            egressd = f"{project}-egressd-1" if compose != ["docker-compose"] else f"{project}_egressd_1"
             info = await engine.client.containers.container(egressd).show()
             assert set(info["NetworkSettings"]["Networks"]) == {f"{project}_sandbox", outgoing_net}
             config = json.dumps(info["Config"])  # docker inspect: the secrets are files, not in the environment
@@ -747,6 +754,7 @@ async def test_the_compose_example_holds_the_same_boundaries(engine: DockerEngin
             await asyncio.sleep(0.5)
             assert await leak.leaks() == [] and host.tcp == 0 and host.udp == 0
     finally:
+        hook_sock.close()
         for helper in helpers:
             await engine.remove_container(helper["Id"])
         code, out = await run(*base, "down", "-v", "--remove-orphans")
