@@ -366,8 +366,8 @@ class ProxyServer(Listener):
                         attempt.bytes_up += await client.relay_exact(length, upstream, idle_s=idle_s)
                     elif kind is BodyKind.CHUNKED:
                         attempt.bytes_up += await client.relay_chunked(upstream, idle_s=idle_s)
-                except IdleTimeout as exc:
-                    attempt.bytes_up += exc.moved
+                except (IdleTimeout, PeerClosed) as exc:
+                    attempt.bytes_up += getattr(exc, "moved", 0)
                     raise
                 if response is None:
                     response = await self._response_head(upstream)
@@ -381,9 +381,14 @@ class ProxyServer(Listener):
                 if attempt.bytes_down == 0:
                     await self._refuse(client, attempt, Reason.UPSTREAM_UNREACHABLE)
                 return False
-            except TimeoutError:
-                # A body (or the response head) moved no byte for the idle
-                # timeout: both connections close, as an idle tunnel's do.
+            except TimeoutError as exc:
+                if response is None and not isinstance(exc, IdleTimeout):
+                    # The origin took the whole request and began no answer: 504, the client hears why.
+                    if kind is BodyKind.NONE:
+                        attempt.bytes_up += len(out)  # sent, and not counted yet
+                    await self._refuse(client, attempt, Reason.UPSTREAM_TIMEOUT)
+                    return False
+                # A body moved no byte for the idle timeout: both connections close, as an idle tunnel's do.
                 attempt.extra.setdefault("end", IDLE_END)
                 return False
             finally:
@@ -442,8 +447,8 @@ class ProxyServer(Listener):
                 attempt.bytes_down += await upstream.relay_chunked(client, error_status=502, idle_s=idle_s)
             elif kind is BodyKind.UNTIL_CLOSE:
                 attempt.bytes_down += await upstream.relay_until_eof(client, idle_s=idle_s)
-        except IdleTimeout as exc:
-            attempt.bytes_down += exc.moved
+        except (IdleTimeout, PeerClosed) as exc:
+            attempt.bytes_down += getattr(exc, "moved", 0)  # what reached the client counts, cut short or not
             raise
         keep_upstream = keep_alive and response.keep_alive and response.status != 101
         return keep_alive, keep_upstream

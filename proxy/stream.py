@@ -34,7 +34,12 @@ H = TypeVar("H")  # a parsed message head (request or response)
 
 
 class PeerClosed(Exception):
-    """The peer closed or broke the connection; nothing more to say to it."""
+    """The peer closed or broke the connection; nothing more to say to it.
+
+    Raised from inside a body relay, ``moved`` body bytes had gone through.
+    """
+
+    moved = 0
 
 
 class IdleTimeout(TimeoutError):
@@ -242,6 +247,9 @@ class Peer(asyncio.Protocol):
             if passing is not None:
                 left = passing.left
             raise IdleTimeout(n - left) from None
+        except PeerClosed as exc:
+            exc.moved = n - (passing.left if passing is not None else left)
+            raise
         return n
 
     async def _pass_on(self, passing: _PassOn) -> None:
@@ -286,6 +294,9 @@ class Peer(asyncio.Protocol):
                 total += n
         except TimeoutError:
             raise IdleTimeout(total) from None
+        except PeerClosed as exc:
+            exc.moved = total
+            raise
         return total
 
     async def relay_until_eof(self, dst: Peer, *, idle_s: float | None = None) -> int:
@@ -301,6 +312,9 @@ class Peer(asyncio.Protocol):
                     return total
         except TimeoutError:
             raise IdleTimeout(total) from None
+        except PeerClosed as exc:
+            exc.moved = total
+            raise
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
