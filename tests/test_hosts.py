@@ -5,7 +5,7 @@ from __future__ import annotations
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from proxy.hosts import (
@@ -346,6 +346,7 @@ def test_mapped_spellings_keep_the_ipv6_form(text: str) -> None:
     assert address == expected
 
 
+@example("::")  # found by this test: an IPv6 literal takes no trailing dot
 @given(st.one_of(HOSTISH, st.text(max_size=40)))
 def test_normalise_host_is_idempotent_or_refuses(text: str) -> None:
     try:
@@ -353,7 +354,8 @@ def test_normalise_host_is_idempotent_or_refuses(text: str) -> None:
     except HostError:
         return
     assert normalise_host(once) == once
-    assert normalise_host(once + ".") == once
+    if ":" not in once:  # a name's (or IPv4 literal's) trailing dot; "::." is no IPv6 address, and is refused
+        assert normalise_host(once + ".") == once
     assert normalise_host(once.upper()) == once
 
 
