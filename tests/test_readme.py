@@ -23,9 +23,6 @@ from config.settings import Settings, load_settings
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "RESULTS.md"]
 
-# Files the README links to that another change writes; checked like any other once they exist.
-# Remove an entry when its file lands.
-WRITTEN_ELSEWHERE = {ROOT / "docs" / "guarantees.md"}
 
 # The command a guide's tables of options belong to: every `--flag` in a table row there is that
 # command's. (Flags on a command line, `egressd CMD --flag`, are checked in every file.)
@@ -219,8 +216,7 @@ def test_every_link_leads_to_a_file_and_heading_of_the_repository() -> None:
                 broken.append(f"{where}: outside the repository")
                 continue
             if not linked.exists():
-                if linked not in WRITTEN_ELSEWHERE:
-                    broken.append(f"{where}: no such file")
+                broken.append(f"{where}: no such file")
                 continue
             if anchor and (linked.suffix != ".md" or anchor not in _anchors(linked)):
                 broken.append(f"{where}: no heading #{anchor} in {_rel(linked)}")
@@ -235,3 +231,32 @@ def test_the_link_check_catches_what_it_should(tmp_path: Path) -> None:
     )
     assert "security-model" in _anchors(ROOT / "README.md")
     assert not (ROOT / "README.md").parent.joinpath("../shared/DESIGN.md").resolve().is_relative_to(ROOT)
+
+
+def test_every_test_the_guarantees_name_exists() -> None:
+    """A promise points at its test: `tests/f.py::name`, `tests/f.py`, or a bare `::name` / `test_name` of the file
+    named last before it (in the same section)."""
+    text = (ROOT / "docs" / "guarantees.md").read_text()
+    missing: list[str] = []
+    named = 0
+    for section in re.split(r"\n## ", text):
+        current: Path | None = None
+        for ref in re.findall(r"`([^`]+)`", section):
+            file_part, _, name = ref.partition("::")
+            if file_part.startswith("tests/") and file_part.endswith(".py"):
+                current = ROOT / file_part
+                if not current.exists():
+                    missing.append(ref)
+                    continue
+            elif not (ref.startswith("::") or re.fullmatch(r"test_\w+", ref)):
+                continue
+            else:
+                name = ref.removeprefix("::")
+            if not name:
+                continue
+            named += 1
+            if current is None or not re.search(rf"^(async )?def {re.escape(name)}\(", current.read_text(), re.M):
+                missing.append(f"{ref} (in {current.name if current else 'no file named before it'})")
+    assert named > 20, named
+    assert not missing, missing
+
