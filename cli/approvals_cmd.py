@@ -20,12 +20,11 @@ import json
 import sys
 from typing import Any
 
-import aiohttp
-
 from approvals.message import escape
 from config.settings import Settings
 
-from .controltoken import TokenFileError, UntrustedEndpoint, connector, read_token_file
+from .control_client import ControlClient, ControlError
+from .controltoken import TokenFileError, read_token_file
 from .service import token_path
 
 # The control API answers at once; anything slower means it is not there.
@@ -58,28 +57,10 @@ async def _call(
     settings: Settings, token: str, method: str, path: str, body: dict[str, Any] | None = None
 ) -> tuple[int, Any]:
     try:
-        checked, base = connector(settings.control)
-    except UntrustedEndpoint as exc:
-        raise CommandError(f"not sending the control token: {exc}") from None
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    # trust_env=False: the control API is local; a proxy from the environment must never see the token.
-    async with aiohttp.ClientSession(connector=checked, timeout=timeout, trust_env=False) as session:
-        try:
-            async with session.request(
-                method, base + path, json=body, headers={"Authorization": f"Bearer {token}"},
-                allow_redirects=False,  # the token goes to the endpoint checked, and nowhere it points to
-            ) as resp:
-                try:
-                    data = await resp.json(content_type=None)
-                except json.JSONDecodeError:
-                    data = None
-                return resp.status, data
-        except UntrustedEndpoint as exc:
-            raise CommandError(f"not sending the control token: {exc}") from None
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise CommandError(
-                f"cannot reach egressd's control API at {settings.control}: {exc or type(exc).__name__}"
-            ) from None
+        async with ControlClient.for_control(settings.control, token, timeout_s=REQUEST_TIMEOUT_S) as client:
+            return await client.request(method, path, body)
+    except ControlError as exc:
+        raise CommandError(str(exc)) from None
 
 
 def _left(expires_at: str, now: dt.datetime) -> str:

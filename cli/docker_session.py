@@ -59,7 +59,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from pydantic import SecretStr
 from yarl import URL
@@ -99,7 +98,8 @@ from sandbox.docker.engine import DockerEngine, clean_leftovers
 from sandbox.docker.networks import DockerRun, DockerRunNetwork, SharedEgressdNetwork
 from sandbox.docker.sidecar import read_file, start_egressd
 
-from .controltoken import TokenFileError, UntrustedEndpoint, read_token_file, url_connector
+from .control_client import ControlClient, ControlError
+from .controltoken import TokenFileError, read_token_file
 from .service import StartupError, entries_from_settings, token_path
 from .session import SessionBase, SessionError, refusal_summaries
 
@@ -198,47 +198,6 @@ def sidecar_secrets(settings: Settings, *, token: str) -> dict[str, str]:
         if name in SECRET_SETTINGS and value is not None:
             files[name] = env_value(value)
     return files
-
-
-class ControlClient:
-    """egressd's control API over HTTP with its bearer token; every call bounded."""
-
-    def __init__(self, url: str, token: str) -> None:
-        """SessionError if ``url`` is not one the token may go to (``controltoken``: https, or http to
-        loopback where the listening socket is ours, checked on each connection before a byte is sent)."""
-        self.url = url.rstrip("/")
-        self._token = token
-        try:
-            connector = url_connector(self.url)
-        except UntrustedEndpoint as exc:
-            raise SessionError(f"not sending the control token to {url}: {exc}") from None
-        # trust_env=False: the control API is local; a proxy from the environment must never see the token.
-        self._http = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S), trust_env=False
-        )
-
-    async def close(self) -> None:
-        """Close the connections and forget the token (a closed client is never used again)."""
-        self._token = ""
-        await self._http.close()
-
-    async def call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        try:
-            async with self._http.request(
-                method, self.url + path, json=body, headers={"Authorization": f"Bearer {self._token}"},
-                allow_redirects=False,  # the token goes to the endpoint checked, and nowhere it points to
-            ) as resp:
-                text = await resp.text()
-                data = json.loads(text) if text else None
-                if resp.status >= 400:
-                    error = data.get("error") if isinstance(data, dict) else text[:200]
-                    raise SessionError(f"egressd's control API refused {method} {path}: {resp.status} {error}")
-                return data
-        except UntrustedEndpoint as exc:
-            raise SessionError(f"not sending the control token to {self.url}: {exc}") from None
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            why = exc or type(exc).__name__
-            raise SessionError(f"cannot reach egressd's control API at {self.url}: {why}") from None
 
 
 def _epoch(text: Any, default: float) -> float:
@@ -476,7 +435,7 @@ class DockerSession(SessionBase[_SessionBox]):
     async def __aenter__(self) -> DockerSession:
         try:
             await self._enter()
-        except (SandboxError, StartupError) as exc:
+        except (SandboxError, StartupError, ControlError) as exc:  # one error for runners: SessionError
             await self._stack.aclose()
             raise SessionError(str(exc)) from None
         except BaseException:
@@ -579,7 +538,7 @@ class DockerSession(SessionBase[_SessionBox]):
         network, and the control API refuses the run otherwise.
         """
         assert self.engine is not None and self.connect is not None
-        control = ControlClient(self.connect, _connect_token(self.settings))
+        control = ControlClient.for_url(self.connect, _connect_token(self.settings), timeout_s=CONTROL_TIMEOUT_S)
         self._stack.push_async_callback(control.close)
         health = await control.call("GET", "/health")
         if not isinstance(health, dict) or health.get("status") != "ok":
@@ -609,7 +568,7 @@ class DockerSession(SessionBase[_SessionBox]):
         return p.internal_name, str(p.sandbox_ip), str(p.egressd_ip)
 
     async def _register(self, control_url: str, token: str, address: ipaddress.IPv4Address) -> None:
-        control = ControlClient(control_url, token)
+        control = ControlClient.for_url(control_url, token, timeout_s=CONTROL_TIMEOUT_S)
         self._stack.push_async_callback(control.close)
         await self._register_with(control, address)
 
@@ -635,7 +594,7 @@ class DockerSession(SessionBase[_SessionBox]):
         if isinstance(run_token, str) and run_token:
             # From here on the run's own token, which acts on this run alone (proxy.control): the
             # global one is dropped with its client, no longer held by this session.
-            run_control = ControlClient(control.url, run_token)
+            run_control = ControlClient.for_url(control.url, run_token, timeout_s=CONTROL_TIMEOUT_S)
             self._stack.push_async_callback(run_control.close)
             await control.close()
             control = run_control
@@ -649,7 +608,7 @@ class DockerSession(SessionBase[_SessionBox]):
 
     async def _end_run(self) -> None:
         assert self.control is not None
-        with contextlib.suppress(SessionError):
+        with contextlib.suppress(SessionError, ControlError):
             await self.poll()
             await self.control.call("DELETE", f"/runs/{self.run_id}")
 
@@ -704,7 +663,7 @@ class DockerSession(SessionBase[_SessionBox]):
         while True:
             await asyncio.sleep(POLL_INTERVAL_S)
             if self.polling:
-                with contextlib.suppress(SessionError):
+                with contextlib.suppress(SessionError, ControlError):
                     await self.poll()
 
     async def flush_command(self) -> None:

@@ -35,6 +35,7 @@ from sandbox.docker.config import DEFAULT_DOCKER_RANGE
 from sandbox.limits import Limits
 from sandbox.network import DEFAULT_RANGE
 
+from .control_client import ControlError
 from .controltoken import UntrustedEndpoint, check_url
 from .docker_session import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerSession, copy_out
 from .service import StartupError, token_path
@@ -297,7 +298,7 @@ def run_sandboxed(work: Callable[[], Awaitable[int]], say: Callable[[str], None]
                 say("interrupted; the sandbox was destroyed")
                 return 128 + received[0]
             raise
-        except (SessionError, StartupError) as exc:
+        except (SessionError, ControlError, StartupError) as exc:
             say(str(exc))
             return EXIT_CANNOT_START
 

@@ -36,6 +36,7 @@ import pytest
 from aiohttp import web
 from dnslib import DNSRecord
 
+from cli.control_client import ControlError
 from cli.docker_session import DockerSession, sidecar_environment, sidecar_secrets
 from cli.session import SessionError
 from config.settings import load_settings
@@ -312,7 +313,7 @@ async def test_two_runs_of_one_running_egressd_cannot_reach_each_other(engine: D
             # Registered, each session speaks with its run's own control token, which reaches no other run.
             for session, other in ((a, b), (b, a)):
                 assert session.control is not None and session.control._token not in ("", egressd.token)
-                with pytest.raises(SessionError, match="403"):
+                with pytest.raises(ControlError, match="403"):
                     await session.control.call("GET", f"/runs/{other.run_id}")
             addresses = []
             for victim, attacker in ((a, b), (b, a)):

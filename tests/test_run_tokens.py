@@ -29,7 +29,8 @@ import pytest
 
 from approvals.broker import ApprovalBroker
 from audit.log import JsonlAuditSink
-from cli.docker_session import ControlClient, DockerSession
+from cli.control_client import ControlClient
+from cli.docker_session import DockerSession
 from cli.service import EgressService
 from config.settings import load_settings
 from tests.conftest import Listener
@@ -228,7 +229,7 @@ async def test_the_docker_session_uses_the_run_token_after_registering(bed: Bed,
     """``--connect``: the global token creates the run, the run's own token does everything after."""
     settings = load_settings({"control_token": GLOBAL, "audit_log": str(tmp_path / "client-audit.jsonl")})
     session = DockerSession(settings, workdir=None, task="connect task")
-    global_client = ControlClient(bed.svc.control_address, GLOBAL)
+    global_client = ControlClient.for_url(bed.svc.control_address, GLOBAL)
     try:
         await session._register_with(global_client, ipaddress.ip_address("127.0.0.77"))
         assert session.control is not None and session.control is not global_client
