@@ -283,7 +283,9 @@ class ProxyServer(Listener):
             return False
         run.open_connections += 1
         try:
-            admission = await self.gate.admit(attempt, run, destination.host, destination.port)
+            # A client that gives up while its request is held (asked about) stops the wait (stream.gone_cancels).
+            with client.gone_cancels(on_eof=head.method == "CONNECT"):
+                admission = await self.gate.admit(attempt, run, destination.host, destination.port)
             if not admission.allowed:
                 await self._refuse(client, attempt, admission.reason)
                 return False

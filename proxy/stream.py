@@ -20,8 +20,9 @@ raise ``IdleTimeout``, saying how many body bytes had gone through.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
 from .http1 import ChunkedScanner, HttpError
@@ -65,7 +66,7 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "dialled", "pooled")
+                 "_write_paused", "_read_paused", "relay", "dialled", "pooled", "_on_gone")
 
     def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
         self.transport: asyncio.Transport | None = None
@@ -83,6 +84,8 @@ class Peer(asyncio.Protocol):
         # upstream a client connection keeps for its next request.
         self.dialled: str | None = None
         self.pooled: tuple[tuple[str, int], Peer] | None = None
+        # Set inside ``gone_cancels``: what the peer leaving does to the waiting task.
+        self._on_gone: Callable[[bool], None] | None = None
 
     # -- protocol callbacks ---------------------------------------------------
 
@@ -107,6 +110,8 @@ class Peer(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
+        if self._on_gone is not None:
+            self._on_gone(False)
         if self.relay is not None:
             self.relay.peer_eof(self)
         self._wake_reader()
@@ -115,6 +120,8 @@ class Peer(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.eof = True
+        if self._on_gone is not None:
+            self._on_gone(True)
         if self.relay is not None:
             self.relay.peer_lost(self, exc)
         self._wake_reader()
@@ -192,6 +199,44 @@ class Peer(asyncio.Protocol):
                     timer.cancel()
         if self.closed:
             raise PeerClosed("connection closed")
+
+    @contextlib.contextmanager
+    def gone_cancels(self, *, on_eof: bool) -> Iterator[None]:
+        """Inside, the peer going away cancels the current task: PeerClosed comes out.
+
+        For a request held while a person is asked: a client that gave up
+        stops waiting, and nothing is dialled for it. Going away is the
+        connection lost (closed or reset) and, with ``on_eof``, the peer's
+        FIN too (a CONNECT cannot go on without sending; a plain HTTP client
+        may half-close after its request and still read the answer). A
+        cancellation from elsewhere passes through unchanged (counted as
+        ``asyncio.timeout`` counts its own).
+        """
+        if self.closed or (on_eof and self.eof):
+            raise PeerClosed("the client went away while its request was held")
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        fired = False
+
+        def cancel(lost: bool) -> None:
+            nonlocal fired
+            if not fired and (lost or on_eof):
+                fired = True
+                task.cancel()
+
+        self._on_gone = cancel
+        try:
+            yield
+        except asyncio.CancelledError:
+            if fired and task.uncancel() <= cancelling:
+                raise PeerClosed("the client went away while its request was held") from None
+            raise
+        else:
+            if fired:
+                task.uncancel()  # the block ended before the cancellation reached it
+        finally:
+            self._on_gone = None
 
     def take(self, n: int | None = None) -> bytes:
         n = len(self.buf) if n is None else n

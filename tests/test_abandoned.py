@@ -1,0 +1,201 @@
+"""An approval whose waiting clients all gave up (issue 13): it stays answerable, and the answer applies to the run.
+
+Through a real egressd in process: a client CONNECTs to a domain nobody
+allowed (the loopback origin, ``origin.test``), is held, and hangs up. The
+approval stays pending; every channel says, once, that the client gave up
+(the control API's ``abandoned``, the recording channel, a Slack
+``chat.update`` that keeps its buttons, a signed webhook event); an answer
+given afterwards applies to the run: the run's next request to the same
+destination goes through (allow) or is refused (deny) without asking again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from approvals.broker import ApprovalBroker
+from approvals.interface import Answer, ApprovalOutcome, Decision
+from audit.log import MemoryAuditSink
+from cli.service import EgressService
+from tests.conftest import Listener, MakeEgressd
+from tests.fakeslack import FakeSlack
+from tests.harness import connect_via, open_proxy, wait_until
+from tests.test_approvals_e2e import (  # noqa: F401 - fixtures
+    ALICE,
+    control,
+    echo_through,
+    egressd,
+    fake_slack,
+    records,
+    slack_settings,
+)
+from tests.test_broker import RecordingChannel, request
+from tests.test_terminal import Pty, pty, terminal_broker  # noqa: F401 - the pty fixture
+from tests.webhookreceiver import WebhookReceiver, make_secret
+
+
+async def give_up(svc: EgressService, authority: str, until: Callable[[], object]) -> None:
+    """CONNECT, wait until the request is held (``until``), then hang up."""
+    reader, writer = await open_proxy(svc)
+    writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+    await writer.drain()
+    await wait_until(until)
+    writer.close()
+    await writer.wait_closed()
+
+
+async def recording_egressd(
+    make_egressd: MakeEgressd, **kwargs: Any
+) -> tuple[EgressService, RecordingChannel, ApprovalBroker]:
+    sink = MemoryAuditSink()
+    channel = RecordingChannel()
+    broker = ApprovalBroker([channel], audit=sink, **kwargs)
+    await broker.start()
+    svc = await make_egressd(approver=broker, audit=sink)
+    return svc, channel, broker
+
+
+async def test_a_client_that_gives_up_leaves_the_approval_answerable_and_an_allow_serves_the_next_request(
+    make_egressd: MakeEgressd, echo_origin: Listener
+) -> None:
+    svc, channel, broker = await recording_egressd(make_egressd)
+    target = f"origin.test:{echo_origin.port}"
+    await give_up(svc, target, lambda: channel.delivered)
+    # The wait ends with the client: nothing is held, nothing dialled, every channel told once.
+    await wait_until(lambda: channel.abandonments)
+    await wait_until(lambda: svc.gate.metrics.held_requests == 0)  # type: ignore[union-attr]
+    approval_id = channel.delivered[0].id
+    assert channel.abandonments == [approval_id] and echo_origin.connections == 0
+    status, listed = await control(svc, "GET", "/approvals")
+    [pending] = listed["approvals"]
+    assert status == 200 and pending["id"] == approval_id and pending["abandoned"] is True
+    [abandoned] = records(svc, "approval.abandoned")
+    assert abandoned["id"] == approval_id and abandoned["run"] == "default"
+    assert (abandoned["host"], abandoned["port"]) == ("origin.test", echo_origin.port)
+    assert not records(svc, "approval.decided")
+    # Answered afterwards: recorded like any answer, and the run now allows the destination.
+    status, answer = await control(svc, "POST", f"/approvals/{approval_id}/allow", body={"by": "carol"})
+    assert (status, answer["decision"]) == (200, "allow")
+    [decided] = records(svc, "approval.decided")
+    assert decided["id"] == approval_id and decided["decision"] == "allow" and decided["by"] == "carol"
+    status, _, _, reader, writer = await connect_via(svc, target)
+    assert status == 200 and await echo_through(reader, writer) == b"ping"
+    assert len(records(svc, "approval.requested")) == 1 and len(channel.delivered) == 1
+    await wait_until(lambda: len(channel.settled) == 1)
+    assert channel.abandonments == [approval_id]
+    await broker.close()
+
+
+async def test_a_denial_after_the_client_gave_up_sticks_for_the_run(
+    make_egressd: MakeEgressd, echo_origin: Listener
+) -> None:
+    svc, channel, broker = await recording_egressd(make_egressd)
+    target = f"origin.test:{echo_origin.port}"
+    await give_up(svc, target, lambda: channel.delivered)
+    await wait_until(lambda: channel.abandonments)
+    assert channel.answer(Decision.DENY).settlement is not None
+    status, headers, _, _, writer = await connect_via(svc, target)
+    writer.close()
+    assert status == 403 and headers["x-egress-reason"] == "denied_earlier"
+    assert len(records(svc, "approval.requested")) == 1 and echo_origin.connections == 0
+    await broker.close()
+
+
+async def test_a_new_request_joins_the_abandoned_approval_without_a_second_message(
+    make_egressd: MakeEgressd, echo_origin: Listener
+) -> None:
+    svc, channel, broker = await recording_egressd(make_egressd)
+    target = f"origin.test:{echo_origin.port}"
+    await give_up(svc, target, lambda: channel.delivered)
+    await wait_until(lambda: channel.abandonments)
+    again = asyncio.create_task(connect_via(svc, target))
+    await wait_until(lambda: svc.gate.metrics.held_requests == 1)  # type: ignore[union-attr]
+    await asyncio.sleep(0.1)
+    assert not again.done() and channel.attempts == 1 and len(records(svc, "approval.requested")) == 1
+    [pending] = (await control(svc, "GET", "/approvals"))[1]["approvals"]
+    assert pending["abandoned"] is False  # somebody waits for it again
+    channel.answer(Decision.ALLOW)
+    status, _, _, reader, writer = await again
+    assert status == 200 and await echo_through(reader, writer) == b"ping"
+    await broker.close()
+
+
+async def test_an_abandoned_approval_that_expires_applies_nothing(
+    make_egressd: MakeEgressd, echo_origin: Listener
+) -> None:
+    svc, channel, broker = await recording_egressd(make_egressd, timeout_s=0.5)
+    target = f"origin.test:{echo_origin.port}"
+    await give_up(svc, target, lambda: channel.delivered)
+    await wait_until(lambda: records(svc, "approval.decided"))
+    [decided] = records(svc, "approval.decided")
+    assert decided["decision"] == "deny" and decided["reason"] == "approval_timeout"
+    asked = asyncio.create_task(connect_via(svc, target))
+    await wait_until(lambda: len(channel.delivered) == 2)  # asked again: a timeout does not stick
+    channel.answer(Decision.DENY)
+    status, headers, _, _, writer = await asked
+    writer.close()
+    assert status == 403 and headers["x-egress-reason"] == "denied"
+    await broker.close()
+
+
+async def test_slack_says_the_client_gave_up_and_its_buttons_still_answer(
+    egressd: Callable[..., Any],  # noqa: F811 - the fixture
+    fake_slack: FakeSlack,  # noqa: F811 - the fixture
+    echo_origin: Listener,
+) -> None:
+    svc = await egressd(**slack_settings(fake_slack))
+    target = f"origin.test:{echo_origin.port}"
+    await give_up(svc, target, lambda: fake_slack.posted)
+    await wait_until(lambda: fake_slack.called("chat.update"))
+    [update] = fake_slack.called("chat.update")
+    blocks = json.dumps(update["blocks"])
+    assert update["ts"] == fake_slack.posted[0]["ts"] and "client gave up" in blocks
+    assert "egressd_allow" in blocks and "egressd_deny" in blocks  # the buttons stay
+    await fake_slack.click(fake_slack.posted[0], "allow", user=ALICE, username="alice")
+    await wait_until(lambda: records(svc, "approval.decided"))
+    status, _, _, reader, writer = await connect_via(svc, target)
+    assert status == 200 and await echo_through(reader, writer) == b"ping"
+    assert len(records(svc, "approval.requested")) == 1 and len(fake_slack.posted) == 1
+    await wait_until(lambda: len(fake_slack.called("chat.update")) == 2)
+    assert "Allowed* by <@U0ALICE>" in json.dumps(fake_slack.called("chat.update")[1]["blocks"])
+
+
+async def test_the_webhook_gets_one_signed_abandoned_event(
+    egressd: Callable[..., Any],  # noqa: F811 - the fixture
+    echo_origin: Listener,
+) -> None:
+    secret, key = make_secret()
+    async with WebhookReceiver(key, mode="later") as receiver:
+        svc = await egressd(approver=["webhook"], webhook_url=receiver.url, webhook_secret=secret)
+        target = f"origin.test:{echo_origin.port}"
+        await give_up(svc, target, lambda: receiver.requests)
+        await wait_until(lambda: any(r.payload.get("type") == "approval.abandoned" for r in receiver.received))
+        approval_id = receiver.requests[0].payload["id"]
+        [event] = [r for r in receiver.received if r.payload.get("type") == "approval.abandoned"]
+        assert event.signature_ok and event.payload["id"] == approval_id and event.payload["run"] == "default"
+        assert event.payload["host"] == "origin.test" and event.payload["port"] == echo_origin.port
+        assert "gave up" in event.payload["message"] and event.payload["expires_at"].endswith("Z")
+        assert (await control(svc, "POST", f"/approvals/{approval_id}/allow"))[0] == 200
+        status, _, _, reader, writer = await connect_via(svc, target)
+        assert status == 200 and await echo_through(reader, writer) == b"ping"
+        await wait_until(lambda: receiver.settled)
+        abandoned = [r for r in receiver.received if r.payload.get("type") == "approval.abandoned"]
+        assert len(abandoned) == 1 and len(receiver.requests) == 1
+
+
+async def test_the_terminal_prompt_says_the_client_gave_up_and_still_takes_an_answer(pty: Pty) -> None:  # noqa: F811
+    broker, _ = await terminal_broker(pty)
+    late: list[ApprovalOutcome] = []
+    asking = asyncio.create_task(broker.ask(request(late=late.append)))
+    await pty.shows("allow or deny evil.example:443?")
+    assert "client gave up" not in pty.output
+    asking.cancel()
+    await asyncio.gather(asking, return_exceptions=True)
+    await pty.shows("client gave up")
+    pty.type("allow\r")
+    await pty.shows("allowed for this run")
+    assert [o.answer for o in late] == [Answer.ALLOW] and late[0].by == "alice" and late[0].channel == "terminal"
+    await broker.close()
