@@ -20,9 +20,11 @@ from approvals.broker import ApprovalBroker
 from approvals.interface import Answer, ApprovalOutcome, Decision
 from audit.log import MemoryAuditSink
 from cli.service import EgressService
+from proxy.policy import Verdict
+from tests import hellos
 from tests.conftest import Listener, MakeEgressd
 from tests.fakeslack import FakeSlack
-from tests.harness import connect_via, open_proxy, wait_until
+from tests.harness import connect_via, egress, open_proxy, wait_until
 from tests.test_approvals_e2e import (  # noqa: F401 - fixtures
     ALICE,
     control,
@@ -34,6 +36,7 @@ from tests.test_approvals_e2e import (  # noqa: F401 - fixtures
 )
 from tests.test_broker import RecordingChannel, request
 from tests.test_terminal import Pty, pty, terminal_broker  # noqa: F401 - the pty fixture
+from tests.test_transparent import transparent  # noqa: F401 - the fixture
 from tests.webhookreceiver import WebhookReceiver, make_secret
 
 
@@ -69,6 +72,8 @@ async def test_a_client_that_gives_up_leaves_the_approval_answerable_and_an_allo
     await wait_until(lambda: svc.gate.metrics.held_requests == 0)  # type: ignore[union-attr]
     approval_id = channel.delivered[0].id
     assert channel.abandonments == [approval_id] and echo_origin.connections == 0
+    [gone] = egress(svc)
+    assert gone["decision"] == "deny" and gone["detail"] == "the client went away before its request was decided"
     status, listed = await control(svc, "GET", "/approvals")
     [pending] = listed["approvals"]
     assert status == 200 and pending["id"] == approval_id and pending["abandoned"] is True
@@ -81,6 +86,8 @@ async def test_a_client_that_gives_up_leaves_the_approval_answerable_and_an_allo
     assert (status, answer["decision"]) == (200, "allow")
     [decided] = records(svc, "approval.decided")
     assert decided["id"] == approval_id and decided["decision"] == "allow" and decided["by"] == "carol"
+    await asyncio.sleep(0.2)
+    assert echo_origin.connections == 0  # nothing was dialled for the client that hung up
     status, _, _, reader, writer = await connect_via(svc, target)
     assert status == 200 and await echo_through(reader, writer) == b"ping"
     assert len(records(svc, "approval.requested")) == 1 and len(channel.delivered) == 1
@@ -198,4 +205,31 @@ async def test_the_terminal_prompt_says_the_client_gave_up_and_still_takes_an_an
     pty.type("allow\r")
     await pty.shows("allowed for this run")
     assert [o.answer for o in late] == [Answer.ALLOW] and late[0].by == "alice" and late[0].channel == "terminal"
+    await broker.close()
+
+
+async def test_a_transparent_tls_client_that_hangs_up_abandons_the_approval_and_the_allow_still_applies(
+    transparent: Callable[..., Any],  # noqa: F811 - the fixture
+    make_egressd: MakeEgressd,
+    echo_origin: Listener,
+) -> None:
+    sink = MemoryAuditSink()
+    channel = RecordingChannel()
+    broker = ApprovalBroker([channel], audit=sink)
+    await broker.start()
+    svc = await transparent(approver=broker, audit=sink)
+    reader, writer = await asyncio.open_connection(*svc.transparent_tls.address)  # type: ignore[attr-defined]
+    writer.write(hellos.client_hello("origin.test"))
+    await writer.drain()
+    await wait_until(lambda: channel.delivered)
+    writer.close()
+    await writer.wait_closed()
+    await wait_until(lambda: channel.abandonments)
+    await wait_until(lambda: egress(svc))
+    [gone] = egress(svc)
+    assert gone["kind"] == "tls" and gone["detail"] == "the client went away before its request was decided"
+    assert [p.abandoned for p in broker.pending()] == [True]
+    channel.answer(Decision.ALLOW)
+    assert svc.default_run.decide("origin.test", 443).verdict is Verdict.ALLOW  # type: ignore[union-attr]
+    assert len(records(svc, "approval.requested")) == 1
     await broker.close()
