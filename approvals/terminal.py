@@ -822,6 +822,7 @@ class TerminalChannel:
         self._stop_reading()
         self._stop_timer()
         self._queue.clear()
+        self._abandoned.clear()
         self._current = None
         if self._writing and self._loop is not None and self._fd is not None:
             self._loop.remove_writer(self._fd)

@@ -16,9 +16,12 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from approvals.broker import ApprovalBroker
 from approvals.interface import Answer, ApprovalOutcome, Decision
 from audit.log import MemoryAuditSink
+from cli.approvals_cmd import _print_pending
 from cli.service import EgressService
 from proxy.policy import Verdict
 from tests import hellos
@@ -62,7 +65,7 @@ async def recording_egressd(
 
 
 async def test_a_client_that_gives_up_leaves_the_approval_answerable_and_an_allow_serves_the_next_request(
-    make_egressd: MakeEgressd, echo_origin: Listener
+    make_egressd: MakeEgressd, echo_origin: Listener, capsys: pytest.CaptureFixture[str]
 ) -> None:
     svc, channel, broker = await recording_egressd(make_egressd)
     target = f"origin.test:{echo_origin.port}"
@@ -84,6 +87,8 @@ async def test_a_client_that_gives_up_leaves_the_approval_answerable_and_an_allo
     # Answered afterwards: recorded like any answer, and the run now allows the destination.
     status, answer = await control(svc, "POST", f"/approvals/{approval_id}/allow", body={"by": "carol"})
     assert (status, answer["decision"]) == (200, "allow")
+    _print_pending(listed["approvals"])  # what `egressd pending` shows
+    assert f"origin.test:{echo_origin.port} (unrelated) (client gave up)" in capsys.readouterr().out
     [decided] = records(svc, "approval.decided")
     assert decided["id"] == approval_id and decided["decision"] == "allow" and decided["by"] == "carol"
     await asyncio.sleep(0.2)
