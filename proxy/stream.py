@@ -20,9 +20,8 @@ raise ``IdleTimeout``, saying how many body bytes had gone through.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
 from .http1 import ChunkedScanner, HttpError
@@ -36,6 +35,10 @@ H = TypeVar("H")  # a parsed message head (request or response)
 
 class PeerClosed(Exception):
     """The peer closed or broke the connection; nothing more to say to it."""
+
+
+# What ``GoneCancels`` raises with.
+GONE = "the client went away while its request was held"
 
 
 class IdleTimeout(TimeoutError):
@@ -200,8 +203,7 @@ class Peer(asyncio.Protocol):
         if self.closed:
             raise PeerClosed("connection closed")
 
-    @contextlib.contextmanager
-    def gone_cancels(self, *, on_eof: bool) -> Iterator[None]:
+    def gone_cancels(self, *, on_eof: bool) -> GoneCancels:
         """Inside, the peer going away cancels the current task: PeerClosed comes out.
 
         For a request held while a person is asked: a client that gave up
@@ -212,31 +214,7 @@ class Peer(asyncio.Protocol):
         cancellation from elsewhere passes through unchanged (counted as
         ``asyncio.timeout`` counts its own).
         """
-        if self.closed or (on_eof and self.eof):
-            raise PeerClosed("the client went away while its request was held")
-        task = asyncio.current_task()
-        assert task is not None
-        cancelling = task.cancelling()
-        fired = False
-
-        def cancel(lost: bool) -> None:
-            nonlocal fired
-            if not fired and (lost or on_eof):
-                fired = True
-                task.cancel()
-
-        self._on_gone = cancel
-        try:
-            yield
-        except asyncio.CancelledError:
-            if fired and task.uncancel() <= cancelling:
-                raise PeerClosed("the client went away while its request was held") from None
-            raise
-        else:
-            if fired:
-                task.uncancel()  # the block ended before the cancellation reached it
-        finally:
-            self._on_gone = None
+        return GoneCancels(self, on_eof)
 
     def take(self, n: int | None = None) -> bytes:
         n = len(self.buf) if n is None else n
@@ -447,6 +425,42 @@ class _PassOn:
 def _deadline(idle_s: float | None) -> float | None:
     """The loop-clock deadline ``idle_s`` from now (None: no limit)."""
     return None if idle_s is None else asyncio.get_running_loop().time() + idle_s
+
+
+class GoneCancels:
+    """``Peer.gone_cancels``: a class, not a generator, since every request enters one (half the cost)."""
+
+    __slots__ = ("_peer", "_on_eof", "_task", "_cancelling", "_fired")
+
+    def __init__(self, peer: Peer, on_eof: bool) -> None:
+        self._peer = peer
+        self._on_eof = on_eof
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+        self._fired = False
+
+    def __enter__(self) -> None:
+        peer = self._peer
+        if peer.closed or (self._on_eof and peer.eof):
+            raise PeerClosed(GONE)
+        task = self._task = asyncio.current_task()
+        assert task is not None
+        self._cancelling = task.cancelling()  # cancellations requested before ours are not ours
+        peer._on_gone = self._gone
+
+    def _gone(self, lost: bool) -> None:
+        task = self._task
+        if task is not None and not self._fired and (lost or self._on_eof):
+            self._fired = True
+            task.cancel()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self._peer._on_gone = None
+        if not self._fired or self._task is None:
+            return
+        # Ours to take back, whether it reached the block or the block ended first.
+        if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise PeerClosed(GONE) from None
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:

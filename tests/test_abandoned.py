@@ -24,6 +24,7 @@ from audit.log import MemoryAuditSink
 from cli.approvals_cmd import _print_pending
 from cli.service import EgressService
 from proxy.policy import Verdict
+from proxy.stream import Peer, PeerClosed
 from tests import hellos
 from tests.conftest import Listener, MakeEgressd
 from tests.fakeslack import FakeSlack
@@ -238,3 +239,44 @@ async def test_a_transparent_tls_client_that_hangs_up_abandons_the_approval_and_
     assert svc.default_run.decide("origin.test", 443).verdict is Verdict.ALLOW  # type: ignore[union-attr]
     assert len(records(svc, "approval.requested")) == 1
     await broker.close()
+
+
+# -- the wait that the client's leaving ends (proxy.stream.GoneCancels), socket-free ----------------
+
+
+async def _held_in(peer: Peer, *, on_eof: bool) -> None:
+    with peer.gone_cancels(on_eof=on_eof):
+        await asyncio.sleep(10)
+
+
+async def test_a_client_hanging_up_ends_the_wait_as_peer_closed_and_leaves_no_cancellation_behind() -> None:
+    for on_eof, leave in ((True, "eof"), (True, "lost"), (False, "lost")):
+        peer = Peer()
+        task = asyncio.create_task(_held_in(peer, on_eof=on_eof))
+        await asyncio.sleep(0)
+        peer.eof_received() if leave == "eof" else peer.connection_lost(None)
+        with pytest.raises(PeerClosed):
+            await task
+        assert task.cancelling() == 0
+
+
+async def test_a_plain_http_client_half_closing_is_still_waited_for() -> None:
+    peer = Peer()
+    task = asyncio.create_task(_held_in(peer, on_eof=False))
+    await asyncio.sleep(0)
+    peer.eof_received()  # may still read the answer
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_a_cancellation_from_elsewhere_passes_through_unchanged() -> None:
+    peer = Peer()
+    task = asyncio.create_task(_held_in(peer, on_eof=True))
+    await asyncio.sleep(0)
+    task.cancel()  # egressd stopping, say
+    peer.eof_received()  # and the client leaving in the same instant
+    with pytest.raises(asyncio.CancelledError):
+        await task
