@@ -398,7 +398,14 @@ class ApprovalBroker:
         """A waiting request went away (its client gave up); the last one abandons the approval."""
         if request.on_late_answer is not None:
             held.late.append(request.on_late_answer)
-        if held.waiters or held.future.done() or held.abandoned or held.view.id not in self._held:
+        if held.waiters:
+            return
+        if held.future.done():
+            # Settled in the same instant, before this waiter woke: the answer is handed on all the same.
+            if held.late:
+                self._hand_on(held, held.future.result())
+            return
+        if held.abandoned or held.view.id not in self._held:
             return
         held.abandoned = True
         view = held.view

@@ -646,3 +646,17 @@ async def test_a_channel_that_cannot_show_the_abandonment_changes_nothing() -> N
     assert [p.abandoned for p in broker.pending()] == [True]
     assert channel.answer(Decision.ALLOW).result is AnswerResult.ACCEPTED
     await broker.close()
+
+
+async def test_a_waiter_leaving_in_the_instant_its_answer_came_still_hands_the_answer_on() -> None:
+    channel = RecordingChannel()
+    late: list[ApprovalOutcome] = []
+    broker = await make_broker(channel)
+    waiting = asyncio.create_task(broker.ask(request(late=late.append)))
+    await wait_until(lambda: channel.delivered)
+    channel.answer(Decision.ALLOW)  # settled; the waiter has not woken yet ...
+    waiting.cancel()  # ... when its client goes
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert waiting.cancelled()
+    assert [o.answer for o in late] == [Answer.ALLOW]
+    await broker.close()
