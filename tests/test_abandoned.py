@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from approvals.broker import ApprovalBroker
-from approvals.interface import Answer, ApprovalOutcome, Decision
+from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Decision
+from approvals.slack import abandoned_blocks, fallback_text
 from audit.log import MemoryAuditSink
 from cli.approvals_cmd import _print_pending
 from cli.service import EgressService
@@ -27,7 +28,7 @@ from proxy.policy import Verdict
 from proxy.stream import Peer, PeerClosed
 from tests import hellos
 from tests.conftest import Listener, MakeEgressd
-from tests.fakeslack import FakeSlack
+from tests.fakeslack import FakeSlack, limit_problems
 from tests.harness import connect_via, egress, open_proxy, wait_until
 from tests.test_approvals_e2e import (  # noqa: F401 - fixtures
     ALICE,
@@ -39,6 +40,8 @@ from tests.test_approvals_e2e import (  # noqa: F401 - fixtures
     slack_settings,
 )
 from tests.test_broker import RecordingChannel, request
+from tests.test_slack_hardening import mrkdwn_outside_code
+from tests.test_slack_hardening import pending as slack_pending
 from tests.test_terminal import Pty, pty, terminal_broker  # noqa: F401 - the pty fixture
 from tests.test_transparent import transparent  # noqa: F401 - the fixture
 from tests.webhookreceiver import WebhookReceiver, make_secret
@@ -280,3 +283,17 @@ async def test_a_cancellation_from_elsewhere_passes_through_unchanged() -> None:
     peer.eof_received()  # and the client leaving in the same instant
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+def test_the_slack_abandoned_update_fits_slacks_limits_and_keeps_agent_text_out_of_mrkdwn() -> None:
+    hostile = "<!channel> *bold* `tick` :skull: \u202e" + "x" * 20_000
+    req = ApprovalRequest(
+        run_id="r-" + "9" * 200, host="evil.example", port=443, command=hostile, task=hostile, allowed=(hostile,) * 40
+    )
+    approval = slack_pending(req)
+    blocks = abandoned_blocks(approval, instance="i-1", at=1_700_000_100)
+    assert limit_problems({"blocks": blocks, "text": fallback_text(approval) + ": the client gave up waiting"}) == []
+    assert [b["type"] for b in blocks][-1] == "actions"  # the buttons stay
+    benign = slack_pending(ApprovalRequest("r-1", "evil.example", 443, "x", "y", ()))
+    ours = set(mrkdwn_outside_code(abandoned_blocks(benign, instance="i-1", at=1_700_000_100)))
+    assert set(mrkdwn_outside_code(blocks)) <= ours
