@@ -8,7 +8,10 @@ A request flows:  gate → ``ApprovalBroker.ask`` → (``ledger`` opens an
 approval, ``message`` renders it once) → every ``Channel.deliver`` at once
 → a person answers through a channel or the control API →
 ``Answerer.answer`` → the ledger settles it → the waiting requests wake →
-every channel that showed it is told (``Channel.settle``).
+every channel that showed it is told (``Channel.settle``). When every
+waiting request's client gave up first, the approval stays open, every
+channel is told once (``Channel.abandoned``), and its answer is handed to
+the gate, which applies it to the run (``ApprovalRequest.on_late_answer``).
 
 - ``interface``  the values and protocols both sides meet at (``Approver``,
   ``Channel``, ``Answerer``, ``PendingApproval``, ``Settlement``);

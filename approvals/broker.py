@@ -23,6 +23,15 @@
    request, and every channel that showed the approval is told (the Slack
    message updated, the terminal prompt withdrawn).
 
+The broker counts the requests waiting for each approval. When the last one
+goes away (its client gave up: the gate's wait is cancelled) the approval is
+not withdrawn: it stays open until answered or expired, an
+``approval.abandoned`` record is written, and every channel that shows it is
+told once (``Channel.abandoned``). A new request for the same key joins it
+(no second message). Its settlement is then handed to the requests that left
+(``ApprovalRequest.on_late_answer``): the gate applies an allow or a denial
+to the run, so the run's next request is not asked again.
+
 Allow and deny mean what the gate makes of them (this run only; a denial
 sticks). Fail closed: an exception anywhere here ends in a denial, and an
 allow that cannot be recorded in the audit log becomes one.
@@ -37,11 +46,12 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from audit.log import AuditError, AuditSink
-from audit.records import approval_decided_record, approval_requested_record
+from audit.records import approval_abandoned_record, approval_decided_record, approval_requested_record
 
 from .control import control_routes
 from .interface import (
@@ -81,11 +91,19 @@ def new_approval_id() -> str:
 
 @dataclass(slots=True)
 class _Held:
-    """An approval between opening and the end of its driver task."""
+    """An approval between opening and the end of its driver task.
+
+    ``waiters``: requests waiting for it now; ``abandoned``: all of them
+    left once (the channels were told); ``late``: what the requests that
+    left want done with the answer (``ApprovalRequest.on_late_answer``).
+    """
 
     approval: Approval
     view: PendingApproval
     future: asyncio.Future[Settlement]
+    waiters: int = 0
+    abandoned: bool = False
+    late: list[Callable[[ApprovalOutcome], None]] = field(default_factory=list)
 
 
 class ApprovalBroker:
@@ -211,13 +229,18 @@ class ApprovalBroker:
             joined = self._join_or_open(request)
             if isinstance(joined, Answer):
                 return ApprovalOutcome(joined)
-            # shield: one waiter going away must not cancel the approval others share.
-            settlement = await asyncio.shield(joined.future)
-        except asyncio.CancelledError:
-            raise
         except Exception:
             log.exception("approval for %s:%d in run %s failed; denying", request.host, request.port, request.run_id)
             return ApprovalOutcome(Answer.NO_APPROVER)
+        joined.waiters += 1
+        try:
+            # shield: a waiter going away must not cancel the approval (others share it; it stays answerable).
+            settlement = await asyncio.shield(joined.future)
+        except asyncio.CancelledError:
+            joined.waiters -= 1
+            self._left(joined, request)
+            raise
+        joined.waiters -= 1
         return ApprovalOutcome(
             settlement.answer,
             approval_id=joined.approval.id,
@@ -300,7 +323,13 @@ class ApprovalBroker:
         return answered
 
     def pending(self) -> list[PendingApproval]:
-        return [self._held[a.id].view for a in self._ledger.pending() if a.id in self._held]
+        return [self._view(self._held[a.id]) for a in self._ledger.pending() if a.id in self._held]
+
+    @staticmethod
+    def _view(held: _Held) -> PendingApproval:
+        """The approval as channels and the control API see it now: abandoned while nobody waits."""
+        abandoned = held.abandoned and held.waiters == 0
+        return replace(held.view, abandoned=True) if abandoned else held.view
 
     # -- inside -------------------------------------------------------------------
 
@@ -345,7 +374,86 @@ class ApprovalBroker:
         )
         if not held.future.done():
             held.future.set_result(settlement)
+        if held.waiters == 0 and held.late:
+            self._hand_on(held, settlement)
         return settlement
+
+    def _hand_on(self, held: _Held, settlement: Settlement) -> None:
+        """The settlement of an approval nobody waits for any more, to the requests that left."""
+        late, held.late = held.late, []
+        outcome = ApprovalOutcome(
+            settlement.answer,
+            approval_id=held.view.id,
+            channel=settlement.channel,
+            by=settlement.by,
+            waited_s=settlement.waited_s,
+        )
+        for callback in late:
+            try:
+                callback(outcome)
+            except Exception:
+                log.exception("approval %s: applying the late answer failed", held.view.id)
+
+    def _left(self, held: _Held, request: ApprovalRequest) -> None:
+        """A waiting request went away (its client gave up); the last one abandons the approval."""
+        if request.on_late_answer is not None:
+            held.late.append(request.on_late_answer)
+        if held.waiters:
+            return
+        if held.future.done():
+            # Settled in the same instant, before this waiter woke: the answer is handed on all the same.
+            if held.late:
+                self._hand_on(held, held.future.result())
+            return
+        if held.abandoned or held.view.id not in self._held:
+            return
+        held.abandoned = True
+        view = held.view
+        now = self._clock()
+        try:
+            self._audit.write(
+                approval_abandoned_record(
+                    id=view.id,
+                    ts=now,
+                    run=view.request.run_id,
+                    host=view.request.host,
+                    port=view.request.port,
+                    waited_s=max(0.0, now - view.created_at),
+                )
+            )
+        except AuditError:
+            pass  # the sink has said why once and is now unhealthy; the approval itself goes on
+        log.info(
+            "ABANDONED %s:%d run=%s approval=%s: every waiting client gave up; it stays answerable",
+            view.message.host,
+            view.request.port,
+            view.request.run_id,
+            view.id,
+        )
+        shown_on = [c for c in self._channels if c.name in held.approval.delivered]
+        if shown_on:
+            # Channels still delivering say so when their delivery returns (``_deliver``).
+            self._track(self._tell_abandoned(shown_on, self._view(held)), f"abandoned {view.id}")
+
+    def _track(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _tell_abandoned(self, channels: Sequence[Channel], view: PendingApproval) -> None:
+        await asyncio.gather(*(self._abandoned_one(c, view) for c in channels))
+
+    async def _abandoned_one(self, channel: Channel, view: PendingApproval) -> None:
+        try:
+            async with asyncio.timeout(self._settle_timeout_s):
+                await channel.abandoned(view)
+        except Exception as exc:
+            log.warning(
+                "approval %s: could not tell %s that every client gave up: %s",
+                view.id,
+                channel.name,
+                str(exc) or type(exc).__name__,
+            )
 
     async def _drive(self, held: _Held) -> None:
         """Deliver to every channel, wait for the settlement or the deadline, tell the channels."""
@@ -397,6 +505,9 @@ class ApprovalBroker:
             self._settled(view.id, self._ledger.failed(view.id, channel.name, now=self._clock()))
         else:
             self._ledger.delivered(held.approval, channel.name)
+            if held.abandoned and held.approval.settlement is None:
+                # Every client gave up while this delivery was under way: the channel is told now.
+                await self._abandoned_one(channel, self._view(held))
 
     def _stopped_asking(self, run_id: str) -> None:
         """Step 3's notice: every attached channel says once that the run stopped asking."""
@@ -407,9 +518,7 @@ class ApprovalBroker:
             limit,
         )
         notice = Notice(run_id=run_id, text=stopped_asking_text(run_id, limit), at=self._clock())
-        task = asyncio.get_running_loop().create_task(self._notify(notice), name=f"notice for run {run_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._track(self._notify(notice), f"notice for run {run_id}")
 
     async def _notify(self, notice: Notice) -> None:
         await asyncio.gather(*(self._notify_one(c, notice) for c in self._channels))

@@ -1,6 +1,7 @@
 """The control API's approval routes, behind its bearer token (``egressd pending|allow|deny`` use them).
 
-- ``GET /approvals``                 every approval still waiting, oldest first
+- ``GET /approvals``                 every approval still waiting, oldest first (``abandoned``:
+                                     every client waiting for it gave up; an answer still applies to its run)
 - ``POST /approvals/{id}/allow``     answer allow; body optional ``{"by": "who"}`` (default ``cli``)
 - ``POST /approvals/{id}/deny``      answer deny; same body
 
@@ -55,8 +56,8 @@ RUN_SCOPED_ROUTES = frozenset(
 
 
 def describe(approval: PendingApproval) -> dict[str, Any]:
-    """An approval as JSON: the request, the rendered message, the times."""
-    return approval.fields() | {"created_at": rfc3339(approval.created_at)}
+    """An approval as JSON: the request, the rendered message, the times, whether its clients gave up."""
+    return approval.fields() | {"created_at": rfc3339(approval.created_at), "abandoned": approval.abandoned}
 
 
 def _error(status: int, message: str) -> web.Response:

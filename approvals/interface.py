@@ -5,7 +5,8 @@ Two meeting points live here, so that nobody imports across them:
 - the proxy and whatever answers: ``Approver.ask(ApprovalRequest) ->
   ApprovalOutcome`` (the ``deny`` approver, ``NoApprover``, the broker);
 - the broker and its channels: a ``Channel`` is told about a
-  ``PendingApproval`` (``deliver``) and about its ``Settlement``
+  ``PendingApproval`` (``deliver``), that every client waiting for it gave
+  up (``abandoned``), and about its ``Settlement``
   (``settle``), and about what concerns no single approval (``notify``
   with a ``Notice``: a run stopped asking); it passes a person's answer
   back through the ``Answerer`` it was started with. The broker implements ``Answerer`` and holds channels
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from audit.records import rfc3339
@@ -66,6 +67,11 @@ class ApprovalRequest:
     command: str | None
     task: str | None
     allowed: tuple[str, ...]
+    # What the asker wants done with the answer when it comes after the asker
+    # stopped waiting (its client gave up): the gate applies it to the run.
+    # Called once the approval settles, only when no client waits any more;
+    # not part of the question (never compared, never shown).
+    on_late_answer: Callable[[ApprovalOutcome], None] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +150,9 @@ class PendingApproval:
     ``created_at`` and ``expires_at`` are epoch seconds (for people);
     ``deadline`` is the same expiry on the event loop's clock
     (``loop.time()``), for bounding network waits with
-    ``asyncio.timeout_at``.
+    ``asyncio.timeout_at``. ``abandoned``: every client that waited for it
+    gave up and none waits now; it stays answerable until it expires, and
+    an answer still applies to the run's later requests.
     """
 
     id: str
@@ -153,6 +161,7 @@ class PendingApproval:
     created_at: float
     expires_at: float
     deadline: float
+    abandoned: bool = False
 
     def fields(self) -> dict[str, Any]:
         """The approval as JSON fields: the raw request, the rendered (escaped) message, the expiry.
@@ -267,6 +276,14 @@ class Channel(Protocol):
 
     async def notify(self, notice: Notice) -> None:
         """Show a notice once. Best effort: the broker bounds the call and logs a failure."""
+        ...
+
+    async def abandoned(self, approval: PendingApproval) -> None:
+        """Every client waiting for this shown approval gave up: say so once (it stays answerable).
+
+        Called once per approval, after ``deliver`` returned. Best effort:
+        the broker bounds the call and logs a failure.
+        """
         ...
 
     async def close(self) -> None: ...

@@ -577,6 +577,13 @@ def stopped_asking_text(run_id: str, limit: int) -> str:
     )
 
 
+# What every channel says, once, when every client waiting for an approval gave up.
+ABANDONED_TEXT = (
+    "The client gave up waiting for this request. An answer still applies to the run: "
+    "allow lets its later requests to this domain through, deny refuses them."
+)
+
+
 def settled_text(settlement: Settlement) -> str:
     """One line saying how an approval ended, for people (escaped by the broker already)."""
     if settlement.channel is not None:

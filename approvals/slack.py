@@ -10,7 +10,9 @@ each piece is cut to fit Slack's limits with a visible note, so a long or
 escape-heavy command can never make the post fail. Only egressd's own words
 are mrkdwn (``verbatim``: Slack links nothing by itself). After the decision
 the message is replaced (``chat.update``): "Allowed by @who at HH:MM for run
-r-…", or "Expired — denied".
+r-…", or "Expired — denied". When every client waiting for it gave up, the
+message is updated once to say so, its buttons kept (an answer still
+applies to the run's later requests).
 
 Back: ``block_actions`` payloads, through Socket Mode (``--slack-app-token``,
 no public URL needed) and/or the HTTP interactivity endpoint
@@ -77,7 +79,7 @@ from .interface import (
     Settlement,
     SetupError,
 )
-from .message import bounded, escape, settled_text
+from .message import ABANDONED_TEXT, bounded, escape, settled_text
 
 log = logging.getLogger("egressd.approvals.slack")
 # slack-sdk logs every retry at INFO unless its logger has a level of its own
@@ -288,6 +290,14 @@ def request_blocks(approval: PendingApproval, *, instance: str) -> list[dict[str
             ],
         },
     ]
+
+
+def abandoned_blocks(approval: PendingApproval, *, instance: str, at: float) -> list[dict[str, Any]]:
+    """The approval message with its buttons, and a line saying the client gave up (at ``at``)."""
+    blocks = request_blocks(approval, instance=instance)
+    note = {"type": "section", "text": _mrkdwn(f":hourglass: *The client gave up waiting* at {_clock_text(at)}.")}
+    rest = {"type": "section", "text": plain(ABANDONED_TEXT)}
+    return [*blocks[:-1], note, rest, blocks[-1]]
 
 
 def outcome_text(approval: PendingApproval, settlement: Settlement) -> str:
@@ -510,6 +520,24 @@ class SlackChannel:
                 ts=ts,
                 text=f"{fallback_text(approval)}: {_settled_word(settlement)}",
                 blocks=settled_blocks(approval, settlement),
+                parse="none",
+                link_names=False,
+            )
+        except SlackApiError as exc:
+            raise ChannelError(f"chat.update failed: {_slack_error(exc)}") from None
+
+    async def abandoned(self, approval: PendingApproval) -> None:
+        """Update the message once: the client gave up; the buttons stay (a click still counts)."""
+        posted = self._posted.get(approval.id)
+        if posted is None or self._web is None:
+            return
+        channel, ts = posted
+        try:
+            await self._web.chat_update(
+                channel=channel,
+                ts=ts,
+                text=f"{fallback_text(approval)}: the client gave up waiting",
+                blocks=abandoned_blocks(approval, instance=self.instance, at=self._clock()),
                 parse="none",
                 link_names=False,
             )

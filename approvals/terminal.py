@@ -29,7 +29,9 @@ countdown can be redrawn every second without garbling what is typed:
 5. ``allow`` allows; ``deny``, ``d``, ``n``, ``no`` and a bare Enter deny;
    anything else asks again;
 6. an approval settled elsewhere (or expired) is withdrawn with a line
-   saying how it ended, and the next one is shown;
+   saying how it ended, and the next one is shown; one whose waiting
+   clients all gave up says so on its input line ("client gave up"), still
+   answerable;
 7. when the queue is empty the terminal's modes are restored.
 
 A command's output relayed to the same terminal goes through a
@@ -421,6 +423,8 @@ class TerminalChannel:
         self._left_width = 0
         # Notices that came while a prompt was shown: written after it.
         self._notices: list[str] = []
+        # Approvals (queued or shown) whose waiting clients all gave up.
+        self._abandoned: set[str] = set()
         self._out = bytearray()
         self._writing = False
         self._reading = False
@@ -456,6 +460,7 @@ class TerminalChannel:
         self._write_notices()
         self._current = None
         self._queue.clear()
+        self._abandoned.clear()
         self._restore_modes()
         self._flush_now()
         if self._writing and self._loop is not None:
@@ -482,10 +487,21 @@ class TerminalChannel:
 
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
         """Withdraw the approval: from the screen (saying how it ended) or from the queue."""
+        self._abandoned.discard(approval.id)
         if self._current is not None and self._current.id == approval.id:
             self._finish(f"{settled_text(settlement)}")
         elif any(a.id == approval.id for a in self._queue):
             self._queue = deque(a for a in self._queue if a.id != approval.id)
+            self._draw_prompt()
+
+    async def abandoned(self, approval: PendingApproval) -> None:
+        """Say on the approval's input line that its client gave up (no row is added under a prompt)."""
+        if self._fd is None or self._broken:
+            raise ChannelError("the terminal is gone")
+        if approval.id != getattr(self._current, "id", None) and all(a.id != approval.id for a in self._queue):
+            return
+        self._abandoned.add(approval.id)
+        if self._current is not None and self._current.id == approval.id:
             self._draw_prompt()
 
     async def notify(self, notice: Notice) -> None:
@@ -557,6 +573,8 @@ class TerminalChannel:
         if current is None:
             return
         more = f", {len(self._queue)} more waiting" if self._queue else ""
+        if current.id in self._abandoned:
+            more = f", client gave up{more}"
         left = self._left(current)
         columns = self._columns()
         line = prompt_line(domain=current.message.domain, keep=keep_of(current.message), left=left, more=more,
@@ -804,6 +822,7 @@ class TerminalChannel:
         self._stop_reading()
         self._stop_timer()
         self._queue.clear()
+        self._abandoned.clear()
         self._current = None
         if self._writing and self._loop is not None and self._fd is not None:
             self._loop.remove_writer(self._fd)

@@ -19,7 +19,9 @@ Back, either way:
   are refused (401/409) and logged. The route answers POST only: nothing is
   decided by a GET (link previewers open links).
 
-When the approval is settled, one best-effort ``approval.settled`` event is
+When every client waiting for an approval gave up, one best-effort
+``approval.abandoned`` event is POSTed (the approval stays answerable); when
+the approval is settled, one best-effort ``approval.settled`` event is
 POSTed too, so the receiver can close its own prompt; a notice (a run
 stopped asking) is one best-effort ``run.stopped_asking`` event.
 
@@ -61,7 +63,7 @@ from .interface import (
     Settlement,
     SetupError,
 )
-from .message import bounded
+from .message import ABANDONED_TEXT, bounded
 from .signing import ReplayGuard, VerifyError, signed_headers, verify
 
 log = logging.getLogger("egressd.approvals.webhook")
@@ -99,6 +101,22 @@ def settled_payload(approval: PendingApproval, settlement: Settlement) -> dict[s
         "channel": settlement.channel,
         "by": settlement.by,
         "at": rfc3339(settlement.at),
+    }
+
+
+def abandoned_payload(approval: PendingApproval, at: float) -> dict[str, Any]:
+    """The ``approval.abandoned`` body: every waiting client gave up; an answer still applies to the run."""
+    request = approval.request
+    return {
+        "type": "approval.abandoned",
+        "id": approval.id,
+        "run": request.run_id,
+        "host": request.host,
+        "port": request.port,
+        "message": ABANDONED_TEXT,
+        "waited_s": round(max(0.0, at - approval.created_at), 3),
+        "at": rfc3339(at),
+        "expires_at": rfc3339(approval.expires_at),
     }
 
 
@@ -253,6 +271,15 @@ class WebhookChannel:
         )
         if status is None or not 200 <= status < 300:
             log.info("approval %s: the webhook did not take the settlement (%s)", approval.id, status)
+
+    async def abandoned(self, approval: PendingApproval) -> None:
+        """One signed ``approval.abandoned`` POST; failures only logged (the broker bounds it)."""
+        body = json.dumps(abandoned_payload(approval, self._clock())).encode()
+        status, _, _, _ = await self._post(
+            self._new_id(), body, asyncio.get_running_loop().time() + self._attempt_timeout_s
+        )
+        if status is None or not 200 <= status < 300:
+            log.info("approval %s: the webhook did not take the abandoned event (%s)", approval.id, status)
 
     async def notify(self, notice: Notice) -> None:
         """One signed notice event (``run.stopped_asking``); failures only logged (the broker bounds it)."""

@@ -23,6 +23,7 @@ import secrets
 from collections.abc import Mapping, Sequence
 
 __all__ = [
+    "APPROVAL_ABANDONED",
     "APPROVAL_DECIDED",
     "APPROVAL_REQUESTED",
     "CHAIN_FIELD",
@@ -37,6 +38,7 @@ __all__ = [
     "RUN_END",
     "RUN_START",
     "RecordError",
+    "approval_abandoned_record",
     "approval_decided_record",
     "approval_requested_record",
     "egress_end_record",
@@ -53,6 +55,9 @@ RUN_START = "run.start"
 RUN_END = "run.end"
 APPROVAL_REQUESTED = "approval.requested"
 APPROVAL_DECIDED = "approval.decided"
+# Not in the design's list: every client waiting for an approval gave up
+# (it stays answerable; an answer still applies to the run).
+APPROVAL_ABANDONED = "approval.abandoned"
 EGRESS_SUPPRESSED = "egress.suppressed"
 
 # The design fixes these keys and their order; every egress record carries
@@ -385,6 +390,32 @@ def approval_decided_record(
         "reason": reason if reason.__class__ is str else _plain(reason),
         "channel": _plain(channel),
         "by": by,
+        "waited_s": _seconds(waited_s, "waited_s"),
+    }
+
+
+def approval_abandoned_record(
+    *,
+    id: str,  # the design's field name, shadowing the builtin
+    ts: float,
+    run: str | None,
+    host: str,
+    port: int,
+    waited_s: float | None,
+) -> dict[str, object]:
+    """Build the ``approval.abandoned`` record: every client waiting for the approval gave up.
+
+    The approval stays open until answered or expired; its
+    ``approval.decided`` record follows as for any other. ``waited_s`` is how
+    long it had been open when the last client left.
+    """
+    return {
+        "event": APPROVAL_ABANDONED,
+        "id": id,
+        "ts": rfc3339(ts),
+        "run": run,
+        "host": _strip_host(host),
+        "port": port,
         "waited_s": _seconds(waited_s, "waited_s"),
     }
 

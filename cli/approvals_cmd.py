@@ -80,6 +80,8 @@ def _print_pending(approvals: list[dict[str, Any]]) -> None:
     rows = [("ID", "RUN", "DOMAIN", "LEFT", "COMMAND")]
     for a in approvals:
         domain = escape(f"{a.get('host')}:{a.get('port')}") + (" (unrelated)" if a.get("unrelated") else "")
+        if a.get("abandoned"):
+            domain += " (client gave up)"  # still answerable: the answer applies to the run
         command = escape(str(a.get("command") or "-"))
         rows.append(
             (

@@ -9,6 +9,8 @@ decide the same way:
 3. ASK → the ``Approver``; an exception there is a denial (fail closed);
    an allow joins the run's allowlist, a denial sticks for the run (its
    registered domain too), a run past its approval requests stops asking;
+   an answer that comes after the client gave up applies to the run alike
+   (the approver calls ``_late_answer``);
 4. allowed → resolve (an IP literal is its own address); every address is
    classified and only those that pass are kept (``private_address`` if none);
    an address and port where egressd itself listens never passes, and when
@@ -235,6 +237,7 @@ class Gate:
             command=run.command,
             task=run.task,
             allowed=run.allowed_texts(),
+            on_late_answer=lambda outcome: self._late_answer(run, host, port, outcome),
         )
         self.metrics.held_requests += 1
         try:
@@ -247,6 +250,18 @@ class Gate:
             return ApprovalOutcome(Answer.NO_APPROVER)
         finally:
             self.metrics.held_requests -= 1
+
+    @staticmethod
+    def _late_answer(run: Run, host: str, port: int, outcome: ApprovalOutcome) -> None:
+        """An answer that came after every client waiting for it gave up still applies to the run.
+
+        Allow → the host joins the run's allowlist (not for an ended run);
+        deny → the denial sticks; a timeout or shutdown applies nothing.
+        """
+        if outcome.answer is Answer.ALLOW and not run.ended:
+            run.approve(host, port)
+        elif outcome.answer is Answer.DENY:
+            run.deny_host(host)
 
     async def _resolve(self, attempt: Attempt, host: str, port: int) -> Admission:
         literal = self._literal(host)

@@ -63,6 +63,8 @@ IDLE_END = "idle_timeout"
 SHUTDOWN_END = "shutdown"
 # Why a run's connection is refused at its cap (the record's detail).
 RUN_CAP_DETAIL = "too many open connections in the run"
+# Why nothing was dialled for a client that hung up while its request was decided (held for an answer).
+GONE_DETAIL = "the client went away before its request was decided"
 # Why a ClientHello carrying encrypted_client_hello is refused (the record's detail).
 ECH_DETAIL = "encrypted_client_hello hides the server name asked for"
 
@@ -283,7 +285,13 @@ class ProxyServer(Listener):
             return False
         run.open_connections += 1
         try:
-            admission = await self.gate.admit(attempt, run, destination.host, destination.port)
+            try:
+                # A client that gives up while its request is held (asked about) stops the wait (stream.gone_cancels).
+                with client.gone_cancels(on_eof=head.method == "CONNECT"):
+                    admission = await self.gate.admit(attempt, run, destination.host, destination.port)
+            except PeerClosed:
+                attempt.extra["detail"] = GONE_DETAIL
+                raise
             if not admission.allowed:
                 await self._refuse(client, attempt, admission.reason)
                 return False

@@ -42,6 +42,10 @@ class PeerClosed(Exception):
     moved = 0
 
 
+# What ``GoneCancels`` raises with.
+GONE = "the client went away while its request was held"
+
+
 class IdleTimeout(TimeoutError):
     """A body moved no byte for the idle timeout; ``moved`` body bytes had gone through."""
 
@@ -70,7 +74,7 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "dialled", "pooled")
+                 "_write_paused", "_read_paused", "relay", "dialled", "pooled", "_on_gone")
 
     def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
         self.transport: asyncio.Transport | None = None
@@ -88,6 +92,8 @@ class Peer(asyncio.Protocol):
         # upstream a client connection keeps for its next request.
         self.dialled: str | None = None
         self.pooled: tuple[tuple[str, int], Peer] | None = None
+        # Set inside ``gone_cancels``: what the peer leaving does to the waiting task.
+        self._on_gone: Callable[[bool], None] | None = None
 
     # -- protocol callbacks ---------------------------------------------------
 
@@ -112,6 +118,8 @@ class Peer(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
+        if self._on_gone is not None:
+            self._on_gone(False)
         if self.relay is not None:
             self.relay.peer_eof(self)
         self._wake_reader()
@@ -120,6 +128,8 @@ class Peer(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.eof = True
+        if self._on_gone is not None:
+            self._on_gone(True)
         if self.relay is not None:
             self.relay.peer_lost(self, exc)
         self._wake_reader()
@@ -197,6 +207,19 @@ class Peer(asyncio.Protocol):
                     timer.cancel()
         if self.closed:
             raise PeerClosed("connection closed")
+
+    def gone_cancels(self, *, on_eof: bool) -> GoneCancels:
+        """Inside, the peer going away cancels the current task: PeerClosed comes out.
+
+        For a request held while a person is asked: a client that gave up
+        stops waiting, and nothing is dialled for it. Going away is the
+        connection lost (closed or reset) and, with ``on_eof``, the peer's
+        FIN too (a CONNECT cannot go on without sending; a plain HTTP client
+        may half-close after its request and still read the answer). A
+        cancellation from elsewhere passes through unchanged (counted as
+        ``asyncio.timeout`` counts its own).
+        """
+        return GoneCancels(self, on_eof)
 
     def take(self, n: int | None = None) -> bytes:
         n = len(self.buf) if n is None else n
@@ -416,6 +439,42 @@ class _PassOn:
 def _deadline(idle_s: float | None) -> float | None:
     """The loop-clock deadline ``idle_s`` from now (None: no limit)."""
     return None if idle_s is None else asyncio.get_running_loop().time() + idle_s
+
+
+class GoneCancels:
+    """``Peer.gone_cancels``: a class, not a generator, since every request enters one (half the cost)."""
+
+    __slots__ = ("_peer", "_on_eof", "_task", "_cancelling", "_fired")
+
+    def __init__(self, peer: Peer, on_eof: bool) -> None:
+        self._peer = peer
+        self._on_eof = on_eof
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+        self._fired = False
+
+    def __enter__(self) -> None:
+        peer = self._peer
+        if peer.closed or (self._on_eof and peer.eof):
+            raise PeerClosed(GONE)
+        task = self._task = asyncio.current_task()
+        assert task is not None
+        self._cancelling = task.cancelling()  # cancellations requested before ours are not ours
+        peer._on_gone = self._gone
+
+    def _gone(self, lost: bool) -> None:
+        task = self._task
+        if task is not None and not self._fired and (lost or self._on_eof):
+            self._fired = True
+            task.cancel()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        self._peer._on_gone = None
+        if not self._fired or self._task is None:
+            return
+        # Ours to take back, whether it reached the block or the block ended first.
+        if self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
+            raise PeerClosed(GONE) from None
 
 
 def _expire(waiter: asyncio.Future[None]) -> None:

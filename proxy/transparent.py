@@ -41,7 +41,7 @@ from .http1 import Destination, HttpError, RequestHead, request_destination
 from .policy import Reason
 from .responses import STATUS_FOR_REASON
 from .runs import IPAddress, Run, RunRegistry, source_address
-from .server import ECH_DETAIL, RUN_CAP_DETAIL, Limits, Listener, ProxyServer, SniCheck
+from .server import ECH_DETAIL, GONE_DETAIL, RUN_CAP_DETAIL, Limits, Listener, ProxyServer, SniCheck
 from .stream import Peer, PeerClosed
 
 log = logging.getLogger("egressd.transparent")
@@ -239,7 +239,14 @@ class TransparentTlsServer(Listener):
             raise _Refusal(Reason.LIMIT_EXCEEDED, Alert.INTERNAL_ERROR, "too many open connections in the run")
         run.open_connections += 1
         try:
-            admission = await self.gate.admit(attempt, run, hello.server_name, self.dest_port)
+            try:
+                # A client that hangs up while held for an answer stops the wait (stream.gone_cancels);
+                # after its ClientHello a TLS client cannot go on without sending.
+                with client.gone_cancels(on_eof=True):
+                    admission = await self.gate.admit(attempt, run, hello.server_name, self.dest_port)
+            except PeerClosed:
+                attempt.extra["detail"] = GONE_DETAIL
+                raise
             if not admission.allowed:
                 reason = admission.reason or Reason.BAD_REQUEST
                 raise _Refusal(reason, _alert_for(reason))

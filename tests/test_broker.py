@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from approvals.interface import (
     Answered,
     Answerer,
     AnswerResult,
+    ApprovalOutcome,
     ApprovalRequest,
     ChannelError,
     ChannelUnavailable,
@@ -59,6 +60,7 @@ class RecordingChannel:
         self.attempts = 0
         self.settled: list[tuple[str, Settlement]] = []
         self.notices: list[Notice] = []
+        self.abandonments: list[str] = []
         self.closed = False
 
     async def start(self, answerer: Answerer) -> None:
@@ -82,6 +84,9 @@ class RecordingChannel:
     async def notify(self, notice: Notice) -> None:
         self.notices.append(notice)
 
+    async def abandoned(self, approval: PendingApproval) -> None:
+        self.abandonments.append(approval.id)
+
     async def close(self) -> None:
         self.closed = True
 
@@ -101,8 +106,21 @@ class Clock:
         return self.now
 
 
-def request(host: str = "evil.example", port: int = 443, run: str = "r-1") -> ApprovalRequest:
-    return ApprovalRequest(run_id=run, host=host, port=port, command="curl evil", task="build", allowed=("pypi.org",))
+def request(
+    host: str = "evil.example",
+    port: int = 443,
+    run: str = "r-1",
+    late: Callable[[ApprovalOutcome], None] | None = None,
+) -> ApprovalRequest:
+    return ApprovalRequest(
+        run_id=run,
+        host=host,
+        port=port,
+        command="curl evil",
+        task="build",
+        allowed=("pypi.org",),
+        on_late_answer=late,
+    )
 
 
 async def make_broker(*channels: RecordingChannel, audit: MemoryAuditSink | None = None, **kwargs) -> ApprovalBroker:  # type: ignore[no-untyped-def]
@@ -520,3 +538,125 @@ def test_channels_and_the_broker_meet_only_at_the_interface() -> None:
     assert not any(re.search(rf"(^|\.)({'|'.join(channels)}|assembly)\b", name) for name in broker_imports)
     for path in root.glob("*.py"):
         assert not any(name.split(".")[0] in {"proxy", "cli", "sandbox", "agent"} for name in _imports(path)), path
+
+
+# -- every waiting client gave up (issue 13) -------------------------------------------------
+
+
+async def test_the_last_waiter_leaving_keeps_the_approval_open_and_tells_every_channel_once() -> None:
+    one, two = RecordingChannel("one"), RecordingChannel("two")
+    audit = MemoryAuditSink()
+    late: list[ApprovalOutcome] = []
+    broker = await make_broker(one, two, audit=audit)
+    first = asyncio.create_task(broker.ask(request(late=late.append)))
+    second = asyncio.create_task(broker.ask(request(late=late.append)))
+    await wait_until(lambda: one.delivered and two.delivered)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    await asyncio.sleep(0.05)
+    assert not one.abandonments and not events(audit, "approval.abandoned")  # one client still waits
+    assert [p.abandoned for p in broker.pending()] == [False]
+    second.cancel()
+    await asyncio.gather(second, return_exceptions=True)
+    await wait_until(lambda: one.abandonments and two.abandonments)
+    approval_id = one.delivered[0].id
+    assert one.abandonments == two.abandonments == [approval_id]
+    [pending] = broker.pending()
+    assert pending.id == approval_id and pending.abandoned  # still answerable
+    [record] = events(audit, "approval.abandoned")
+    assert record["id"] == approval_id and record["run"] == "r-1"
+    assert (record["host"], record["port"]) == ("evil.example", 443) and record["waited_s"] >= 0
+    assert not events(audit, "approval.decided")
+    # The answer after abandonment is recorded as any answer and handed to the askers that left.
+    assert one.answer(Decision.ALLOW, by="alice").result is AnswerResult.ACCEPTED
+    [decided] = events(audit, "approval.decided")
+    assert decided["decision"] == "allow" and decided["by"] == "alice" and decided["channel"] == "one"
+    assert late and {o.answer for o in late} == {Answer.ALLOW} and late[0].approval_id == approval_id
+    assert late[0].by == "alice" and late[0].channel == "one"
+    await wait_until(lambda: one.settled and two.settled)  # the channels are told it is settled as usual
+    assert one.abandonments == [approval_id]  # told once
+    await broker.close()
+
+
+async def test_a_new_waiter_joins_an_abandoned_approval_without_a_second_message() -> None:
+    channel = RecordingChannel()
+    audit = MemoryAuditSink()
+    broker = await make_broker(channel, audit=audit)
+    gone = asyncio.create_task(broker.ask(request()))
+    await wait_until(lambda: channel.delivered)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    await wait_until(lambda: channel.abandonments)
+    back = asyncio.create_task(broker.ask(request()))
+    await asyncio.sleep(0.05)
+    assert not back.done() and len(channel.delivered) == 1 and channel.attempts == 1
+    assert len(events(audit, "approval.requested")) == 1
+    assert [p.abandoned for p in broker.pending()] == [False]  # somebody waits again
+    channel.answer(Decision.DENY)
+    outcome = await asyncio.wait_for(back, 1)
+    assert outcome.answer is Answer.DENY and outcome.approval_id == channel.delivered[0].id
+    assert channel.abandonments == [channel.delivered[0].id]
+    await broker.close()
+
+
+async def test_an_abandoned_approval_that_expires_is_a_timeout_and_the_askers_hear_it() -> None:
+    channel = RecordingChannel()
+    audit = MemoryAuditSink()
+    late: list[ApprovalOutcome] = []
+    broker = await make_broker(channel, audit=audit, timeout_s=0.3)
+    gone = asyncio.create_task(broker.ask(request(late=late.append)))
+    await wait_until(lambda: channel.delivered)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    await wait_until(lambda: late, timeout_s=3)
+    assert [o.answer for o in late] == [Answer.TIMEOUT]
+    [decided] = events(audit, "approval.decided")
+    assert decided["reason"] == "approval_timeout" and decided["by"] is None
+    assert broker.pending() == []
+    await broker.close()
+
+
+async def test_a_late_answer_is_not_handed_on_while_a_client_still_waits() -> None:
+    channel = RecordingChannel()
+    late: list[ApprovalOutcome] = []
+    broker = await make_broker(channel)
+    gone = asyncio.create_task(broker.ask(request(late=late.append)))
+    staying = asyncio.create_task(broker.ask(request()))
+    await wait_until(lambda: channel.delivered)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    channel.answer(Decision.ALLOW)
+    assert (await asyncio.wait_for(staying, 1)).allowed
+    assert late == [] and channel.abandonments == []  # the waiter that stayed carries the answer
+    await broker.close()
+
+
+async def test_a_channel_that_cannot_show_the_abandonment_changes_nothing() -> None:
+    class Broken(RecordingChannel):
+        async def abandoned(self, approval: PendingApproval) -> None:
+            raise ChannelError("down")
+
+    channel = Broken()
+    broker = await make_broker(channel)
+    gone = asyncio.create_task(broker.ask(request()))
+    await wait_until(lambda: channel.delivered)
+    gone.cancel()
+    await asyncio.gather(gone, return_exceptions=True)
+    await asyncio.sleep(0.05)
+    assert [p.abandoned for p in broker.pending()] == [True]
+    assert channel.answer(Decision.ALLOW).result is AnswerResult.ACCEPTED
+    await broker.close()
+
+
+async def test_a_waiter_leaving_in_the_instant_its_answer_came_still_hands_the_answer_on() -> None:
+    channel = RecordingChannel()
+    late: list[ApprovalOutcome] = []
+    broker = await make_broker(channel)
+    waiting = asyncio.create_task(broker.ask(request(late=late.append)))
+    await wait_until(lambda: channel.delivered)
+    channel.answer(Decision.ALLOW)  # settled; the waiter has not woken yet ...
+    waiting.cancel()  # ... when its client goes
+    await asyncio.gather(waiting, return_exceptions=True)
+    assert waiting.cancelled()
+    assert [o.answer for o in late] == [Answer.ALLOW]
+    await broker.close()
