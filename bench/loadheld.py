@@ -14,7 +14,8 @@ that answers 202 ("later") and never decides, then:
    them idle (egressd's RSS growth / tunnels = memory per idle tunnel);
 3. sends ``--held`` CONNECTs for distinct unknown names, each held for an
    approval (egressd's ``egressd_held_requests`` gauge must reach the count);
-4. the same traffic again, under that load: figures as ratios to step 1;
+4. the same traffic again, under that load: figures as ratios to step 1
+   (and to the same traffic once more after the last cycle, which shows drift);
 5. checks no held request was answered while held, denies every one through
    the control API (``POST /approvals/ID/deny``), checks each got its answer
    and each idle tunnel still echoes, closes everything;
@@ -770,8 +771,11 @@ def main_bench(args: argparse.Namespace) -> int:
             cycle["new_fds"] = sorted(set(fd_targets(egressd.pid)) - set(baseline_fds))
             failures += cycle_failures(args, cycle, n)
             cycles.append(cycle)
-        if unloaded["errors"]:
-            failures.append(f"{unloaded['errors']} allowed requests failed unloaded: {unloaded['first_errors']}")
+        # The same traffic unloaded again, once everything is closed: drift on a shared machine shows here.
+        unloaded_after = traffic(args, egressd, stream, http, args.seconds)
+        for run in (unloaded, unloaded_after):
+            if run["errors"]:
+                failures.append(f"{run['errors']} allowed requests failed unloaded: {run['first_errors']}")
         first, last = cycles[0], cycles[-1]
         peak_growth = max(first["loaded_state"]["rss_kib"], first["with_idle"]["rss_kib"]) - baseline["rss_kib"]
         rss_tolerance = max(8 * 1024, 0.10 * peak_growth)
@@ -783,6 +787,7 @@ def main_bench(args: argparse.Namespace) -> int:
         result |= first
         result |= {
             "unloaded": unloaded,
+            "unloaded_after": unloaded_after,
             "after": last["after"],
             "cycles": cycles,
             "rss_after_cycles_kib": [c["after"]["rss_kib"] for c in cycles],
@@ -807,22 +812,28 @@ def main_bench(args: argparse.Namespace) -> int:
 
 
 def print_report(r: dict[str, Any]) -> None:
-    u, lo = r["unloaded"], r["loaded"]
+    u = r["unloaded"]
+    runs = [("unloaded", u), *((f"loaded {n}", c["loaded"]) for n, c in enumerate(r["cycles"], 1))]
+    runs.append(("unloaded", r["unloaded_after"]))
     print(
         f"load: {r['idle_opened']} idle tunnels (opened in {r['idle_open_s']:.1f} s) and {r['held_seen']:.0f} "
-        f"requests held for approval; traffic {u['seconds']:.0f} s per run, {len(r['cycles'])} load cycle(s)"
+        f"requests held for approval; traffic {u['seconds']:.0f} s per run, {len(r['cycles'])} load cycle(s); "
+        "ratio: mean of the loaded runs / mean of the unloaded runs (before and after)"
     )
-    print(f"{'allowed traffic (first cycle)':34} {'unloaded':>12} {'loaded':>12} {'loaded/unloaded':>16}")
+    print(f"{'allowed traffic':28}" + "".join(f"{name:>12}" for name, _ in runs) + f"{'ratio':>9}")
     for kind, title in (("http", "plain HTTP keep-alive"), ("tunnel", "CONNECT + 64-byte echo")):
-        a, b = u[kind], lo[kind]
-        print(f"{title + ', req/s':34} {a['rate']:12.0f} {b['rate']:12.0f} {ratio(b['rate'], a['rate']):15.2f}×")
-        for p in ("p50_ms", "p99_ms"):
-            print(f"{'  ' + p.replace('_ms', ' latency, ms'):34} {a[p]:12.2f} {b[p]:12.2f} {ratio(b[p], a[p]):15.2f}×")
-    print(
-        f"allowed requests that failed: {u['errors']} unloaded, "
-        + ", ".join(str(c["loaded"]["errors"]) for c in r["cycles"])
-        + " loaded"
-    )
+        for key, label in (
+            ("rate", title + ", req/s"),
+            ("p50_ms", "  p50 latency, ms"),
+            ("p99_ms", "  p99 latency, ms"),
+        ):
+            values = [run[kind][key] for _, run in runs]
+            loaded = [run[kind][key] for name, run in runs if name.startswith("loaded")]
+            unloaded = [run[kind][key] for name, run in runs if name == "unloaded"]
+            fmt = "12.0f" if key == "rate" else "12.2f"
+            figure = ratio(sum(loaded) / len(loaded), sum(unloaded) / len(unloaded))
+            print(f"{label:28}" + "".join(f"{v:{fmt}}" for v in values) + f"{figure:8.2f}×")
+    print("allowed requests that failed: " + ", ".join(f"{run['errors']} {name}" for name, run in runs))
     print(
         f"memory per idle tunnel: {r['kib_per_idle_tunnel']:.1f} KiB (egressd's RSS "
         f"{r['with_idle']['rss_kib'] / 1024:.1f} MiB with them − {r['before_idle']['rss_kib'] / 1024:.1f} MiB before, "
