@@ -25,7 +25,8 @@ IDLE, HELD = 1000, 50
 
 
 def test_idle_tunnels_and_held_approvals_leave_allowed_traffic_working_and_egressd_as_it_was() -> None:
-    out = subprocess.run(
+    # Its own session, so a bench that overruns is stopped whole: it and the processes it started.
+    proc = subprocess.Popen(
         [
             sys.executable,
             str(BENCH),
@@ -45,11 +46,19 @@ def test_idle_tunnels_and_held_approvals_leave_allowed_traffic_working_and_egres
             "2",
             "--json",
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=55,
         cwd=ROOT,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=55)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        raise AssertionError(f"the bench overran 55 s: {stdout[-3000:]} {stderr[-2000:]}") from None
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     assert out.stdout.strip(), out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     printed = out.stdout[-4000:]
