@@ -16,6 +16,7 @@ import contextlib
 import gc
 import logging
 import os
+import resource
 import signal
 import sys
 from collections.abc import Callable, Coroutine
@@ -225,9 +226,30 @@ async def _serve(settings: Settings) -> int:
     return 0
 
 
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise our soft RLIMIT_NOFILE to the hard limit: each tunnel holds two descriptors.
+
+    The usual soft default (1024) would refuse new connections at some 500
+    tunnels with EMFILE; only the hard limit is the administrator's choice.
+    Returns the (soft, hard) limits now in force.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # An unlimited hard limit still stops at the kernel's fs.nr_open (1048576 by default).
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            logging.getLogger("egressd").warning("could not raise the open-file limit to %d: %s", target, exc)
+    return soft, hard
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
+    soft, hard = raise_open_file_limit()
+    logging.getLogger("egressd").info("open files: up to %d (hard limit %d)", soft, hard)
     return run_async(lambda: _serve(settings))
 
 

@@ -44,6 +44,7 @@ is in ``app[PUBLIC_PATHS]``, and puts the caller's ``Scope`` on each request
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import json
@@ -182,7 +183,9 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     gate = request.app[GATE]
-    text = gate.metrics.render(runs=len(request.app[RUNS]), audit_healthy=gate.audit.healthy)
+    text = gate.metrics.render(
+        runs=len(request.app[RUNS]), audit_healthy=gate.audit.healthy, tasks=len(asyncio.all_tasks())
+    )
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 

@@ -34,7 +34,7 @@ class Metrics:
                 return
         self.latency_counts[-1] += 1
 
-    def render(self, *, runs: int, audit_healthy: bool) -> str:
+    def render(self, *, runs: int, audit_healthy: bool, tasks: int) -> str:
         lines = [
             "# HELP egressd_connections_total Client connections accepted, by kind.",
             "# TYPE egressd_connections_total counter",
@@ -76,5 +76,8 @@ class Metrics:
             "# HELP egressd_audit_healthy 1 while the audit log can be written; 0 means egress is refused.",
             "# TYPE egressd_audit_healthy gauge",
             f"egressd_audit_healthy {int(audit_healthy)}",
+            "# HELP egressd_tasks asyncio tasks alive in egressd's event loop now (a leak shows as growth).",
+            "# TYPE egressd_tasks gauge",
+            f"egressd_tasks {tasks}",
         ]
         return "\n".join(lines) + "\n"
