@@ -44,7 +44,8 @@ if [ $# -eq 0 ]; then
         tests/test_proxy.py tests/test_transparent.py tests/test_attacks.py \
         tests/test_control.py tests/test_dnsserver.py tests/test_approvals_e2e.py \
         tests/test_own_addresses.py tests/test_policy_edges.py tests/test_ech.py tests/test_body_idle.py \
-        tests/test_run_tokens.py tests/test_write_ahead.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+        tests/test_run_tokens.py tests/test_write_ahead.py tests/test_faults.py tests/test_flood_attacks.py \
+        tests/test_abandoned.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 fi
 if [ "$status" -ne 0 ]; then
     echo "test.sh: a test pass failed (exit $status); both passes ran, see above" >&2
