@@ -13,21 +13,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import gc
 import logging
 import os
 import resource
 import signal
 import sys
-from collections.abc import Callable, Coroutine
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from config.settings import SECRET_SETTINGS, Settings, SettingsError, load_settings, secret_variables
 
-from .agent_cmd import add_agent_arguments
-from .run_cmd import add_run_arguments
-from .service import EgressService, StartupError
+from .commands.agent import add_agent_arguments
+from .commands.run import add_run_arguments
+from .wiring.loop import run_async
+from .wiring.service import EgressService, StartupError
 
 
 def _visible(name: str) -> str:
@@ -177,26 +176,12 @@ def _setup_logging(level: str) -> None:
     )
 
 
-def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
-    """Run on uvloop when it is installed, else on asyncio's own loop."""
-    # A busy egressd holds thousands of long-lived objects (connections, held
-    # approvals) and makes few reference cycles; the default collector would
-    # walk all of them every few hundred allocations. Collect the young
-    # generation less often and leave what start-up made out of it for good.
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 50)
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main())
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(main())
 
-
-async def _serve(settings: Settings) -> int:
+async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
     service = EgressService(settings)
     await service.start()
+    # Said once started: a setting egressd refuses is the one line a bad start prints.
+    logging.getLogger("egressd").info("open files: up to %d (hard limit %d)", *open_files)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -248,27 +233,26 @@ def raise_open_file_limit() -> tuple[int, int]:
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level)
-    soft, hard = raise_open_file_limit()
-    logging.getLogger("egressd").info("open files: up to %d (hard limit %d)", soft, hard)
-    return run_async(lambda: _serve(settings))
+    open_files = raise_open_file_limit()
+    return run_async(lambda: _serve(settings, open_files))
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    from .audit_cmd import run_audit
+    from .commands.audit import run_audit
 
     settings = _settings(args)
     return run_audit(args, settings)
 
 
 def cmd_audit_verify(args: argparse.Namespace) -> int:
-    from .audit_cmd import run_verify
+    from .commands.audit import run_verify
 
     settings = _settings(args)
     return run_verify(args, settings)
 
 
 def cmd_run_sandbox(args: argparse.Namespace) -> int:
-    from .run_cmd import cmd_run
+    from .commands.run import cmd_run
 
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
@@ -278,13 +262,13 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
 
 
 def cmd_approvals(args: argparse.Namespace) -> int:
-    from .approvals_cmd import run_approvals
+    from .commands.approvals import run_approvals
 
     return run_approvals(args, _settings(args))
 
 
 def cmd_agent_run(args: argparse.Namespace) -> int:
-    from .agent_cmd import cmd_agent
+    from .commands.agent import cmd_agent
 
     settings = _settings(args)
     _setup_logging(settings.log_level if args.log_level else "warning")
@@ -292,7 +276,7 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor_checks(args: argparse.Namespace) -> int:
-    from .doctor_cmd import cmd_doctor
+    from .commands.doctor import cmd_doctor
 
     return cmd_doctor(args)
 

@@ -26,7 +26,7 @@ from aiohttp import web
 
 from approvals.interface import Approver
 from audit.log import AuditSink, MemoryAuditSink
-from cli.service import EgressService
+from cli.wiring.service import EgressService
 from config.settings import load_settings
 from tests.fakedns import FakeDns
 from tests.harness import LEAK, ORIGIN, ORIGIN_RANGE

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from audit.query import join_ends
-from cli.service import EgressService
+from cli.wiring.service import EgressService
 
 ORIGIN = "127.0.0.2"
 LEAK = "127.0.0.66"

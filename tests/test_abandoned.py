@@ -22,8 +22,8 @@ from approvals.broker import ApprovalBroker
 from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Decision
 from approvals.slack import abandoned_blocks, fallback_text
 from audit.log import MemoryAuditSink
-from cli.approvals_cmd import _print_pending
-from cli.service import EgressService
+from cli.commands.approvals import _print_pending
+from cli.wiring.service import EgressService
 from proxy.policy import Verdict
 from proxy.stream import Peer, PeerClosed
 from tests import hellos

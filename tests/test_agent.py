@@ -602,7 +602,7 @@ def test_the_agent_is_registered_with_its_options() -> None:
 
 
 def test_the_egress_summary_counts_allowed_approved_and_denied_connections_not_dns() -> None:
-    from cli.agent_cmd import EgressTally
+    from cli.commands.agent import EgressTally
 
     tally = EgressTally()
     base = {"event": "egress", "kind": "connect", "port": 443, "approval": None}

@@ -31,7 +31,7 @@ from approvals.interface import Decision
 from approvals.slack import INTERACTIVITY_PATH
 from approvals.webhook import CALLBACK_PATH
 from audit.log import MemoryAuditSink
-from cli.service import EgressService, StartupError
+from cli.wiring.service import EgressService, StartupError
 from config.settings import load_settings
 from tests.conftest import HttpOrigin, Listener, MakeEgressd
 from tests.fakedns import FakeDns

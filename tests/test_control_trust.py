@@ -219,7 +219,7 @@ def test_connect_refuses_plain_http_to_an_address_that_is_not_loopback_before_an
     ],
 )
 def test_a_control_url_is_trusted_only_over_https_or_to_loopback(url: str, refused: str | None) -> None:
-    from cli.controltoken import UntrustedEndpoint, check_url
+    from cli.wiring.controltoken import UntrustedEndpoint, check_url
 
     if refused is None:
         check_url(url)
@@ -261,7 +261,7 @@ def test_the_owner_of_a_connections_far_end_is_read_from_the_kernels_table(
 ) -> None:
     import ipaddress
 
-    from cli.controltoken import socket_owner
+    from cli.wiring.controltoken import socket_owner
 
     if sys.byteorder != "little":
         pytest.skip("the sample tables are as a little-endian kernel prints them")
@@ -277,7 +277,7 @@ def _serve_on(tmp_path: Path) -> tuple[str, os.stat_result, str]:
     chose, its token file's lstat, the file's text), as they were while it ran."""
     import asyncio
 
-    from cli.service import EgressService
+    from cli.wiring.service import EgressService
     from config.settings import load_settings
 
     settings = load_settings({"listen": "127.0.0.1:0", "control": f"unix:{tmp_path / 'ctl.sock'}",

@@ -222,7 +222,7 @@ async def engine() -> AsyncIterator[Any]:
 @pytest.fixture
 async def docker_session(engine: Any, tmp_path: Path) -> AsyncIterator[Any]:
     """A Docker run's session (its sidecar egressd, no origins) on a working directory of uid 1000."""
-    from cli.docker_session import DockerSession
+    from cli.wiring.docker_session import DockerSession
     from config.settings import load_settings
     from tests.dockerbed import EGRESSD_IMAGE, TEST_LABELS, free_test_range
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from approvals.interface import ApprovalOutcome, ApprovalRequest
 from audit.log import MemoryAuditSink
-from cli.service import StartupError
+from cli.wiring.service import StartupError
 from proxy.dnsserver import (
     DnsQueryError,
     DnsServer,

@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from cli.docker_session import PASSTHROUGH, SIDECAR_OWN, DockerSession, sidecar_environment
+from cli.wiring.docker_session import PASSTHROUGH, SIDECAR_OWN, DockerSession, sidecar_environment
 from config.settings import load_settings
 from sandbox.backend import SandboxError
 from sandbox.copyout import CopyReport

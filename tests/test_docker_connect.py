@@ -36,9 +36,9 @@ import pytest
 from aiohttp import web
 from dnslib import DNSRecord
 
-from cli.control_client import ControlError
-from cli.docker_session import DockerSession, sidecar_environment, sidecar_secrets
-from cli.session import SessionError
+from cli.wiring.control_client import ControlError
+from cli.wiring.docker_session import DockerSession, sidecar_environment, sidecar_secrets
+from cli.wiring.session import SessionError
 from config.settings import load_settings
 from proxy.control import _run_address
 from sandbox.docker.engine import DockerEngine, clean_leftovers, containers_serving  # noqa: F401

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from cli.docker_session import DockerSession
-from cli.session import SessionError
+from cli.wiring.docker_session import DockerSession
+from cli.wiring.session import SessionError
 from config.settings import load_settings
 from sandbox.docker.engine import DockerEngine
 from sandbox.seccomp import docker_profile
@@ -69,7 +69,7 @@ async def test_an_engine_of_another_architecture_is_refused_before_anything_is_c
 
     block = await free_test_range(engine)
     monkeypatch.setattr(DockerEngine, "version", arm64)
-    monkeypatch.setattr("cli.docker_session.clean_leftovers", too_far)  # the first step after the check
+    monkeypatch.setattr("cli.wiring.docker_session.clean_leftovers", too_far)  # the first step after the check
     with pytest.raises(SessionError, match="written for x86_64 and this machine is arm64"):
         async with _session(tmp_path, block):
             pass

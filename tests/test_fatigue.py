@@ -35,7 +35,7 @@ from approvals.slack import SlackChannel
 from approvals.terminal import TerminalChannel
 from approvals.webhook import WebhookChannel
 from audit.log import MemoryAuditSink
-from cli.service import EgressService
+from cli.wiring.service import EgressService
 from config.settings import SettingsError, load_settings
 from proxy.runs import Run
 from tests.conftest import Listener, MakeEgressd

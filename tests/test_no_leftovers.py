@@ -70,7 +70,7 @@ def test_serve_given_port_0_for_every_listener_reports_the_bound_ports_and_they_
 
 
 async def test_an_in_process_service_on_port_0_says_where_each_listener_is(tmp_path: Path) -> None:
-    from cli.service import EgressService
+    from cli.wiring.service import EgressService
     from config.settings import load_settings
 
     settings = load_settings({

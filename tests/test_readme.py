@@ -17,7 +17,7 @@ import pytest
 
 from cli.main import build_parser
 from cli.reference import COMMAND, render_settings_reference, serve_flags
-from cli.service import entries_from_settings
+from cli.wiring.service import entries_from_settings
 from config.settings import Settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent

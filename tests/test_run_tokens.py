@@ -29,9 +29,9 @@ import pytest
 
 from approvals.broker import ApprovalBroker
 from audit.log import JsonlAuditSink
-from cli.control_client import ControlClient
-from cli.docker_session import DockerSession
-from cli.service import EgressService
+from cli.wiring.control_client import ControlClient
+from cli.wiring.docker_session import DockerSession
+from cli.wiring.service import EgressService
 from config.settings import load_settings
 from tests.conftest import Listener
 from tests.fakedns import FakeDns

@@ -230,7 +230,7 @@ def test_egressd_drops_its_secret_variables_once_the_settings_are_read(monkeypat
 
 
 async def test_egressd_agent_drops_the_model_keys_once_the_model_is_opened(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cli.agent_cmd import _open_model
+    from cli.commands.agent import _open_model
 
     markers = {k: v for k, v in secret_markers().items() if "API_KEY" in k}
     for name, value in markers.items():
@@ -331,7 +331,7 @@ async def test_a_loader_variable_passed_with_env_reaches_the_command_alone(tmp_p
 
 
 def test_the_sidecar_gets_its_secrets_as_files_not_as_variables() -> None:
-    from cli.docker_session import sidecar_environment, sidecar_secrets
+    from cli.wiring.docker_session import sidecar_environment, sidecar_secrets
     from sandbox.docker.config import SECRETS_DIR
 
     markers = secret_markers()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cli.docker_session import DockerSession
-from cli.session import SandboxSession, Session, is_refusal, refusal_summaries
+from cli.wiring.docker_session import DockerSession
+from cli.wiring.session import SandboxSession, Session, is_refusal, refusal_summaries
 from config.settings import Settings
 
 RECORDS = [

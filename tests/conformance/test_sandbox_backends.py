@@ -26,13 +26,13 @@ def _bwrap_session(settings: Any, work: Path) -> Any:
     require(os.geteuid() == 0, "the bubblewrap backend needs root (network namespaces, nftables, cgroups)")
     for tool in ("bwrap", "nft", "ip", "nsenter"):
         require(have(tool), f"{tool} is not installed")
-    from cli.session import SandboxSession
+    from cli.wiring.session import SandboxSession
 
     return SandboxSession(settings, workdir=work, task="conformance")
 
 
 async def _docker_session(settings: Any, work: Path) -> Any:
-    from cli.docker_session import DockerSession
+    from cli.wiring.docker_session import DockerSession
     from sandbox.docker.engine import DockerEngine
     from tests import dockerbed
 

@@ -23,9 +23,9 @@ from typing import Any
 from approvals.message import escape
 from config.settings import Settings
 
-from .control_client import ControlClient, ControlError
-from .controltoken import TokenFileError, read_token_file
-from .service import token_path
+from ..wiring.control_client import ControlClient, ControlError
+from ..wiring.controltoken import TokenFileError, read_token_file
+from ..wiring.service import token_path
 
 # The control API answers at once; anything slower means it is not there.
 REQUEST_TIMEOUT_S = 10.0

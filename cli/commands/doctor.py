@@ -9,14 +9,14 @@ from sandbox.doctor import clean_docker, render, run_checks
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .main import run_async
+    from ..wiring.loop import run_async
 
     async def main() -> int:
         if args.clean:
             if os.geteuid() != 0:
                 print("egressd doctor --clean: needs root to remove namespaces and cgroups")
                 return 1
-            from .session import clean_stale
+            from ..wiring.session import clean_stale
 
             removed = await clean_stale()  # with a dead run's /tmp/egressd-etc-KEY-* and egressd-run-KEY-*
             removed += await clean_docker()

@@ -1,7 +1,7 @@
 """``egressd agent``: a model whose every shell command runs in one sandbox.
 
 Wiring: the model client comes from ``agent.spec`` (checked, with its key,
-before anything is created), ``cli.session.SandboxSession`` makes the
+before anything is created), ``cli.wiring.session.SandboxSession`` makes the
 sandbox and its embedded egressd, ``SandboxExecutor`` below runs the model's
 commands in it (setting the run's current command, collecting each
 command's egress refusals), and ``agent.loop.run_agent`` drives the model.
@@ -38,8 +38,10 @@ from proxy.responses import REASON_MESSAGES
 from sandbox.backend import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
 
-from .docker_session import copy_out
-from .run_cmd import (
+from ..wiring.docker_session import copy_out
+from ..wiring.service import StartupError, entries_from_settings
+from ..wiring.session import Session
+from .run import (
     add_backend_arguments,
     check_copy_out,
     check_private_files,
@@ -47,8 +49,6 @@ from .run_cmd import (
     parse_env,
     run_sandboxed,
 )
-from .service import StartupError, entries_from_settings
-from .session import Session
 
 EXIT_MAX_STEPS = 1
 EXIT_MODEL_FAILED = 3

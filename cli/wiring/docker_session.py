@@ -1,4 +1,4 @@
-"""A Docker sandbox session: ``cli.session.SandboxSession``'s counterpart for ``--backend docker``.
+"""A Docker sandbox session: ``cli.wiring.session.SandboxSession``'s counterpart for ``--backend docker``.
 
 ``egressd run --backend docker`` and ``egressd agent --backend docker`` use it
 exactly like the bubblewrap session:

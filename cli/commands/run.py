@@ -1,7 +1,7 @@
 """``egressd run``: one command in a fresh sandbox pinned to an embedded egressd.
 
-``cli.session.SandboxSession`` sets up and tears down the sandbox (network,
-embedded egressd, run, bubblewrap), ``cli.docker_session.DockerSession`` its
+``cli.wiring.session.SandboxSession`` sets up and tears down the sandbox (network,
+embedded egressd, run, bubblewrap), ``cli.wiring.docker_session.DockerSession`` its
 Docker counterpart (``--backend docker``: networks, egressd's container or
 ``--connect``, the sandbox's containers); this module runs the one command in it,
 printing each egress refusal to stderr as it happens, copies out what was
@@ -35,11 +35,11 @@ from sandbox.docker.config import DEFAULT_DOCKER_RANGE
 from sandbox.limits import Limits
 from sandbox.network import DEFAULT_RANGE
 
-from .control_client import ControlError
-from .controltoken import UntrustedEndpoint, check_url
-from .docker_session import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerSession, copy_out
-from .service import StartupError, token_path
-from .session import SandboxSession, Session, SessionError
+from ..wiring.control_client import ControlError
+from ..wiring.controltoken import UntrustedEndpoint, check_url
+from ..wiring.docker_session import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerSession, copy_out
+from ..wiring.service import StartupError, token_path
+from ..wiring.session import SandboxSession, Session, SessionError
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -277,7 +277,7 @@ def run_sandboxed(work: Callable[[], Awaitable[int]], say: Callable[[str], None]
     the exit status is 128 + the signal; a sandbox that could not be set up
     is exit 125, with the reason said once.
     """
-    from .main import run_async
+    from ..wiring.loop import run_async
 
     async def main() -> int:
         task = asyncio.current_task()

@@ -85,7 +85,7 @@ class RunHandle(Protocol):
 @runtime_checkable
 class Session(Protocol):
     """What ``egressd run`` and ``egressd agent`` use of a sandboxed run, whichever
-    backend made it: ``SandboxSession`` (bubblewrap) or ``cli.docker_session.DockerSession``.
+    backend made it: ``SandboxSession`` (bubblewrap) or ``cli.wiring.docker_session.DockerSession``.
 
     Entered, it has a working directory, a run in egressd and a sandbox
     (``box``: ``run(command, **options)`` → Observation, ``copy_out``) whose
