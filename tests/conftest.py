@@ -28,7 +28,7 @@ from approvals.interface import Approver
 from audit.log import AuditSink, MemoryAuditSink
 from cli.wiring.service import EgressService
 from config.settings import load_settings
-from tests.fakedns import FakeDns
+from tests.fakes.dns import FakeDns
 from tests.harness import LEAK, ORIGIN, ORIGIN_RANGE
 
 

@@ -26,9 +26,10 @@ from cli.commands.approvals import _print_pending
 from cli.wiring.service import EgressService
 from proxy.policy import Verdict
 from proxy.stream import Peer, PeerClosed
-from tests import hellos
 from tests.conftest import Listener, MakeEgressd
-from tests.fakeslack import FakeSlack, limit_problems
+from tests.fakes import hellos
+from tests.fakes.slack import FakeSlack, limit_problems
+from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import connect_via, egress, open_proxy, wait_until
 from tests.test_approvals_e2e import (  # noqa: F401 - fixtures
     ALICE,
@@ -44,7 +45,6 @@ from tests.test_slack_hardening import mrkdwn_outside_code
 from tests.test_slack_hardening import pending as slack_pending
 from tests.test_terminal import Pty, pty, terminal_broker  # noqa: F401 - the pty fixture
 from tests.test_transparent import transparent  # noqa: F401 - the fixture
-from tests.webhookreceiver import WebhookReceiver, make_secret
 
 
 async def give_up(svc: EgressService, authority: str, until: Callable[[], object]) -> None:

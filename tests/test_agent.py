@@ -23,7 +23,7 @@ from agent.script import ScriptError, ScriptModel, parse_script
 from agent.spec import Api, SpecError, api_key, open_model, parse_model_spec
 from agent.transcript import TranscriptWriter
 from sandbox.backend import Observation
-from tests.fakemodels import FakeModelServer
+from tests.fakes.models import FakeModelServer
 from tests.harness import LEAK
 
 FAST = RetryPolicy(attempts=3, base_delay_s=0.01, max_delay_s=5, timeout_s=5)

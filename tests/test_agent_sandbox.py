@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from tests.fakedns import FakeDns
-from tests.fakemodels import FakeModelServer
+from tests.fakes.dns import FakeDns
+from tests.fakes.models import FakeModelServer
 from tests.harness import LEAK, ORIGIN_RANGE, have, require
 from tests.test_sandbox import assert_no_leftovers, descendants
 

@@ -34,8 +34,9 @@ from audit.log import MemoryAuditSink
 from cli.wiring.service import EgressService, StartupError
 from config.settings import load_settings
 from tests.conftest import HttpOrigin, Listener, MakeEgressd
-from tests.fakedns import FakeDns
-from tests.fakeslack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request
+from tests.fakes.dns import FakeDns
+from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request
+from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import (
     ORIGIN_RANGE,
     aserve_ports,
@@ -50,7 +51,6 @@ from tests.harness import (
 )
 from tests.test_broker import RecordingChannel
 from tests.test_terminal import Pty
-from tests.webhookreceiver import WebhookReceiver, make_secret
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 TOKEN = "test-token"

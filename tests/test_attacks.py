@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from approvals.deny import DenyApprover
-from tests.fakedns import FakeDns
+from tests.fakes.dns import FakeDns
 from tests.harness import LEAK, connect_via, egress, open_proxy, read_response, wait_until
 
 LEAK_SPELLINGS = [

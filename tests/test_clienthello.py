@@ -23,8 +23,8 @@ from proxy.clienthello import (
     scan_client,
     tls_alert,
 )
-from tests import hellos
-from tests.hellos import (
+from tests.fakes import hellos
+from tests.fakes.hellos import (
     CCS,
     GREASE,
     body,
@@ -37,7 +37,7 @@ from tests.hellos import (
     server_hello,
     sni_extension,
 )
-from tests.tlsorigin import make_pki
+from tests.fakes.tls import make_pki
 
 
 def parse(data: bytes) -> ClientHello:

@@ -210,7 +210,7 @@ def test_the_docker_archive_goes_through_the_same_writer(tmp_path: Path) -> None
 @pytest.fixture
 async def engine() -> AsyncIterator[Any]:
     from sandbox.docker.engine import DockerEngine
-    from tests import dockerbed
+    from tests.fakes import dockerbed
 
     ok, why = dockerbed.engine_answers()
     require(ok, why)
@@ -224,7 +224,7 @@ async def docker_session(engine: Any, tmp_path: Path) -> AsyncIterator[Any]:
     """A Docker run's session (its sidecar egressd, no origins) on a working directory of uid 1000."""
     from cli.wiring.docker_session import DockerSession
     from config.settings import load_settings
-    from tests.dockerbed import EGRESSD_IMAGE, TEST_LABELS, free_test_range
+    from tests.fakes.dockerbed import EGRESSD_IMAGE, TEST_LABELS, free_test_range
 
     work = tmp_path / "work"
     work.mkdir()
@@ -286,7 +286,7 @@ def _plant(forbidden: Path) -> str:
 
 
 def _backend(name: str) -> list[str]:
-    from tests.dockerbed import EGRESSD_IMAGE
+    from tests.fakes.dockerbed import EGRESSD_IMAGE
 
     return ["--backend", name, "--egressd-image", EGRESSD_IMAGE]
 

@@ -37,7 +37,7 @@ from proxy.dnsserver import (
 from proxy.hosts import HostError, normalise_host
 from proxy.policy import Reason, parse_entry
 from proxy.runs import Run
-from tests.fakedns import FakeDns
+from tests.fakes.dns import FakeDns
 from tests.harness import egress
 
 ANSWER = IPv4Address("127.0.0.1")

@@ -54,8 +54,8 @@ from sandbox.docker.engine import DockerEngine, already_gone, owner_alive
 from sandbox.docker.networks import DockerRunNetwork
 from sandbox.limits import Limits
 from sandbox.seccomp import docker_profile
-from tests import dockerbed
-from tests.dockerbed import (
+from tests.fakes import dockerbed
+from tests.fakes.dockerbed import (
     LEAK_SCRIPT,
     ORIGIN_NAME,
     ORIGIN_PORT,

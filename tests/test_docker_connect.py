@@ -44,8 +44,8 @@ from proxy.control import _run_address
 from sandbox.docker.engine import DockerEngine, clean_leftovers, containers_serving  # noqa: F401
 from sandbox.docker.networks import DockerRunNetwork  # noqa: F401
 from sandbox.docker.sidecar import start_egressd  # noqa: F401
-from tests import dockerbed
-from tests.dockerbed import (
+from tests.fakes import dockerbed
+from tests.fakes.dockerbed import (
     ORIGIN_NAME,
     ORIGIN_PORT,
     ORIGIN_SCRIPT,

@@ -25,8 +25,8 @@ from cli.wiring.session import SessionError
 from config.settings import load_settings
 from sandbox.docker.engine import DockerEngine
 from sandbox.seccomp import docker_profile
-from tests import dockerbed
-from tests.dockerbed import SANDBOX_IMAGE, TEST_LABELS, free_test_range, leftovers
+from tests.fakes import dockerbed
+from tests.fakes.dockerbed import SANDBOX_IMAGE, TEST_LABELS, free_test_range, leftovers
 from tests.harness import require
 from tests.test_seccomp import PROBE, assert_confined
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from approvals.deny import DenyApprover
-from tests import hellos
-from tests.fakedns import FakeDns
+from tests.fakes import hellos
+from tests.fakes.dns import FakeDns
+from tests.fakes.tls import Pki, TlsOrigin, make_pki
 from tests.harness import ORIGIN, connect_via, egress, read_response, wait_until
-from tests.tlsorigin import Pki, TlsOrigin, make_pki
 
 ALERT_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"
 ALERT_MISSING_EXTENSION = b"\x15\x03\x03\x00\x02\x02\x6d"

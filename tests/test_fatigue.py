@@ -39,11 +39,11 @@ from cli.wiring.service import EgressService
 from config.settings import SettingsError, load_settings
 from proxy.runs import Run
 from tests.conftest import Listener, MakeEgressd
-from tests.fakeslack import FakeSlack
+from tests.fakes.slack import FakeSlack
+from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import connect_via, egress, wait_until
 from tests.test_broker import RecordingChannel, request
 from tests.test_terminal import Pty
-from tests.webhookreceiver import WebhookReceiver, make_secret
 
 # -- helpers ---------------------------------------------------------------------------------
 

@@ -36,8 +36,9 @@ import pytest
 from dnslib import QTYPE, RR, A, DNSRecord
 
 from tests.conftest import Listener, MakeEgressd
-from tests.fakedns import FakeDns
-from tests.fakeslack import FakeSlack
+from tests.fakes.dns import FakeDns
+from tests.fakes.slack import FakeSlack
+from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import (
     ORIGIN,
     ORIGIN_RANGE,
@@ -50,7 +51,6 @@ from tests.harness import (
 )
 from tests.test_approvals_e2e import egressd, fake_slack, records, relay, slack_settings  # noqa: F401
 from tests.test_body_idle import origin, read_head, read_to_close
-from tests.webhookreceiver import WebhookReceiver, make_secret
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 

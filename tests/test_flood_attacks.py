@@ -26,8 +26,8 @@ from audit.log import JsonlAuditSink
 from proxy.policy import parse_entry
 from proxy.runs import Run
 from tests.conftest import Listener, MakeEgressd
+from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import wait_until
-from tests.webhookreceiver import WebhookReceiver, make_secret
 
 FLOOD_SOURCE = "127.0.0.11"
 DNS_QUERIES = 20_000

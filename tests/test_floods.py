@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from audit.records import suppressed_record
 from config.settings import SettingsError, load_settings
 from proxy.floods import MAX_SAMPLE_CHARS, MAX_SAMPLES, RefusalBudget
-from tests import hellos
+from tests.fakes import hellos
 from tests.harness import connect_via, egress, wait_until
 
 

@@ -35,7 +35,7 @@ from sandbox.docker.config import LABEL_OWNER, LABEL_RUN
 from sandbox.docker.engine import DockerEngine, clean_leftovers
 from sandbox.identity import refusal, run_as
 from sandbox.stage import STAGE_DIR, remount_flags
-from tests import dockerbed
+from tests.fakes import dockerbed
 from tests.harness import have, require
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))

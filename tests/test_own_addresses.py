@@ -26,7 +26,7 @@ from proxy.gate import bound_locally
 from proxy.policy import parse_entry
 from proxy.responses import OWN_ENDPOINT_MESSAGE
 from tests.conftest import MakeEgressd
-from tests.fakedns import FakeDns
+from tests.fakes.dns import FakeDns
 from tests.harness import egress, read_response
 
 IPAddress = IPv4Address | IPv6Address

@@ -17,12 +17,12 @@ from approvals.ledger import Ledger
 from audit.log import MemoryAuditSink
 from proxy.responses import REASON_MESSAGES, STATUS_FOR_REASON
 from tests.conftest import Listener
+from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import connect_via, egress, free_port, wait_until
 from tests.test_approvals_e2e import egressd  # noqa: F401  (the fixture)
 from tests.test_approvals_e2e import records as e2e_records
 from tests.test_broker import RecordingChannel, events, make_broker, request
 from tests.test_webhook import hook  # noqa: F401, F811  (the fixture)
-from tests.webhookreceiver import WebhookReceiver, make_secret
 
 
 async def test_the_deny_approver_gives_every_approval_an_id_and_records_it() -> None:

@@ -22,7 +22,7 @@ from proxy.resolver import (
     parse_server,
     read_answer,
 )
-from tests.fakedns import FakeDns
+from tests.fakes.dns import FakeDns
 
 
 class FakeClock:

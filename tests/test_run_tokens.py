@@ -34,7 +34,7 @@ from cli.wiring.docker_session import DockerSession
 from cli.wiring.service import EgressService
 from config.settings import load_settings
 from tests.conftest import Listener
-from tests.fakedns import FakeDns
+from tests.fakes.dns import FakeDns
 from tests.harness import ORIGIN_RANGE, connect_via, wait_until
 from tests.test_broker import RecordingChannel
 

@@ -425,7 +425,7 @@ async def test_no_file_descriptor_of_egressd_or_its_parent_reaches_the_sandbox(t
 async def test_a_held_request_is_allowed_with_egressd_allow_from_another_process(tmp_path, dns, http_origin) -> None:
     import json
 
-    from tests.webhookreceiver import WebhookReceiver, make_secret
+    from tests.fakes.webhook import WebhookReceiver, make_secret
 
     secret, key = make_secret()
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}

@@ -375,7 +375,7 @@ def test_the_sidecars_secret_files_are_its_users_alone() -> None:
 @contextlib.asynccontextmanager
 async def _engine() -> AsyncIterator[Any]:
     from sandbox.docker.engine import DockerEngine
-    from tests import dockerbed
+    from tests.fakes import dockerbed
 
     ok, why = dockerbed.engine_answers()
     require(ok, why)
@@ -386,7 +386,7 @@ async def _engine() -> AsyncIterator[Any]:
 async def test_no_secret_of_egressd_is_visible_in_a_docker_sandbox_or_in_the_sidecars_configuration(
     tmp_path: Path,
 ) -> None:
-    from tests.dockerbed import EGRESSD_IMAGE, leftovers
+    from tests.fakes.dockerbed import EGRESSD_IMAGE, leftovers
 
     async with _engine() as engine:
         markers = secret_markers()

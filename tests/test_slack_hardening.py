@@ -2,7 +2,7 @@
 clicks for another instance's approval, and clicks on a copy of the message elsewhere.
 
 Pure tests (and Hypothesis properties) on the neutraliser and the blocks,
-then the channel against the fake Slack (``tests/fakeslack.py``), which
+then the channel against the fake Slack (``tests/fakes/slack.py``), which
 refuses a message past any of Slack's limits the way Slack does.
 """
 
@@ -36,11 +36,11 @@ from approvals.slack import (
     settled_blocks,
 )
 from audit.log import MemoryAuditSink
-from tests.fakeslack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request, limit_problems, units
+from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request, limit_problems, units
+from tests.fakes.webhook import WebhookReceiver
 from tests.harness import listening_socket, wait_until
 from tests.test_broker import RecordingChannel, request
 from tests.test_webhook import control_server
-from tests.webhookreceiver import WebhookReceiver
 
 CHANNEL = "C0APPROVE"
 ALICE = "U0ALICE"

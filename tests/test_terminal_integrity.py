@@ -28,7 +28,7 @@ from approvals.interface import Answer
 from approvals.message import TerminalText, escape, is_invisible
 from approvals.terminal import MAX_HELD_OUTPUT, TerminalChannel, TerminalOutput, prompt_line
 from audit.log import MemoryAuditSink
-from tests.dockerbed import ORIGIN_NAME, ORIGIN_PORT
+from tests.fakes.dockerbed import ORIGIN_NAME, ORIGIN_PORT
 from tests.harness import ORIGIN_RANGE, have, require, wait_until
 from tests.test_broker import Clock, request
 from tests.test_docker import engine, make_bed  # noqa: F401 - the Docker test bed, as fixtures

@@ -24,10 +24,10 @@ from dnslib import DNSRecord
 from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest
 from proxy.http1 import HttpError, RequestHead
 from proxy.transparent import host_destination
-from tests import hellos
-from tests.fakedns import FakeDns
+from tests.fakes import hellos
+from tests.fakes.dns import FakeDns
+from tests.fakes.tls import BIG, Pki, TlsOrigin, make_pki
 from tests.harness import LEAK, ORIGIN, connect_via, egress, have, read_response, require, wait_until
-from tests.tlsorigin import BIG, Pki, TlsOrigin, make_pki
 
 NAMES = ["origin.test", "sub.example.test", "example.test", "other.test"]
 ALERT_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"

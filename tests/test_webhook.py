@@ -24,9 +24,9 @@ from approvals.webhook import CALLBACK_PATH, WebhookChannel
 from audit.log import MemoryAuditSink
 from config.settings import load_settings
 from tests.conftest import Listener
+from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import listening_socket, refused_port, wait_until
 from tests.test_broker import request
-from tests.webhookreceiver import WebhookReceiver, make_secret
 
 # The example in the Standard Webhooks specification.
 SPEC_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"

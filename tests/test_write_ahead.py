@@ -29,7 +29,7 @@ import pytest
 from audit.log import AuditError, JsonlAuditSink
 from audit.query import join_ends, verify_files
 from audit.records import egress_end_record, egress_record
-from tests import hellos
+from tests.fakes import hellos
 from tests.harness import (
     IN_CI,
     ORIGIN,

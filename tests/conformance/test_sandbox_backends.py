@@ -34,7 +34,7 @@ def _bwrap_session(settings: Any, work: Path) -> Any:
 async def _docker_session(settings: Any, work: Path) -> Any:
     from cli.wiring.docker_session import DockerSession
     from sandbox.docker.engine import DockerEngine
-    from tests import dockerbed
+    from tests.fakes import dockerbed
 
     ok, why = dockerbed.engine_answers()
     require(ok, why)

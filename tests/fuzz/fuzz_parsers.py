@@ -36,7 +36,7 @@ from dnslib import DNSRecord
 from proxy.clienthello import ClientHello, ClientHelloError, parse_client_hello
 from proxy.dnsserver import DnsQueryError, pack_reply, plan_answer, read_query
 from proxy.policy import Reason
-from tests import hellos
+from tests.fakes import hellos
 
 _INTERESTING = (0, 1, 2, 0x7F, 0x80, 0xFF, 0x100, 0x3FFF, 0x4000, 0x4001, 0xFFFF)
 
