@@ -30,7 +30,7 @@ from proxy.hosts import (
 __all__ = [
     "APPROVED_RULE",
     "DEFAULT_PORTS",
-    "Decision",
+    "PolicyDecision",
     "Entry",
     "EntryError",
     "Reason",
@@ -83,7 +83,7 @@ class Verdict(enum.Enum):
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class PolicyDecision:
     """The policy's answer for one HOST:PORT.
 
     ``host`` is the normalised host (the raw text when it could not be
@@ -100,18 +100,18 @@ class Decision:
 
     def __post_init__(self) -> None:
         if (self.reason is not None) != (self.verdict is Verdict.DENY):
-            raise ValueError("a Decision has a reason exactly when it denies")
+            raise ValueError("a PolicyDecision has a reason exactly when it denies")
 
     @classmethod
-    def allow(cls, host: str, port: int, rule: str) -> Decision:
+    def allow(cls, host: str, port: int, rule: str) -> PolicyDecision:
         return cls(Verdict.ALLOW, host, port, None, rule)
 
     @classmethod
-    def deny(cls, host: str, port: int, reason: Reason, rule: str | None = None) -> Decision:
+    def deny(cls, host: str, port: int, reason: Reason, rule: str | None = None) -> PolicyDecision:
         return cls(Verdict.DENY, host, port, reason, rule)
 
     @classmethod
-    def ask(cls, host: str, port: int) -> Decision:
+    def ask(cls, host: str, port: int) -> PolicyDecision:
         return cls(Verdict.ASK, host, port)
 
 
@@ -245,7 +245,7 @@ class RunPolicy:
     ask: bool = True
 
 
-def decide(policy: RunPolicy, host: str, port: int) -> Decision:
+def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
     """Decide a request for HOST:PORT, with HOST as the client sent it.
 
     1. malformed host, or port outside 1..65535 → DENY bad_request;
@@ -267,27 +267,27 @@ def decide(policy: RunPolicy, host: str, port: int) -> Decision:
         name = normalise_host(host)
         address = parse_ip_literal(host)
     except HostError:
-        return Decision.deny(host, port, Reason.BAD_REQUEST)
+        return PolicyDecision.deny(host, port, Reason.BAD_REQUEST)
     if not 1 <= port <= 65535:
-        return Decision.deny(name, port, Reason.BAD_REQUEST)
+        return PolicyDecision.deny(name, port, Reason.BAD_REQUEST)
     for entry in policy.deny:
         if entry.matches_host(name):
-            return Decision.deny(name, port, Reason.DENYLISTED, entry.text)
+            return PolicyDecision.deny(name, port, Reason.DENYLISTED, entry.text)
     matching = [entry for entry in policy.allow if entry.reaches(name)]
     if address is not None and not matching:
-        return Decision.deny(name, port, Reason.IP_LITERAL)
+        return PolicyDecision.deny(name, port, Reason.IP_LITERAL)
     for entry in matching:
         if entry.allows_port(port):
-            return Decision.allow(name, port, entry.text)
+            return PolicyDecision.allow(name, port, entry.text)
     if port in policy.approved.get(name, frozenset()):
-        return Decision.allow(name, port, APPROVED_RULE)
+        return PolicyDecision.allow(name, port, APPROVED_RULE)
     if matching:
-        return Decision.deny(name, port, Reason.PORT_NOT_ALLOWED, matching[0].text)
+        return PolicyDecision.deny(name, port, Reason.PORT_NOT_ALLOWED, matching[0].text)
     if name in policy.denied:
-        return Decision.deny(name, port, Reason.DENIED_EARLIER)
+        return PolicyDecision.deny(name, port, Reason.DENIED_EARLIER)
     if not policy.ask:
-        return Decision.deny(name, port, Reason.NOT_ALLOWLISTED)
-    return Decision.ask(name, port)
+        return PolicyDecision.deny(name, port, Reason.NOT_ALLOWLISTED)
+    return PolicyDecision.ask(name, port)
 
 
 def approval_ports(port: int) -> frozenset[int]:

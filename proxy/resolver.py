@@ -157,7 +157,7 @@ def accept_reply(query: DNSRecord, reply_bytes: bytes) -> DNSRecord | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Answer:
+class Resolution:
     """What one reply says about one name and type.
 
     ``rcode`` is the response code's name ("NOERROR", "NXDOMAIN", ...).
@@ -181,7 +181,7 @@ def _negative_ttl(reply: DNSRecord) -> int | None:
     return min(ttls) if ttls else None
 
 
-def read_answer(reply: DNSRecord, qname: str, qtype: int) -> Answer:
+def read_answer(reply: DNSRecord, qname: str, qtype: int) -> Resolution:
     """The addresses of type ``qtype`` that ``reply`` gives for ``qname``.
 
     1. A non-NOERROR rcode yields no addresses and the SOA negative TTL.
@@ -194,7 +194,7 @@ def read_answer(reply: DNSRecord, qname: str, qtype: int) -> Answer:
     """
     rcode = RCODE.get(reply.header.rcode, str(reply.header.rcode))
     if reply.header.rcode != RCODE.NOERROR:
-        return Answer(rcode=rcode, addresses=(), ttl_s=_negative_ttl(reply))
+        return Resolution(rcode=rcode, addresses=(), ttl_s=_negative_ttl(reply))
 
     cnames: dict[str, tuple[str, int]] = {}
     for rr in reply.rr:
@@ -227,8 +227,8 @@ def read_answer(reply: DNSRecord, qname: str, qtype: int) -> Answer:
         ttls.append(rr.ttl)
 
     if not addresses:
-        return Answer(rcode=rcode, addresses=(), ttl_s=_negative_ttl(reply))
-    return Answer(rcode=rcode, addresses=tuple(addresses), ttl_s=min(ttls))
+        return Resolution(rcode=rcode, addresses=(), ttl_s=_negative_ttl(reply))
+    return Resolution(rcode=rcode, addresses=tuple(addresses), ttl_s=min(ttls))
 
 
 def parse_server(text: str) -> tuple[str, int]:
@@ -464,7 +464,7 @@ class DnsResolver:
             ask_a = group.create_task(self._answer(host, QTYPE.A))
             ask_aaaa = group.create_task(self._answer(host, QTYPE.AAAA))
         outcomes = (ask_a.result(), ask_aaaa.result())
-        answers = [o for o in outcomes if isinstance(o, Answer)]
+        answers = [o for o in outcomes if isinstance(o, Resolution)]
         addresses = tuple(_ordered(a for answer in answers for a in answer.addresses))
         failed = [
             o
@@ -495,7 +495,7 @@ class DnsResolver:
             raise ResolveError(f"{host}: upstream answered {outcome.rcode}")
         raise ResolveError(f"{host}: no addresses")
 
-    async def _answer(self, host: str, qtype: int) -> Answer | ResolveError:
+    async def _answer(self, host: str, qtype: int) -> Resolution | ResolveError:
         """One type's answer, or the error as a value so the sibling query carries on."""
         try:
             return read_answer(await self._exchange(host, qtype), host, qtype)

@@ -36,7 +36,7 @@ from typing import Any
 
 from .hosts import HostError, registered_domain
 from .memo import remember
-from .policy import Decision, Entry, Reason, RunPolicy, Verdict, approval_ports, decide
+from .policy import Entry, PolicyDecision, Reason, RunPolicy, Verdict, approval_ports, decide
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -86,7 +86,7 @@ class Run:
     control_token: str = field(default="", repr=False)
     _policy: RunPolicy | None = None
     # decide() is pure, so its answers for this policy are kept until the policy changes.
-    _decisions: dict[tuple[str, int], Decision] = field(default_factory=dict)
+    _decisions: dict[tuple[str, int], PolicyDecision] = field(default_factory=dict)
 
     def policy(self) -> RunPolicy:
         """The pure decision input; rebuilt only after an approval or denial."""
@@ -100,7 +100,7 @@ class Run:
             )
         return self._policy
 
-    def decide(self, host: str, port: int) -> Decision:
+    def decide(self, host: str, port: int) -> PolicyDecision:
         """``policy.decide`` for this run, remembered per (host, port) until the policy changes.
 
         Step 6 reaches further here than in the pure policy: a host whose
@@ -115,10 +115,10 @@ class Run:
             remember(self._decisions, key, decision, DECISION_CACHE)
         return decision
 
-    def _decide(self, host: str, port: int) -> Decision:
+    def _decide(self, host: str, port: int) -> PolicyDecision:
         decision = decide(self.policy(), host, port)
         if decision.verdict is Verdict.ASK and self.denied and _site(decision.host) in self.denied:
-            return Decision.deny(decision.host, port, Reason.DENIED_EARLIER)
+            return PolicyDecision.deny(decision.host, port, Reason.DENIED_EARLIER)
         return decision
 
     def approve(self, host: str, port: int) -> None:

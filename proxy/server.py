@@ -70,7 +70,7 @@ ECH_DETAIL = "encrypted_client_hello hides the server name asked for"
 
 
 @dataclass(frozen=True, slots=True)
-class Limits:
+class ListenerLimits:
     """The listener's limits; see ``config.settings`` for why each default."""
 
     max_head_bytes: int = 64 * 1024
@@ -88,7 +88,7 @@ class Listener:
     ``close`` can end it.
     """
 
-    def __init__(self, *, gate: Gate, runs: RunRegistry, limits: Limits) -> None:
+    def __init__(self, *, gate: Gate, runs: RunRegistry, limits: ListenerLimits) -> None:
         self.gate = gate
         self.runs = runs
         self.limits = limits

@@ -41,7 +41,7 @@ from .http1 import Destination, HttpError, RequestHead, request_destination
 from .policy import Reason
 from .responses import STATUS_FOR_REASON
 from .runs import IPAddress, Run, RunRegistry, source_address
-from .server import ECH_DETAIL, GONE_DETAIL, RUN_CAP_DETAIL, Limits, Listener, ProxyServer, SniCheck
+from .server import ECH_DETAIL, GONE_DETAIL, RUN_CAP_DETAIL, Listener, ListenerLimits, ProxyServer, SniCheck
 from .stream import Peer, PeerClosed
 
 log = logging.getLogger("egressd.transparent")
@@ -101,7 +101,7 @@ class TransparentHttpServer(ProxyServer):
     (80: the port the sandbox connected to).
     """
 
-    def __init__(self, *, gate: Gate, runs: RunRegistry, limits: Limits, dest_port: int = HTTP_PORT) -> None:
+    def __init__(self, *, gate: Gate, runs: RunRegistry, limits: ListenerLimits, dest_port: int = HTTP_PORT) -> None:
         super().__init__(gate=gate, runs=runs, limits=limits)
         self.dest_port = dest_port
 
@@ -147,7 +147,7 @@ def _alert_for(reason: Reason) -> Alert:
 class TransparentTlsServer(Listener):
     """The SNI listener. ``dest_port`` is the port decided on and dialled (443)."""
 
-    def __init__(self, *, gate: Gate, runs: RunRegistry, limits: Limits, dest_port: int = TLS_PORT) -> None:
+    def __init__(self, *, gate: Gate, runs: RunRegistry, limits: ListenerLimits, dest_port: int = TLS_PORT) -> None:
         super().__init__(gate=gate, runs=runs, limits=limits)
         self.dest_port = dest_port
 

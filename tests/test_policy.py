@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from config.presets import PRESETS, UnknownPreset, preset_entries
 from proxy.policy import (
     DEFAULT_PORTS,
-    Decision,
     Entry,
     EntryError,
+    PolicyDecision,
     Reason,
     RunPolicy,
     Verdict,
@@ -162,11 +162,11 @@ QUIET = RunPolicy(allow=BASE.allow, deny=BASE.deny, approved=BASE.approved, deni
                   ask=False)  # fmt: skip
 
 
-def _deny(host: str, port: int, reason: Reason, rule: str | None = None) -> Decision:
-    return Decision.deny(host, port, reason, rule)
+def _deny(host: str, port: int, reason: Reason, rule: str | None = None) -> PolicyDecision:
+    return PolicyDecision.deny(host, port, reason, rule)
 
 
-DECISIONS: list[tuple[str, RunPolicy, str, int, Decision]] = [
+DECISIONS: list[tuple[str, RunPolicy, str, int, PolicyDecision]] = [
     # 1. malformed
     ("a host with a space is a bad request", BASE, "exa mple.com", 443,
      _deny("exa mple.com", 443, Reason.BAD_REQUEST)),
@@ -196,31 +196,31 @@ DECISIONS: list[tuple[str, RunPolicy, str, int, Decision]] = [
      _deny("8.8.8.8", 443, Reason.IP_LITERAL)),
     # 4. allowed
     ("an exact entry allows its host on 443", BASE, "example.com", 443,
-     Decision.allow("example.com", 443, "example.com")),
+     PolicyDecision.allow("example.com", 443, "example.com")),
     ("case and a trailing dot do not matter", BASE, "EXAMPLE.com.", 80,
-     Decision.allow("example.com", 80, "example.com")),
+     PolicyDecision.allow("example.com", 80, "example.com")),
     ("a wildcard entry allows a deep subdomain", BASE, "a.b.wild.example", 443,
-     Decision.allow("a.b.wild.example", 443, "*.wild.example")),
+     PolicyDecision.allow("a.b.wild.example", 443, "*.wild.example")),
     ("an entry with a port allows that port", BASE, "api.example.org", 8443,
-     Decision.allow("api.example.org", 8443, "api.example.org:8443")),
+     PolicyDecision.allow("api.example.org", 8443, "api.example.org:8443")),
     ("an entry with a star port allows any port", BASE, "any.example", 1,
-     Decision.allow("any.example", 1, "any.example:*")),
+     PolicyDecision.allow("any.example", 1, "any.example:*")),
     ("an IP entry allows its address in another spelling", BASE, "2130706433", 80,
-     Decision.allow("127.0.0.1", 80, "127.0.0.1")),
+     PolicyDecision.allow("127.0.0.1", 80, "127.0.0.1")),
     ("an IP entry allows the IPv4-mapped form", BASE, "[::ffff:127.0.0.1]", 443,
-     Decision.allow("::ffff:7f00:1", 443, "127.0.0.1")),
+     PolicyDecision.allow("::ffff:7f00:1", 443, "127.0.0.1")),
     ("a bracketed IPv6 entry allows its port", BASE, "[::1]", 8080,
-     Decision.allow("::1", 8080, "[::1]:8080")),
+     PolicyDecision.allow("::1", 8080, "[::1]:8080")),
     ("an approved host is allowed on the approved port", BASE, "approved.example", 8443,
-     Decision.allow("approved.example", 8443, "approved")),
+     PolicyDecision.allow("approved.example", 8443, "approved")),
     ("an approved host is allowed on 80", BASE, "approved.example", 80,
-     Decision.allow("approved.example", 80, "approved")),
+     PolicyDecision.allow("approved.example", 80, "approved")),
     ("an approved host is allowed on 443", BASE, "approved.example", 443,
-     Decision.allow("approved.example", 443, "approved")),
+     PolicyDecision.allow("approved.example", 443, "approved")),
     ("an approval extends an entry to another port", BASE, "example.com", 8443,
-     Decision.allow("example.com", 8443, "approved")),
+     PolicyDecision.allow("example.com", 8443, "approved")),
     ("an allow entry beats an earlier denial", BASE, "example.com", 443,
-     Decision.allow("example.com", 443, "example.com")),
+     PolicyDecision.allow("example.com", 443, "example.com")),
     # 5. port not allowed
     ("an entry's host on another port is refused, not asked", BASE, "example.com", 8080,
      _deny("example.com", 8080, Reason.PORT_NOT_ALLOWED, "example.com")),
@@ -237,19 +237,19 @@ DECISIONS: list[tuple[str, RunPolicy, str, int, Decision]] = [
      _deny("nope.example", 443, Reason.DENIED_EARLIER)),
     # 7. ask, or not allowlisted
     ("a new host is asked about", BASE, "new.example", 443,
-     Decision.ask("new.example", 443)),
+     PolicyDecision.ask("new.example", 443)),
     ("an exact entry does not cover a subdomain", BASE, "www.example.com", 443,
-     Decision.ask("www.example.com", 443)),
+     PolicyDecision.ask("www.example.com", 443)),
     ("a wildcard entry does not cover its apex", BASE, "wild.example", 443,
-     Decision.ask("wild.example", 443)),
+     PolicyDecision.ask("wild.example", 443)),
     ("a wildcard entry does not cover a look-alike", BASE, "badwild.example", 443,
-     Decision.ask("badwild.example", 443)),
+     PolicyDecision.ask("badwild.example", 443)),
     ("an approved host on another port is asked again", BASE, "approved.example", 22,
-     Decision.ask("approved.example", 22)),
+     PolicyDecision.ask("approved.example", 22)),
     ("a new host with asking off is not allowlisted", QUIET, "new.example", 443,
      _deny("new.example", 443, Reason.NOT_ALLOWLISTED)),
     ("a new international host is asked in punycode", BASE, "Bücher.example", 443,
-     Decision.ask("xn--bcher-kva.example", 443)),
+     PolicyDecision.ask("xn--bcher-kva.example", 443)),
 ]  # fmt: skip
 
 
@@ -259,7 +259,7 @@ DECISIONS: list[tuple[str, RunPolicy, str, int, Decision]] = [
     ids=[case[0] for case in DECISIONS],
 )
 def test_decide_follows_the_decision_order(
-    policy: RunPolicy, host: str, port: int, expected: Decision
+    policy: RunPolicy, host: str, port: int, expected: PolicyDecision
 ) -> None:
     assert decide(policy, host, port) == expected
 
@@ -271,9 +271,9 @@ def test_approval_grants_its_port_and_the_web_ports() -> None:
 
 def test_decision_has_a_reason_exactly_when_it_denies() -> None:
     with pytest.raises(ValueError):
-        Decision(Verdict.ALLOW, "example.com", 443, Reason.DENIED)
+        PolicyDecision(Verdict.ALLOW, "example.com", 443, Reason.DENIED)
     with pytest.raises(ValueError):
-        Decision(Verdict.DENY, "example.com", 443)
+        PolicyDecision(Verdict.DENY, "example.com", 443)
 
 
 def test_reason_codes_are_the_designs() -> None:
@@ -356,7 +356,7 @@ def test_case_and_one_trailing_dot_do_not_change_decisions(
 @given(st.text(max_size=40), st.integers(-5, 70000))
 def test_garbage_yields_a_decision_or_entry_error(text: str, port: int) -> None:
     decision = decide(BASE, text, port)
-    assert isinstance(decision, Decision)
+    assert isinstance(decision, PolicyDecision)
     assert (decision.reason is None) == (decision.verdict is not Verdict.DENY)
     try:
         entry = parse_entry(text)
@@ -372,7 +372,7 @@ def test_approval_always_grants_the_asked_port(port: int) -> None:
     assert decide(BASE, host, port).verdict is Verdict.ASK
     approved = RunPolicy(approved={host: approval_ports(port)})
     for granted in (port, 80, 443):
-        assert decide(approved, host, granted) == Decision.allow(host, granted, "approved")
+        assert decide(approved, host, granted) == PolicyDecision.allow(host, granted, "approved")
 
 
 # --- presets ---------------------------------------------------------------

@@ -36,7 +36,7 @@ from proxy.metrics import Metrics
 from proxy.policy import Entry, EntryError, parse_entry
 from proxy.resolver import DnsResolver, Resolver, SystemResolver, parse_server
 from proxy.runs import DEFAULT_RUN_ID, Run, RunRegistry, new_control_token
-from proxy.server import Limits, ProxyServer
+from proxy.server import ListenerLimits, ProxyServer
 from proxy.transparent import TransparentHttpServer, TransparentTlsServer
 
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
@@ -286,7 +286,7 @@ class EgressService:
             )
         self.runs = RunRegistry(default=default)
 
-        limits = Limits(
+        limits = ListenerLimits(
             max_head_bytes=s.max_head_bytes,
             head_timeout_s=s.head_timeout_s,
             idle_timeout_s=s.idle_timeout_s,
@@ -312,7 +312,7 @@ class EgressService:
                 )
             )
 
-    async def _start_transparent(self, limits: Limits) -> None:
+    async def _start_transparent(self, limits: ListenerLimits) -> None:
         """The transparent SNI and Host listeners and the DNS server, each when its setting is given."""
         s = self.settings
         assert self.gate is not None and self.runs is not None
