@@ -5,7 +5,7 @@
 Wall-clock rates on a shared 2-core machine wander by tens of percent from
 one round to the next; the number of instructions egressd executes for the
 same work does not. This runs ``egressd serve`` under valgrind's cachegrind
-(instruction counting only) three times, each started fresh with
+(instruction counting only, at its default log level) three times, each started fresh with
 ``PYTHONHASHSEED=0``: idle (start-up and shutdown alone), then N CONNECT
 tunnels one after another (CONNECT, one 64-byte echo, close), then N small
 plain-HTTP requests on one keep-alive connection. Each figure is the run's
@@ -110,7 +110,7 @@ async def measure(egressd: str, *, tunnels: int, requests: int, echo_port: int, 
                 "valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
                 egressd, "serve", "--listen", "127.0.0.1:0", "--control", "unix:" + str(Path(tmp) / "control.sock"),
                 "--allow", f"{ORIGIN}:*", "--allow-private", f"{ORIGIN}/32", "--audit-log", str(Path(tmp) / "a.jsonl"),
-                "--log-level", "warning",
+                "--log-level", "info",  # serve's default, and how its "serving:" line (the bound port) is seen
                 stdout=asyncio.subprocess.DEVNULL, stderr=stderr, env=env,
             )  # fmt: skip
         try:
