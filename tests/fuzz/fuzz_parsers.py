@@ -17,7 +17,11 @@ answer or raises its own documented error, nothing else):
   1- or 7-byte pieces (some as memoryviews) gives the same answer.
 - ``clienthello``: ``parse_client_hello``: a ClientHello, None (need more)
   or ClientHelloError; a complete answer does not change when more bytes
-  follow, and every prefix gives None or the same answer.
+  follow, and every prefix gives None or the same answer. ``scan_client``
+  (both at the start of a connection and later): ClientRecords or
+  ClientHelloError; a prefix is never refused when the whole is not, never
+  gives more ready bytes or other hellos; the ready bytes alone scan the
+  same; its first hello is parse_client_hello's.
 - ``dns``: ``read_query`` then ``plan_answer`` and ``pack_reply``: a Query
   or a DnsQueryError (whose reply, if any, is a response); a cached question
   reads the same as a fresh one; a reply repeats the question byte for byte
@@ -50,13 +54,16 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
+import dataclasses
+import inspect
 import random
 import re
 import struct
 import sys
 import time
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from ipaddress import IPv4Address, IPv6Address
 
@@ -65,7 +72,7 @@ from dnslib import DNSRecord
 
 from proxy import clienthello as clienthello_module
 from proxy import dnsserver, http1, runs
-from proxy.clienthello import ClientHello, ClientHelloError, parse_client_hello
+from proxy.clienthello import ClientHello, ClientHelloError, ClientRecords, parse_client_hello, scan_client
 from proxy.dnsserver import DnsQueryError, pack_reply, plan_answer, read_query
 from proxy.hosts import HostError, normalise_host
 from proxy.http1 import (
@@ -131,17 +138,60 @@ class Tracer:
         return edges
 
 
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """No tracing inside: an oracle's re-checks (prefixes, pieces) cost full speed and steer nothing."""
+    before = sys.gettrace()
+    sys.settrace(None)
+    try:
+        yield
+    finally:
+        sys.settrace(before)
+
+
 def executable_lines(module: types.ModuleType) -> set[int]:
-    """The line numbers of ``module`` that hold code (what "N of M lines" counts)."""
+    """The lines of ``module``'s function bodies (what "N of M lines" counts).
+
+    Module and class bodies run at import, and a ``def`` line is no line
+    event: neither is counted.
+    """
     with open(module.__file__, encoding="utf-8") as f:
         code = compile(f.read(), module.__file__, "exec")
     lines: set[int] = set()
     stack = [code]
     while stack:
         current = stack.pop()
-        lines.update(line for _, _, line in current.co_lines() if line is not None)
+        if current.co_flags & inspect.CO_OPTIMIZED:  # a function, not a module or class body
+            lines.update(line for _, _, line in current.co_lines() if line not in (None, current.co_firstlineno))
         stack.extend(const for const in current.co_consts if isinstance(const, types.CodeType))
     return lines
+
+
+def code_constants(module: types.ModuleType) -> tuple[bytes, ...]:
+    """The constants the module compares input with, as tokens (AFL's auto-dictionary).
+
+    Ints become one or two big-endian bytes, short str and bytes constants
+    themselves: a mutation that writes one passes a comparison that a random
+    byte would pass once in 256 tries (or 65536 for a 16-bit field).
+    """
+    with open(module.__file__, encoding="utf-8") as f:
+        stack: list[object] = [compile(f.read(), module.__file__, "exec")]
+    found: set[bytes] = set()
+    while stack:
+        const = stack.pop()
+        if isinstance(const, types.CodeType):
+            stack.extend(const.co_consts)
+        elif isinstance(const, tuple | frozenset):
+            stack.extend(const)
+        elif isinstance(const, bool):
+            continue
+        elif isinstance(const, int) and 0 <= const <= 0xFFFF:
+            found.add(const.to_bytes(1 if const <= 0xFF else 2, "big"))
+        elif isinstance(const, bytes) and 0 < len(const) <= 32:
+            found.add(const)
+        elif isinstance(const, str) and 0 < len(const) <= 32 and const.isascii():
+            found.add(const.encode())
+    return tuple(sorted(found))
 
 
 # --- mutation -----------------------------------------------------------------------
@@ -251,6 +301,8 @@ def fuzz(
     spec = target if isinstance(target, Target) else TARGETS[target]
     if spec.reset is not None:
         spec.reset()
+    tokens = spec.tokens + tuple(token for module in spec.modules for token in code_constants(module))
+    spec = dataclasses.replace(spec, tokens=tokens)
     rng = random.Random(seed)
     tracer = Tracer(module.__file__ for module in spec.modules)
     stats = Stats(spec.name, executable=sum(len(executable_lines(module)) for module in spec.modules))
@@ -307,6 +359,7 @@ def http_seeds() -> list[bytes]:
         b"PUT http://a.test/ HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\nTE: trailers\r\n\r\n0\r\n\r\n",
         b"\r\nGET HTTP://A.TEST:80 HTTP/1.0\nContent-Length: 3, 3\nKeep-Alive: 5\n\n",
         b"HEAD http://xn--bcher-kva.test/a#b HTTP/1.1\r\nUpgrade: h2c\r\nProxy-Connection: keep-alive\r\n\r\n",
+        b"GET http://a.test/ HTTP/1.1\r\nX-Long: " + b"v" * _HEAD_LIMIT + b"\r\n\r\n",  # 431
     ]
 
 
@@ -495,7 +548,8 @@ def check_http_head(data: bytes) -> None:
         raise fail("a memoryview gave another answer")
     for cut in range(0, consumed, max(1, consumed // 8)):
         try:
-            prefix = parse_request_head(data[:cut], _HEAD_LIMIT)
+            with untraced():
+                prefix = parse_request_head(data[:cut], _HEAD_LIMIT)
         except HttpError as exc:
             raise fail(f"prefix {cut} raised {exc!r} although the whole parsed") from exc
         if prefix is not None:
@@ -731,7 +785,9 @@ def check_chunked(data: bytes) -> None:
     try:
         whole = _scan(data, None)
         # Byte by byte and in 7s for short inputs; a long one in pieces of 61 and 97.
-        pieces = [_scan(data, 1 if len(data) <= 256 else 61), _scan(data, 7 if len(data) <= 1024 else 97)]
+        with untraced():
+            pieces = [_scan(data, 1 if len(data) <= 256 else 61)]
+        pieces.append(_scan(data, 7 if len(data) <= 1024 else 97))
     except Exception as exc:  # noqa: BLE001
         raise fail(f"ChunkedScanner raised {exc!r}") from exc
     if whole[0] not in ("done", "more", "bad"):
@@ -792,6 +848,7 @@ def _hello_fix_lengths(buf: bytearray, rng: random.Random) -> bytearray:
 
 
 def check_clienthello(data: bytes) -> None:
+    _check_scan_client(data)
     try:
         result = parse_client_hello(data)
     except ClientHelloError:
@@ -806,11 +863,49 @@ def check_clienthello(data: bytes) -> None:
         raise FuzzFailure("clienthello", data, "bytes after a complete hello changed the answer")
     for cut in range(0, len(data), max(1, len(data) // 16)):
         try:
-            prefix = parse_client_hello(data[:cut])
+            with untraced():
+                prefix = parse_client_hello(data[:cut])
         except ClientHelloError as exc:
             raise FuzzFailure("clienthello", data, f"prefix {cut} raised although the whole parsed") from exc
         if prefix not in (None, result):
             raise FuzzFailure("clienthello", data, f"prefix {cut} gave another answer")
+
+
+def _check_scan_client(data: bytes) -> None:
+    """``scan_client``: whole records only, and a longer input never takes back what a shorter one gave."""
+
+    def scan(part: bytes, first: bool) -> ClientRecords | None:
+        try:
+            found = scan_client(part, first=first)
+        except ClientHelloError:
+            return None
+        except Exception as exc:  # noqa: BLE001
+            raise FuzzFailure("clienthello", data, f"scan_client raised {exc!r}") from exc
+        if not isinstance(found, ClientRecords) or not 0 <= found.ready <= len(part):
+            raise FuzzFailure("clienthello", data, f"scan_client returned {found!r}")
+        return found
+
+    for first in (True, False):
+        whole = scan(data, first)
+        with untraced():
+            prefixes = [(cut, scan(data[:cut], first)) for cut in range(0, len(data), max(1, len(data) // 8))]
+        for cut, prefix in prefixes:
+            if prefix is None and whole is not None:
+                raise FuzzFailure("clienthello", data, f"scan_client refused prefix {cut} but not the whole")
+            if prefix is not None and whole is not None:
+                if prefix.ready > whole.ready or whole.hellos[: len(prefix.hellos)] != prefix.hellos:
+                    raise FuzzFailure("clienthello", data, f"prefix {cut} gave {prefix}, the whole {whole}")
+        if whole is None:
+            continue
+        if scan(data[: whole.ready], first) != whole:
+            raise FuzzFailure("clienthello", data, "the ready bytes alone scan differently")
+        if first and whole.hellos:
+            try:
+                hello = parse_client_hello(data)
+            except ClientHelloError as exc:
+                raise FuzzFailure("clienthello", data, "parse_client_hello refused what scan_client took") from exc
+            if hello != whole.hellos[0]:
+                raise FuzzFailure("clienthello", data, f"scan_client found {whole.hellos[0]}, parse {hello}")
 
 
 # --- dns ------------------------------------------------------------------------------
