@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+
 import pytest
 
 from proxy import runs
@@ -18,6 +22,7 @@ from tests.fuzz.fuzz_parsers import (
     main,
     reference_chunked,
 )
+from tests.harness import require
 
 # Inputs per target and seed: about a second each on a slow machine.
 BUDGET = {"http_head": 3000, "chunked": 600, "clienthello": 2000, "dns": 2000, "proxy_auth": 3000}
@@ -105,3 +110,15 @@ def test_the_reference_chunked_decoder() -> None:
     assert reference_chunked(b"5 \r\nhello\r\n0\r\n\r\n")[0] == "bad"
     assert reference_chunked(b"0\r\nno colon\r\n\r\n")[0] == "bad"
     assert reference_chunked(b"1" * 17 + b"\r\n")[0] == "bad"
+
+
+def test_the_atheris_entry_point_runs_a_target_under_libfuzzer(tmp_path) -> None:
+    require(importlib.util.find_spec("atheris") is not None, "atheris (the test extra, Linux x86_64)")
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.fuzz.atheris_fuzz", "proxy_auth", "-runs=3000", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Done 3000 runs" in done.stderr
