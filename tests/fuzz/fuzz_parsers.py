@@ -655,6 +655,8 @@ def reference_chunked(data: bytes) -> tuple[str, int, int, int]:
 
     def line(limit: int) -> tuple[str, bytes]:
         nonlocal pos
+        if pos == len(data):
+            return "more", b""
         newline = data.find(b"\n", pos)
         if newline < 0:
             return ("bad" if len(data) - pos >= limit else "more"), b""
