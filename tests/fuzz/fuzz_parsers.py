@@ -983,15 +983,16 @@ _RUN_TOKEN = "T0k3n_-fuzz"
 _REGISTRY = RunRegistry()
 _RUN = _REGISTRY.create(task=None, allow=(), run_id=_RUN_ID)
 _RUN.token = _RUN_TOKEN
-_STRICT_BASIC = re.compile(r"[ \t]*[Bb][Aa][Ss][Ii][Cc] [ \t]*([A-Za-z0-9+/]+={0,2})[ \t]*")
+_STRICT_BASIC = re.compile(r"[ \t]*[Bb][Aa][Ss][Ii][Cc] [ \t]*([A-Za-z0-9+/]+=*)[ \t]*")
 
 
 def reference_basic(value: str) -> tuple[str, str] | None:
     """RFC 7617 Basic credentials read strictly: (id, token), or None for anything malformed.
 
-    Padding past a complete quantum and non-zero trailing bits decode (as
-    Python's base64 does) to the credentials the canonical text names: no
-    other ones, so they are not counted as malformed.
+    Padding past a complete quantum ("YWJj=", "YWJj===") and non-zero
+    trailing bits decode (Python's base64, strict mode included) to the
+    credentials the canonical text names: no other ones, so they are not
+    counted as malformed.
     """
     match = _STRICT_BASIC.fullmatch(value)
     if not match:
