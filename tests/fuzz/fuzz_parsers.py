@@ -713,7 +713,11 @@ def _scan(data: bytes, piece: int | None) -> tuple[str, int]:
         except HttpError as exc:
             if exc.status != 400:
                 raise
-            return "bad", used
+            try:
+                scanner.feed(b"0\r\n\r\n")
+            except HttpError:
+                return "bad", used
+            return "a failed scanner took more input", used
         if not 0 <= took <= len(chunk) or (took < len(chunk) and not scanner.done):
             return f"feed returned {took} of {len(chunk)}", used
         used += took
@@ -814,6 +818,9 @@ def check_chunked(data: bytes) -> None:
 # --- clienthello ------------------------------------------------------------------
 
 
+_CCS = b"\x14\x03\x03\x00\x01\x01"  # change_cipher_spec (RFC 8446 §D.4)
+
+
 def hello_seeds() -> list[bytes]:
     return [
         hellos.python_hello("origin.test"),
@@ -822,6 +829,10 @@ def hello_seeds() -> list[bytes]:
         hellos.client_hello("legacy.test", tls13=False, grease=False),
         hellos.client_hello(None, extensions=False),
         hellos.records(hellos.handshake(hellos.body("frag.test")), [1, 2, 3, 50]),
+        hellos.client_hello("cover.test", extra=[hellos.ech_extension()]),
+        hellos.client_hello("inner.test", extra=[hellos.ech_extension(outer=False)]),
+        hellos.client_hello("ccs.test") + _CCS + hellos.client_hello("second.test"),
+        hellos.record(hellos.handshake(hellos.body("cut.test"))[:40]) + _CCS,
     ]
 
 
@@ -954,13 +965,13 @@ def check_dns(data: bytes) -> None:
     except Exception as exc:  # noqa: BLE001
         raise FuzzFailure("dns", data, f"read_query raised {exc!r}") from exc
     fresh = (query.ident, query.flags, *dnsserver._read_question(data))
-    if tuple(query) != fresh or tuple(read_query(data)) != fresh:
+    if tuple(query) != fresh or tuple(read_query(data)) != fresh or tuple(read_query(bytearray(data))) != fresh:
         raise FuzzFailure("dns", data, "a cached question reads differently from a fresh one")
-    for unreachable in (None, Reason.DENYLISTED):
+    if not query.qtype_text:
+        raise FuzzFailure("dns", data, "no name for the query type")
+    for unreachable, answer6 in ((None, IPv6Address("fd00::1")), (None, None), (Reason.DENYLISTED, None)):
         try:
-            plan = plan_answer(
-                query, answer4=IPv4Address("10.0.0.1"), answer6=IPv6Address("fd00::1"), unreachable=unreachable
-            )
+            plan = plan_answer(query, answer4=IPv4Address("10.0.0.1"), answer6=answer6, unreachable=unreachable)
             packed = pack_reply(query, plan, 5)
             reply = DNSRecord.parse(packed)
         except Exception as exc:  # noqa: BLE001
