@@ -23,7 +23,6 @@ Attribution order (``RunRegistry.attribute``):
 from __future__ import annotations
 
 import base64
-import binascii
 import contextlib
 import functools
 import hmac
@@ -227,12 +226,15 @@ def source_address(text: str) -> IPAddress | None:
 
 def parse_proxy_authorization(value: str) -> tuple[str, str] | None:
     """``Basic base64(id:token)`` → (id, token), or None when malformed."""
-    scheme, _, payload = value.strip().partition(" ")
+    # Only SP and HTAB are whitespace here (RFC 9110 §5.6.3), not str.strip()'s NBSP or NEL.
+    scheme, _, payload = value.strip(" \t").partition(" ")
     if scheme.lower() != "basic" or not payload:
         return None
     try:
-        decoded = base64.b64decode(payload.strip(), validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
+        # ValueError: a payload that is not ASCII (b64decode's binascii.Error
+        # and UnicodeDecodeError are ValueErrors too).
+        decoded = base64.b64decode(payload.strip(" \t"), validate=True).decode("utf-8")
+    except ValueError:
         return None
     run_id, sep, token = decoded.partition(":")
     if not sep or not run_id:
@@ -317,7 +319,7 @@ class RunRegistry:
         run = self._runs.get(parsed[0])
         if run is None:
             # Compare anyway, so a wrong id costs the same time as a wrong token.
-            hmac.compare_digest(parsed[1], "x" * 32)
+            hmac.compare_digest(parsed[1].encode(), b"x" * 32)  # bytes: a str token may not be ASCII
             return None
         return run if hmac.compare_digest(parsed[1].encode(), run.token.encode()) else None
 

@@ -149,6 +149,56 @@ async def test_run_credentials_attribute_requests_and_proxy_authorization_is_not
     assert run.token not in repr(svc.audit_records)
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        # Found by tests/fuzz (proxy_auth): non-ASCII base64 made b64decode
+        # raise ValueError, which parse_proxy_authorization did not catch.
+        b"Basic \xe9",
+        # A token that is not ASCII, for a run id that does not exist:
+        # hmac.compare_digest raised TypeError comparing non-ASCII str.
+        b"Basic " + base64.b64encode("r-nobody:\u00e9".encode()),
+    ],
+)
+async def test_malformed_proxy_credentials_are_a_407_not_a_dropped_connection(make_egressd, header: bytes) -> None:
+    svc = await make_egressd(require_auth=True)
+    reader, writer = await open_proxy(svc)
+    writer.write(b"CONNECT origin.test:443 HTTP/1.1\r\nProxy-Authorization: " + header + b"\r\n\r\n")
+    status, headers, _ = await read_response(reader)
+    writer.close()
+    assert status == 407 and headers["x-egress-reason"] == "auth_required"
+    await wait_until(lambda: egress(svc))
+    assert egress(svc)[-1]["reason"] == "auth_required"
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "Basic \xe9",  # ValueError from b64decode
+        "Basic YWJj\xe9OmQ=",
+        "\xa0Basic " + base64.b64encode(b"r-1:t").decode(),  # str.strip() took NBSP for whitespace
+        "Basic " + base64.b64encode(b"r-1:t").decode() + "\x85",
+        "Basic\x1f" + base64.b64encode(b"r-1:t").decode(),
+    ],
+)
+def test_malformed_proxy_authorization_gives_no_credentials(value: str) -> None:
+    from proxy.runs import parse_proxy_authorization
+
+    assert parse_proxy_authorization(value) is None
+
+
+def test_a_non_ascii_token_authenticates_nobody() -> None:
+    from proxy.runs import RunRegistry
+
+    registry = RunRegistry()
+    run = registry.create(task=None, allow=())
+    for run_id in ("r-nobody", run.id):
+        header = "Basic " + base64.b64encode(f"{run_id}:\u00e9".encode()).decode()
+        assert registry.authenticate(header) is None
+    good = "Basic " + base64.b64encode(f"{run.id}:{run.token}".encode()).decode()
+    assert registry.authenticate(good) is run
+
+
 async def test_per_run_connection_cap_answers_429(make_egressd, echo_origin) -> None:
     svc = await make_egressd(allow=["origin.test:*"], max_connections_per_run=2)
     held = [await connect_via(svc, f"origin.test:{echo_origin.port}") for _ in range(2)]
