@@ -5,8 +5,9 @@
 Wall-clock rates on a shared 2-core machine wander by tens of percent from
 one round to the next; the number of instructions egressd executes for the
 same work does not. This runs ``egressd serve`` under valgrind's cachegrind
-(instruction counting only, at its default log level) three times, each started fresh with
-``PYTHONHASHSEED=0``: idle (start-up and shutdown alone), then N CONNECT
+(instruction counting only, at its default log level) three times after
+a warm-up run (which writes any missing bytecode cache), each started fresh
+with ``PYTHONHASHSEED=0``: idle (start-up and shutdown alone), then N CONNECT
 tunnels one after another (CONNECT, one 64-byte echo, close), then N small
 plain-HTTP requests on one keep-alive connection. Each figure is the run's
 total less the idle run's, divided by N. ``--egressd`` names another build
@@ -143,6 +144,8 @@ async def main(argv: list[str] | None = None) -> int:
     http = await asyncio.start_server(_http, ORIGIN, 0)
     ports = {"echo_port": echo.sockets[0].getsockname()[1], "http_port": http.sockets[0].getsockname()[1]}
     try:
+        # A first run compiles whatever has no bytecode cache yet; counted, it would inflate "idle".
+        await measure(args.egressd, tunnels=0, requests=0, **ports)
         idle = await measure(args.egressd, tunnels=0, requests=0, **ports)
         with_tunnels = await measure(args.egressd, tunnels=args.tunnels, requests=0, **ports)
         with_requests = await measure(args.egressd, tunnels=0, requests=args.requests, **ports)
