@@ -59,16 +59,16 @@ class AuditSink(Protocol):
     ``write_ahead`` returns only once the record is as durable as the sink
     promises; otherwise it raises ``AuditError`` and the caller must refuse
     the egress it was recording: it is what comes before a dial. ``write``
-    may queue the record for a write at the end of the loop iteration (a
-    final record: what it records has happened or been refused already).
+    may queue the record for a write at the end of the loop turn (a final
+    record: what it records has happened or been refused already).
     """
 
     def write(self, record: Mapping[str, object]) -> None:
         """Append one record (perhaps queued); raise ``AuditError`` if the sink cannot take it."""
         ...
 
-    async def write_ahead(self, record: Mapping[str, object]) -> None:
-        """Append one record and return once it is stored; raise ``AuditError`` if it was not."""
+    def write_ahead(self, record: Mapping[str, object]) -> None:
+        """Append one record now, with anything queued before it; raise ``AuditError`` if it was not stored."""
         ...
 
     def flush(self) -> None:
@@ -86,15 +86,15 @@ class AuditSink(Protocol):
 
 
 class JsonlAuditSink:
-    """Append records to a JSON Lines file, one ``os.write`` per loop iteration, chained.
+    """Append records to a JSON Lines file in batches, chained.
 
-    Each record is one compact, ASCII-only JSON line; the lines queued in one
-    event-loop iteration go out by a single ``os.write`` on an ``O_APPEND``
-    descriptor when it ends, so a line is never split by another of our
-    lines, and a crash leaves at most one torn last line (readers skip it;
-    the next sink opened on the file ends it first). A dial waits for its
-    record's write (``write_ahead``): one more loop iteration, shared by
-    every dial of that iteration.
+    Each record is one compact, ASCII-only JSON line. Final records
+    (``write``) queued in one event-loop turn go out by a single ``os.write``
+    on an ``O_APPEND`` descriptor when it ends; a record written ahead of a
+    dial (``write_ahead``) goes out at once, with whatever was queued before
+    it. A line is never split by another of our lines, and a crash leaves at
+    most one torn last line (readers skip it; the next sink opened on the
+    file ends it first).
 
     Not thread-safe by design: egressd's event loop is the only writer in the
     process. Across processes an exclusive ``flock`` on the file keeps a
@@ -153,11 +153,9 @@ class JsonlAuditSink:
         self._failure: str | None = None
         self._closed = False
         self._prev: str | None = None
-        # Lines queued in this loop iteration (without ``prev``), the flush
-        # scheduled for its end, and the future ``write_ahead`` callers wait on.
+        # Lines queued in this loop turn (without ``prev``) and the flush scheduled for its end.
         self._bodies: list[str] = []
         self._flush_handle: asyncio.Handle | None = None
-        self._flushed: asyncio.Future[None] | None = None
         self._fd, self._size, last = _open_chained(self._path)
         # Only a regular file is rotated: renaming /dev/null or a FIFO would be someone else's business.
         self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
@@ -201,39 +199,30 @@ class JsonlAuditSink:
                 return
             self._flush_handle = loop.call_soon(self._flush_soon)
 
-    async def write_ahead(self, record: Mapping[str, object]) -> None:
-        """Append ``record`` and return once it is written: what a dial waits for.
+    def write_ahead(self, record: Mapping[str, object]) -> None:
+        """Append ``record`` now: what comes before a dial.
 
-        Shares the iteration's single write with everything queued beside it.
-        Raises ``AuditError`` as ``write`` does, and when that write fails.
+        Written at once, in one write with whatever this loop turn queued
+        before it (a dial never waits for the turn to end: measured, the two
+        extra loop turns cost more than the write they would share). Raises
+        ``AuditError`` as ``write`` does, and when the write fails.
         """
-        self.write(record)
-        if self._flushed is None:
-            self._flushed = asyncio.get_running_loop().create_future()
-        await asyncio.shield(self._flushed)
+        self._queue(record)
+        self.flush()
 
     def flush(self) -> None:
         """Write every queued line now, one ``os.write`` per file (rotation splits a batch between lines).
 
         Raises ``AuditError`` if that fails; the sink is then unhealthy and
-        the queued lines are lost (their writers are told: ``write_ahead``
-        raises, so nothing they recorded goes out).
+        the queued lines are lost (final records: what they record has
+        happened; a ``write_ahead`` caller is told, so its dial never happens).
         """
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        waiters, self._flushed = self._flushed, None
         bodies, self._bodies = self._bodies, []
-        try:
-            if bodies:
-                self._write_lines(bodies)
-        except AuditError as exc:
-            if waiters is not None and not waiters.done():
-                waiters.set_exception(exc)
-                waiters.exception()  # retrieved here: a waiter that was cancelled must not warn
-            raise
-        if waiters is not None and not waiters.done():
-            waiters.set_result(None)
+        if bodies:
+            self._write_lines(bodies)
 
     def _flush_soon(self) -> None:
         self._flush_handle = None
@@ -564,7 +553,7 @@ class MemoryAuditSink:
             raise AuditError(f"audit record does not serialise to JSON: {exc}") from exc
         self.records.append(copy)
 
-    async def write_ahead(self, record: Mapping[str, object]) -> None:
+    def write_ahead(self, record: Mapping[str, object]) -> None:
         """``write``: a memory sink stores at once."""
         self.write(record)
 

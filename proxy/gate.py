@@ -111,6 +111,7 @@ class Attempt:
     decided: bool = False
     # Its ``egress`` record is written (``Gate.open``): what ends it is an ``egress.end`` record.
     opened: bool = False
+    ahead: dict[str, Any] | None = None  # that record, as written
     finished: bool = False
     # A spliced tunnel now owns the connection: it finishes the attempt when it ends.
     handed_off: bool = False
@@ -304,7 +305,7 @@ class Gate:
         # Not remembered: a wildcard listener's answer depends on the interfaces of the moment.
         return is_own(address, port, self.own, bound_locally)
 
-    async def open(self, attempt: Attempt, address: str | None) -> None:
+    def open(self, attempt: Attempt, address: str | None) -> None:
         """Write an allowed attempt's ``egress`` record before any of its bytes go out (write-ahead).
 
         Bytes and duration are null in it; ``finish`` then writes the
@@ -316,7 +317,8 @@ class Gate:
             return
         attempt.address = address
         try:
-            await self.audit.write_ahead(self._record(attempt, final=False))
+            attempt.ahead = self._record(attempt, final=False)
+            self.audit.write_ahead(attempt.ahead)
         except AuditError as exc:
             raise DialError(Reason.AUDIT_UNAVAILABLE, str(exc)) from None
         attempt.opened = True
@@ -330,7 +332,7 @@ class Gate:
         Raises DialError (``audit_unavailable``, ``upstream_unreachable`` or
         ``upstream_timeout``); the connect timeout starts after the record.
         """
-        await self.open(attempt, admission.texts[0])
+        self.open(attempt, admission.texts[0])
         loop = asyncio.get_running_loop()
         last: OSError | None = None
         try:
@@ -379,7 +381,7 @@ class Gate:
         attempt.finished = True
         run = attempt.run
         duration_s = self.monotonic() - attempt.started
-        if attempt.opened:
+        if attempt.opened and attempt.ahead is not None:
             end = attempt.extra.pop("end", None) or (attempt.reason if attempt.decision == "deny" else "closed")
             written = egress_end_record(
                 id=attempt.id,
@@ -393,9 +395,14 @@ class Gate:
                 **attempt.extra,
             )
             attempt.extra["end"] = end
-        record = self._record(attempt, final=True, duration_s=duration_s)
-        if not attempt.opened:
-            written = record
+            # The whole attempt, for the run's events and the observers: what was written ahead,
+            # with what the end says folded in (as ``egressd audit`` joins them).
+            record = dict(attempt.ahead)
+            record.update(written)
+            record["event"], record["ts"] = attempt.ahead["event"], attempt.ahead["ts"]
+            record["decision"], record["reason"] = attempt.decision, attempt.reason
+        else:
+            record = written = self._record(attempt, final=True, duration_s=duration_s)
         if not attempt.decided:  # refused before the policy ran (bad request, auth, limits)
             self.metrics.decided(attempt.decision, attempt.reason, duration_s)
         self.metrics.bytes_up += attempt.bytes_up

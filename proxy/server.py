@@ -351,7 +351,7 @@ class ProxyServer(Listener):
                 upstream.dialled = attempt.address
             else:
                 try:
-                    await self.gate.open(attempt, upstream.dialled)  # the record before the request goes out
+                    self.gate.open(attempt, upstream.dialled)  # the record before the request goes out
                 except DialError as exc:
                     upstream.close()
                     await self._refuse(client, attempt, exc.reason)

@@ -307,21 +307,35 @@ def _count_writes(monkeypatch: pytest.MonkeyPatch, fd: int) -> list[int]:
     return sizes
 
 
-async def test_records_of_one_loop_iteration_go_out_in_one_write(tmp_path: Path, monkeypatch) -> None:
+async def test_final_records_of_one_loop_turn_go_out_in_one_write(tmp_path: Path, monkeypatch) -> None:
     log = tmp_path / "audit.jsonl"
     with JsonlAuditSink(log) as sink:
         writes = _count_writes(monkeypatch, sink._fd)
-        dials = [asyncio.create_task(sink.write_ahead(_record(n))) for n in range(50)]
-        sink.write(egress_end_record(id="q-0", ts=1.0, run="r", address=None, bytes_up=0, bytes_down=0,
-                                     duration_s=0.0, end="closed"))  # fmt: skip
-        await asyncio.gather(*dials)
-        assert len(writes) == 1
-        assert len(file_records(log)) == 51
-        sink.write(_record(99))
-        assert len(file_records(log)) == 51  # queued until the iteration ends
+        for n in range(50):
+            sink.write(egress_end_record(id=f"q-{n}", ts=1.0, run="r", address=None, bytes_up=0, bytes_down=0,
+                                         duration_s=0.0, end="closed"))  # fmt: skip
+        assert writes == [] and not log.read_bytes()  # queued until the turn ends
         await asyncio.sleep(0)
         await asyncio.sleep(0)
-        assert len(writes) == 2 and len(file_records(log)) == 52
+        assert len(writes) == 1 and len(file_records(log)) == 50
+    assert verify_files([log]).problem is None
+
+
+async def test_a_record_ahead_of_a_dial_goes_out_at_once_with_what_was_queued_before_it(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The dial does not wait for the turn to end; the final records queued before it share its write."""
+    log = tmp_path / "audit.jsonl"
+    with JsonlAuditSink(log) as sink:
+        writes = _count_writes(monkeypatch, sink._fd)
+        for n in range(3):
+            sink.write(egress_end_record(id=f"q-{n}", ts=1.0, run="r", address=None, bytes_up=0, bytes_down=0,
+                                         duration_s=0.0, end="closed"))  # fmt: skip
+        sink.write_ahead(_record(7))
+        assert len(writes) == 1 and [r["id"] for r in file_records(log)] == ["q-0", "q-1", "q-2", _record(7)["id"]]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert len(writes) == 1  # nothing was left for the turn's end
     assert verify_files([log]).problem is None
 
 
@@ -329,7 +343,10 @@ async def test_a_batch_that_crosses_the_rotation_size_is_split_between_records(t
     log = tmp_path / "audit.jsonl"
     line = len(json.dumps(_record(0), separators=(",", ":"))) + 80  # with prev
     with JsonlAuditSink(log, max_bytes=line * 10, keep=20) as sink:
-        await asyncio.gather(*(sink.write_ahead(_record(n)) for n in range(45)))
+        for n in range(45):
+            sink.write(_record(n))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
     rotated = tmp_path.glob("audit.jsonl.*")  # noqa: ASYNC240 - a test's look
     files = sorted(rotated, key=lambda p: -int(p.suffix[1:])) + [log]
     assert len(files) >= 4
@@ -338,13 +355,15 @@ async def test_a_batch_that_crosses_the_rotation_size_is_split_between_records(t
     assert verify_files(files).problem is None
 
 
-async def test_a_failed_batch_write_refuses_every_dial_waiting_on_it(tmp_path: Path) -> None:
+async def test_a_failed_write_refuses_the_dial_and_every_one_after(tmp_path: Path) -> None:
     with JsonlAuditSink("/dev/full") as sink:
-        results = await asyncio.gather(*(sink.write_ahead(_record(n)) for n in range(5)), return_exceptions=True)
-        assert all(isinstance(r, AuditError) for r in results), results
+        sink.write(_record(1))  # queued: its failure comes at the turn's end, or with the next dial's write
+        with pytest.raises(AuditError, match="No space left on device"):
+            sink.write_ahead(_record(2))
         assert not sink.healthy
-        with pytest.raises(AuditError):
-            await sink.write_ahead(_record(9))
+        for n in range(3):
+            with pytest.raises(AuditError):
+                sink.write_ahead(_record(3 + n))
 
 
 def test_written_at_once_outside_an_event_loop(tmp_path: Path) -> None:
