@@ -240,7 +240,9 @@ class JsonlAuditSink:
             # terminal reading the file sees no raw control characters.
             # allow_nan=False: NaN is not JSON, and strict readers reject it.
             # ``prev`` is added when the line is written (it depends on the line before).
-            body = _ENCODER.encode({key: value for key, value in record.items() if key != "prev"})
+            if "prev" in record:  # the writer's field: one a caller set is dropped
+                record = {key: value for key, value in record.items() if key != "prev"}
+            body = _ENCODER.encode(record)
         except (TypeError, ValueError) as exc:
             raise AuditError(f"audit record does not serialise to JSON: {exc}") from exc
         self._bodies.append(body)
