@@ -29,7 +29,7 @@ import hmac
 import ipaddress
 import secrets
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,19 +152,14 @@ class Run:
         """Whether the run holds ``cap`` client connections, decided or still sending their head."""
         return self.open_connections + self.waiting_heads >= cap
 
-    @contextlib.contextmanager
-    def waiting_head(self) -> Iterator[None]:
-        """Count a connection whose request head is still arriving against this run's cap.
+    def waiting_head(self) -> WaitingHead:
+        """Count a connection whose request head is still arriving against this run's cap (``with``).
 
         A head says which run it belongs to only once it is read; a run whose
         source addresses are its own (a sandbox on a network of its own) is
         known at accept, so its slow heads fill its own cap, not egressd's.
         """
-        self.waiting_heads += 1
-        try:
-            yield
-        finally:
-            self.waiting_heads -= 1
+        return WaitingHead(self)
 
     def allowed_texts(self) -> tuple[str, ...]:
         """The allowlist as a person reads it: entries, then approvals."""
@@ -240,6 +235,25 @@ def parse_proxy_authorization(value: str) -> tuple[str, str] | None:
     if not sep or not run_id:
         return None
     return run_id, token
+
+
+class WaitingHead:
+    """``Run.waiting_head``'s context: a plain class, as it is entered once per request."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __enter__(self) -> None:
+        self.run.waiting_heads += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.run.waiting_heads -= 1
+
+
+# For a connection bound to no run: nothing to count (one object, entered as often as needed).
+NOT_WAITING = contextlib.nullcontext()
 
 
 class RunRegistry:

@@ -50,7 +50,7 @@ from .http1 import (
 )
 from .policy import Reason
 from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
-from .runs import IPAddress, Run, RunRegistry, source_address
+from .runs import NOT_WAITING, IPAddress, Run, RunRegistry, source_address
 from .stream import IdleTimeout, Peer, PeerClosed
 from .tunnel import ClientCheck, Tunnel
 
@@ -225,9 +225,10 @@ class ProxyServer(Listener):
                 await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429)
                 return
             first = True
+            holder = self.runs.bound(source)  # once per connection: its address's run does not change
             while True:
                 attempt = self.gate.begin("http", client_text)
-                keep_going = await self._serve_request(client, attempt, source, first)
+                keep_going = await self._serve_request(client, attempt, source, holder, first)
                 first = False
                 if not keep_going:
                     return
@@ -244,16 +245,21 @@ class ProxyServer(Listener):
                 metrics.connections_open -= 1
                 self._close_client(client)
 
-    async def _serve_request(self, client: Peer, attempt: Attempt, source: IPAddress | None, first: bool) -> bool:
-        """Serve one request; True when the connection may carry another."""
-        holder = self.runs.bound(source)  # known before the head: its slow heads count against its own cap
+    async def _serve_request(
+        self, client: Peer, attempt: Attempt, source: IPAddress | None, holder: Run | None, first: bool
+    ) -> bool:
+        """Serve one request; True when the connection may carry another.
+
+        ``holder``: the run the client's address is bound to, known before the head, so its slow
+        heads count against its own cap.
+        """
         if holder is not None and holder.at_connection_cap(self.limits.max_connections_per_run):
             attempt.run = holder
             await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429, message=RUN_CAP_DETAIL)
             return False
         try:
             deadline = asyncio.get_running_loop().time() + self.limits.head_timeout_s
-            with holder.waiting_head() if holder is not None else contextlib.nullcontext():
+            with holder.waiting_head() if holder is not None else NOT_WAITING:
                 head = await client.read_head(parse_request_head, self.limits.max_head_bytes, deadline)
         except TimeoutError:
             if not first and not client.buf:

@@ -31,7 +31,6 @@ bound to no run is refused (``auth_required``) and recorded.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello, tls_alert
@@ -40,7 +39,7 @@ from .hosts import HostError, normalise_host
 from .http1 import Destination, HttpError, RequestHead, request_destination
 from .policy import Reason
 from .responses import STATUS_FOR_REASON
-from .runs import IPAddress, Run, RunRegistry, source_address
+from .runs import NOT_WAITING, IPAddress, Run, RunRegistry, source_address
 from .server import ECH_DETAIL, GONE_DETAIL, RUN_CAP_DETAIL, Listener, ListenerLimits, ProxyServer, SniCheck
 from .stream import Peer, PeerClosed
 
@@ -167,7 +166,7 @@ class TransparentTlsServer(Listener):
             if holder is not None and holder.at_connection_cap(self.limits.max_connections_per_run):
                 attempt.run = holder
                 raise _Refusal(Reason.LIMIT_EXCEEDED, Alert.INTERNAL_ERROR, RUN_CAP_DETAIL)
-            with holder.waiting_head() if holder is not None else contextlib.nullcontext():
+            with holder.waiting_head() if holder is not None else NOT_WAITING:
                 hello = await self._read_hello(client)
             if hello is None:
                 record = False  # closed before sending a byte: nothing was attempted
