@@ -1,7 +1,7 @@
 """The new-domain approval message: one template, rendered once, shown by every channel.
 
 Pure: no I/O, no clock; the bundled Public Suffix List is read once, lazily
-(``config.suffixes``, the copy the policy uses too).
+(``names.suffixes``, the copy the policy uses too).
 
 Everything the agent controls (the domain's display form, the command, the
 task, the allowed entries) is made inert here: every character that does not
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import idna
 
-from config import suffixes
+from names import suffixes
 
 from .interface import Settlement
 

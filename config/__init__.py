@@ -2,9 +2,7 @@
 
 - ``settings``  the one root ``Settings`` object (pydantic-settings): defaults,
   then the TOML file, then ``EGRESSD_*`` variables, then the command line;
-- ``presets``   named allowlists (``python``, ``node``, ``github``, ...);
-- ``suffixes``  the Public Suffix List, one lazily parsed copy that the
-  policy (``proxy``) and the approval message (``approvals``) both ask.
+- ``presets``   named allowlists (``python``, ``node``, ``github``, ...).
 
 Nothing here reads the environment at import time; ``cli`` builds the settings
 once and passes sections down.

@@ -42,6 +42,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from names.addresses import unmapped
+
 Approver = Literal["terminal", "slack", "webhook", "deny"]
 
 # Lists read from the environment are comma-separated (EGRESSD_ALLOW=a.com,b.org),
@@ -151,9 +153,7 @@ def protected_url(url: str) -> bool:
         address = ipaddress.ip_address(host)
     except ValueError:
         return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
+    return unmapped(address).is_loopback
 
 
 class Settings(BaseSettings):

@@ -20,7 +20,8 @@ address and forwards nothing; ``transparent`` reads the destination of a
 connection that arrives there from its TLS ClientHello (``clienthello``) or
 its Host header, and from then on everything happens as above.
 
-``hosts``, ``addresses``, ``policy``, ``http1``, ``clienthello``, ``floods`` and
+Host names and authorities are ``names``' business (``names.hosts``).
+``addresses``, ``policy``, ``http1``, ``clienthello``, ``floods`` and
 ``responses`` are pure: no I/O, no clock, no environment; so is the answering
 half of ``dnsserver``. ``control`` is the HTTP control API (aiohttp) and
 ``metrics`` its Prometheus counters.

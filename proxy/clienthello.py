@@ -32,7 +32,7 @@ The layers, outermost first:
 
 The host name comes back as the ASCII text the client sent; checking that it
 is a valid host (and not an IP literal, which RFC 6066 §3 forbids) is the
-caller's job, with ``proxy.hosts``.
+caller's job, with ``names.hosts``.
 
 A client may send more than one ClientHello: a server that cannot use the
 first answers with a HelloRetryRequest and the client sends a second

@@ -17,7 +17,7 @@ How one query is answered (``DnsServer.handle``), in order:
 3. the source address belongs to no run (``--require-auth``) → REFUSED,
    ``auth_required``; the audit log cannot be written → REFUSED,
    ``audit_unavailable``;
-4. a name that is not a well-formed host name (``proxy.hosts``) → FORMERR;
+4. a name that is not a well-formed host name (``names.hosts``) → FORMERR;
 5. a class other than IN, or a type other than A and AAAA → REFUSED;
 6. strict mode, and the run could never reach the name → NXDOMAIN (see
    ``unreachable_reason``);
@@ -62,11 +62,13 @@ from typing import NamedTuple
 
 from dnslib import CLASS, QTYPE
 
+from names.addresses import IPAddress
+from names.hosts import HostError, normalise_host
+
 from .gate import Attempt, Gate
-from .hosts import HostError, normalise_host
 from .memo import remember
 from .policy import Reason, Verdict, decide
-from .runs import IPAddress, Run, RunRegistry, source_address
+from .runs import Run, RunRegistry, source_address
 
 log = logging.getLogger("egressd.dns")
 
@@ -319,7 +321,7 @@ def query_name(labels: Sequence[bytes]) -> str:
     """The normalised host a query's labels spell; HostError when they spell none.
 
     Labels must be ASCII (names on the wire are A-labels) and form a host
-    ``proxy.hosts.normalise_host`` accepts: letters, digits, hyphen and
+    ``names.hosts.normalise_host`` accepts: letters, digits, hyphen and
     underscore, 63 octets a label, 253 characters in all. The root name is
     not a host.
     """

@@ -43,10 +43,11 @@ from typing import Any, TypeVar
 from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
 from audit.log import AuditError, AuditSink
 from audit.records import egress_end_record, egress_record, new_request_id, suppressed_record
+from names.addresses import IPAddress
+from names.hosts import parse_ip_literal
 
 from .addresses import OwnEndpoints, forbidden_reason, is_own
 from .floods import RefusalBudget, Suppressed
-from .hosts import parse_ip_literal
 from .memo import remembered
 from .metrics import Metrics
 from .policy import Reason, Verdict
@@ -54,7 +55,6 @@ from .resolver import ResolveError, Resolver
 from .responses import OWN_ENDPOINT_MESSAGE
 from .runs import Run
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 log = logging.getLogger("egressd.decisions")
 P = TypeVar("P", bound=asyncio.Protocol)
 

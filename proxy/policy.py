@@ -15,10 +15,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from ipaddress import IPv4Address, IPv6Address
 
-from config.suffixes import suffix_beneath
-from proxy.hosts import (
+from names.addresses import IPAddress, unmapped
+from names.hosts import (
     HostError,
     is_public_suffix,
     normalise_host,
@@ -26,6 +25,7 @@ from proxy.hosts import (
     parse_port,
     split_authority,
 )
+from names.suffixes import suffix_beneath
 
 __all__ = [
     "APPROVED_RULE",
@@ -119,17 +119,6 @@ class EntryError(ValueError):
     """An allowlist or denylist entry is malformed or too broad."""
 
 
-def _address_key(address: IPv4Address | IPv6Address) -> IPv4Address | IPv6Address:
-    """An IPv4-mapped IPv6 address names the same destination as its IPv4 address.
-
-    A dual-stack socket connecting to ``::ffff:127.0.0.1`` reaches 127.0.0.1
-    (RFC 4291 §2.5.5.2), so an entry naming one names the other.
-    """
-    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
-
-
 @dataclass(frozen=True, slots=True)
 class Entry:
     """One parsed allowlist or denylist entry.
@@ -143,7 +132,7 @@ class Entry:
     host: str
     wildcard: bool = False
     ports: frozenset[int] | None = DEFAULT_PORTS
-    address: IPv4Address | IPv6Address | None = None
+    address: IPAddress | None = None
 
     def matches_host(self, host: str) -> bool:
         """Whether the entry's text covers a host, which must already be normalised.
@@ -158,7 +147,7 @@ class Entry:
                 other = parse_ip_literal(host)
             except HostError:
                 return False
-            return other is not None and _address_key(other) == _address_key(self.address)
+            return other is not None and unmapped(other) == unmapped(self.address)
         if self.wildcard:
             return host.endswith("." + self.host)
         return host == self.host

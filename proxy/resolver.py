@@ -32,7 +32,7 @@ from typing import Protocol
 
 from dnslib import CLASS, QTYPE, RCODE, DNSError, DNSLabel, DNSRecord
 
-IPAddress = IPv4Address | IPv6Address
+from names.addresses import IPAddress
 
 # RFC 1035 §2.3.4: a name is at most 255 octets; a CNAME chain longer than a
 # handful of hops is a misconfiguration or an attack, and each hop is a loop risk.

@@ -33,11 +33,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .hosts import HostError, registered_domain
+from names.addresses import IPAddress, unmapped
+from names.hosts import HostError, registered_domain
+
 from .memo import remember
 from .policy import Entry, PolicyDecision, Reason, RunPolicy, Verdict, approval_ports, decide
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 DEFAULT_RUN_ID = "default"
 # Enough for an agent's step to be read back by the runner; older events stay
@@ -214,9 +214,7 @@ def source_address(text: str) -> IPAddress | None:
         address = ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:
         return None
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        return address.ipv4_mapped
-    return address
+    return unmapped(address)
 
 
 def parse_proxy_authorization(value: str) -> tuple[str, str] | None:

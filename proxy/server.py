@@ -31,9 +31,11 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+from names.addresses import IPAddress
+from names.hosts import HostError, normalise_host
+
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client, tls_alert
 from .gate import Admission, Attempt, DialError, Gate
-from .hosts import HostError, normalise_host
 from .http1 import (
     BodyKind,
     Destination,
@@ -50,7 +52,7 @@ from .http1 import (
 )
 from .policy import Reason
 from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
-from .runs import NOT_WAITING, IPAddress, Run, RunRegistry, source_address
+from .runs import NOT_WAITING, Run, RunRegistry, source_address
 from .stream import IdleTimeout, Peer, PeerClosed
 from .tunnel import ClientCheck, Tunnel
 

@@ -33,13 +33,15 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from names.addresses import IPAddress
+from names.hosts import HostError, normalise_host
+
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello, tls_alert
 from .gate import Attempt, DialError, Gate
-from .hosts import HostError, normalise_host
 from .http1 import Destination, HttpError, RequestHead, request_destination
 from .policy import Reason
 from .responses import STATUS_FOR_REASON
-from .runs import NOT_WAITING, IPAddress, Run, RunRegistry, source_address
+from .runs import NOT_WAITING, Run, RunRegistry, source_address
 from .server import ECH_DETAIL, GONE_DETAIL, RUN_CAP_DETAIL, Listener, ListenerLimits, ProxyServer, SniCheck
 from .stream import Peer, PeerClosed
 

@@ -33,7 +33,7 @@ from approvals.slack import escape_mrkdwn, request_blocks
 from approvals.terminal import TerminalChannel, TerminalOutput, columns_of, fit, header, keep_of, prompt_line
 from approvals.webhook import request_payload
 from audit.log import MemoryAuditSink
-from config.suffixes import suffix_beneath
+from names.suffixes import suffix_beneath
 from tests.test_broker import Clock
 from tests.test_terminal_integrity import Screen
 
@@ -123,7 +123,7 @@ def test_a_name_under_a_public_suffix_is_not_related_to_the_suffix(
 def test_relatedness_through_the_allowlist_follows_the_policys_suffix_rule(label: str, base: str) -> None:
     host = f"{label}.{base}"
     unrelated = is_unrelated(host, command=None, task=None, allowed=[base])
-    # The policy's rule (config.suffixes, as proxy.policy uses it): a public suffix between the
+    # The policy's rule (names.suffixes, as proxy.policy uses it): a public suffix between the
     # allowed base and the name means someone else's name.
     assert unrelated is (suffix_beneath(host, base) is not None)
 

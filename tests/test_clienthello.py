@@ -101,7 +101,7 @@ def test_one_byte_records_give_the_same_hello() -> None:
 
 
 def test_the_server_name_is_returned_as_sent() -> None:
-    # Normalising (case, trailing dot) is the caller's job, with proxy.hosts.
+    # Normalising (case, trailing dot) is the caller's job, with names.hosts.
     assert parse(client_hello("Origin.TEST.")).server_name == "Origin.TEST."
 
 

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from approvals.interface import ApprovalOutcome, ApprovalRequest
 from audit.log import MemoryAuditSink
 from cli.wiring.service import StartupError
+from names.hosts import HostError, normalise_host
 from proxy.dnsserver import (
     DnsQueryError,
     DnsServer,
@@ -34,7 +35,6 @@ from proxy.dnsserver import (
     shown_name,
     unreachable_reason,
 )
-from proxy.hosts import HostError, normalise_host
 from proxy.policy import Reason, parse_entry
 from proxy.runs import Run
 from tests.fakes.dns import FakeDns

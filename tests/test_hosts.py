@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from proxy.hosts import (
+from names.hosts import (
     HostError,
     is_public_suffix,
     normalise_host,

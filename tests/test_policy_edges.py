@@ -34,8 +34,8 @@ from approvals.signing import parse_secret
 from approvals.webhook import WebhookChannel
 from audit.log import MemoryAuditSink
 from config.settings import SettingsError, load_settings, protected_url
-from config.suffixes import public_suffix
-from proxy.hosts import HostError, normalise_host
+from names.hosts import HostError, normalise_host
+from names.suffixes import public_suffix
 from proxy.policy import EntryError, Reason, RunPolicy, Verdict, decide, parse_entry
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes.dns import FakeDns

@@ -46,6 +46,8 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from names.addresses import IPAddress, unmapped
+
 __all__ = [
     "TokenFileError",
     "UntrustedEndpoint",
@@ -70,7 +72,7 @@ _LOOKUPS = 20
 _LOOKUP_PAUSE_S = 0.005
 _TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
 
-Address = tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]
+Address = tuple[IPAddress, int]
 
 
 class UntrustedEndpoint(Exception):
@@ -121,10 +123,7 @@ def _proc_address(text: str) -> Address:
     raw = bytes.fromhex(hex_ip)
     if sys.byteorder == "little":
         raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    ip = ipaddress.ip_address(raw)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip, int(hex_port, 16)
+    return unmapped(ipaddress.ip_address(raw)), int(hex_port, 16)
 
 
 def socket_owner(table: str, local: Address, remote: Address) -> int | None:
@@ -147,10 +146,7 @@ def socket_owner(table: str, local: Address, remote: Address) -> int | None:
 
 
 def _address(sockaddr: Any) -> Address:
-    ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip, int(sockaddr[1])
+    return unmapped(ipaddress.ip_address(sockaddr[0].split("%")[0])), int(sockaddr[1])
 
 
 def _shown(address: Address) -> str:

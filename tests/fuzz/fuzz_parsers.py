@@ -70,11 +70,11 @@ from ipaddress import IPv4Address, IPv6Address
 import dnslib
 from dnslib import DNSRecord
 
+from names.hosts import HostError, normalise_host
 from proxy import clienthello as clienthello_module
 from proxy import dnsserver, http1, runs
 from proxy.clienthello import ClientHello, ClientHelloError, ClientRecords, parse_client_hello, scan_client
 from proxy.dnsserver import DnsQueryError, pack_reply, plan_answer, read_query
-from proxy.hosts import HostError, normalise_host
 from proxy.http1 import (
     BodyKind,
     ChunkedScanner,

@@ -7,7 +7,7 @@ client library accepts (inet_aton shorthand, hex, octal, IPv6 with zone ids),
 because a spelling we took for a name would slip past the IP-literal rule.
 
 Pure: no I/O, except that the bundled Public Suffix List is read once, lazily
-(``config.suffixes``, the one copy egressd keeps).
+(``names.suffixes``, the one copy egressd keeps).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from ipaddress import IPv4Address, IPv6Address
 
 import idna
 
-from config import suffixes
+from . import suffixes
+from .addresses import IPAddress, unmapped
 
 __all__ = [
     "HostError",
@@ -132,7 +133,7 @@ def _parse_ipv6(text: str) -> IPv6Address:
         raise HostError(f"malformed IPv6 address {_shown(text)}") from error
 
 
-def parse_ip_literal(text: str) -> IPv4Address | IPv6Address | None:
+def parse_ip_literal(text: str) -> IPAddress | None:
     """Recognise an IP literal in any spelling; None when the text is not one.
 
     Accepts dotted quads, inet_aton shorthand (``127.1``, ``2130706433``,
@@ -158,16 +159,16 @@ def parse_ip_literal(text: str) -> IPv4Address | IPv6Address | None:
     return _parse_ipv4(text)
 
 
-def _address_text(address: IPv4Address | IPv6Address) -> str:
+def _address_text(address: IPAddress) -> str:
     """The compressed canonical text; IPv4-mapped addresses stay in hex form.
 
     Spelled out because Python 3.13 changed ``str()`` of IPv4-mapped addresses
     to dotted form, and the canonical form must not depend on the interpreter.
     """
-    mapped = address.ipv4_mapped if isinstance(address, IPv6Address) else None
-    if mapped is None:
+    plain = unmapped(address)
+    if plain is address:
         return address.compressed
-    value = int(mapped)
+    value = int(plain)
     return f"::ffff:{value >> 16:x}:{value & 0xFFFF:x}"
 
 
@@ -269,10 +270,7 @@ def unicode_host(ascii_host: str) -> str:
     unchanged when any label does not decode.
     """
     try:
-        return ".".join(
-            idna.ulabel(label) if label.startswith("xn--") else label
-            for label in ascii_host.split(".")
-        )
+        return ".".join(idna.ulabel(label) if label.startswith("xn--") else label for label in ascii_host.split("."))
     except UnicodeError:
         return ascii_host
 

@@ -1,0 +1,20 @@
+"""Names: how egressd spells and shows hosts, authorities and addresses, in one place each.
+
+The bottom layer: pure (no I/O, no clock, no environment, except that the
+bundled Public Suffix List is read once, lazily) and importing no other
+egressd package, so every package above may use it.
+
+- ``suffixes``   the Public Suffix List: one lazily parsed copy that the policy
+  and the approval message both ask;
+- ``hosts``      host names and IP literals: parsing, IDNA and the one
+  canonical form every comparison uses (``normalise_host``);
+- ``authority``  ``HOST:PORT`` text: the one parser, whose callers' differing
+  rules (default port, port 0, bare IPv6, host check) are its parameters;
+- ``addresses``  the ``IPAddress`` type and ``unmapped`` (an IPv4-mapped IPv6
+  address is the IPv4 address it maps);
+- ``shown``      untrusted text made safe to show: escapes for HTTP heads and
+  the audit reader (ASCII), terminals (Unicode kept), error messages.
+
+``hosts`` uses ``suffixes`` and ``addresses``; ``authority`` uses ``hosts``;
+``shown`` uses nothing.
+"""
