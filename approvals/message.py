@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import idna
 
 from names import suffixes
+from names.authority import Colons, split_authority
 
 from .interface import Settlement
 
@@ -360,8 +361,8 @@ def _allowed_host(entry: str) -> str | None:
     text = entry.strip()
     if text.startswith("["):
         return None
-    host, sep, port = text.rpartition(":")
-    if not sep or not (port.isdigit() or port == "*"):
+    host, port = split_authority(text, colons=Colons.LAST)
+    if port is None or not (port.isdigit() or port == "*"):
         host = text
     host = host.removeprefix("*.")
     if ":" in host:

@@ -43,6 +43,7 @@ from pydantic_settings import (
 )
 
 from names.addresses import unmapped
+from names.authority import AuthorityError, Colons, parse_authority
 
 Approver = Literal["terminal", "slack", "webhook", "deny"]
 
@@ -114,9 +115,18 @@ def default_state_dir() -> Path:
 
 
 def parse_hostport(text: str, setting: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT`` to a tuple; ValueError naming the setting otherwise."""
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    """``HOST:PORT`` or ``[V6]:PORT`` to a tuple; ValueError naming the setting otherwise.
+
+    An address to listen on: port 0 (any free port) is allowed, and an
+    unbracketed IPv6 address takes the port after its last colon.
+    """
+    try:
+        host, port = parse_authority(
+            text, colons=Colons.LAST, port_zero=True, port_digits=None, port_unicode_digits=True, host=str
+        )
+    except AuthorityError:
+        raise ValueError(f"{setting}: expected HOST:PORT, got {text!r}") from None
+    if not host:
         raise ValueError(f"{setting}: expected HOST:PORT, got {text!r}")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
@@ -125,7 +135,7 @@ def parse_hostport(text: str, setting: str) -> tuple[str, int]:
     except ValueError:
         if host != "localhost":
             raise ValueError(f"{setting}: {host!r} is not an IP address") from None
-    return host, int(port)
+    return host, port
 
 
 def protected_url(url: str) -> bool:

@@ -1,4 +1,4 @@
-"""Host names, IP literals and authorities: parsing and the one canonical form.
+"""Host names and IP literals: parsing and the one canonical form.
 
 Every comparison egressd makes (allowlist matching, approvals, the audit log)
 is done on ``normalise_host``'s output, so two spellings of one destination can
@@ -20,16 +20,14 @@ import idna
 
 from . import suffixes
 from .addresses import IPAddress, unmapped
+from .shown import quoted
 
 __all__ = [
     "HostError",
     "is_public_suffix",
     "normalise_host",
-    "parse_authority",
     "parse_ip_literal",
-    "parse_port",
     "registered_domain",
-    "split_authority",
     "unicode_host",
 ]
 
@@ -45,8 +43,6 @@ _ASCII_LABEL = re.compile(r"[a-z0-9_-]{1,63}")
 # RFC 6874 §2: ZoneID = 1*( unreserved / pct-encoded ).
 _ZONE_ID = re.compile(r"[A-Za-z0-9._~%-]+")
 
-_PORT = re.compile(r"[0-9]{1,5}")
-
 _RADIX_DIGITS = {
     8: frozenset("01234567"),
     10: frozenset("0123456789"),
@@ -59,12 +55,7 @@ _MAX_PART_DIGITS = 12
 
 
 class HostError(ValueError):
-    """A host, port or authority is malformed."""
-
-
-def _shown(text: str) -> str:
-    """Quote untrusted text for an error message, bounded in length."""
-    return repr(text if len(text) <= 80 else text[:80] + "...")
+    """A host, port or authority is malformed (``names.authority`` raises it too)."""
 
 
 def _uts46(text: str) -> str:
@@ -72,7 +63,7 @@ def _uts46(text: str) -> str:
     try:
         return idna.uts46_remap(text, std3_rules=False, transitional=False)
     except idna.IDNAError as error:
-        raise HostError(f"not a valid internationalised name: {_shown(text)}") from error
+        raise HostError(f"not a valid internationalised name: {quoted(text)}") from error
 
 
 def _ipv4_number(part: str) -> int | None:
@@ -112,10 +103,10 @@ def _parse_ipv4(text: str) -> IPv4Address | None:
         return None
     numbers = [_ipv4_number(part) for part in parts]
     if len(parts) > 4 or None in numbers:
-        raise HostError(f"malformed IPv4 address {_shown(text)}")
+        raise HostError(f"malformed IPv4 address {quoted(text)}")
     values = [number for number in numbers if number is not None]
     if any(value > 255 for value in values[:-1]) or values[-1] >= 256 ** (5 - len(values)):
-        raise HostError(f"IPv4 address out of range {_shown(text)}")
+        raise HostError(f"IPv4 address out of range {quoted(text)}")
     result = values[-1]
     for index, value in enumerate(values[:-1]):
         result += value << (8 * (3 - index))
@@ -126,11 +117,11 @@ def _parse_ipv6(text: str) -> IPv6Address:
     """Parse an IPv6 address with an optional zone id, which is dropped."""
     address_text, percent, zone = text.partition("%")
     if percent and not _ZONE_ID.fullmatch(zone):
-        raise HostError(f"malformed IPv6 zone id in {_shown(text)}")
+        raise HostError(f"malformed IPv6 zone id in {quoted(text)}")
     try:
         return IPv6Address(address_text)
     except ipaddress.AddressValueError as error:
-        raise HostError(f"malformed IPv6 address {_shown(text)}") from error
+        raise HostError(f"malformed IPv6 address {quoted(text)}") from error
 
 
 def parse_ip_literal(text: str) -> IPAddress | None:
@@ -152,7 +143,7 @@ def parse_ip_literal(text: str) -> IPAddress | None:
             return None
     if text.startswith("["):
         if not text.endswith("]"):
-            raise HostError(f"unbalanced bracket in {_shown(text)}")
+            raise HostError(f"unbalanced bracket in {quoted(text)}")
         return _parse_ipv6(text[1:-1])
     if ":" in text:
         return _parse_ipv6(text)
@@ -180,20 +171,20 @@ def _label(label: str) -> str:
         try:
             return idna.alabel(label).decode("ascii")
         except idna.IDNAError as error:
-            raise HostError(f"invalid label {_shown(label)}: {error}") from error
+            raise HostError(f"invalid label {quoted(label)}: {error}") from error
     if label.startswith("xn--"):
         # An A-label must decode and re-encode to itself (RFC 5891 §5.4), or
         # two spellings of one name would compare unequal.
         try:
             canonical = idna.alabel(idna.ulabel(label)).decode("ascii")
         except idna.IDNAError as error:
-            raise HostError(f"invalid A-label {_shown(label)}: {error}") from error
+            raise HostError(f"invalid A-label {quoted(label)}: {error}") from error
         if canonical != label:
-            raise HostError(f"non-canonical A-label {_shown(label)}")
+            raise HostError(f"non-canonical A-label {quoted(label)}")
         return label
     # RFC 1123 §2.1 / RFC 5891 §4.2.3.1: no hyphen at either end of a label.
     if not _ASCII_LABEL.fullmatch(label) or label[0] == "-" or label[-1] == "-":
-        raise HostError(f"invalid label {_shown(label)}")
+        raise HostError(f"invalid label {quoted(label)}")
     return label
 
 
@@ -213,54 +204,8 @@ def normalise_host(text: str) -> str:
         name = name[:-1]
     result = ".".join(_label(label) for label in name.split("."))
     if len(result) > _MAX_NAME:
-        raise HostError(f"host name longer than {_MAX_NAME} characters: {_shown(text)}")
+        raise HostError(f"host name longer than {_MAX_NAME} characters: {quoted(text)}")
     return result
-
-
-def parse_port(text: str) -> int:
-    """Parse a decimal port 1..65535 (RFC 3986 §3.2.3: digits only, no sign)."""
-    if not _PORT.fullmatch(text) or not 1 <= int(text) <= 65535:
-        raise HostError(f"invalid port {_shown(text)}")
-    return int(text)
-
-
-def split_authority(text: str) -> tuple[str, str | None]:
-    """Split ``host:port`` or ``[v6]:port`` into host text and port text.
-
-    The port text is None when there is none. Text with two or more colons and
-    no brackets is returned whole as the host: an unbracketed IPv6 address
-    cannot carry a port (RFC 3986 §3.2.2). Nothing is validated beyond the
-    brackets; the pieces go to ``normalise_host`` and ``parse_port``.
-    """
-    if text.startswith("["):
-        end = text.find("]")
-        if end < 0:
-            raise HostError(f"unbalanced bracket in {_shown(text)}")
-        host, rest = text[: end + 1], text[end + 1 :]
-        if not rest:
-            return host, None
-        if not rest.startswith(":"):
-            raise HostError(f"unexpected text after ']' in {_shown(text)}")
-        return host, rest[1:]
-    if text.count(":") == 1:
-        host, _, port = text.partition(":")
-        return host, port
-    return text, None
-
-
-def parse_authority(text: str, default_port: int | None = None) -> tuple[str, int]:
-    """Parse ``host:port``, ``[v6]:port`` or a bare host into (host, port).
-
-    The host comes back normalised. A bare host takes ``default_port`` (not
-    checked: it is the caller's constant); without one it is an error. An
-    unbracketed IPv6 address is accepted only without a port.
-    """
-    host, port_text = split_authority(text)
-    if port_text is not None:
-        return normalise_host(host), parse_port(port_text)
-    if default_port is None:
-        raise HostError(f"missing port in {_shown(text)}")
-    return normalise_host(host), default_port
 
 
 def unicode_host(ascii_host: str) -> str:

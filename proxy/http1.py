@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from operator import itemgetter
 from typing import Final, NoReturn
 
+from names.authority import AuthorityError, Colons, Fault, parse_authority
+
 
 class HttpError(Exception):
     """Malformed or unsupported HTTP; ``detail`` is short and safe to show the client."""
@@ -346,34 +348,36 @@ def request_destination(head: RequestHead) -> Destination:
     return Destination("http", host, port, path)
 
 
+_AUTHORITY_FAULTS: Final = {
+    Fault.BRACKET: "invalid IPv6 address in request target",
+    Fault.AFTER_BRACKET: "invalid authority in request target",
+    Fault.MISSING_PORT: "CONNECT needs host:port",
+    Fault.PORT: "invalid port in request target",
+    Fault.PORT_RANGE: "invalid port in request target",
+}
+
+
 def _authority(text: str, default_port: int | None) -> tuple[str, int]:
     """Host and port of an authority; ``default_port`` None makes the port mandatory."""
     if "@" in text:
         # userinfo lets "http://allowed.example@evil.example/" read as either host.
         raise HttpError(400, "userinfo in request target is not allowed")
+    try:
+        return parse_authority(text, default_port, colons=Colons.FIRST, host=_request_host, host_first=True)
+    except AuthorityError as error:
+        raise HttpError(400, _AUTHORITY_FAULTS[error.fault]) from error
+
+
+def _request_host(text: str) -> str:
+    """The host as written, brackets dropped; checked for syntax only (the gate normalises it)."""
     if text.startswith("["):
-        close = text.find("]")
-        host, rest = text[1:close], text[close + 1 :]
-        if close < 0 or ":" not in host or not _IPV6_TEXT.fullmatch(host):
+        host = text[1:-1]
+        if ":" not in host or not _IPV6_TEXT.fullmatch(host):
             raise HttpError(400, "invalid IPv6 address in request target")
-        if rest and not rest.startswith(":"):
-            raise HttpError(400, "invalid authority in request target")
-        port_text = rest[1:] if rest else None
-    else:
-        host, colon, port_text_or_empty = text.partition(":")
-        if not _REG_NAME.fullmatch(host):
-            raise HttpError(400, "invalid host in request target")
-        port_text = port_text_or_empty if colon else None
-    if port_text is None:
-        if default_port is None:
-            raise HttpError(400, "CONNECT needs host:port")
-        return host, default_port
-    if not 0 < len(port_text) <= 5 or not port_text.isascii() or not port_text.isdigit():
-        raise HttpError(400, "invalid port in request target")
-    port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise HttpError(400, "invalid port in request target")
-    return host, port
+        return host
+    if not _REG_NAME.fullmatch(text):
+        raise HttpError(400, "invalid host in request target")
+    return text
 
 
 # --- forwarding ------------------------------------------------------------------

@@ -17,13 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from names.addresses import IPAddress, unmapped
+from names.authority import parse_port, split_authority
 from names.hosts import (
     HostError,
     is_public_suffix,
     normalise_host,
     parse_ip_literal,
-    parse_port,
-    split_authority,
 )
 from names.suffixes import suffix_beneath
 

@@ -33,6 +33,7 @@ from typing import Protocol
 from dnslib import CLASS, QTYPE, RCODE, DNSError, DNSLabel, DNSRecord
 
 from names.addresses import IPAddress
+from names.authority import AuthorityError, Fault, parse_authority
 
 # RFC 1035 §2.3.4: a name is at most 255 octets; a CNAME chain longer than a
 # handful of hops is a misconfiguration or an attack, and each hop is a loop risk.
@@ -240,32 +241,18 @@ def parse_server(text: str) -> tuple[str, int]:
     value = text.strip()
     if not value:
         raise ValueError("DNS server address is empty; expected HOST, HOST:PORT or [IPv6]:PORT")
-    port_text: str | None = None
-    if value.startswith("["):
-        host, sep, rest = value[1:].partition("]")
-        if not sep:
-            raise ValueError(f"DNS server {text!r}: missing ']' after the IPv6 address")
-        if rest:
-            if not rest.startswith(":"):
-                raise ValueError(f"DNS server {text!r}: expected ':PORT' after ']'")
-            port_text = rest[1:]
-        try:
-            host = str(IPv6Address(host))
-        except ValueError as exc:
-            raise ValueError(f"DNS server {text!r}: {host!r} is not an IPv6 address") from exc
-    elif value.count(":") > 1:
-        try:
-            host = str(IPv6Address(value))
-        except ValueError as exc:
-            raise ValueError(
-                f"DNS server {text!r}: not an IPv6 address; write [IPv6]:PORT to give a port"
-            ) from exc
-    else:
-        host, sep, port_text_or_empty = value.partition(":")
-        port_text = port_text_or_empty if sep else None
-        host = _check_host(text, host)
-    port = 53 if port_text is None else _check_port(text, port_text)
-    return host, port
+    try:
+        return parse_authority(value, 53, port_digits=None, host=lambda host: _check_host(text, host))
+    except AuthorityError as exc:
+        if exc.fault is Fault.BRACKET:
+            message = "missing ']' after the IPv6 address"
+        elif exc.fault is Fault.AFTER_BRACKET:
+            message = "expected ':PORT' after ']'"
+        elif exc.fault is Fault.PORT:
+            message = f"port {exc.part!r} is not a number"
+        else:
+            message = f"port {exc.part.lstrip('0') or '0'} is out of range 1-65535"
+        raise ValueError(f"DNS server {text!r}: {message}") from exc
 
 
 _DNS_NAME = re.compile(
@@ -276,7 +263,19 @@ _DNS_NAME = re.compile(
 
 
 def _check_host(text: str, host: str) -> str:
-    """An IPv4 address (normalised) or a syntactically valid DNS name."""
+    """A bracketed or bare IPv6 address, an IPv4 address (each normalised) or a syntactically valid DNS name."""
+    if host.startswith("["):
+        try:
+            return str(IPv6Address(host[1:-1]))
+        except ValueError as exc:
+            raise ValueError(f"DNS server {text!r}: {host[1:-1]!r} is not an IPv6 address") from exc
+    if ":" in host:
+        try:
+            return str(IPv6Address(host))
+        except ValueError as exc:
+            raise ValueError(
+                f"DNS server {text!r}: not an IPv6 address; write [IPv6]:PORT to give a port"
+            ) from exc
     if not host:
         raise ValueError(f"DNS server {text!r}: missing host")
     if re.fullmatch(r"[0-9.]+", host):
@@ -287,16 +286,6 @@ def _check_host(text: str, host: str) -> str:
     if not _DNS_NAME.fullmatch(host):
         raise ValueError(f"DNS server {text!r}: {host!r} is not a valid host name")
     return host.lower()
-
-
-def _check_port(text: str, port_text: str) -> int:
-    """A decimal port in 1..65535."""
-    if not port_text.isascii() or not port_text.isdigit():
-        raise ValueError(f"DNS server {text!r}: port {port_text!r} is not a number")
-    port = int(port_text)
-    if not 1 <= port <= 65535:
-        raise ValueError(f"DNS server {text!r}: port {port} is out of range 1-65535")
-    return port
 
 
 # ---------------------------------------------------------------------------

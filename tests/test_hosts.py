@@ -8,15 +8,13 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from names.authority import parse_authority, parse_port, split_authority
 from names.hosts import (
     HostError,
     is_public_suffix,
     normalise_host,
-    parse_authority,
     parse_ip_literal,
-    parse_port,
     registered_domain,
-    split_authority,
     unicode_host,
 )
 
