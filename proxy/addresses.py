@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv4Network, IPv6Address, IPv6Network, ip_address
 
+from names.addresses import IPAddress
+
 __all__ = ["AddressClass", "OwnEndpoints", "classify", "embedded_ipv4", "forbidden_reason", "is_own"]
 
 
@@ -50,7 +52,7 @@ class AddressClass(enum.Enum):
 
 # Cloud instance metadata and host endpoints: credentials live behind these.
 # Checked before the ranges, because most sit inside link-local or private.
-_METADATA: frozenset[IPv4Address | IPv6Address] = frozenset(
+_METADATA: frozenset[IPAddress] = frozenset(
     ip_address(text)
     for text in (
         "169.254.169.254",  # AWS, GCP, Azure, OpenStack, DigitalOcean, Oracle IMDS
@@ -160,9 +162,9 @@ def embedded_ipv4(addr: IPv6Address) -> IPv4Address | None:
     return None
 
 
-def _destinations(addr: IPv4Address | IPv6Address) -> set[IPv4Address | IPv6Address]:
+def _destinations(addr: IPAddress) -> set[IPAddress]:
     """The address itself plus the IPv4 address it embeds, if any."""
-    found: set[IPv4Address | IPv6Address] = {addr}
+    found: set[IPAddress] = {addr}
     if isinstance(addr, IPv6Address):
         inner = embedded_ipv4(addr)
         if inner is not None:
@@ -170,7 +172,7 @@ def _destinations(addr: IPv4Address | IPv6Address) -> set[IPv4Address | IPv6Addr
     return found
 
 
-def _plain_class(addr: IPv4Address | IPv6Address) -> AddressClass:
+def _plain_class(addr: IPAddress) -> AddressClass:
     """Classify by the tables alone, without looking inside embedded forms."""
     if addr in _METADATA:
         return AddressClass.METADATA
@@ -179,7 +181,7 @@ def _plain_class(addr: IPv4Address | IPv6Address) -> AddressClass:
     return next(kind for network, kind in _IPV6_RANGES if addr in network)
 
 
-def classify(addr: IPv4Address | IPv6Address) -> AddressClass:
+def classify(addr: IPAddress) -> AddressClass:
     """Classify an address for dialling.
 
     1. a cloud metadata or host endpoint → METADATA;
@@ -203,7 +205,7 @@ def classify(addr: IPv4Address | IPv6Address) -> AddressClass:
 
 
 def forbidden_reason(
-    addr: IPv4Address | IPv6Address,
+    addr: IPAddress,
     allow_private: Sequence[IPv4Network | IPv6Network] = (),
 ) -> AddressClass | None:
     """Why an address must not be dialled, or None when it may be.
@@ -224,7 +226,7 @@ def forbidden_reason(
     return kind
 
 
-Endpoint = tuple[IPv4Address | IPv6Address, int]
+Endpoint = tuple[IPAddress, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,16 +258,16 @@ class OwnEndpoints:
         return cls(frozenset(pairs), frozenset(wildcard), frozenset(wildcard | {port for _, port in pairs}))
 
 
-def _always_local(addr: IPv4Address | IPv6Address) -> bool:
+def _always_local(addr: IPAddress) -> bool:
     """Loopback (all of 127.0.0.0/8 and ::1) and the unspecified address reach this host on any machine."""
     return addr.is_loopback or addr.is_unspecified
 
 
 def is_own(
-    addr: IPv4Address | IPv6Address,
+    addr: IPAddress,
     port: int,
     own: OwnEndpoints,
-    is_local: Callable[[IPv4Address | IPv6Address], bool],
+    is_local: Callable[[IPAddress], bool],
 ) -> bool:
     """Whether dialling (addr, port) would reach egressd itself.
 

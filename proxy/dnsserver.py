@@ -176,7 +176,7 @@ class Plan:
     """What to answer: the code, the address (if any), and how to record it."""
 
     rcode: Rcode
-    address: IPv4Address | IPv6Address | None = None
+    address: IPAddress | None = None
     reason: Reason | None = None
 
     @property

@@ -21,6 +21,7 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
+from names.addresses import IPAddress
 from proxy.addresses import OwnEndpoints, is_own
 from proxy.gate import bound_locally
 from proxy.policy import parse_entry
@@ -28,8 +29,6 @@ from proxy.responses import OWN_ENDPOINT_MESSAGE
 from tests.conftest import MakeEgressd
 from tests.fakes.dns import FakeDns
 from tests.harness import egress, read_response
-
-IPAddress = IPv4Address | IPv6Address
 
 
 def _never_local(address: IPAddress) -> bool:

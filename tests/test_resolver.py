@@ -6,13 +6,14 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
-from ipaddress import IPv4Address, IPv6Address, ip_address
+from ipaddress import IPv6Address, ip_address
 
 import pytest
 from dnslib import AAAA, CNAME, QTYPE, RR, A, DNSRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from names.addresses import IPAddress
 from proxy.resolver import (
     DnsResolver,
     ResolveError,
@@ -48,7 +49,7 @@ class DroppingUdp(asyncio.DatagramProtocol):
         self.received += 1
 
 
-def ips(*texts: str) -> list[IPv4Address | IPv6Address]:
+def ips(*texts: str) -> list[IPAddress]:
     return [ip_address(t) for t in texts]
 
 

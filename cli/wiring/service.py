@@ -27,6 +27,7 @@ from audit.log import AuditError, AuditSink, JsonlAuditSink
 from audit.records import run_record
 from config.presets import UnknownPreset, preset_entries
 from config.settings import Settings, default_state_dir, parse_hostport
+from names.addresses import IPAddress
 from proxy.addresses import OwnEndpoints
 from proxy.control import PUBLIC_PATHS, build_app
 from proxy.dnsserver import DnsServer
@@ -91,7 +92,7 @@ def own_endpoints(settings: Settings, bound: Mapping[str, int] | None = None) ->
     each of those ports and on 53, 80 and 443.
     """
     bound = bound or {}
-    endpoints: list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int]] = []
+    endpoints: list[tuple[IPAddress, int]] = []
     for name in _LISTENERS:
         value = getattr(settings, name)
         if value is None or value.startswith("unix:"):

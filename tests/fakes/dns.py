@@ -38,10 +38,12 @@ import asyncio
 import errno
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from ipaddress import IPv4Address, IPv6Address, ip_address
+from ipaddress import ip_address
 from types import TracebackType
 
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, SOA, A, DNSError, DNSLabel, DNSRecord
+
+from names.addresses import IPAddress
 
 _HOST = "127.0.0.1"
 _CNAME_PREFIX = "CNAME:"
@@ -59,7 +61,7 @@ def _norm(name: DNSLabel | str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Entry:
-    addresses: tuple[IPv4Address | IPv6Address, ...]
+    addresses: tuple[IPAddress, ...]
     cname: str | None
     ttl: int
 
@@ -72,7 +74,7 @@ def _entry(value: Sequence[str] | str, ttl: int) -> _Entry:
     return _Entry(tuple(ip_address(v) for v in value), None, ttl)
 
 
-def _address_rr(owner: str, address: IPv4Address | IPv6Address, ttl: int) -> RR:
+def _address_rr(owner: str, address: IPAddress, ttl: int) -> RR:
     if address.version == 4:
         return RR(owner, QTYPE.A, ttl=ttl, rdata=A(str(address)))
     return RR(owner, QTYPE.AAAA, ttl=ttl, rdata=AAAA(str(address)))
