@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
 import idna
@@ -23,9 +24,12 @@ from .addresses import IPAddress, unmapped
 from .shown import quoted
 
 __all__ = [
+    "Host",
     "HostError",
     "is_public_suffix",
     "normalise_host",
+    "normalised",
+    "parse_host",
     "parse_ip_literal",
     "registered_domain",
     "unicode_host",
@@ -188,6 +192,22 @@ def _label(label: str) -> str:
     return label
 
 
+@dataclass(frozen=True, slots=True)
+class Host:
+    """A host parsed once: ``name``, its canonical text (``normalise_host``), and ``address`` when it is an IP."""
+
+    name: str
+    address: IPAddress | None
+
+
+def parse_host(text: str) -> Host:
+    """``normalise_host``'s text and ``parse_ip_literal``'s address of ``text``, from one parse."""
+    address = parse_ip_literal(text)
+    if address is not None:
+        return Host(_address_text(address), address)
+    return Host(_normal_name(text), None)
+
+
 def normalise_host(text: str) -> str:
     """Return the canonical form of a host: the form every comparison uses.
 
@@ -199,6 +219,19 @@ def normalise_host(text: str) -> str:
     address = parse_ip_literal(text)
     if address is not None:
         return _address_text(address)
+    return _normal_name(text)
+
+
+def normalised(text: str) -> str | None:
+    """``normalise_host(text)``, or None for text that is no host (a TLS server name, say, to compare)."""
+    try:
+        return normalise_host(text)
+    except HostError:
+        return None
+
+
+def _normal_name(text: str) -> str:
+    """``normalise_host`` of text that is no IP literal."""
     name = text.lower() if text.isascii() else _uts46(text)
     if name.endswith("."):
         name = name[:-1]

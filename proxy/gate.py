@@ -44,7 +44,6 @@ from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approv
 from audit.log import AuditError, AuditSink
 from audit.records import egress_end_record, egress_record, new_request_id, suppressed_record
 from names.addresses import IPAddress
-from names.hosts import parse_ip_literal
 
 from .addresses import OwnEndpoints, forbidden_reason, is_own
 from .floods import RefusalBudget, Suppressed
@@ -173,7 +172,6 @@ class Gate:
         self.connect_timeout_s = connect_timeout_s
         self.clock = clock
         self.monotonic = monotonic
-        self._literals: dict[str, IPAddress | None] = {}
         self._address_ok: dict[IPAddress, bool] = {}
         self._texts: dict[IPAddress, str] = {}
         # Called with every finished egress record (e.g. `egressd run` prints refusals).
@@ -228,7 +226,7 @@ class Gate:
                 return Admission(Reason.AUTH_REQUIRED, host, port)
             run.approve(host, port)
             attempt.rule = "approved"
-        return await self._resolve(attempt, host, port)
+        return await self._resolve(attempt, host, port, decision.address)
 
     async def _ask(self, run: Run, host: str, port: int) -> ApprovalOutcome:
         request = ApprovalRequest(
@@ -264,8 +262,8 @@ class Gate:
         elif outcome.answer is Answer.DENY:
             run.deny_host(host)
 
-    async def _resolve(self, attempt: Attempt, host: str, port: int) -> Admission:
-        literal = self._literal(host)
+    async def _resolve(self, attempt: Attempt, host: str, port: int, literal: IPAddress | None) -> Admission:
+        """Step 4 for a host the policy let through; ``literal`` is its address when it is an IP literal."""
         if literal is not None:
             candidates: Sequence[IPAddress] = [literal]
         else:
@@ -287,11 +285,8 @@ class Gate:
             return Admission(Reason.PRIVATE_ADDRESS, host, port)
         return Admission(None, host, port, passed, tuple(map(self._text, passed)))
 
-    # The three below are pure functions of their argument (and of this gate's
+    # The two below are pure functions of their argument (and of this gate's
     # fixed settings), so their answers are remembered (``memo``).
-    def _literal(self, host: str) -> IPAddress | None:
-        return remembered(self._literals, host, parse_ip_literal)
-
     def _text(self, address: IPAddress) -> str:
         return remembered(self._texts, address, str)
 

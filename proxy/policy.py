@@ -21,7 +21,7 @@ from names.authority import parse_port, split_authority
 from names.hosts import (
     HostError,
     is_public_suffix,
-    normalise_host,
+    parse_host,
     parse_ip_literal,
 )
 from names.suffixes import suffix_beneath
@@ -88,7 +88,10 @@ class PolicyDecision:
     ``host`` is the normalised host (the raw text when it could not be
     normalised); ``reason`` is set exactly when the verdict is DENY; ``rule``
     is the text of the entry that matched, ``"approved"`` for a destination
-    approved during the run, or None.
+    approved during the run, or None. ``address`` is the host's IP address
+    when it is an IP literal and the verdict is not DENY (what to dial, from
+    the parse that decided: the host is parsed once); it is a function of
+    ``host``, so it takes no part in comparisons.
     """
 
     verdict: Verdict
@@ -96,22 +99,23 @@ class PolicyDecision:
     port: int
     reason: Reason | None = None
     rule: str | None = None
+    address: IPAddress | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if (self.reason is not None) != (self.verdict is Verdict.DENY):
             raise ValueError("a PolicyDecision has a reason exactly when it denies")
 
     @classmethod
-    def allow(cls, host: str, port: int, rule: str) -> PolicyDecision:
-        return cls(Verdict.ALLOW, host, port, None, rule)
+    def allow(cls, host: str, port: int, rule: str, address: IPAddress | None = None) -> PolicyDecision:
+        return cls(Verdict.ALLOW, host, port, None, rule, address)
 
     @classmethod
     def deny(cls, host: str, port: int, reason: Reason, rule: str | None = None) -> PolicyDecision:
         return cls(Verdict.DENY, host, port, reason, rule)
 
     @classmethod
-    def ask(cls, host: str, port: int) -> PolicyDecision:
-        return cls(Verdict.ASK, host, port)
+    def ask(cls, host: str, port: int, address: IPAddress | None = None) -> PolicyDecision:
+        return cls(Verdict.ASK, host, port, address=address)
 
 
 class EntryError(ValueError):
@@ -202,8 +206,8 @@ def parse_entry(text: str) -> Entry:
     if "*" in name:
         raise EntryError(f"entry {text!r}: the only wildcard allowed is one leading '*.'")
     try:
-        address = parse_ip_literal(name)
-        host = normalise_host(name)
+        parsed = parse_host(name)
+        host, address = parsed.name, parsed.address
         covers_suffix = wildcard and address is None and is_public_suffix(host)
     except HostError as error:
         raise EntryError(f"entry {text!r}: {error}") from error
@@ -252,10 +256,10 @@ def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
     7. asking is off → DENY not_allowlisted; otherwise → ASK.
     """
     try:
-        name = normalise_host(host)
-        address = parse_ip_literal(host)
+        parsed = parse_host(host)
     except HostError:
         return PolicyDecision.deny(host, port, Reason.BAD_REQUEST)
+    name, address = parsed.name, parsed.address
     if not 1 <= port <= 65535:
         return PolicyDecision.deny(name, port, Reason.BAD_REQUEST)
     for entry in policy.deny:
@@ -266,16 +270,16 @@ def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
         return PolicyDecision.deny(name, port, Reason.IP_LITERAL)
     for entry in matching:
         if entry.allows_port(port):
-            return PolicyDecision.allow(name, port, entry.text)
+            return PolicyDecision.allow(name, port, entry.text, address)
     if port in policy.approved.get(name, frozenset()):
-        return PolicyDecision.allow(name, port, APPROVED_RULE)
+        return PolicyDecision.allow(name, port, APPROVED_RULE, address)
     if matching:
         return PolicyDecision.deny(name, port, Reason.PORT_NOT_ALLOWED, matching[0].text)
     if name in policy.denied:
         return PolicyDecision.deny(name, port, Reason.DENIED_EARLIER)
     if not policy.ask:
         return PolicyDecision.deny(name, port, Reason.NOT_ALLOWLISTED)
-    return PolicyDecision.ask(name, port)
+    return PolicyDecision.ask(name, port, address)
 
 
 def approval_ports(port: int) -> frozenset[int]:

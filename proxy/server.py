@@ -32,7 +32,7 @@ import logging
 from dataclasses import dataclass
 
 from names.addresses import IPAddress
-from names.hosts import HostError, normalise_host
+from names.hosts import normalised
 
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client, tls_alert
 from .gate import Admission, Attempt, DialError, Gate
@@ -565,10 +565,7 @@ class SniCheck:
                 return True
             self._refuse(tunnel, Reason.BAD_REQUEST, Alert.MISSING_EXTENSION, "ClientHello without server_name")
             return False
-        try:
-            name = normalise_host(hello.server_name)
-        except HostError:
-            name = None
+        name = normalised(hello.server_name)
         if name == self.attempt.host:
             return True
         self.attempt.extra["sni"] = name or hello.server_name

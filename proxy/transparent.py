@@ -34,7 +34,7 @@ import asyncio
 import logging
 
 from names.addresses import IPAddress
-from names.hosts import HostError, normalise_host
+from names.hosts import normalised
 
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello, tls_alert
 from .gate import Attempt, DialError, Gate
@@ -223,10 +223,8 @@ class TransparentTlsServer(Listener):
         """Attribute, decide on the SNI, dial, replay and splice; refusals raise _Refusal."""
         if hello.server_name is None:
             raise _Refusal(Reason.BAD_REQUEST, Alert.MISSING_EXTENSION, "ClientHello without server_name")
-        try:
-            attempt.host = normalise_host(hello.server_name)
-        except HostError:
-            attempt.host = hello.server_name  # the gate refuses it as bad_request
+        # A name that is no host is kept as sent: the gate refuses it as bad_request.
+        attempt.host = normalised(hello.server_name) or hello.server_name
         run = self.runs.attribute(source, None)
         if run is None:
             raise _Refusal(Reason.AUTH_REQUIRED, Alert.ACCESS_DENIED)

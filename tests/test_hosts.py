@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from ipaddress import IPv4Address, IPv6Address, ip_address
 
 import pytest
@@ -13,6 +14,8 @@ from names.hosts import (
     HostError,
     is_public_suffix,
     normalise_host,
+    normalised,
+    parse_host,
     parse_ip_literal,
     registered_domain,
     unicode_host,
@@ -377,3 +380,21 @@ def test_garbage_yields_a_value_or_host_error(text: str, default: int | None) ->
         return
     assert 1 <= port <= 65535
     assert normalise_host(host) == host
+
+
+@given(st.one_of(HOSTISH, st.text(max_size=40)))
+@example("0x7f.1")
+@example("[::ffff:127.0.0.1]")
+@example("Bücher.example.")
+def test_parse_host_is_normalise_host_and_parse_ip_literal_at_once(text: str) -> None:
+    try:
+        expected = (normalise_host(text), parse_ip_literal(text))
+    except HostError as error:
+        with pytest.raises(HostError, match=re.escape(str(error))):
+            parse_host(text)
+        assert normalised(text) is None
+        return
+    parsed = parse_host(text)
+    assert (parsed.name, parsed.address) == expected
+    assert normalised(text) == expected[0]
+    assert parse_ip_literal(parsed.name) == parsed.address  # what the gate used to re-parse

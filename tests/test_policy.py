@@ -9,6 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from config.presets import PRESETS, UnknownPreset, preset_entries
+from names.addresses import unmapped
+from names.hosts import parse_ip_literal
 from proxy.policy import (
     DEFAULT_PORTS,
     Entry,
@@ -341,6 +343,17 @@ def test_every_spelling_of_loopback_is_an_ip_literal_unless_named(text: str, por
     assert (refused.verdict, refused.reason) == (Verdict.DENY, Reason.IP_LITERAL)
     allowed = decide(RunPolicy(allow=(parse_entry("127.0.0.1:*"),)), text, port)
     assert (allowed.verdict, allowed.rule) == (Verdict.ALLOW, "127.0.0.1:*")
+    # What the gate dials, from the parse that decided: no second parse.
+    assert allowed.address is not None and unmapped(allowed.address) == IPv4Address("127.0.0.1")
+    assert allowed.address == parse_ip_literal(allowed.host)
+
+
+def test_a_decision_carries_the_literal_address_only_for_an_ip() -> None:
+    policy = RunPolicy(allow=(parse_entry("example.com"), parse_entry("[::1]")), ask=True)
+    assert decide(policy, "example.com", 443).address is None
+    assert decide(policy, "other.example", 443).address is None
+    assert decide(policy, "[::1]", 443).address == IPv6Address("::1")
+    assert decide(policy, "[::1%25eth0]", 80).address == IPv6Address("::1")
 
 
 @given(NAME, PORT, st.booleans())
