@@ -12,7 +12,8 @@ blanks; and each field is bounded so the message stays readable: a field
 shows at most ``MAX_FIELD_CHARS`` characters *as shown* (escapes counted),
 so a channel can show the command whole (Slack's budget for its line, 2900,
 is above five times that, for ``&amp;``). Channels add their own escaping
-on top (Slack's ``&<>``). ``TerminalText`` does the same, read by
+on top (Slack's ``&<>``). ``names.shown`` holds the rule (``escape``);
+``TerminalText`` there does the same, read by
 read, for a command's output relayed to the terminal an approval prompt is
 drawn on. A channel with less room (a small terminal) renders the message
 again with a smaller ``Room``: the same template, the same rule, on what it
@@ -39,11 +40,8 @@ section, so ``alice.github.io`` and ``bob.github.io`` are unrelated.
 
 from __future__ import annotations
 
-import codecs
-import functools
 import ipaddress
 import re
-import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,6 +49,7 @@ import idna
 
 from names import suffixes
 from names.authority import Colons, split_authority
+from names.shown import escape, is_invisible
 
 from .interface import Settlement
 
@@ -58,10 +57,7 @@ __all__ = [
     "ApprovalMessage",
     "Room",
     "Shown",
-    "TerminalText",
     "bounded",
-    "escape",
-    "is_invisible",
     "is_unrelated",
     "registered_domain",
     "render",
@@ -85,34 +81,6 @@ CLOSING = (
     "deny it: it may come from instructions planted in a file the agent read.",
 )
 
-# What ``escape`` shows as an escape: every character that does not render as a
-# visible mark of its own, or that acts on the terminal or on the text around it
-# (DESIGN.md: "every character that does not render visibly is escaped"):
-#
-# 1. by category: controls (Cc: C0, C1, DEL), format characters (Cf: bidi
-#    overrides, zero-width joiners, tags), private use (Co: a glyph only some
-#    font has, or none), surrogates (Cs), unassigned code points (Cn: what a
-#    newer Unicode may make invisible), line and paragraph separators (Zl, Zp),
-#    and every space separator but the space itself (Zs: a no-break or an
-#    ideographic space looks like a space and is not one);
-# 2. Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt, checked
-#    against Unicode 15.0): what a renderer shows as nothing whatever its
-#    category, among them the Hangul fillers (Lo), the variation selectors and
-#    the combining grapheme joiner (Mn);
-# 3. characters whose glyph is blank: U+2800 BRAILLE PATTERN BLANK, U+1D159
-#    MUSICAL SYMBOL NULL NOTEHEAD.
-_ESCAPED_CATEGORIES = frozenset({"Cc", "Cf", "Co", "Cs", "Cn", "Zl", "Zp", "Zs"})
-_DEFAULT_IGNORABLE = (
-    (0x00AD, 0x00AD), (0x034F, 0x034F), (0x061C, 0x061C), (0x115F, 0x1160), (0x17B4, 0x17B5),
-    (0x180B, 0x180F), (0x200B, 0x200F), (0x202A, 0x202E), (0x2060, 0x206F), (0x3164, 0x3164),
-    (0xFE00, 0xFE0F), (0xFEFF, 0xFEFF), (0xFFA0, 0xFFA0), (0xFFF0, 0xFFF8), (0x1BCA0, 0x1BCA3),
-    (0x1D173, 0x1D17A), (0xE0000, 0xE0FFF),
-)
-_BLANK_GLYPHS = (0x2800, 0x1D159)
-_INVISIBLE_CODES = frozenset(
-    [code for first, last in _DEFAULT_IGNORABLE for code in range(first, last + 1)] + list(_BLANK_GLYPHS)
-)
-
 # A run of dot-separated labels: how a name appears inside a command or a
 # task ("curl https://api.github.com/x", "see docs.python.org"). \w covers
 # letters of any script, so IDN spellings are found too.
@@ -123,116 +91,6 @@ _NAME_IN_TEXT = re.compile(r"(?<![\w-])[\w-]+(?:\.[\w-]+)+")
 # A character a name can go on with, and a name (or the start of one) at the end of a text.
 _NAME_CHAR = re.compile(r"[\w.-]")
 _NAME_AT_END = re.compile(r"[\w.-]+\Z")
-
-
-# Output relayed to a terminal can be large, so ``escape`` finds which escaped
-# characters occur (C-speed scans) and replaces each with ``str.replace``: ASCII
-# text through ``bytes.translate``, other text through a character class of the
-# escaped categories, built once from ``unicodedata``. Past this many distinct
-# ones (text made to be slow), one ``re.sub`` pass instead.
-_MAX_REPLACE_PASSES = 16
-_PRINTABLE_ASCII = bytes(range(0x20, 0x7F))
-
-
-def is_invisible(ch: str) -> bool:
-    """Whether ``escape`` shows the character ``ch`` as an escape (the three rules above)."""
-    return ch != " " and (ord(ch) in _INVISIBLE_CODES or unicodedata.category(ch) in _ESCAPED_CATEGORIES)
-
-
-@functools.cache
-def _escaped_bmp() -> tuple[int, ...]:
-    """The code points below U+10000 ``escape`` escapes (about 20 ms, once)."""
-    return tuple(c for c in range(0x10000) if is_invisible(chr(c)))
-
-
-@functools.cache
-def _candidates(keep_layout: bool) -> re.Pattern[str]:
-    """One character that may need escaping: an escaped one below U+10000, or any above (checked one by one)."""
-    ranges: list[list[int]] = []
-    for code in _escaped_bmp():
-        if keep_layout and code in (0x09, 0x0A):
-            continue
-        if ranges and ranges[-1][1] == code - 1:
-            ranges[-1][1] = code
-        else:
-            ranges.append([code, code])
-    members = "".join(f"\\u{a:04x}-\\u{b:04x}" for a, b in ranges)
-    return re.compile(f"[{members}\\U00010000-\\U0010ffff]")
-
-
-def _escape_char(ch: str) -> str:
-    if not is_invisible(ch):
-        return ch
-    code = ord(ch)
-    if code <= 0xFF:
-        return f"\\x{code:02x}"
-    if code <= 0xFFFF:
-        return f"\\u{code:04x}"
-    return f"\\U{code:08x}"
-
-
-def escape(text: str, *, keep_layout: bool = False) -> str:
-    """Return ``text`` with every character ``is_invisible`` calls so as a visible escape.
-
-    ``\\xNN`` up to U+00FF, ``\\uNNNN`` up to U+FFFF, ``\\UNNNNNNNN`` above;
-    each character on its own, so the escape of a text is the escapes of its
-    characters one after another. ``keep_layout`` keeps newline and tab, for
-    text shown line by line (a command's output relayed to a terminal:
-    ``TerminalText``). About 3 ms a megabyte of ASCII, 20 of other text.
-    """
-    if text.isascii():
-        found = {chr(b) for b in text.encode("ascii").translate(None, _PRINTABLE_ASCII)}
-        if keep_layout:
-            found -= {"\n", "\t"}
-    else:
-        pattern = _candidates(keep_layout)
-        found = set(pattern.findall(text))
-        if len(found) > _MAX_REPLACE_PASSES:
-            return text.translate({ord(ch): _escape_char(ch) for ch in found})
-    # An escape is printable ASCII, never escaped itself: the order of the passes does not matter.
-    for ch in found:
-        text = text.replace(ch, _escape_char(ch))
-    return text
-
-
-class TerminalText:
-    """A command's output (bytes, read by read) as text a terminal shows inertly.
-
-    Whatever the reads' boundaries, the result is that of the whole output:
-
-    1. UTF-8 is decoded incrementally: a character split between two reads is
-       held until it is whole; a byte that is not UTF-8 shows as ``\\xNN``
-       (a raw 0x9b is CSI to some terminals);
-    2. CR LF becomes LF (the terminal's own output processing returns the
-       carriage); a lone CR is escaped, as it would let the command overwrite
-       the line it is on, its own text or anything drawn there before it; a CR
-       at the end of a read waits for the next one;
-    3. then ``escape`` with newline and tab kept: no ESC, no C0 or C1
-       control, no DEL, no format or bidi character reaches the terminal.
-    """
-
-    def __init__(self) -> None:
-        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
-        self._carriage = False
-
-    def feed(self, data: bytes) -> str:
-        """The text of the next read (possibly empty: the rest of a character is still to come)."""
-        return self._text(self._decoder.decode(data), final=False)
-
-    def end(self) -> str:
-        """What is left at the end of the output: an incomplete character or a CR, escaped."""
-        return self._text(self._decoder.decode(b"", final=True), final=True)
-
-    def _text(self, text: str, *, final: bool) -> str:
-        if self._carriage:
-            text = "\r" + text
-            self._carriage = False
-        if not final and text.endswith("\r"):
-            text = text[:-1]
-            self._carriage = True
-        if "\r" in text:
-            text = text.replace("\r\n", "\n")
-        return escape(text, keep_layout=True)
 
 
 @dataclass(frozen=True, slots=True)

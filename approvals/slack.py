@@ -68,6 +68,8 @@ from slack_sdk.socket_mode.request import SocketModeRequest
 from slack_sdk.socket_mode.response import SocketModeResponse
 from slack_sdk.web.async_client import AsyncWebClient
 
+from names.shown import escape, escape_mrkdwn
+
 from .interface import (
     Answerer,
     AnswerResult,
@@ -79,7 +81,7 @@ from .interface import (
     Settlement,
     SetupError,
 )
-from .message import ABANDONED_TEXT, bounded, escape, settled_text
+from .message import ABANDONED_TEXT, bounded, settled_text
 
 log = logging.getLogger("egressd.approvals.slack")
 # slack-sdk logs every retry at INFO unless its logger has a level of its own
@@ -136,11 +138,6 @@ _BACKTICK_STANDIN = "\u02cb"
 # -- pure: text and blocks --------------------------------------------------------------
 
 
-def escape_mrkdwn(text: str) -> str:
-    """Slack's three control characters as entities (Slack's "Escaping text" rules)."""
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
 def _units(text: str) -> int:
     """Length in UTF-16 code units (a character outside the BMP counts twice)."""
     return len(text) + sum(1 for ch in text if ord(ch) > 0xFFFF)
@@ -154,7 +151,7 @@ def neutralise(text: str, limit: int = TEXT_MAX) -> str:
     """``text`` made inert and visible for any Slack text field, cut to ``limit`` UTF-16 units.
 
     1. every invisible or control character becomes a visible escape
-       (``message.escape``): nothing hidden, and no line break, so nothing
+       (``names.shown.escape``): nothing hidden, and no line break, so nothing
        can start a quote or a list;
     2. Slack's three control characters become entities (``&amp; &lt;
        &gt;``): no link, mention, ``<!channel>`` or date token;

@@ -29,6 +29,8 @@ import re
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+from names.shown import ascii_escaped
+
 __all__ = [
     "AuditFilter",
     "ChainLine",
@@ -623,23 +625,9 @@ def _safe(value: object) -> str:
 
     Printable ASCII stays; a backslash is doubled so an escape cannot be
     forged; everything else (C0/C1 controls, DEL, any non-ASCII letter that
-    could pose as another) becomes a Python-style escape.
+    could pose as another) becomes a Python-style escape (``names.shown.ascii_escaped``).
     """
-    text = value if isinstance(value, str) else str(value)
-    out: list[str] = []
-    for char in text:
-        code = ord(char)
-        if char == "\\":
-            out.append("\\\\")
-        elif 0x20 <= code < 0x7F:
-            out.append(char)
-        elif code <= 0xFF:
-            out.append(f"\\x{code:02x}")
-        elif code <= 0xFFFF:
-            out.append(f"\\u{code:04x}")
-        else:
-            out.append(f"\\U{code:08x}")
-    return "".join(out)
+    return ascii_escaped(value if isinstance(value, str) else str(value))
 
 
 def _text(value: object, limit: int | None = None) -> str:

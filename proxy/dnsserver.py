@@ -64,6 +64,7 @@ from dnslib import CLASS, QTYPE
 
 from names.addresses import IPAddress
 from names.hosts import HostError, normalise_host
+from names.shown import shown_name
 
 from .gate import Attempt, Gate
 from .memo import remember
@@ -333,19 +334,6 @@ def query_name(labels: Sequence[bytes]) -> str:
             raise HostError("label is not an ASCII host label")
         parts.append(label.decode("ascii"))
     return normalise_host(".".join(parts))
-
-
-# Bytes shown as themselves in a name's audit text; everything else is \\DDD,
-# so no name can look like a path, a query string or a terminal escape.
-_SHOWN: frozenset[int] = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_*")
-
-
-def shown_name(labels: Sequence[bytes]) -> str:
-    """Labels as master-file text (RFC 1035 §5.1), any byte but a letter,
-    digit, ``-``, ``_`` or ``*`` escaped as ``\\DDD``; ``.`` for the root."""
-    if not labels:
-        return "."
-    return ".".join("".join(chr(b) if b in _SHOWN else f"\\{b:03d}" for b in label) for label in labels)
 
 
 def plan_answer(

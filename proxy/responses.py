@@ -18,6 +18,8 @@ from http import HTTPStatus
 from types import MappingProxyType
 from typing import Final
 
+from names.shown import ascii_escaped
+
 # RFC 9110 §9.3.6: any 2xx to CONNECT opens the tunnel; no body, no fields.
 CONNECT_ESTABLISHED: Final = b"HTTP/1.1 200 Connection established\r\n\r\n"
 
@@ -94,16 +96,6 @@ _OWN_FIELDS: Final = frozenset(
         "connection",
     }
 )
-# C0 controls, DEL and the backslash itself become \xNN / \\, so the escaped
-# text is unambiguous; non-ASCII is escaped by the "backslashreplace" codec.
-_ESCAPES: Final = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F)} | {0x5C: "\\\\"}
-
-
-def _printable(text: str) -> str:
-    """``text`` as printable ASCII, controls and non-ASCII backslash-escaped."""
-    return text.translate(_ESCAPES).encode("ascii", "backslashreplace").decode("ascii")
-
-
 def refusal(
     status: int,
     reason_code: str,
@@ -129,25 +121,25 @@ def refusal(
     if not 400 <= status <= 599:
         raise ValueError(f"a refusal needs a 4xx or 5xx status, not {status}")
     phrase = HTTPStatus(status).phrase
-    where = _printable(host)
+    where = ascii_escaped(host)
     if port is not None:
         where = f"[{where}]:{port:d}" if ":" in where else f"{where}:{port:d}"
-    body = f"egressd: blocked {where} ({_printable(message)})"
+    body = f"egressd: blocked {where} ({ascii_escaped(message)})"
     if run_id is not None:
-        body += f" in run {_printable(run_id)}"
+        body += f" in run {ascii_escaped(run_id)}"
     payload = (body + "\n").encode("ascii")
 
     fields = [
         ("X-Egress-Decision", "deny"),
-        ("X-Egress-Reason", _printable(reason_code)),
-        ("X-Egress-Request-Id", _printable(request_id)),
+        ("X-Egress-Reason", ascii_escaped(reason_code)),
+        ("X-Egress-Request-Id", ascii_escaped(request_id)),
     ]
     if status == 407:
         fields.append(("Proxy-Authenticate", 'Basic realm="egressd"'))
     for name, value in extra_headers:
         if not _TOKEN.fullmatch(name) or name.lower() in _OWN_FIELDS:
             raise ValueError(f"cannot add header {name!r} to a refusal")
-        fields.append((name, _printable(value)))
+        fields.append((name, ascii_escaped(value)))
     fields += [
         ("Content-Type", "text/plain; charset=utf-8"),
         ("Content-Length", str(len(payload))),

@@ -28,11 +28,12 @@ from hypothesis import strategies as st
 
 from approvals.broker import ApprovalBroker
 from approvals.interface import Answer, ApprovalRequest, PendingApproval
-from approvals.message import UNRELATED, TerminalText, escape, is_invisible, is_unrelated, render, shorten
-from approvals.slack import escape_mrkdwn, request_blocks
+from approvals.message import UNRELATED, is_unrelated, render, shorten
+from approvals.slack import request_blocks
 from approvals.terminal import TerminalChannel, TerminalOutput, columns_of, fit, header, keep_of, prompt_line
 from approvals.webhook import request_payload
 from audit.log import MemoryAuditSink
+from names.shown import TerminalText, escape, escape_mrkdwn, is_invisible
 from names.suffixes import suffix_beneath
 from tests.test_broker import Clock
 from tests.test_terminal_integrity import Screen

@@ -21,6 +21,7 @@ from approvals.interface import ApprovalOutcome, ApprovalRequest
 from audit.log import MemoryAuditSink
 from cli.wiring.service import StartupError
 from names.hosts import HostError, normalise_host
+from names.shown import shown_name
 from proxy.dnsserver import (
     DnsQueryError,
     DnsServer,
@@ -32,7 +33,6 @@ from proxy.dnsserver import (
     plan_answer,
     query_name,
     read_query,
-    shown_name,
     unreachable_reason,
 )
 from proxy.policy import Reason, parse_entry

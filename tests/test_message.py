@@ -14,12 +14,11 @@ from approvals.message import (
     INTRO,
     UNRELATED,
     bounded,
-    escape,
-    is_invisible,
     is_unrelated,
     render,
     settled_text,
 )
+from names.shown import escape, is_invisible
 
 
 def test_the_message_follows_the_one_template_line_by_line() -> None:

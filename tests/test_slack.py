@@ -21,13 +21,13 @@ from approvals.slack import (
     DENY_ACTION,
     INTERACTIVITY_PATH,
     SlackChannel,
-    escape_mrkdwn,
     outcome_text,
     request_blocks,
     settled_blocks,
 )
 from audit.log import MemoryAuditSink
 from config.settings import load_settings
+from names.shown import escape_mrkdwn
 from tests.conftest import Listener
 from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request
 from tests.fakes.webhook import WebhookReceiver

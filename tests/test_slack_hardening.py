@@ -23,12 +23,11 @@ from hypothesis import strategies as st
 
 from approvals.broker import ApprovalBroker
 from approvals.interface import Answer, ApprovalRequest, Decision, PendingApproval, Settlement
-from approvals.message import escape, render
+from approvals.message import render
 from approvals.slack import (
     INTERACTIVITY_PATH,
     SlackChannel,
     button_value,
-    escape_mrkdwn,
     fallback_text,
     neutralise,
     parse_button_value,
@@ -36,6 +35,7 @@ from approvals.slack import (
     settled_blocks,
 )
 from audit.log import MemoryAuditSink
+from names.shown import escape, escape_mrkdwn
 from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request, limit_problems, units
 from tests.fakes.webhook import WebhookReceiver
 from tests.harness import listening_socket, wait_until

@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 from approvals.broker import ApprovalBroker
 from approvals.interface import Answer
-from approvals.message import TerminalText, escape, is_invisible
 from approvals.terminal import MAX_HELD_OUTPUT, TerminalChannel, TerminalOutput, prompt_line
 from audit.log import MemoryAuditSink
+from names.shown import TerminalText, escape, is_invisible
 from tests.fakes.dockerbed import ORIGIN_NAME, ORIGIN_PORT
 from tests.harness import ORIGIN_RANGE, have, require, wait_until
 from tests.test_broker import Clock, request

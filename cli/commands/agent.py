@@ -34,6 +34,7 @@ from agent.script import ScriptError
 from agent.spec import KEY_VARIABLES, SpecError, open_model, parse_model_spec
 from agent.transcript import TranscriptError, TranscriptWriter
 from config.settings import Settings, SettingsError
+from names.shown import printable
 from proxy.responses import REASON_MESSAGES
 from sandbox.backend import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
@@ -157,7 +158,7 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
 def _shown(text: str, limit: int = SHOWN_CHARS) -> str:
     """One line a terminal can show safely: the first line, control characters escaped, cut."""
     first, _, rest = text.strip().partition("\n")
-    line = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in first)
+    line = printable(first)
     if len(line) > limit:
         line = line[:limit] + "…"
     return line + (" …" if rest.strip() else "")
@@ -165,7 +166,7 @@ def _shown(text: str, limit: int = SHOWN_CHARS) -> str:
 
 def _answer_text(text: str) -> str:
     """The final answer for stdout: lines and tabs kept, other control characters escaped."""
-    return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
+    return printable(text, keep_layout=True)
 
 
 def _target(refusal: dict[str, Any]) -> str:
