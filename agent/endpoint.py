@@ -33,6 +33,8 @@ from typing import Any
 
 import aiohttp
 
+from names.shown import logged
+
 from .model import ModelError
 
 # Error codes for which waiting does not help, though the status is 429.
@@ -182,8 +184,7 @@ class Endpoint:
 
     def _redirected(self, url: str, status: int, location: str | None) -> ModelError:
         where = self.redact(location or "(no Location)")
-        if not where.isprintable() or len(where) > _MAX_MESSAGE_CHARS:
-            where = ascii(where[:_MAX_MESSAGE_CHARS])
+        where = logged(where, _MAX_MESSAGE_CHARS)
         return ModelError(
             f"{self.provider}: {url} answered a redirect (HTTP {status} to {where}); redirects are not followed, "
             "so the API key goes nowhere else: if that is the right endpoint, give its URL"

@@ -19,6 +19,9 @@ function, and no two functions here share rules:
 - ``shown_name``: DNS labels (bytes) as master-file text, ``\\DDD`` for any
   byte but a letter, digit, ``-``, ``_`` or ``*``.
 - ``quoted``: untrusted text in an error message: ``repr``, bounded.
+- ``logged``: untrusted text in a log line or a one-line notice: as it is
+  when printable, else ``ascii()`` of it (quoted, so the reader sees it was
+  escaped); optionally bounded.
 
 Pure: no I/O.
 """
@@ -38,6 +41,7 @@ __all__ = [
     "escape",
     "escape_mrkdwn",
     "is_invisible",
+    "logged",
     "printable",
     "quoted",
     "shown_name",
@@ -47,6 +51,17 @@ __all__ = [
 def quoted(text: str, limit: int = 80) -> str:
     """Untrusted text for an error message: Python's quoted, escaped form, cut after ``limit`` characters."""
     return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def logged(text: str, limit: int | None = None) -> str:
+    """``text`` as it is if ``str.isprintable`` (and no longer than ``limit``); else ``ascii()`` of its start.
+
+    A hostile host or URL must not repaint the terminal a log or a notice is
+    read on; a plain one reads as itself.
+    """
+    if text.isprintable() and (limit is None or len(text) <= limit):
+        return text
+    return ascii(text[:limit])
 
 
 # -- escape: a terminal or a chat, Unicode kept ---------------------------------------------------

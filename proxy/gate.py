@@ -44,6 +44,7 @@ from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approv
 from audit.log import AuditError, AuditSink
 from audit.records import egress_end_record, egress_record, new_request_id, suppressed_record
 from names.addresses import IPAddress
+from names.shown import logged
 
 from .addresses import OwnEndpoints, forbidden_reason, is_own
 from .floods import RefusalBudget, Suppressed
@@ -510,8 +511,7 @@ class Gate:
             return
         run_id = attempt.run.id if attempt.run else "-"
         target = f"{admission.host}:{admission.port}"
-        if not target.isprintable():
-            target = ascii(target)  # a hostile host must not repaint the operator's terminal
+        target = logged(target)  # a hostile host must not repaint the operator's terminal
         if admission.allowed:
             log.info("ALLOW %s %s run=%s rule=%s", attempt.kind, target, run_id, attempt.rule)
         else:

@@ -16,6 +16,7 @@ from names.shown import (
     ascii_escaped,
     escape,
     escape_mrkdwn,
+    logged,
     printable,
     quoted,
     shown_name,
@@ -106,3 +107,20 @@ def test_printable_is_the_agent_clis_rule(text: str, keep_layout: bool) -> None:
     assert printable(text, keep_layout=keep_layout) == "".join(
         c if c.isprintable() or c in layout else ascii(c)[1:-1] for c in text
     )
+
+
+def test_logged_keeps_printable_text_and_quotes_the_rest() -> None:
+    assert logged("example.com:443") == "example.com:443"
+    assert logged("bücher.example:443") == "bücher.example:443"
+    assert logged("evil\x1b[2J.example:443") == "'evil\\x1b[2J.example:443'"
+    assert logged("x" * 10, 5) == "'xxxxx'"
+    assert logged("x" * 5, 5) == "xxxxx"
+
+
+@given(st.text(), st.one_of(st.none(), st.integers(0, 20)))
+def test_logged_is_the_rule_the_gate_the_run_command_and_the_agent_had(text: str, limit: int | None) -> None:
+    if limit is None:
+        before = text if text.isprintable() else ascii(text)
+    else:
+        before = text if text.isprintable() and len(text) <= limit else ascii(text[:limit])
+    assert logged(text, limit) == before

@@ -28,6 +28,7 @@ from typing import Any, TextIO
 
 from approvals.terminal import TerminalOutput
 from config.settings import Settings, SettingsError
+from names.shown import logged
 from proxy.responses import REASON_MESSAGES
 from sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
 from sandbox.copyout import CopyOutError, check_destination, check_pattern
@@ -120,8 +121,7 @@ def refusal_line(record: dict[str, Any]) -> str | None:
         return None
     host, port, reason = record.get("host"), record.get("port"), record.get("reason") or ""
     target = f"{host}:{port}" if port else f"{host}"
-    if not target.isprintable():
-        target = ascii(target)
+    target = logged(target)
     kind = " (dns)" if record.get("kind") == "dns" else ""
     return f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})\n"
 
