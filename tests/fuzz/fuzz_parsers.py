@@ -70,6 +70,7 @@ from ipaddress import IPv4Address, IPv6Address
 import dnslib
 from dnslib import DNSRecord
 
+from names import authority, shown
 from names.hosts import HostError, normalise_host
 from proxy import clienthello as clienthello_module
 from proxy import dnsserver, http1, runs
@@ -1110,7 +1111,7 @@ TARGETS: dict[str, Target] = {
             "http_head",
             http_seeds,
             check_http_head,
-            (http1,),
+            (http1, authority),  # the request-target's authority is parsed in names.authority
             _HTTP_TOKENS,
             (_http_line_edit, _http_request_line, _http_value),
             max_len=_HEAD_LIMIT + 64,
@@ -1133,7 +1134,7 @@ TARGETS: dict[str, Target] = {
             (_hello_fix_lengths,),
             max_len=8192,
         ),
-        Target("dns", dns_seeds, check_dns, (dnsserver,), _DNS_TOKENS, (_dns_label_edit,), 700, _dns_reset),
+        Target("dns", dns_seeds, check_dns, (dnsserver, shown), _DNS_TOKENS, (_dns_label_edit,), 700, _dns_reset),
         Target(
             "proxy_auth",
             auth_seeds,
