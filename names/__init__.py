@@ -7,14 +7,18 @@ egressd package, so every package above may use it.
 - ``suffixes``   the Public Suffix List: one lazily parsed copy that the policy
   and the approval message both ask;
 - ``hosts``      host names and IP literals: parsing, IDNA and the one
-  canonical form every comparison uses (``normalise_host``);
+  canonical form every comparison uses (``normalise_host``; ``parse_host``
+  gives it with the IP address, from one parse);
 - ``authority``  ``HOST:PORT`` text: the one parser, whose callers' differing
-  rules (default port, port 0, bare IPv6, host check) are its parameters;
+  rules (default port, port 0, digits, colons, error order) are its parameters;
 - ``addresses``  the ``IPAddress`` type and ``unmapped`` (an IPv4-mapped IPv6
   address is the IPv4 address it maps);
-- ``shown``      untrusted text made safe to show: escapes for HTTP heads and
-  the audit reader (ASCII), terminals (Unicode kept), error messages.
+- ``shown``      untrusted text made safe to show, one function per set of
+  rules: terminals and chats (``escape``, Unicode kept; ``TerminalText``),
+  Slack (``escape_mrkdwn``), the agent CLI (``printable``), HTTP refusals and
+  the audit reader (``ascii_escaped``), log lines (``logged``), DNS labels
+  (``shown_name``), error messages (``quoted``).
 
-``hosts`` uses ``suffixes`` and ``addresses``; ``authority`` uses ``hosts``;
-``shown`` uses nothing.
+``shown``, ``addresses`` and ``suffixes`` use nothing; ``hosts`` uses them;
+``authority`` uses ``hosts`` and ``shown``.
 """
