@@ -217,6 +217,23 @@ def test_a_response_without_framing_runs_until_close_and_closes_the_client() -> 
 
 
 @pytest.mark.parametrize(
+    ("framer", "passes_on", "ends_at_close"),
+    [
+        pytest.param(LengthBody(3), True, False, id="Content-Length: a close cuts it short"),
+        pytest.param(ChunkedBody(), False, False, id="chunked: a close cuts it short, a feed may fail"),
+        pytest.param(UntilClose(), False, True, id="until close: the close is its end"),
+    ],
+)
+def test_what_a_close_means_to_each_framing(
+    framer: LengthBody | ChunkedBody | UntilClose, passes_on: bool, ends_at_close: bool
+) -> None:
+    # The relay (stream.relay_body) acts on these: what it may pass on from the
+    # transport's callbacks, and whether the peer's FIN ends the body or cuts it short.
+    assert (framer.passes_on, framer.ends_at_close) == (passes_on, ends_at_close)
+    assert not framer.done
+
+
+@pytest.mark.parametrize(
     ("method", "status_line"),
     [
         pytest.param("HEAD", b"HTTP/1.1 200 OK", id="a response to HEAD"),
