@@ -267,6 +267,20 @@ def test_pipelined_requests_are_served_one_after_another() -> None:
     assert not wire.from_client
 
 
+def test_a_pipelined_request_after_a_body_waits_for_the_response() -> None:
+    wire = Wire()
+    post = b"POST http://example.com/ HTTP/1.1\r\nHost: example.com\r\nContent-Length: 2\r\n\r\nhi"
+    assert wire.client_sends(post + get("http://example.com/next")) is not None
+    wire.forward()
+    assert wire.request_body()
+    with pytest.raises(ExchangeError):
+        wire.exchange.read_request(wire.from_client, False)  # not before this request's response is through
+    wire.upstream_sends(OK)
+    assert wire.response_body() and wire.exchange.finish()
+    second = wire.client_sends(b"")
+    assert second is not None and second.target == "http://example.com/next"
+
+
 def test_a_response_head_and_the_next_ones_bytes_are_told_apart() -> None:
     wire = Wire()
     wire.client_sends(get())
@@ -289,6 +303,19 @@ def test_expect_100_continue_is_answered_here_and_not_forwarded() -> None:
     assert bytes(wire.to_client) == b"HTTP/1.1 100 Continue\r\n\r\n"
     assert b"expect" not in out.lower()
     assert wire.request_body(b"hi")
+
+
+def test_the_client_hears_one_100_continue_even_when_the_origin_sends_its_own() -> None:
+    wire = Wire()
+    wire.client_sends(
+        b"PUT http://example.com/ HTTP/1.1\r\nHost: example.com\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n"
+    )
+    wire.forward()
+    assert wire.request_body(b"hi")
+    assert wire.upstream_sends(b"HTTP/1.1 100 Continue\r\n\r\n" + OK) is not None
+    assert wire.response_body()
+    assert bytes(wire.to_client).count(b"100 Continue") == 1
+    assert wire.to_client.startswith(CONTINUE + b"HTTP/1.1 200 OK\r\n")
 
 
 def test_another_expectation_is_forwarded_and_not_answered() -> None:
