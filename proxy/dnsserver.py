@@ -397,10 +397,10 @@ def pack_reply(query: Query, plan: Plan, ttl_s: int) -> bytes:
     (§4.1.4), class IN, ``ttl_s``, and the address. Built here rather than
     with dnslib's packer: the layout is fixed, and it is the hot path.
     """
-    return Outcome(plan, ttl_s).reply(query)
+    return PreparedReply(plan, ttl_s).reply(query)
 
 
-class Outcome:
+class PreparedReply:
     """A plan with what the server writes for it worked out once: the
     record's decision, reason and answer text, and the reply's flags and
     answer record. Immutable by convention; the server keeps one per
@@ -525,9 +525,9 @@ class DnsServer:
         # plan_answer is a pure function of (the name is None, class, type,
         # unreachable, the A answer) and the fixed AAAA answer: its outcomes are
         # kept, bounded (a run's own address adds a handful).
-        self._outcomes: dict[tuple[bool, int, int, Reason | None, IPv4Address], Outcome] = {}
-        self._auth_required = Outcome(Plan(Rcode.REFUSED, reason=Reason.AUTH_REQUIRED), ttl_s)
-        self._audit_unavailable = Outcome(Plan(Rcode.REFUSED, reason=Reason.AUDIT_UNAVAILABLE), ttl_s)
+        self._outcomes: dict[tuple[bool, int, int, Reason | None, IPv4Address], PreparedReply] = {}
+        self._auth_required = PreparedReply(Plan(Rcode.REFUSED, reason=Reason.AUTH_REQUIRED), ttl_s)
+        self._audit_unavailable = PreparedReply(Plan(Rcode.REFUSED, reason=Reason.AUDIT_UNAVAILABLE), ttl_s)
 
     # Fixed at construction: the kept outcomes are worked out from them.
     @property
@@ -663,15 +663,15 @@ class DnsServer:
         # record), under RFC 1035 §4.2.1's 512: never truncated.
         return outcome.reply(query)
 
-    def _outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address) -> Outcome:
-        """``plan_answer`` for ``query``, as an Outcome kept for the next query like it."""
+    def _outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address) -> PreparedReply:
+        """``plan_answer`` for ``query``, as a PreparedReply kept for the next query like it."""
         key = (query.name is None, query.qclass, query.qtype, unreachable, answer4)
         try:
             return self._outcomes[key]
         except KeyError:
             pass
         plan = plan_answer(query, answer4=answer4, answer6=self._answer6, unreachable=unreachable)
-        return remember(self._outcomes, key, Outcome(plan, self._ttl_s), _MAX_OUTCOMES)
+        return remember(self._outcomes, key, PreparedReply(plan, self._ttl_s), _MAX_OUTCOMES)
 
     def _record_in_full(self, run: Run, name: str) -> bool:
         """Whether this query gets its own record: its name is one of the run's first N."""

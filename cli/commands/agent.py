@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.endpoint import RetryPolicy
-from agent.loop import DEFAULT_MAX_STEPS, ExecutorError, Outcome, Step, Stop, run_agent
+from agent.loop import DEFAULT_MAX_STEPS, AgentOutcome, ExecutorError, Step, Stop, run_agent
 from agent.model import Conversation, Model
 from agent.prompt import system_prompt
 from agent.script import ScriptError
@@ -323,7 +323,7 @@ def _open_model(args: argparse.Namespace) -> tuple[Model, str | None]:
     return opened
 
 
-def _exit_status(outcome: Outcome) -> int:
+def _exit_status(outcome: AgentOutcome) -> int:
     if outcome.stop is Stop.ERROR:
         return EXIT_CANNOT_START if outcome.error_in == "sandbox" else EXIT_MODEL_FAILED
     return EXIT_FOR_STOP[outcome.stop]
