@@ -62,6 +62,8 @@ from typing import NamedTuple
 
 from dnslib import CLASS, QTYPE
 
+from audit.records import Decision, EgressKind
+
 from .gate import Attempt, Gate
 from .hosts import HostError, normalise_host
 from .memo import remember
@@ -411,7 +413,7 @@ class PreparedReply:
 
     def __init__(self, plan: Plan, ttl_s: int) -> None:
         self.plan = plan
-        self.decision = plan.decision
+        self.decision = Decision(plan.decision)
         self.reason = plan.reason.value if plan.reason is not None else None
         self.answer = plan.answer_text
         self._flags = _QR | _RA | int(plan.rcode)
@@ -602,7 +604,7 @@ class DnsServer:
             self._dropped[source] += 1
             self.gate.metrics.decided("deny", _LIMIT_EXCEEDED, 0.0)
             return None
-        attempt = self.gate.begin("dns", f"{host}:{peer[1]}")
+        attempt = self.gate.begin(EgressKind.DNS, f"{host}:{peer[1]}")
         attempt.extra = {"qtype": None, "answer": None, "transport": transport}
         try:
             return self._answer(packet, source, attempt)
@@ -640,8 +642,7 @@ class DnsServer:
         if run is None:
             outcome = self._auth_required
         else:
-            attempt.run = run
-            attempt.command = run.command
+            attempt.attribute(run)
             if not self.gate.audit.healthy:
                 outcome = self._audit_unavailable
             else:
@@ -706,9 +707,8 @@ class DnsServer:
                 self._summary(run, None, count, "names_per_run")
 
     def _summary(self, run: Run | None, client: str | None, count: int, limit: str) -> None:
-        attempt = self.gate.begin("dns", client)
-        attempt.run = run
-        attempt.command = run.command if run is not None else None
+        attempt = self.gate.begin(EgressKind.DNS, client)
+        attempt.attribute(run)
         attempt.refuse(Reason.LIMIT_EXCEEDED)
         attempt.decided = True  # each query was counted in the metrics as it came
         attempt.summary = True  # a count of others: written whatever the run's refusal budget
