@@ -71,7 +71,7 @@ from approvals.interface import (
     ApprovalRequest,
     ChannelError,
     ChannelUnavailable,
-    Decision,
+    Choice,
     PendingApproval,
     Settlement,
 )
@@ -233,7 +233,7 @@ class TerminalRelay:
         self.control: ControlClient | None = None  # set once the run is registered
         self.url = ""
         self._pending: dict[str, PendingApproval] = {}
-        self._answers: asyncio.Queue[tuple[str, Decision, str | None]] = asyncio.Queue()
+        self._answers: asyncio.Queue[tuple[str, Choice, str | None]] = asyncio.Queue()
         self._guard = ReplayGuard()
         self._runner: web.AppRunner | None = None
         self._sender: asyncio.Task[None] | None = None
@@ -264,7 +264,7 @@ class TerminalRelay:
 
     # -- the Answerer the prompt answers through ------------------------------------------
 
-    def answer(self, approval_id: str, decision: Decision, *, channel: str, by: str | None) -> Answered:
+    def answer(self, approval_id: str, decision: Choice, *, channel: str, by: str | None) -> Answered:
         if self._pending.pop(approval_id, None) is None:
             return Answered(AnswerResult.UNKNOWN)
         self._answers.put_nowait((approval_id, decision, by))
