@@ -78,7 +78,7 @@ class Step:
             "timed_out": obs.timed_out if obs else False,
             "memory_exceeded": obs.memory_exceeded if obs else False,
             "egress_refusals": [
-                {"host": r.get("host"), "port": r.get("port"), "reason": r.get("reason")}
+                {"host": r.host, "port": r.port, "reason": r.reason}
                 for r in (obs.egress_refusals if obs else [])
             ],
         }
