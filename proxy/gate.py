@@ -23,9 +23,10 @@ Each attempt is an ``Attempt`` that ``finish`` turns into its final audit
 record (the ``egress`` record of a refusal, the ``egress.end`` record of an
 opened connection), one run event and the metrics; a refusal past its run's
 budget for the interval is counted into one ``egress.suppressed`` record
-instead (``floods.RefusalBudget``). The DNS server records its queries
-through ``begin``/``finish`` too, but never admits: a query is answered
-without asking anyone or resolving anything.
+instead (``floods.RefusalBudget``). The DNS server never admits (a query
+is answered without asking anyone or resolving anything): it builds each
+query's ``EgressDecided`` fact itself and records it through ``settle``,
+which does for it what ``finish`` does for a refused attempt.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -95,7 +96,7 @@ def bound_locally(address: IPAddress) -> bool:
 
 @dataclass(slots=True)
 class Attempt:
-    """One egress attempt under way: what the listener learns and measures while it lasts.
+    """One connection attempt under way (``proxy.server``'s listeners): what is learnt and measured while it lasts.
 
     The gate turns it into facts (``audit.records``), each built once: the
     ``EgressDecided`` written ahead of an allowed dial (``Gate.open``, kept
@@ -106,7 +107,9 @@ class Attempt:
     refusals before the policy (``refuse``), the byte counters, ``extra``
     notes (``status``, ``sni``, ``detail``) and ``end``; ``Gate.admit`` the
     decision (``decision``, ``reason``, ``rule``, ``approval``); ``Gate.dial``
-    the address.
+    the address. The byte counters are ``proxy.server``'s alone (its
+    ``Listener`` relays every byte). The DNS server keeps no attempt: a query
+    is decided at once, and it builds the query's fact itself (``Gate.settle``).
     """
 
     id: str
@@ -136,8 +139,6 @@ class Attempt:
     finished: bool = False
     # A spliced tunnel now owns the connection: it finishes the attempt when it ends.
     handed_off: bool = False
-    # A record that counts others (the DNS server's limits): never itself counted instead of written.
-    summary: bool = False
 
     @property
     def opened(self) -> bool:
@@ -417,37 +418,62 @@ class Gate:
         run = attempt.run
         duration_s = self.monotonic() - attempt.started
         ahead = attempt.ahead
-        if ahead is not None:
-            end = attempt.end or (attempt.reason if attempt.decision is Decision.DENY else None) or "closed"
-            extra = attempt.extra
-            written = EgressEnded(
-                id=attempt.id,
-                ts=self.clock(),
-                run=run.id if run else None,
-                address=attempt.address,
-                bytes_up=attempt.bytes_up,
-                bytes_down=attempt.bytes_down,
-                duration_s=duration_s,
-                end=end,
-                extra=dict(extra) if extra else None,
-            ).record()
-            # The whole attempt, for the run's events and the observers: what was written ahead,
-            # with what the end says folded in (as ``egressd audit`` joins them).
-            record = ahead.record()
-            event, ts = record["event"], record["ts"]
-            record.update(written)
-            record["event"], record["ts"] = event, ts
-            record["decision"], record["reason"] = attempt.decision.value, attempt.reason
-        else:
-            record = written = self._decided(attempt, duration_s).record()
-        if not attempt.decided:  # refused before the policy ran (bad request, auth, limits)
+        if ahead is None:
+            fact = self._decided(attempt, duration_s)
+            self.settle(fact, run, counted=attempt.decided)
+            return
+        end = attempt.end or (attempt.reason if attempt.decision is Decision.DENY else None) or "closed"
+        extra = attempt.extra
+        written = EgressEnded(
+            id=attempt.id,
+            ts=self.clock(),
+            run=run.id if run else None,
+            address=attempt.address,
+            bytes_up=attempt.bytes_up,
+            bytes_down=attempt.bytes_down,
+            duration_s=duration_s,
+            end=end,
+            extra=dict(extra) if extra else None,
+        ).record()
+        # The whole attempt, for the run's events and the observers: what was written ahead,
+        # with what the end says folded in (as ``egressd audit`` joins them).
+        record = ahead.record()
+        event, ts = record["event"], record["ts"]
+        record.update(written)
+        record["event"], record["ts"] = event, ts
+        record["decision"], record["reason"] = attempt.decision.value, attempt.reason
+        if not attempt.decided:
             self.metrics.decided(attempt.decision, attempt.reason, duration_s)
         self.metrics.bytes_up += attempt.bytes_up
         self.metrics.bytes_down += attempt.bytes_down
         if run is not None:
             run.record_event(record)
         try:
-            self._write(attempt, written)
+            # An opened attempt's egress.end follows its written-ahead record whatever the decision became.
+            self._write(written, run, attempt.kind, attempt.decision, attempt.reason, attempt.host, always=True)
+        except AuditError:
+            pass  # the sink has said why once and is now unhealthy: new egress is refused
+        for observer in self.observers:
+            observer(record)
+
+    def settle(self, fact: EgressDecided, run: Run | None, *, counted: bool = False, summary: bool = False) -> None:
+        """Record a decided attempt that opened no connection, its ``egress`` fact built whole by the caller.
+
+        What ``finish`` does for such an attempt: the metrics (unless
+        ``counted``: they already have it), the run's event, the record
+        (counted instead past the run's refusal budget, unless ``summary``:
+        a count of others is always written) and the observers. The DNS
+        server records its queries this way; ``finish`` an attempt refused before it opened.
+        """
+        record = fact.record()
+        if not counted:  # refused before the policy ran (bad request, auth, limits), or a DNS query
+            self.metrics.decided(fact.decision, fact.reason, fact.duration_s or 0.0)
+        self.metrics.bytes_up += fact.bytes_up or 0
+        self.metrics.bytes_down += fact.bytes_down or 0
+        if run is not None:
+            run.record_event(record)
+        try:
+            self._write(record, run, fact.kind, fact.decision, fact.reason, fact.host, always=summary, extra=fact.extra)
         except AuditError:
             pass  # the sink has said why once and is now unhealthy: new egress is refused
         for observer in self.observers:
@@ -479,8 +505,22 @@ class Gate:
             extra=dict(extra) if final and extra else None,
         )
 
-    def _write(self, attempt: Attempt, record: dict[str, object]) -> None:
-        """Write a finished attempt's record, unless it is a refusal past its run's budget (``floods``)."""
+    def _write(
+        self,
+        record: dict[str, object],
+        run: Run | None,
+        kind: EgressKind,
+        decision: Decision,
+        reason: str | None,
+        host: str | None,
+        *,
+        always: bool,
+        extra: Mapping[str, object] | None = None,
+    ) -> None:
+        """Write a finished attempt's record, unless it is a refusal past its run's budget (``floods``).
+
+        ``always``: written whatever the budget (an ``egress.end``, a summary).
+        """
         budget = self.refusals
         if budget is None:
             self.audit.write(record)
@@ -488,14 +528,13 @@ class Gate:
         now = self.monotonic()
         if budget.next_due is not None and now >= budget.next_due:
             self._write_suppressed(budget.due(now))
-        # An opened attempt's egress.end follows its written-ahead record whatever the decision became.
-        if attempt.decision is not Decision.DENY or attempt.summary or attempt.ahead is not None:
+        if decision is not Decision.DENY or always:
             self.audit.write(record)
             return
-        run_id = attempt.run.id if attempt.run is not None else None
+        run_id = run.id if run is not None else None
         # A DNS query refused for its type has no reason code; its response code says why.
-        reason = attempt.reason or str(attempt.extra.get("answer") or "-")
-        if budget.admit(run_id, now, attempt.kind, reason, attempt.host):
+        reason = reason or str((extra or {}).get("answer") or "-")
+        if budget.admit(run_id, now, kind, reason, host):
             self.audit.write(record)
         elif self._refusals_timer is None and budget.next_due is not None:
             self._arm_refusals_timer(budget.next_due - now)
