@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from approvals.terminal import TerminalOutput
+from audit.views import EgressSeen
 from config.settings import Settings, SettingsError
 from names.shown import logged
 from proxy.responses import REASON_MESSAGES
@@ -115,14 +116,13 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def refusal_line(record: dict[str, Any]) -> str | None:
+def refusal_line(seen: EgressSeen) -> str | None:
     """The line that tells of one refusal of the run (None: the record is no refusal)."""
-    if record.get("decision") != "deny":
+    if not seen.denied:
         return None
-    host, port, reason = record.get("host"), record.get("port"), record.get("reason") or ""
-    target = f"{host}:{port}" if port else f"{host}"
-    target = logged(target)
-    kind = " (dns)" if record.get("kind") == "dns" else ""
+    reason = seen.reason or ""
+    target = logged(seen.target)
+    kind = " (dns)" if seen.kind == "dns" else ""
     return f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})\n"
 
 
@@ -130,11 +130,11 @@ def _on_tty(stream: TextIO | None) -> bool:
     return stream is not None and stream.isatty()
 
 
-def refusal_printer(output: TerminalOutput) -> Callable[[dict[str, Any]], None]:
+def refusal_printer(output: TerminalOutput) -> Callable[[EgressSeen], None]:
     """Print each refusal of the run to stderr as it happens (on a terminal, not across a prompt)."""
 
-    def tell(record: dict[str, Any]) -> None:
-        line = refusal_line(record)
+    def tell(seen: EgressSeen) -> None:
+        line = refusal_line(seen)
         if line is None:
             return
         if _on_tty(sys.stderr):
