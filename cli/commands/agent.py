@@ -34,7 +34,7 @@ from agent.script import ScriptError
 from agent.spec import KEY_VARIABLES, SpecError, open_model, parse_model_spec
 from agent.transcript import TranscriptError, TranscriptWriter
 from config.settings import Settings, SettingsError
-from proxy.responses import REASON_MESSAGES
+from proxy.reasons import reason_message
 from sandbox.backend import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
 
@@ -207,7 +207,7 @@ class SandboxExecutor:
                 "host": r["host"],
                 "port": r["port"],
                 "reason": r["reason"],
-                "message": REASON_MESSAGES.get(r["reason"] or "", r["reason"]),
+                "message": r["reason"] and reason_message(r["reason"]),
             }
             for r in self.session.refusals_since(cursor)
         ]
@@ -234,7 +234,7 @@ class EgressTally:
         if record.get("decision") == "deny":
             reason = record.get("reason") or ""
             self.counts["denied"] += 1
-            self.destinations["denied"][f"{target} ({REASON_MESSAGES.get(reason, reason)})"] += 1
+            self.destinations["denied"][f"{target} ({reason_message(reason)})"] += 1
             return
         if record.get("approval"):
             self.approved_hosts.add(str(host))

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 from approvals.terminal import TerminalOutput
 from config.settings import Settings, SettingsError
-from proxy.responses import REASON_MESSAGES
+from proxy.reasons import reason_message
 from sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
 from sandbox.copyout import CopyOutError, check_destination, check_pattern
 from sandbox.docker.config import DEFAULT_DOCKER_RANGE
@@ -123,7 +123,7 @@ def refusal_line(record: dict[str, Any]) -> str | None:
     if not target.isprintable():
         target = ascii(target)
     kind = " (dns)" if record.get("kind") == "dns" else ""
-    return f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})\n"
+    return f"egressd: blocked {target}{kind} ({reason_message(reason)})\n"
 
 
 def _on_tty(stream: TextIO | None) -> bool:
