@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
+from approvals.interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest, Approver
 from audit.log import AuditError, AuditSink
 from audit.records import egress_end_record, egress_record, new_request_id, suppressed_record
 
@@ -50,6 +50,7 @@ from .hosts import parse_ip_literal
 from .memo import remembered
 from .metrics import Metrics
 from .policy import Reason, Verdict
+from .reasons import reason_for
 from .resolver import ResolveError, Resolver
 from .responses import OWN_ENDPOINT_MESSAGE
 from .runs import Run
@@ -58,14 +59,8 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 log = logging.getLogger("egressd.decisions")
 P = TypeVar("P", bound=asyncio.Protocol)
 
-_ANSWER_REASONS = {
-    Answer.DENY: Reason.DENIED,
-    Answer.TIMEOUT: Reason.APPROVAL_TIMEOUT,
-    Answer.NO_APPROVER: Reason.NO_APPROVER,
-    Answer.TOO_MANY_PENDING: Reason.TOO_MANY_PENDING,
-    Answer.STOPPED_ASKING: Reason.NOT_ALLOWLISTED,
-    Answer.SHUTTING_DOWN: Reason.SHUTTING_DOWN,
-}
+# The refusal each failed answer becomes: the approvals package names its code.
+_ANSWER_REASONS: dict[Answer, Reason] = {answer: reason_for(code) for answer, code in ANSWER_REASONS.items()}
 
 
 def bound_locally(address: IPAddress) -> bool:
@@ -105,7 +100,7 @@ class Attempt:
     command: str | None = None
     bytes_up: int = 0
     bytes_down: int = 0
-    # The phrase a refused client reads instead of the reason's usual one (responses.REASON_MESSAGES).
+    # The phrase a refused client reads instead of the reason's usual one (``Reason.message``).
     message: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     decided: bool = False
