@@ -67,8 +67,8 @@ from dnslib import CLASS, QTYPE
 from .gate import Attempt, Gate
 from .hosts import HostError, normalise_host
 from .memo import remember
-from .policy import Reason, Verdict, decide
-from .reasons import Rcode
+from .policy import Verdict, decide
+from .reasons import Rcode, Reason
 from .runs import IPAddress, Run, RunRegistry, source_address
 
 log = logging.getLogger("egressd.dns")

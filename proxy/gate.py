@@ -49,8 +49,8 @@ from .floods import RefusalBudget, Suppressed
 from .hosts import parse_ip_literal
 from .memo import remembered
 from .metrics import Metrics
-from .policy import Reason, Verdict
-from .reasons import reason_for
+from .policy import Verdict
+from .reasons import Reason, reason_for
 from .resolver import ResolveError, Resolver
 from .responses import OWN_ENDPOINT_MESSAGE
 from .runs import Run

@@ -34,7 +34,6 @@ __all__ = [
     "PolicyDecision",
     "Entry",
     "EntryError",
-    "Reason",
     "RunPolicy",
     "Verdict",
     "approval_ports",

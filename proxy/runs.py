@@ -35,7 +35,8 @@ from typing import Any
 
 from .hosts import HostError, registered_domain
 from .memo import remember
-from .policy import Entry, PolicyDecision, Reason, RunPolicy, Verdict, approval_ports, decide
+from .policy import Entry, PolicyDecision, RunPolicy, Verdict, approval_ports, decide
+from .reasons import Reason
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 

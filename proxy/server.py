@@ -48,7 +48,7 @@ from .http1 import (
     request_destination,
     response_body_kind,
 )
-from .policy import Reason
+from .reasons import Reason
 from .responses import CONNECT_ESTABLISHED, refusal, tls_refusal
 from .runs import NOT_WAITING, IPAddress, Run, RunRegistry, source_address
 from .stream import IdleTimeout, Peer, PeerClosed

@@ -37,7 +37,7 @@ from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_cli
 from .gate import Attempt, DialError, Gate
 from .hosts import HostError, normalise_host
 from .http1 import Destination, HttpError, RequestHead, request_destination
-from .policy import Reason
+from .reasons import Reason
 from .responses import tls_refusal
 from .runs import NOT_WAITING, IPAddress, Run, RunRegistry, source_address
 from .server import ECH_DETAIL, GONE_DETAIL, RUN_CAP_DETAIL, Listener, ListenerLimits, ProxyServer, SniCheck

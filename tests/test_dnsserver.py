@@ -35,7 +35,8 @@ from proxy.dnsserver import (
     unreachable_reason,
 )
 from proxy.hosts import HostError, normalise_host
-from proxy.policy import Reason, parse_entry
+from proxy.policy import parse_entry
+from proxy.reasons import Reason
 from proxy.runs import Run
 from tests.fakes.dns import FakeDns
 from tests.harness import egress
