@@ -40,11 +40,11 @@ limit's, are written every ``summary_interval_s`` as one record each (host
 null, ``reason: limit_exceeded``, ``suppressed: N``, ``limit``: which one).
 
 ``read_query``, ``query_name``, ``plan_answer``, ``refused``,
-``unreachable_reason`` and ``RateLimiter`` are pure (time is passed in); the question is read and the
-reply packed here (the layout is fixed, and it is the hot path), and dnslib
-gives only the names of query types. The
-asyncio shell answers from protocol callbacks: no task per query, and no
-waiting — a DNS query never triggers an approval (DESIGN.md "Decision order").
+``unreachable_reason`` and ``RateLimiter`` are pure (time is passed in); the
+question is read and the reply packed here (the layout is fixed, and it is
+the hot path), and dnslib gives only the names of query types. The asyncio
+shell answers from protocol callbacks: no task per query, and no waiting —
+a DNS query never triggers an approval (DESIGN.md "Decision order").
 """
 
 from __future__ import annotations
