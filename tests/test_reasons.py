@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from approvals.interface import ANSWER_REASONS, Answer
+from audit.views import EgressSeen
 from cli.commands.run import refusal_line
 from proxy.clienthello import Alert, tls_alert
 from proxy.dnsserver import UNREACHABLE, refused
@@ -359,8 +360,8 @@ async def test_the_dns_server_refuses_as_before(
 
 def test_the_cli_tells_of_a_refusal_as_before() -> None:
     record = {"decision": "deny", "host": "evil.example", "port": 443, "reason": "denied", "kind": "connect"}
-    assert refusal_line(record) == "egressd: blocked evil.example:443 (denied by approver)\n"
+    assert refusal_line(EgressSeen.of(record)) == "egressd: blocked evil.example:443 (denied by approver)\n"
     dns = {"decision": "deny", "host": "bad.test", "port": None, "reason": "denylisted", "kind": "dns"}
-    assert refusal_line(dns) == "egressd: blocked bad.test (dns) (on the denylist)\n"
+    assert refusal_line(EgressSeen.of(dns)) == "egressd: blocked bad.test (dns) (on the denylist)\n"
     unknown = {"decision": "deny", "host": "x.test", "port": 80, "reason": "some_future_code"}
-    assert refusal_line(unknown) == "egressd: blocked x.test:80 (some_future_code)\n"
+    assert refusal_line(EgressSeen.of(unknown)) == "egressd: blocked x.test:80 (some_future_code)\n"
