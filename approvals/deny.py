@@ -10,7 +10,7 @@ from audit.log import AuditError, AuditSink
 from audit.records import approval_decided_record, approval_requested_record
 
 from .broker import new_approval_id
-from .interface import Answer, ApprovalOutcome, ApprovalRequest
+from .interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest
 
 log = logging.getLogger("egressd.approvals")
 
@@ -57,7 +57,7 @@ class DenyApprover:
                         id=approval_id,
                         ts=now,
                         decision="deny",
-                        reason="denied",
+                        reason=ANSWER_REASONS[Answer.DENY],
                         channel="deny",
                         by="deny",
                         waited_s=0.0,

@@ -51,7 +51,7 @@ from names import suffixes
 from names.authority import Colons, split_authority
 from names.shown import escape, is_invisible
 
-from .interface import Settlement
+from .interface import Answer, Settlement
 
 __all__ = [
     "ApprovalMessage",
@@ -449,7 +449,7 @@ def settled_text(settlement: Settlement) -> str:
         verb = "allowed" if settlement.reason is None else "denied"
         return f"{verb} by {settlement.by or 'someone'} via {settlement.channel}"
     return {
-        "approval_timeout": "expired (denied)",
-        "no_approver": "denied: nobody could be asked",
-        "shutting_down": "denied: egressd stopped",
-    }.get(settlement.reason or "", settlement.reason or "settled")
+        Answer.TIMEOUT: "expired (denied)",
+        Answer.NO_APPROVER: "denied: nobody could be asked",
+        Answer.SHUTTING_DOWN: "denied: egressd stopped",
+    }.get(settlement.answer, settlement.reason or "settled")

@@ -71,6 +71,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 from names.shown import escape, escape_mrkdwn
 
 from .interface import (
+    Answer,
     Answerer,
     AnswerResult,
     ChannelError,
@@ -304,7 +305,7 @@ def outcome_text(approval: PendingApproval, settlement: Settlement) -> str:
     if settlement.channel is not None:
         verb = "Allowed" if settlement.reason is None else "Denied"
         return f"*{verb}* by {_who(settlement)} at {at} for run {run}"
-    if settlement.reason == "approval_timeout":
+    if settlement.answer is Answer.TIMEOUT:
         return f"*Expired — denied* at {at} (run {run})"
     return f"*Denied* at {at}: nobody could answer (egressd stopped, or no channel could deliver) (run {run})"
 
@@ -321,7 +322,7 @@ def settled_blocks(approval: PendingApproval, settlement: Settlement) -> list[di
 def _settled_word(settlement: Settlement) -> str:
     if settlement.reason is None:
         return "allowed"
-    return "expired (denied)" if settlement.reason == "approval_timeout" else "denied"
+    return "expired (denied)" if settlement.answer is Answer.TIMEOUT else "denied"
 
 
 def notice_blocks(notice: Notice) -> list[dict[str, Any]]:

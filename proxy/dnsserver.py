@@ -25,6 +25,9 @@ How one query is answered (``DnsServer.handle``), in order:
    egressd's IPv4 address there (``Run.address``); AAAA → the IPv6 answer if
    configured, else NOERROR with no records (RFC 2308 §2.2 "NODATA").
 
+Steps 3, 4 and 6 refuse with a reason, and the reason's table row gives the
+response code (``Reason.rcode``, through ``refused``).
+
 Every query that passes step 1 is one ``egress`` record of kind ``dns``
 (through the gate, like every other attempt), with ``host`` the name,
 ``port`` null, ``qtype`` and ``answer`` (the address, or the response code
@@ -36,18 +39,17 @@ but counted instead of recorded one by one; the counts, like the rate
 limit's, are written every ``summary_interval_s`` as one record each (host
 null, ``reason: limit_exceeded``, ``suppressed: N``, ``limit``: which one).
 
-``read_query``, ``query_name``, ``plan_answer``, ``unreachable_reason`` and
-``RateLimiter`` are pure (time is passed in); the question is read and the
-reply packed here (the layout is fixed, and it is the hot path), and dnslib
-gives only the names of query types. The
-asyncio shell answers from protocol callbacks: no task per query, and no
-waiting — a DNS query never triggers an approval (DESIGN.md "Decision order").
+``read_query``, ``query_name``, ``plan_answer``, ``refused``,
+``unreachable_reason`` and ``RateLimiter`` are pure (time is passed in); the
+question is read and the reply packed here (the layout is fixed, and it is
+the hot path), and dnslib gives only the names of query types. The asyncio
+shell answers from protocol callbacks: no task per query, and no waiting —
+a DNS query never triggers an approval (DESIGN.md "Decision order").
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import errno
 import logging
 import socket
@@ -69,7 +71,8 @@ from names.shown import shown_name
 
 from .gate import Gate
 from .memo import remember
-from .policy import Reason, Verdict, decide
+from .policy import Verdict, decide
+from .reasons import Rcode, Reason
 from .runs import Run, RunRegistry, source_address
 
 log = logging.getLogger("egressd.dns")
@@ -119,23 +122,12 @@ _LIMIT_EXCEEDED = Reason.LIMIT_EXCEEDED.value
 _BAD_REQUEST = Reason.BAD_REQUEST.value
 
 
-class Rcode(enum.IntEnum):
-    """RFC 1035 §4.1.1 response codes this server sends."""
-
-    NOERROR = 0
-    FORMERR = 1
-    NXDOMAIN = 3
-    NOTIMP = 4
-    REFUSED = 5
-
-
 # Strict mode: the policy reasons that hold for the rest of a run whatever
-# the port, so no connection to the name can ever be let out. ``port_not_allowed``
-# is not here (the host is allowed on another port), nor is ASK (a person may
-# still allow it).
-UNREACHABLE: frozenset[Reason] = frozenset(
-    {Reason.DENYLISTED, Reason.IP_LITERAL, Reason.DENIED_EARLIER, Reason.NOT_ALLOWLISTED}
-)
+# the port, so no connection to the name can ever be let out — those the
+# reason table answers NXDOMAIN (denylisted, ip_literal, denied_earlier,
+# not_allowlisted). ``port_not_allowed`` is not one (the host is allowed on
+# another port), nor is ASK (a person may still allow it).
+UNREACHABLE: frozenset[Reason] = frozenset(reason for reason in Reason if reason.rcode is Rcode.NXDOMAIN)
 
 
 # --- the pure part ---------------------------------------------------------------
@@ -189,6 +181,16 @@ class Plan:
     @property
     def answer_text(self) -> str:
         return str(self.address) if self.address is not None else self.rcode.name
+
+
+def refused(reason: Reason) -> Plan:
+    """The answer that refuses a query with ``reason``: the reason's rcode (``Reason.rcode``).
+
+    Raises ValueError for a reason no DNS answer carries.
+    """
+    if reason.rcode is None:
+        raise ValueError(f"no DNS answer says {reason.value}")
+    return Plan(reason.rcode, reason=reason)
 
 
 def header_reply(packet: bytes, rcode: Rcode) -> bytes:
@@ -351,11 +353,11 @@ def plan_answer(
     or strict mode off).
     """
     if query.name is None:
-        return Plan(Rcode.FORMERR, reason=Reason.BAD_REQUEST)
+        return refused(Reason.BAD_REQUEST)
     if query.qclass != CLASS.IN or query.qtype not in (_TYPE_A, _TYPE_AAAA):
         return Plan(Rcode.REFUSED)
     if unreachable is not None:
-        return Plan(Rcode.NXDOMAIN, reason=unreachable)
+        return refused(unreachable)
     if query.qtype == _TYPE_A:
         return Plan(Rcode.NOERROR, answer4)
     if answer6 is not None:
@@ -542,8 +544,8 @@ class DnsServer:
         # unreachable, the A answer) and the fixed AAAA answer: its outcomes are
         # kept, bounded (a run's own address adds a handful).
         self._outcomes: dict[tuple[bool, int, int, Reason | None, IPv4Address], PreparedReply] = {}
-        self._auth_required = PreparedReply(Plan(Rcode.REFUSED, reason=Reason.AUTH_REQUIRED), ttl_s)
-        self._audit_unavailable = PreparedReply(Plan(Rcode.REFUSED, reason=Reason.AUDIT_UNAVAILABLE), ttl_s)
+        self._auth_required = PreparedReply(refused(Reason.AUTH_REQUIRED), ttl_s)
+        self._audit_unavailable = PreparedReply(refused(Reason.AUDIT_UNAVAILABLE), ttl_s)
 
     # Fixed at construction: the kept outcomes are worked out from them.
     @property

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
+from approvals.interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest, Approver
 from audit.log import AuditError, AuditSink
 from audit.records import (
     ApprovalSummary,
@@ -59,7 +59,8 @@ from .addresses import OwnEndpoints, forbidden_reason, is_own
 from .floods import RefusalBudget, Suppressed
 from .memo import remembered
 from .metrics import Metrics
-from .policy import Reason, Verdict
+from .policy import Verdict
+from .reasons import Reason, reason_for
 from .resolver import ResolveError, Resolver
 from .responses import OWN_ENDPOINT_MESSAGE
 from .runs import Run
@@ -67,14 +68,8 @@ from .runs import Run
 log = logging.getLogger("egressd.decisions")
 P = TypeVar("P", bound=asyncio.Protocol)
 
-_ANSWER_REASONS = {
-    Answer.DENY: Reason.DENIED,
-    Answer.TIMEOUT: Reason.APPROVAL_TIMEOUT,
-    Answer.NO_APPROVER: Reason.NO_APPROVER,
-    Answer.TOO_MANY_PENDING: Reason.TOO_MANY_PENDING,
-    Answer.STOPPED_ASKING: Reason.NOT_ALLOWLISTED,
-    Answer.SHUTTING_DOWN: Reason.SHUTTING_DOWN,
-}
+# The refusal each failed answer becomes: the approvals package names its code.
+_ANSWER_REASONS: dict[Answer, Reason] = {answer: reason_for(code) for answer, code in ANSWER_REASONS.items()}
 
 
 def bound_locally(address: IPAddress) -> bool:
@@ -130,7 +125,7 @@ class Attempt:
     bytes_down: int = 0
     # Why an opened connection ended when that is not its decision's reason (``closed``, ``idle_timeout``, ...).
     end: str | None = None
-    # The phrase a refused client reads instead of the reason's usual one (responses.REASON_MESSAGES).
+    # The phrase a refused client reads instead of the reason's usual one (``Reason.message``).
     message: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
     decided: bool = False

@@ -25,6 +25,7 @@ from names.hosts import (
     parse_ip_literal,
 )
 from names.suffixes import suffix_beneath
+from proxy.reasons import Reason
 
 __all__ = [
     "APPROVED_RULE",
@@ -32,7 +33,6 @@ __all__ = [
     "PolicyDecision",
     "Entry",
     "EntryError",
-    "Reason",
     "RunPolicy",
     "Verdict",
     "approval_ports",
@@ -44,33 +44,6 @@ __all__ = [
 DEFAULT_PORTS: frozenset[int] = frozenset({80, 443})
 
 APPROVED_RULE = "approved"
-
-
-class Reason(enum.Enum):
-    """Why a request was refused: the codes clients see in ``X-Egress-Reason``."""
-
-    DENYLISTED = "denylisted"
-    NOT_ALLOWLISTED = "not_allowlisted"
-    DENIED = "denied"
-    APPROVAL_TIMEOUT = "approval_timeout"
-    NO_APPROVER = "no_approver"
-    DENIED_EARLIER = "denied_earlier"
-    TOO_MANY_PENDING = "too_many_pending"
-    IP_LITERAL = "ip_literal"
-    PRIVATE_ADDRESS = "private_address"
-    PORT_NOT_ALLOWED = "port_not_allowed"
-    SNI_MISMATCH = "sni_mismatch"
-    BAD_REQUEST = "bad_request"
-    AUTH_REQUIRED = "auth_required"
-    RESOLVE_FAILED = "resolve_failed"
-    UPSTREAM_UNREACHABLE = "upstream_unreachable"
-    UPSTREAM_TIMEOUT = "upstream_timeout"
-    LIMIT_EXCEEDED = "limit_exceeded"
-    # Not in the design's list: the audit log cannot be written, so nothing may
-    # go out unrecorded (fail closed). Answered with 503.
-    AUDIT_UNAVAILABLE = "audit_unavailable"
-    # egressd stopped while the request was held or queued (503).
-    SHUTTING_DOWN = "shutting_down"
 
 
 class Verdict(enum.Enum):

@@ -37,7 +37,8 @@ from names.addresses import IPAddress, unmapped
 from names.hosts import HostError, registered_domain
 
 from .memo import remember
-from .policy import Entry, PolicyDecision, Reason, RunPolicy, Verdict, approval_ports, decide
+from .policy import Entry, PolicyDecision, RunPolicy, Verdict, approval_ports, decide
+from .reasons import Reason
 
 DEFAULT_RUN_ID = "default"
 # Enough for an agent's step to be read back by the runner; older events stay

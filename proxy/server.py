@@ -35,12 +35,12 @@ from audit.records import EgressKind
 from names.addresses import IPAddress
 from names.hosts import normalised
 
-from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client, tls_alert
+from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client
 from .exchange import Exchange
 from .gate import Admission, Attempt, DialError, Gate
 from .http1 import Destination, HttpError, RequestHead, ResponseHead, request_destination
-from .policy import Reason
-from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
+from .reasons import Reason
+from .responses import CONNECT_ESTABLISHED, refusal, tls_refusal
 from .runs import NOT_WAITING, Run, RunRegistry, source_address
 from .stream import IdleTimeout, Peer, PeerClosed
 from .tunnel import ClientCheck, Tunnel
@@ -51,6 +51,8 @@ log = logging.getLogger("egressd.proxy")
 IDLE_END = "idle_timeout"
 # ... and when egressd cut it on stopping, after the grace period.
 SHUTDOWN_END = "shutdown"
+# A connection cap's 429 says to try again in a second: connections end all the time.
+RETRY_AFTER_S = 1
 # Why a run's connection is refused at its cap (the record's detail).
 RUN_CAP_DETAIL = "too many open connections in the run"
 # Why nothing was dialled for a client that hung up while its request was decided (held for an answer).
@@ -212,7 +214,7 @@ class ProxyServer(Listener):
         try:
             if metrics.connections_open > self.limits.max_connections:
                 attempt = self.gate.begin(EgressKind.HTTP, client_text)
-                await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429)
+                await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429, retry_after_s=RETRY_AFTER_S)
                 return
             first = True
             holder = self.runs.bound(source)  # once per connection: its address's run does not change
@@ -252,7 +254,9 @@ class ProxyServer(Listener):
         """
         if holder is not None and holder.at_connection_cap(self.limits.max_connections_per_run):
             attempt.run = holder
-            await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429, message=RUN_CAP_DETAIL)
+            await self._refuse(
+                client, attempt, Reason.LIMIT_EXCEEDED, status=429, retry_after_s=RETRY_AFTER_S, detail=RUN_CAP_DETAIL
+            )
             return False
         try:
             deadline = asyncio.get_running_loop().time() + self.limits.head_timeout_s
@@ -261,11 +265,11 @@ class ProxyServer(Listener):
         except TimeoutError:
             if not first and not client.buf:
                 return False  # an idle keep-alive connection, not an attempt
-            await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=408, message="request head too slow")
+            await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=408, detail="request head too slow")
             return False
         except HttpError as exc:
             reason = Reason.LIMIT_EXCEEDED if exc.status == 431 else Reason.BAD_REQUEST
-            await self._refuse(client, attempt, reason, status=exc.status, message=exc.detail)
+            await self._refuse(client, attempt, reason, status=exc.status, detail=exc.detail)
             return False
         if head is None:
             return False
@@ -274,7 +278,7 @@ class ProxyServer(Listener):
         try:
             destination = self._destination(head)
         except HttpError as exc:
-            await self._refuse(client, attempt, Reason.BAD_REQUEST, status=exc.status, message=exc.detail)
+            await self._refuse(client, attempt, Reason.BAD_REQUEST, status=exc.status, detail=exc.detail)
             return False
         attempt.host, attempt.port = destination.host, destination.port
 
@@ -284,7 +288,7 @@ class ProxyServer(Listener):
             return False
         attempt.run = run
         if run.open_connections >= self.limits.max_connections_per_run:
-            await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429)
+            await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429, retry_after_s=RETRY_AFTER_S)
             return False
         run.open_connections += 1
         try:
@@ -459,24 +463,26 @@ class ProxyServer(Listener):
         reason: Reason | None,
         *,
         status: int | None = None,
-        message: str | None = None,
+        detail: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
-        """Answer a refusal as the contract says and record it."""
+        """Answer a refusal as the contract says (``responses.refusal``) and record it.
+
+        ``status`` overrides the reason's (431, 408); ``detail`` goes to the
+        record only; ``retry_after_s`` goes with a 429 for a connection cap.
+        """
         reason = reason or Reason.BAD_REQUEST
-        attempt.refuse(reason, message)
+        attempt.refuse(reason, detail)
         run = attempt.run
-        extra: list[tuple[str, str]] = []
-        if status == 429 or (status is None and STATUS_FOR_REASON.get(reason.value) == 429):
-            extra.append(("Retry-After", "1"))
         data = refusal(
-            status or STATUS_FOR_REASON.get(reason.value, 403),
-            reason.value,
+            reason,
             attempt.host or "-",
             attempt.port,
             run.id if run else None,
             attempt.id,
-            attempt.message or REASON_MESSAGES.get(reason.value, reason.value),
-            extra,
+            status=status,
+            message=attempt.message,
+            retry_after_s=retry_after_s,
         )
         self.gate.finish(attempt)
         with contextlib.suppress(PeerClosed):
@@ -522,7 +528,7 @@ class SniCheck:
         except NotTls:
             return None
         except ClientHelloError as exc:
-            self._refuse(tunnel, Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc))
+            self._refuse(tunnel, Reason.BAD_REQUEST, str(exc), alert=Alert.DECODE_ERROR)
             return 0
         for hello in scanned.hellos:
             if not self._allowed(tunnel, hello):
@@ -535,30 +541,39 @@ class SniCheck:
         return self._server.feed(data)
 
     def expired(self, tunnel: Tunnel) -> None:
-        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, None, "ClientHello incomplete in time")
+        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, "ClientHello incomplete in time", silent=True)
 
     def _allowed(self, tunnel: Tunnel, hello: ClientHello) -> bool:
         if hello.ech:
-            self._refuse(tunnel, Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, ECH_DETAIL)
+            self._refuse(tunnel, Reason.SNI_MISMATCH, ECH_DETAIL)
             return False
         if hello.server_name is None:
             if not self.name_required:
                 return True
-            self._refuse(tunnel, Reason.BAD_REQUEST, Alert.MISSING_EXTENSION, "ClientHello without server_name")
+            self._refuse(tunnel, Reason.BAD_REQUEST, "ClientHello without server_name", alert=Alert.MISSING_EXTENSION)
             return False
         name = normalised(hello.server_name)
         if name == self.attempt.host:
             return True
         self.attempt.extra["sni"] = name or hello.server_name
-        self._refuse(tunnel, Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, None)
+        self._refuse(tunnel, Reason.SNI_MISMATCH)
         return False
 
-    def _refuse(self, tunnel: Tunnel, reason: Reason, alert: Alert | None, detail: str | None) -> None:
-        """An alert, the close, and the record says deny with ``reason`` (written when the tunnel ends)."""
+    def _refuse(
+        self,
+        tunnel: Tunnel,
+        reason: Reason,
+        detail: str | None = None,
+        *,
+        alert: Alert | None = None,
+        silent: bool = False,
+    ) -> None:
+        """An alert (``responses.tls_refusal``; none when ``silent``), the close, and the
+        record says deny with ``reason`` (written when the tunnel ends)."""
         self.gate.overrule(self.attempt, reason)
         if detail:
             self.attempt.extra["detail"] = detail
         transport = tunnel.client.transport
-        if alert is not None and transport is not None and not transport.is_closing():
-            transport.write(tls_alert(alert))
+        if not silent and transport is not None and not transport.is_closing():
+            transport.write(tls_refusal(reason, alert))
         tunnel.close()

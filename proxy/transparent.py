@@ -37,11 +37,11 @@ from audit.records import EgressKind
 from names.addresses import IPAddress
 from names.hosts import normalised
 
-from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello, tls_alert
+from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello
 from .gate import Attempt, DialError, Gate
 from .http1 import Destination, HttpError, RequestHead, request_destination
-from .policy import Reason
-from .responses import STATUS_FOR_REASON
+from .reasons import Reason
+from .responses import tls_refusal
 from .runs import NOT_WAITING, Run, RunRegistry, source_address
 from .server import ECH_DETAIL, GONE_DETAIL, RUN_CAP_DETAIL, Listener, ListenerLimits, ProxyServer, SniCheck
 from .stream import Peer, PeerClosed
@@ -122,28 +122,31 @@ class TransparentHttpServer(ProxyServer):
         reason: Reason | None,
         *,
         status: int | None = None,
-        message: str | None = None,
+        detail: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         if reason is Reason.AUTH_REQUIRED and status is None:
             # 407 asks for proxy credentials, which a client that does not
             # know it talks to a proxy cannot send: refuse plainly.
             status = 403
-        await super()._refuse(client, attempt, reason, status=status, message=message)
+        await super()._refuse(client, attempt, reason, status=status, detail=detail, retry_after_s=retry_after_s)
 
 
 class _Refusal(Exception):
-    """End this connection: the reason to record and the alert to send (None: none)."""
+    """End this connection: the reason to record, and the alert to send (``responses.tls_refusal``).
 
-    def __init__(self, reason: Reason, alert: Alert | None, detail: str | None = None) -> None:
+    ``alert`` overrides the reason's own; ``silent``: close without an alert
+    (the client has not spoken TLS, or is shed before it did).
+    """
+
+    def __init__(
+        self, reason: Reason, detail: str | None = None, *, alert: Alert | None = None, silent: bool = False
+    ) -> None:
         super().__init__(detail or reason.value)
         self.reason = reason
-        self.alert = alert
         self.detail = detail
-
-
-def _alert_for(reason: Reason) -> Alert:
-    """A policy refusal is access_denied (RFC 8446 §6.2); an upstream failure internal_error."""
-    return Alert.ACCESS_DENIED if STATUS_FOR_REASON.get(reason.value) in (403, 407) else Alert.INTERNAL_ERROR
+        self.alert = alert
+        self.silent = silent
 
 
 class TransparentTlsServer(Listener):
@@ -163,12 +166,12 @@ class TransparentTlsServer(Listener):
         record = True
         try:
             if metrics.connections_open > self.limits.max_connections:
-                raise _Refusal(Reason.LIMIT_EXCEEDED, None, "too many open connections")
+                raise _Refusal(Reason.LIMIT_EXCEEDED, "too many open connections", silent=True)
             source = source_address(str(peer[0]))
             holder = self.runs.bound(source)  # known before the hello: its slow hellos count against its own cap
             if holder is not None and holder.at_connection_cap(self.limits.max_connections_per_run):
                 attempt.run = holder
-                raise _Refusal(Reason.LIMIT_EXCEEDED, Alert.INTERNAL_ERROR, RUN_CAP_DETAIL)
+                raise _Refusal(Reason.LIMIT_EXCEEDED, RUN_CAP_DETAIL)
             with holder.waiting_head() if holder is not None else NOT_WAITING:
                 hello = await self._read_hello(client)
             if hello is None:
@@ -177,9 +180,9 @@ class TransparentTlsServer(Listener):
             await self._serve_hello(client, attempt, hello, source)
         except _Refusal as refusal:
             attempt.refuse(refusal.reason, refusal.detail)
-            if refusal.alert is not None:
+            if not refusal.silent:
                 try:
-                    await client.send(tls_alert(refusal.alert))
+                    await client.send(tls_refusal(refusal.reason, refusal.alert))
                 except PeerClosed:
                     pass
         except PeerClosed:
@@ -206,34 +209,34 @@ class TransparentTlsServer(Listener):
                     try:
                         hello = parse_client_hello(client.buf)
                     except NotTls:
-                        raise _Refusal(Reason.BAD_REQUEST, None, "not a TLS ClientHello") from None
+                        raise _Refusal(Reason.BAD_REQUEST, "not a TLS ClientHello", silent=True) from None
                     except ClientHelloError as exc:
-                        raise _Refusal(Reason.BAD_REQUEST, Alert.DECODE_ERROR, str(exc)) from None
+                        raise _Refusal(Reason.BAD_REQUEST, str(exc), alert=Alert.DECODE_ERROR) from None
                     if hello is not None:
                         return hello
                 if not await client.fill(deadline):
                     if client.buf:
-                        raise _Refusal(Reason.BAD_REQUEST, None, "closed inside the ClientHello")
+                        raise _Refusal(Reason.BAD_REQUEST, "closed inside the ClientHello", silent=True)
                     return None
         except TimeoutError:
-            raise _Refusal(Reason.LIMIT_EXCEEDED, None, "no complete ClientHello in time") from None
+            raise _Refusal(Reason.LIMIT_EXCEEDED, "no complete ClientHello in time", silent=True) from None
 
     async def _serve_hello(self, client: Peer, attempt: Attempt, hello: ClientHello, source: IPAddress | None) -> None:
         """Attribute, decide on the SNI, dial, replay and splice; refusals raise _Refusal."""
         if hello.server_name is None:
-            raise _Refusal(Reason.BAD_REQUEST, Alert.MISSING_EXTENSION, "ClientHello without server_name")
+            raise _Refusal(Reason.BAD_REQUEST, "ClientHello without server_name", alert=Alert.MISSING_EXTENSION)
         # A name that is no host is kept as sent: the gate refuses it as bad_request.
         attempt.host = normalised(hello.server_name) or hello.server_name
         run = self.runs.attribute(source, None)
         if run is None:
-            raise _Refusal(Reason.AUTH_REQUIRED, Alert.ACCESS_DENIED)
+            raise _Refusal(Reason.AUTH_REQUIRED)
         attempt.attribute(run)
         if hello.ech:
             # Refused before the policy runs: the SNI is a cover name, so no
             # approver is asked about it and nothing is dialled.
-            raise _Refusal(Reason.SNI_MISMATCH, Alert.ACCESS_DENIED, ECH_DETAIL)
+            raise _Refusal(Reason.SNI_MISMATCH, ECH_DETAIL)
         if run.open_connections >= self.limits.max_connections_per_run:
-            raise _Refusal(Reason.LIMIT_EXCEEDED, Alert.INTERNAL_ERROR, "too many open connections in the run")
+            raise _Refusal(Reason.LIMIT_EXCEEDED, "too many open connections in the run")
         run.open_connections += 1
         try:
             try:
@@ -245,12 +248,11 @@ class TransparentTlsServer(Listener):
                 attempt.extra["detail"] = GONE_DETAIL
                 raise
             if not admission.allowed:
-                reason = admission.reason or Reason.BAD_REQUEST
-                raise _Refusal(reason, _alert_for(reason))
+                raise _Refusal(admission.reason or Reason.BAD_REQUEST)
             try:
                 upstream = await self.gate.dial(attempt, admission, Peer)
             except DialError as exc:
-                raise _Refusal(exc.reason, Alert.INTERNAL_ERROR, str(exc)) from None
+                raise _Refusal(exc.reason, str(exc)) from None
             self._splice(client, upstream, attempt, check=SniCheck(self.gate, attempt, name_required=True))
         finally:
             if not attempt.handed_off:

@@ -35,7 +35,8 @@ from proxy.dnsserver import (
     read_query,
     unreachable_reason,
 )
-from proxy.policy import Reason, parse_entry
+from proxy.policy import parse_entry
+from proxy.reasons import Reason
 from proxy.runs import Run
 from tests.fakes.dns import FakeDns
 from tests.harness import egress

@@ -36,7 +36,8 @@ from audit.log import MemoryAuditSink
 from config.settings import SettingsError, load_settings, protected_url
 from names.hosts import HostError, normalise_host
 from names.suffixes import public_suffix
-from proxy.policy import EntryError, Reason, RunPolicy, Verdict, decide, parse_entry
+from proxy.policy import EntryError, RunPolicy, Verdict, decide, parse_entry
+from proxy.reasons import Reason
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes.dns import FakeDns
 from tests.fakes.webhook import WebhookReceiver, make_secret

@@ -15,7 +15,7 @@ from approvals.deny import DenyApprover
 from approvals.interface import Answer, ChannelError
 from approvals.ledger import Ledger
 from audit.log import MemoryAuditSink
-from proxy.responses import REASON_MESSAGES, STATUS_FOR_REASON
+from proxy.reasons import Reason
 from tests.conftest import Listener
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import connect_via, egress, free_port, wait_until
@@ -78,9 +78,9 @@ async def test_a_request_held_when_egressd_stops_hears_shutting_down() -> None:
 
 
 def test_shutting_down_is_a_503_with_a_true_phrase() -> None:
-    assert STATUS_FOR_REASON["shutting_down"] == 503
-    assert "stop" in REASON_MESSAGES["shutting_down"]
-    assert STATUS_FOR_REASON["audit_unavailable"] == 503
+    assert Reason.SHUTTING_DOWN.status == 503
+    assert "stop" in Reason.SHUTTING_DOWN.message
+    assert Reason.AUDIT_UNAVAILABLE.status == 503
 
 
 async def test_a_webhook_post_left_unanswered_at_the_deadline_is_approval_timeout(hook: Any) -> None:  # noqa: F811

@@ -35,7 +35,7 @@ from agent.transcript import TranscriptError, TranscriptWriter
 from audit.views import EgressSeen, Refusal
 from config.settings import Settings, SettingsError
 from names.shown import printable
-from proxy.responses import REASON_MESSAGES
+from proxy.reasons import reason_message
 from sandbox.backend import EXIT_CANNOT_START, Observation, SandboxError
 from sandbox.limits import DEFAULT_MAX_PIDS, Limits
 
@@ -203,7 +203,7 @@ class SandboxExecutor:
             raise ExecutorError(str(exc)) from None
         await asyncio.sleep(SETTLE_S)
         obs.egress_refusals = [
-            Refusal(r.host, r.port, r.reason, message=REASON_MESSAGES.get(r.reason or "", r.reason))
+            Refusal(r.host, r.port, r.reason, message=r.reason and reason_message(r.reason))
             for r in self.session.refusals_since(cursor)
         ]
         return obs
@@ -228,7 +228,7 @@ class EgressTally:
         if seen.denied:
             reason = seen.reason or ""
             self.counts["denied"] += 1
-            self.destinations["denied"][f"{target} ({REASON_MESSAGES.get(reason, reason)})"] += 1
+            self.destinations["denied"][f"{target} ({reason_message(reason)})"] += 1
             return
         if seen.approved:
             self.approved_hosts.add(str(host))

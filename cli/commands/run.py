@@ -30,7 +30,7 @@ from approvals.terminal import TerminalOutput
 from audit.views import EgressSeen
 from config.settings import Settings, SettingsError
 from names.shown import logged
-from proxy.responses import REASON_MESSAGES
+from proxy.reasons import reason_message
 from sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
 from sandbox.copyout import CopyOutError, check_destination, check_pattern
 from sandbox.docker.config import DEFAULT_DOCKER_RANGE
@@ -123,7 +123,7 @@ def refusal_line(seen: EgressSeen) -> str | None:
     reason = seen.reason or ""
     target = logged(seen.target)
     kind = " (dns)" if seen.kind == "dns" else ""
-    return f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})\n"
+    return f"egressd: blocked {target}{kind} ({reason_message(reason)})\n"
 
 
 def _on_tty(stream: TextIO | None) -> bool:

@@ -85,7 +85,8 @@ from proxy.http1 import (
     request_body_kind,
     request_destination,
 )
-from proxy.policy import Reason, RunPolicy, decide
+from proxy.policy import RunPolicy, decide
+from proxy.reasons import Reason
 from proxy.runs import RunRegistry, parse_proxy_authorization
 from tests.fakes import hellos
 from tests.fuzz import toy_parser
