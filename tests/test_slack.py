@@ -29,11 +29,11 @@ from approvals.slack import (
 from audit.log import MemoryAuditSink
 from config.settings import load_settings
 from tests.conftest import Listener
+from tests.fakes.control import control_server
 from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request
 from tests.fakes.webhook import WebhookReceiver
 from tests.harness import listening_socket, refused_port, wait_until
 from tests.test_broker import RecordingChannel, request
-from tests.test_webhook import control_server
 
 CHANNEL = "C0APPROVE"
 ALICE = "U0ALICE"
