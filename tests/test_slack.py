@@ -233,16 +233,6 @@ def Decision_allow() -> Any:  # noqa: N802 - reads like the enum member it retur
     return Decision.ALLOW
 
 
-async def test_expiry_updates_the_message_to_expired_and_denied(
-    fake_slack: FakeSlack, slack_broker: Callable[..., Any]
-) -> None:
-    broker = await slack_broker(timeout_s=0.3)
-    outcome = await asyncio.wait_for(broker.ask(request()), 5)
-    assert outcome.answer is Answer.TIMEOUT
-    await wait_until(lambda: fake_slack.called("chat.update"))
-    assert "Expired — denied" in json.dumps(fake_slack.called("chat.update")[0]["blocks"], ensure_ascii=False)
-
-
 async def test_rate_limits_are_retried_by_slack_sdk(fake_slack: FakeSlack, slack_broker: Callable[..., Any]) -> None:
     broker = await slack_broker()
     fake_slack.rate_limit = 1
