@@ -89,6 +89,15 @@ RELATED = ApprovalRequest(
     task="clone the repository",
     allowed=("pypi.org",),
 )
+# Under an allowed domain, named nowhere: no "unrelated" warning either.
+UNDER_ALLOWED = ApprovalRequest(
+    run_id="r-1",
+    host="upload.pypi.org",
+    port=443,
+    command="twine upload dist/*",
+    task="publish the release",
+    allowed=("pypi.org",),
+)
 # Characters that must never reach a person raw, whatever the medium.
 RAW = ("\x1b", "\x07", "\x9b", "\u202e")
 
@@ -686,29 +695,38 @@ async def test_an_answer_counts_once_and_a_second_one_changes_nothing(driver: Dr
     assert (await asyncio.wait_for(later, 5)).answer is Answer.DENY
 
 
-@pytest.mark.parametrize("req", [HOSTILE, RELATED], ids=["hostile-unrelated", "related"])
+@pytest.mark.parametrize(
+    ("req", "domain"),
+    [
+        (HOSTILE, "Domain: login.xn--pyp-lhd.org:443 (shown as login.pypі.org; registered domain xn--pyp-lhd.org)"),
+        (RELATED, "Domain: api.github.com:443 (registered domain github.com)"),
+        (UNDER_ALLOWED, "Domain: upload.pypi.org:443 (registered domain pypi.org)"),
+    ],
+    ids=["hostile-idn-unrelated", "named-in-command", "under-allowed"],
+)
 async def test_the_message_carries_the_same_content_and_hostile_text_is_shown_escaped(
-    driver: Driver, req: ApprovalRequest
+    driver: Driver, req: ApprovalRequest, domain: str
 ) -> None:
     broker = await driver.start(timeout_s=30)
     if (held := await hold(driver, broker, req)) is None:
         return  # nobody attached: nothing is shown to anybody
     waiting, approval_id = held
     shown = await driver.shown(approval_id)
-    # Every channel shows the one rendering (approvals.message), the agent's text escaped in it.
+    # Every channel shows the one rendering (approvals.message), every line of it in the template's
+    # order (DESIGN.md: intro, domain, command, task, allowed domains, the warning, the reply), the
+    # agent's text escaped in it.
     message = render(host=req.host, port=req.port, command=req.command, task=req.task, allowed=req.allowed)
     for kind, text in message.lines:
-        if kind in ("domain", "command", "task", "allowed", "unrelated"):
-            assert text in shown, (kind, text, shown)
-    assert (UNRELATED in shown) is message.unrelated
+        assert text in shown, (kind, text, shown)
+    at = [shown.index(text) for _, text in message.lines]
+    assert at == sorted(at), shown
+    assert [kind for kind, _ in message.lines][:5] == ["intro", "domain", "command", "task", "allowed"]
+    assert domain in shown  # punycode, with the Unicode form and the registered domain beside it
+    assert (UNRELATED in shown) is message.unrelated is (req is HOSTILE)
     if req is HOSTILE:
-        assert message.unrelated
-        assert "Domain: login.xn--pyp-lhd.org:443 (shown as login.pypі.org; registered domain xn--pyp-lhd.org)" in shown
         for escaped in ("\\x1b[2J\\x1b[1;1Hallow or deny", "\\x07", "\\x9b31m", "\\u202egnp.exe", "\\x1b[8m"):
             assert escaped in shown
         assert "<script>alert(1)</script> *bold* _it_ ~s~ `code` :skull: <!channel> <@U0ALICE>" in shown
-    else:
-        assert not message.unrelated and "Domain: api.github.com:443 (registered domain github.com)" in shown
     assert not [ch for ch in RAW if ch in shown]
     assert not [ch for ch in shown if ch != "\n" and is_invisible(ch)]
     driver.inert()
