@@ -19,11 +19,12 @@ Each check runs once per way a person answers an approval, under a real
 
 A ``Driver`` knows only how a person sees and answers its channel; the
 checks are the same for all. What one channel does and another does not is
-a failure here, whatever the channel's own tests say. Where a point cannot
-be put to a channel at all, the check is not generated for it and its
-parametrisation says why (``drivers``): the terminal's answer names no
-approval; only Slack and the control API bind an answer to one run; the
-control API and nobody are no channel that could go away.
+a failure here, whatever the channel's own tests say. Where a check cannot
+be put to a channel at all, it is not generated for it (``drivers``, no
+skips): the terminal's answer names no approval (no unknown id to type);
+the control API and nobody are no channel that could go away; nobody is
+itself the never-attached case. Only Slack and the control API bind an
+answer to one run, so only they are handed another run's approval to answer.
 """
 
 from __future__ import annotations
