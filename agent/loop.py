@@ -78,14 +78,16 @@ class Step:
             "timed_out": obs.timed_out if obs else False,
             "memory_exceeded": obs.memory_exceeded if obs else False,
             "egress_refusals": [
-                {"host": r.get("host"), "port": r.get("port"), "reason": r.get("reason")}
+                {"host": r.host, "port": r.port, "reason": r.reason}
                 for r in (obs.egress_refusals if obs else [])
             ],
         }
 
 
 @dataclass
-class Outcome:
+class AgentOutcome:
+    """How the agent's loop ended: why it stopped, its final answer or error, and every step."""
+
     stop: Stop
     final: str | None = None
     error: str | None = None
@@ -141,12 +143,12 @@ async def run_agent(
     timeout_s: float | None = None,
     memory_mb: int | None = None,
     reporter: Reporter | None = None,
-) -> Outcome:
+) -> AgentOutcome:
     """Drive the model until it answers or a stop rule ends the run (see the module docstring)."""
     if max_steps < 1:
         raise ValueError("max_steps must be at least 1")
     report = reporter or SilentReporter()
-    outcome = Outcome(Stop.ERROR)
+    outcome = AgentOutcome(Stop.ERROR)
     timeouts_in_a_row = 0
     while True:
         try:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
+from audit.views import Refusal
 from sandbox.backend import Observation
 
 SYSTEM_PROMPT = """\
@@ -71,11 +71,9 @@ def system_prompt(
     )
 
 
-def _refusal_line(refusal: dict[str, Any]) -> str:
-    host, port, reason = refusal.get("host"), refusal.get("port"), refusal.get("reason")
-    target = f"{host}:{port}" if port else str(host)
-    detail = refusal.get("message")
-    return f"- {target}: {reason}" + (f" ({detail})" if detail and detail != reason else "")
+def _refusal_line(refusal: Refusal) -> str:
+    reason, detail = refusal.reason, refusal.message
+    return f"- {refusal.target}: {reason}" + (f" ({detail})" if detail and detail != reason else "")
 
 
 def render_observation(obs: Observation, *, timeout_s: float | None, memory_mb: int | None) -> str:

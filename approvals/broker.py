@@ -62,7 +62,7 @@ from .interface import (
     ApprovalRequest,
     Channel,
     ChannelUnavailable,
-    Decision,
+    Choice,
     Notice,
     PendingApproval,
     Route,
@@ -312,9 +312,9 @@ class ApprovalBroker:
 
     # -- the Answerer -------------------------------------------------------------
 
-    def answer(self, approval_id: str, decision: Decision, *, channel: str, by: str | None) -> Answered:
+    def answer(self, approval_id: str, decision: Choice, *, channel: str, by: str | None) -> Answered:
         """A person's answer from a channel or the control API; the first one decides."""
-        if not isinstance(approval_id, str) or not isinstance(decision, Decision):
+        if not isinstance(approval_id, str) or not isinstance(decision, Choice):
             return Answered(AnswerResult.UNKNOWN)
         shown_by = bounded(by, MAX_BY_CHARS) if by else None
         answered = self._ledger.answer(approval_id, decision, channel=channel, by=shown_by, now=self._clock())

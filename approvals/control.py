@@ -30,7 +30,7 @@ from aiohttp import web
 
 from audit.records import rfc3339
 
-from .interface import Answerer, AnswerResult, Decision, PendingApproval, Route
+from .interface import Answerer, AnswerResult, Choice, PendingApproval, Route
 from .message import settled_text
 
 CHANNEL = "control"
@@ -73,7 +73,7 @@ def control_routes(answerer: Answerer) -> list[Route]:
             {"approvals": [describe(a) for a in answerer.pending() if scope.covers(a.request.run_id)]}
         )
 
-    async def decide(request: web.Request, decision: Decision) -> web.Response:
+    async def decide(request: web.Request, decision: Choice) -> web.Response:
         approval_id = request.match_info["approval_id"]
         by = DEFAULT_BY
         raw = await request.content.read(MAX_BODY_BYTES + 1)
@@ -115,10 +115,10 @@ def control_routes(answerer: Answerer) -> list[Route]:
         )
 
     async def allow(request: web.Request) -> web.Response:
-        return await decide(request, Decision.ALLOW)
+        return await decide(request, Choice.ALLOW)
 
     async def deny(request: web.Request) -> web.Response:
-        return await decide(request, Decision.DENY)
+        return await decide(request, Choice.DENY)
 
     routes: Sequence[Route] = (
         Route("GET", "/approvals", list_pending),

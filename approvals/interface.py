@@ -100,8 +100,8 @@ class Approver(Protocol):
 # -- the broker and its channels ----------------------------------------------
 
 
-class Decision(enum.Enum):
-    """What a person can answer."""
+class Choice(enum.Enum):
+    """What a person can choose when asked: allow or deny (``Answer`` is how the approval ended)."""
 
     ALLOW = "allow"
     DENY = "deny"
@@ -210,7 +210,7 @@ class Notice:
 class Answerer(Protocol):
     """The broker as channels and the control API see it."""
 
-    def answer(self, approval_id: str, decision: Decision, *, channel: str, by: str | None) -> Answered:
+    def answer(self, approval_id: str, decision: Choice, *, channel: str, by: str | None) -> Answered:
         """Pass on a person's answer. The first valid answer decides; any
         later one gets ``SETTLED``. Never raises for a bad id."""
         ...

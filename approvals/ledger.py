@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .interface import Answer, Answered, AnswerResult, ApprovalRequest, Decision, Settlement
+from .interface import Answer, Answered, AnswerResult, ApprovalRequest, Choice, Settlement
 
 Key = tuple[str, str, int]
 
@@ -171,7 +171,7 @@ class Ledger:
             return None
         return self._settle(approval, Answer.NO_APPROVER, None, None, now)
 
-    def answer(self, approval_id: str, decision: Decision, *, channel: str, by: str | None, now: float) -> Answered:
+    def answer(self, approval_id: str, decision: Choice, *, channel: str, by: str | None, now: float) -> Answered:
         """A person's answer: the first one decides."""
         approval = self._open.get(approval_id)
         if approval is None:
@@ -179,7 +179,7 @@ class Ledger:
             if settled is not None:
                 return Answered(AnswerResult.SETTLED, settled)
             return Answered(AnswerResult.UNKNOWN)
-        answer = Answer.ALLOW if decision is Decision.ALLOW else Answer.DENY
+        answer = Answer.ALLOW if decision is Choice.ALLOW else Answer.DENY
         return Answered(AnswerResult.ACCEPTED, self._settle(approval, answer, channel, by, now))
 
     def expire(self, approval_id: str, *, now: float) -> Settlement | None:

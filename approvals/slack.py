@@ -72,7 +72,7 @@ from .interface import (
     Answerer,
     AnswerResult,
     ChannelError,
-    Decision,
+    Choice,
     Notice,
     PendingApproval,
     Route,
@@ -90,7 +90,7 @@ _sdk_log.setLevel(logging.INFO)
 INTERACTIVITY_PATH = "/approvals/slack"
 ALLOW_ACTION = "egressd_allow"
 DENY_ACTION = "egressd_deny"
-_ACTIONS = {ALLOW_ACTION: Decision.ALLOW, DENY_ACTION: Decision.DENY}
+_ACTIONS = {ALLOW_ACTION: Choice.ALLOW, DENY_ACTION: Choice.DENY}
 # One Web API call (each retry included) within this, unless the deadline is nearer.
 REQUEST_TIMEOUT_S = 10
 # Slack wants an interactivity response within 3 s.
@@ -629,7 +629,7 @@ class SlackChannel:
     async def _click(
         self,
         value: str,
-        decision: Decision,
+        decision: Choice,
         user_id: str,
         name: str | None,
         channels: set[object],

@@ -63,7 +63,7 @@ from .interface import (
     AnswerResult,
     ChannelError,
     ChannelUnavailable,
-    Decision,
+    Choice,
     Notice,
     PendingApproval,
     Route,
@@ -699,9 +699,9 @@ class TerminalChannel:
             return
         word = self._typed.strip().lower()
         if word in _ALLOW_WORDS:
-            decision = Decision.ALLOW
+            decision = Choice.ALLOW
         elif word in _DENY_WORDS:
-            decision = Decision.DENY
+            decision = Choice.DENY
         else:
             self._typed = ""
             self._hint = True  # said on the input line: a line of its own would push the message up
@@ -709,7 +709,7 @@ class TerminalChannel:
             return
         answered = self._answerer.answer(current.id, decision, channel=self.name, by=self._who)
         if answered.result is AnswerResult.ACCEPTED:
-            self._finish("allowed for this run" if decision is Decision.ALLOW else "denied for this run")
+            self._finish("allowed for this run" if decision is Choice.ALLOW else "denied for this run")
         elif answered.settlement is not None:
             self._finish(f"already settled: {settled_text(answered.settlement)}")
         else:

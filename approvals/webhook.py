@@ -56,7 +56,7 @@ from .interface import (
     Answerer,
     AnswerResult,
     ChannelError,
-    Decision,
+    Choice,
     Notice,
     PendingApproval,
     Route,
@@ -120,7 +120,7 @@ def abandoned_payload(approval: PendingApproval, at: float) -> dict[str, Any]:
     }
 
 
-def parse_answer(body: bytes) -> tuple[Decision, str | None] | None:
+def parse_answer(body: bytes) -> tuple[Choice, str | None] | None:
     """``{"decision": "allow"|"deny", "by"?: str}`` → (decision, by); None when the body holds no answer."""
     try:
         data = json.loads(body)
@@ -129,7 +129,7 @@ def parse_answer(body: bytes) -> tuple[Decision, str | None] | None:
     if not isinstance(data, dict):
         return None
     try:
-        decision = Decision(data.get("decision"))
+        decision = Choice(data.get("decision"))
     except ValueError:
         return None
     by = data.get("by")

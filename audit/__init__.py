@@ -6,5 +6,7 @@
   closed: once a write fails, ``healthy`` is false and the proxy refuses new
   egress; and the in-memory sink used by tests;
 - ``query``    reading, filtering, following and printing the log for
-  ``egressd audit``.
+  ``egressd audit``;
+- ``views``    an egress record read back once into what ``egressd run`` and
+  ``egressd agent`` show of it (``EgressSeen``, ``Refusal``).
 """

@@ -1,6 +1,14 @@
-"""Audit records as plain dicts, ready for one JSON line each.
+"""Audit facts, and the records they serialise to (plain dicts, one JSON line each).
 
-Pure: no I/O, no clock (every builder takes ``ts``, epoch seconds), no
+A fact is what happened, typed and frozen, built once where it is known:
+``EgressDecided`` (an attempt's ``egress`` record), ``EgressEnded`` (an
+allowed connection's ``egress.end``), ``ApprovalRequested``,
+``ApprovalSettled`` (``approval.decided``) and ``ApprovalAbandoned``. Its
+``record()`` is the dict the writer serialises, keys in the design's order.
+Building a fact checks what its types cannot (``RecordError``); the
+``*_record`` functions build one from keyword arguments and return its record.
+
+Pure: no I/O, no clock (every fact and builder takes ``ts``, epoch seconds), no
 environment. The one exception is ``new_request_id``, which draws from
 ``secrets`` because a request id must be unguessable.
 
@@ -21,9 +29,18 @@ import math
 import re
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 __all__ = [
     "APPROVAL_ABANDONED",
+    "ApprovalAbandoned",
+    "ApprovalRequested",
+    "ApprovalSettled",
+    "ApprovalSummary",
+    "Decision",
+    "EgressDecided",
+    "EgressEnded",
+    "EgressKind",
     "APPROVAL_DECIDED",
     "APPROVAL_REQUESTED",
     "CHAIN_FIELD",
@@ -106,8 +123,8 @@ _END_RESERVED: frozenset[str] = frozenset(EGRESS_END_FIELDS) | {"prev"}
 CHAIN_FIELD = "prev"
 _EGRESS_RESERVED: frozenset[str] = _EGRESS_FIELD_SET | {CHAIN_FIELD}
 
-EGRESS_KINDS: frozenset[str] = frozenset({"connect", "http", "tls", "dns"})
-DECISIONS: frozenset[str] = frozenset({"allow", "deny"})
+EGRESS_KINDS: frozenset[str] = frozenset({"connect", "http", "tls", "dns"})  # EgressKind's values
+DECISIONS: frozenset[str] = frozenset({"allow", "deny"})  # Decision's values
 
 # Substrings of key names whose values are never written. Matching substrings
 # (not whole names) errs towards dropping: losing a harmless "max_tokens" is
@@ -179,6 +196,168 @@ _last_second: int | None = None
 _last_text = ""
 
 
+class EgressKind(enum.StrEnum):
+    """What an egress attempt was: the ``kind`` of its ``egress`` record."""
+
+    CONNECT = "connect"  # a CONNECT tunnel through the explicit proxy
+    HTTP = "http"  # a plain-HTTP request, explicit or transparent
+    TLS = "tls"  # a transparent TLS connection, decided on its SNI
+    DNS = "dns"  # a query to egressd's DNS server
+
+
+class Decision(enum.StrEnum):
+    """Allowed or refused: the ``decision`` of an egress or approval record."""
+
+    ALLOW = "allow"
+    DENY = "deny"
+
+
+# The plain strings a record holds (a dict lookup: cheaper than ``.value`` per record).
+_KIND_TEXT: dict[object, str] = {kind: kind.value for kind in EgressKind}
+_DECISION_TEXT: dict[object, str] = {decision: decision.value for decision in Decision}
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalSummary:
+    """The ``approval`` field of an egress record: the approval asked for it."""
+
+    id: str | None  # the design's field name, shadowing the builtin
+    channel: str | None
+    by: str | None
+    waited_s: float
+
+    def record(self) -> dict[str, object]:
+        return _approval({"id": self.id, "channel": self.channel, "by": self.by, "waited_s": self.waited_s})
+
+
+@dataclass(frozen=True, slots=True)
+class EgressDecided:
+    """One attempt, decided: the content of its ``egress`` record.
+
+    An allowed connection's record is written ahead (before the dial), with
+    ``bytes_up``, ``bytes_down`` and ``duration_s`` None; a refusal's is
+    final and carries them. ``extra`` holds what the kind adds
+    (``qtype``/``answer`` for DNS, ``status`` for http, ``detail``, ...).
+    Built with a ``kind`` or ``decision`` that is not one of the enum's
+    values, or an ``extra`` key that would shadow a field or set ``prev``,
+    it raises ``RecordError``.
+    """
+
+    id: str  # the design's field name, shadowing the builtin
+    ts: float
+    run: str | None
+    kind: EgressKind
+    client: str | None
+    host: str | None
+    port: int | None
+    address: str | None
+    decision: Decision
+    reason: str | None
+    rule: str | None
+    approval: ApprovalSummary | Mapping[str, object] | None
+    command: str | None
+    bytes_up: int | None = None
+    bytes_down: int | None = None
+    duration_s: float | None = None
+    extra: Mapping[str, object] | None = None
+
+    def __post_init__(self) -> None:
+        # One fact per connection and per DNS query: each check has a fast path for the common value.
+        kind, decision, extra = self.kind, self.decision, self.extra
+        if kind.__class__ is not EgressKind:
+            object.__setattr__(self, "kind", EgressKind(_member(kind, EGRESS_KINDS, "kind")))
+        if decision.__class__ is not Decision:
+            object.__setattr__(self, "decision", Decision(_member(decision, DECISIONS, "decision")))
+        if extra and not _EGRESS_RESERVED.isdisjoint(extra):
+            clash = sorted(set(extra) & _EGRESS_RESERVED)
+            raise RecordError(f"extra fields shadow egress fields: {', '.join(clash)}")
+
+    def record(self) -> dict[str, object]:
+        """The ``egress`` record: every key of ``EGRESS_FIELDS`` in that order, then the ``extra`` keys.
+
+        ``host`` loses any userinfo, path or query string the caller forgot
+        to remove; ``duration_s`` is rounded to microseconds (``RecordError``
+        when it is not a finite number); credential-named keys are dropped
+        from ``approval`` and ``extra``.
+        """
+        reason, approval = self.reason, self.approval
+        record: dict[str, object] = {
+            "event": EGRESS,
+            "id": self.id,
+            "ts": rfc3339(self.ts),
+            "run": self.run,
+            "kind": _KIND_TEXT[self.kind],
+            "client": self.client,
+            "host": _strip_host(self.host),
+            "port": self.port,
+            "address": self.address,
+            "decision": _DECISION_TEXT[self.decision],
+            "reason": reason if reason.__class__ is str else _plain(reason),
+            "rule": self.rule,
+            "approval": (
+                None
+                if approval is None
+                else approval.record()
+                if isinstance(approval, ApprovalSummary)
+                else _approval(approval)
+            ),
+            "command": self.command,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "duration_s": _seconds(self.duration_s, "duration_s"),
+        }
+        if extra := self.extra:
+            record.update(_scrub_mapping(extra))
+        return record
+
+
+@dataclass(frozen=True, slots=True)
+class EgressEnded:
+    """How an allowed connection ended: the content of its ``egress.end`` record.
+
+    ``id`` is the id of the ``egress`` record it ends; ``address`` the one
+    finally dialled (None when no dial succeeded); ``end`` one of ``ENDS``
+    or a reason code; ``extra`` what was learnt on the way (``status`` for
+    http, ``detail``, ``sni``). An empty ``end`` or an ``extra`` key that
+    would shadow a field raises ``RecordError``.
+    """
+
+    id: str  # the design's field name
+    ts: float
+    run: str | None
+    address: str | None
+    bytes_up: int
+    bytes_down: int
+    duration_s: float
+    end: str
+    extra: Mapping[str, object] | None = None
+
+    def __post_init__(self) -> None:
+        end, extra = self.end, self.extra
+        if not end or end.__class__ is not str:
+            raise RecordError(f"end must be a non-empty string, not {end!r}")
+        if extra and not _END_RESERVED.isdisjoint(extra):
+            clash = sorted(set(extra) & _END_RESERVED)
+            raise RecordError(f"extra fields shadow egress.end fields: {', '.join(clash)}")
+
+    def record(self) -> dict[str, object]:
+        """The ``egress.end`` record: ``EGRESS_END_FIELDS`` in order, then the scrubbed ``extra`` keys."""
+        record: dict[str, object] = {
+            "event": EGRESS_END,
+            "id": self.id,
+            "ts": rfc3339(self.ts),
+            "run": self.run,
+            "address": self.address,
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "duration_s": _seconds(self.duration_s, "duration_s"),
+            "end": self.end,
+        }
+        if extra := self.extra:
+            record.update(_scrub_mapping(extra))
+        return record
+
+
 def egress_record(
     *,
     id: str,  # the design's field name, shadowing the builtin
@@ -199,47 +378,30 @@ def egress_record(
     duration_s: float | None,
     **extra: object,
 ) -> dict[str, object]:
-    """Build the ``egress`` record for one attempt (connection or DNS query).
+    """The ``egress`` record of an ``EgressDecided`` built from these fields (``RecordError`` as it says).
 
-    The result has every key of ``EGRESS_FIELDS`` in that order, then the
-    ``extra`` keys (``qtype``/``answer`` for DNS, ``status`` for http).
-    ``kind`` must be one of ``EGRESS_KINDS`` and ``decision`` one of
-    ``DECISIONS`` (an ``enum.Enum`` whose value is such a string is accepted);
-    anything else raises ``RecordError``, as does an extra key that would
-    shadow a field or set ``prev`` (the writer's). ``host`` loses any userinfo, path or query string the
-    caller forgot to remove; ``duration_s`` is rounded to microseconds.
-    Credential-named keys are dropped from ``approval`` and ``extra``.
+    ``kind`` and ``decision`` may be plain strings (or any ``enum.Enum``
+    whose value is one).
     """
-    # One record per connection and per DNS query: each check below has a
-    # fast path for the common value and the thorough one for the rest.
-    if kind.__class__ is not str or kind not in EGRESS_KINDS:
-        kind = _member(kind, EGRESS_KINDS, "kind")
-    if decision.__class__ is not str or decision not in DECISIONS:
-        decision = _member(decision, DECISIONS, "decision")
-    if extra and not _EGRESS_RESERVED.isdisjoint(extra):
-        clash = sorted(set(extra) & _EGRESS_RESERVED)
-        raise RecordError(f"extra fields shadow egress fields: {', '.join(clash)}")
-    record: dict[str, object] = {
-        "event": EGRESS,
-        "id": id,
-        "ts": rfc3339(ts),
-        "run": run,
-        "kind": kind,
-        "client": client,
-        "host": _strip_host(host),
-        "port": port,
-        "address": address,
-        "decision": decision,
-        "reason": reason if reason.__class__ is str else _plain(reason),
-        "rule": rule,
-        "approval": None if approval is None else _approval(approval),
-        "command": command,
-        "bytes_up": bytes_up,
-        "bytes_down": bytes_down,
-        "duration_s": _seconds(duration_s, "duration_s"),
-    }
-    record.update(_scrub_mapping(extra))
-    return record
+    return EgressDecided(
+        id=id,
+        ts=ts,
+        run=run,
+        kind=kind,  # type: ignore[arg-type]  # checked and converted by the fact
+        client=client,
+        host=host,
+        port=port,
+        address=address,
+        decision=decision,  # type: ignore[arg-type]
+        reason=reason,
+        rule=rule,
+        approval=approval,
+        command=command,
+        bytes_up=bytes_up,
+        bytes_down=bytes_down,
+        duration_s=duration_s,
+        extra=extra,
+    ).record()
 
 
 def egress_end_record(
@@ -254,33 +416,18 @@ def egress_end_record(
     end: str,
     **extra: object,
 ) -> dict[str, object]:
-    """Build the ``egress.end`` record of an allowed connection.
-
-    ``end`` is one of ``ENDS`` or a reason code; ``address`` is the one
-    finally dialled (null when no dial succeeded); ``extra`` holds what was
-    learnt on the way (``status`` for http, ``detail``, ``sni``), scrubbed as
-    in ``egress_record``. Raises ``RecordError`` for an empty ``end`` or an
-    extra key that would shadow a field.
-    """
-    if not end or end.__class__ is not str:
-        raise RecordError(f"end must be a non-empty string, not {end!r}")
-    if extra and not _END_RESERVED.isdisjoint(extra):
-        clash = sorted(set(extra) & _END_RESERVED)
-        raise RecordError(f"extra fields shadow egress.end fields: {', '.join(clash)}")
-    record: dict[str, object] = {
-        "event": EGRESS_END,
-        "id": id,
-        "ts": rfc3339(ts),
-        "run": run,
-        "address": address,
-        "bytes_up": bytes_up,
-        "bytes_down": bytes_down,
-        "duration_s": _seconds(duration_s, "duration_s"),
-        "end": end,
-    }
-    if extra:
-        record.update(_scrub_mapping(extra))
-    return record
+    """The ``egress.end`` record of an ``EgressEnded`` built from these fields (``RecordError`` as it says)."""
+    return EgressEnded(
+        id=id,
+        ts=ts,
+        run=run,
+        address=address,
+        bytes_up=bytes_up,
+        bytes_down=bytes_down,
+        duration_s=duration_s,
+        end=end,
+        extra=extra,
+    ).record()
 
 
 def run_record(event: str, *, ts: float, run: str, **fields: object) -> dict[str, object]:
@@ -335,6 +482,102 @@ def suppressed_record(
     }
 
 
+@dataclass(frozen=True, slots=True)
+class ApprovalRequested:
+    """A person was asked: the ``approval.requested`` record.
+
+    ``id`` is the approval's id (what ``egressd allow ID`` takes);
+    ``channels`` names the channels the message went to.
+    """
+
+    id: str  # the design's field name, shadowing the builtin
+    ts: float
+    run: str | None
+    host: str
+    port: int
+    command: str | None
+    channels: Sequence[str]
+
+    def record(self) -> dict[str, object]:
+        return {
+            "event": APPROVAL_REQUESTED,
+            "id": self.id,
+            "ts": rfc3339(self.ts),
+            "run": self.run,
+            "host": _strip_host(self.host),
+            "port": self.port,
+            "command": self.command,
+            "channels": [str(channel) for channel in self.channels],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalSettled:
+    """How an approval was decided: the ``approval.decided`` record.
+
+    ``decision`` is allow or deny (anything else: ``RecordError``);
+    ``reason`` the refusal code of a denial (``denied``,
+    ``approval_timeout``, ...); ``channel`` and ``by`` are None when nobody
+    answered. ``run`` is not in the design's field list but lets
+    ``egressd audit --run`` keep the answer next to its request.
+    """
+
+    id: str  # the design's field name, shadowing the builtin
+    ts: float
+    decision: Decision
+    reason: str | None
+    channel: str | None
+    by: str | None
+    waited_s: float | None
+    run: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.decision.__class__ is not Decision:
+            object.__setattr__(self, "decision", Decision(_member(self.decision, DECISIONS, "decision")))
+
+    def record(self) -> dict[str, object]:
+        reason = self.reason
+        return {
+            "event": APPROVAL_DECIDED,
+            "id": self.id,
+            "ts": rfc3339(self.ts),
+            "run": self.run,
+            "decision": _DECISION_TEXT[self.decision],
+            "reason": reason if reason.__class__ is str else _plain(reason),
+            "channel": _plain(self.channel),
+            "by": self.by,
+            "waited_s": _seconds(self.waited_s, "waited_s"),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class ApprovalAbandoned:
+    """Every client waiting for an approval gave up: the ``approval.abandoned`` record.
+
+    The approval stays open until answered or expired; its
+    ``approval.decided`` record follows as for any other. ``waited_s`` is
+    how long it had been open when the last client left.
+    """
+
+    id: str  # the design's field name, shadowing the builtin
+    ts: float
+    run: str | None
+    host: str
+    port: int
+    waited_s: float | None
+
+    def record(self) -> dict[str, object]:
+        return {
+            "event": APPROVAL_ABANDONED,
+            "id": self.id,
+            "ts": rfc3339(self.ts),
+            "run": self.run,
+            "host": _strip_host(self.host),
+            "port": self.port,
+            "waited_s": _seconds(self.waited_s, "waited_s"),
+        }
+
+
 def approval_requested_record(
     *,
     id: str,  # the design's field name, shadowing the builtin
@@ -345,21 +588,8 @@ def approval_requested_record(
     command: str | None,
     channels: Sequence[str],
 ) -> dict[str, object]:
-    """Build the ``approval.requested`` record: a person was asked.
-
-    ``id`` is the approval's id (what ``egressd allow ID`` takes);
-    ``channels`` names the channels the message went to.
-    """
-    return {
-        "event": APPROVAL_REQUESTED,
-        "id": id,
-        "ts": rfc3339(ts),
-        "run": run,
-        "host": _strip_host(host),
-        "port": port,
-        "command": command,
-        "channels": [str(channel) for channel in channels],
-    }
+    """The ``approval.requested`` record of an ``ApprovalRequested`` built from these fields."""
+    return ApprovalRequested(id=id, ts=ts, run=run, host=host, port=port, command=command, channels=channels).record()
 
 
 def approval_decided_record(
@@ -373,25 +603,17 @@ def approval_decided_record(
     waited_s: float | None,
     run: str | None = None,
 ) -> dict[str, object]:
-    """Build the ``approval.decided`` record: the answer and who gave it.
-
-    ``decision`` is ``allow`` or ``deny`` (else ``RecordError``); ``reason``
-    is the refusal code for a denial (``denied``, ``approval_timeout``, ...);
-    ``channel`` and ``by`` are null when nobody answered. ``run`` is not in
-    the design's field list but lets ``egressd audit --run`` keep the answer
-    next to its request; pass it when known.
-    """
-    return {
-        "event": APPROVAL_DECIDED,
-        "id": id,
-        "ts": rfc3339(ts),
-        "run": run,
-        "decision": _member(decision, DECISIONS, "decision"),
-        "reason": reason if reason.__class__ is str else _plain(reason),
-        "channel": _plain(channel),
-        "by": by,
-        "waited_s": _seconds(waited_s, "waited_s"),
-    }
+    """The ``approval.decided`` record of an ``ApprovalSettled`` built from these fields (``RecordError``)."""
+    return ApprovalSettled(
+        id=id,
+        ts=ts,
+        decision=decision,  # type: ignore[arg-type]  # checked and converted by the fact
+        reason=reason,
+        channel=channel,
+        by=by,
+        waited_s=waited_s,
+        run=run,
+    ).record()
 
 
 def approval_abandoned_record(
@@ -403,21 +625,8 @@ def approval_abandoned_record(
     port: int,
     waited_s: float | None,
 ) -> dict[str, object]:
-    """Build the ``approval.abandoned`` record: every client waiting for the approval gave up.
-
-    The approval stays open until answered or expired; its
-    ``approval.decided`` record follows as for any other. ``waited_s`` is how
-    long it had been open when the last client left.
-    """
-    return {
-        "event": APPROVAL_ABANDONED,
-        "id": id,
-        "ts": rfc3339(ts),
-        "run": run,
-        "host": _strip_host(host),
-        "port": port,
-        "waited_s": _seconds(waited_s, "waited_s"),
-    }
+    """The ``approval.abandoned`` record of an ``ApprovalAbandoned`` built from these fields."""
+    return ApprovalAbandoned(id=id, ts=ts, run=run, host=host, port=port, waited_s=waited_s).record()
 
 
 def _approval(approval: Mapping[str, object]) -> dict[str, object]:

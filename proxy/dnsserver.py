@@ -62,7 +62,9 @@ from typing import NamedTuple
 
 from dnslib import CLASS, QTYPE
 
-from .gate import Attempt, Gate
+from audit.records import Decision, EgressDecided, EgressKind, new_request_id
+
+from .gate import Gate
 from .hosts import HostError, normalise_host
 from .memo import remember
 from .policy import Reason, Verdict, decide
@@ -112,6 +114,7 @@ _BIND_ATTEMPTS = 50
 # the strict-mode NXDOMAINs); the bound is for a client cycling through types.
 _MAX_OUTCOMES = 1024
 _LIMIT_EXCEEDED = Reason.LIMIT_EXCEEDED.value
+_BAD_REQUEST = Reason.BAD_REQUEST.value
 
 
 class Rcode(enum.IntEnum):
@@ -397,10 +400,10 @@ def pack_reply(query: Query, plan: Plan, ttl_s: int) -> bytes:
     (§4.1.4), class IN, ``ttl_s``, and the address. Built here rather than
     with dnslib's packer: the layout is fixed, and it is the hot path.
     """
-    return Outcome(plan, ttl_s).reply(query)
+    return PreparedReply(plan, ttl_s).reply(query)
 
 
-class Outcome:
+class PreparedReply:
     """A plan with what the server writes for it worked out once: the
     record's decision, reason and answer text, and the reply's flags and
     answer record. Immutable by convention; the server keeps one per
@@ -411,7 +414,7 @@ class Outcome:
 
     def __init__(self, plan: Plan, ttl_s: int) -> None:
         self.plan = plan
-        self.decision = plan.decision
+        self.decision = Decision(plan.decision)
         self.reason = plan.reason.value if plan.reason is not None else None
         self.answer = plan.answer_text
         self._flags = _QR | _RA | int(plan.rcode)
@@ -480,6 +483,30 @@ class _RunLedger:
         self.suppressed = 0
 
 
+@dataclass(slots=True)
+class _Heard:
+    """One query while the server answers it: what it has learnt so far, for the one record ``_record`` builds.
+
+    Owned by ``DnsServer.handle`` and what it calls; set once each, in the
+    order the server learns them, so a query that breaks the server is still
+    recorded with what was known.
+    """
+
+    id: str
+    ts: float
+    started: float
+    client: str
+    transport: str
+    host: str | None = None
+    qtype: str | None = None
+    run: Run | None = None
+    command: str | None = None
+    rule: str | None = None
+    detail: str | None = None
+    answer: str | None = None
+    recorded: bool = False
+
+
 class DnsServer:
     """UDP and TCP on one address, answering from callbacks; see the module docstring."""
 
@@ -525,9 +552,9 @@ class DnsServer:
         # plan_answer is a pure function of (the name is None, class, type,
         # unreachable, the A answer) and the fixed AAAA answer: its outcomes are
         # kept, bounded (a run's own address adds a handful).
-        self._outcomes: dict[tuple[bool, int, int, Reason | None, IPv4Address], Outcome] = {}
-        self._auth_required = Outcome(Plan(Rcode.REFUSED, reason=Reason.AUTH_REQUIRED), ttl_s)
-        self._audit_unavailable = Outcome(Plan(Rcode.REFUSED, reason=Reason.AUDIT_UNAVAILABLE), ttl_s)
+        self._outcomes: dict[tuple[bool, int, int, Reason | None, IPv4Address], PreparedReply] = {}
+        self._auth_required = PreparedReply(Plan(Rcode.REFUSED, reason=Reason.AUTH_REQUIRED), ttl_s)
+        self._audit_unavailable = PreparedReply(Plan(Rcode.REFUSED, reason=Reason.AUDIT_UNAVAILABLE), ttl_s)
 
     # Fixed at construction: the kept outcomes are worked out from them.
     @property
@@ -602,15 +629,15 @@ class DnsServer:
             self._dropped[source] += 1
             self.gate.metrics.decided("deny", _LIMIT_EXCEEDED, 0.0)
             return None
-        attempt = self.gate.begin("dns", f"{host}:{peer[1]}")
-        attempt.extra = {"qtype": None, "answer": None, "transport": transport}
+        gate = self.gate
+        heard = _Heard(new_request_id(), gate.clock(), gate.monotonic(), f"{host}:{peer[1]}", transport)
         try:
-            return self._answer(packet, source, attempt)
+            return self._answer(packet, source, heard)
         except Exception:
-            # Fail closed: no answer, and the attempt is still recorded.
-            log.exception("DNS query %s from %s failed", attempt.id, attempt.client)
-            attempt.refuse(Reason.BAD_REQUEST)
-            self.gate.finish(attempt)
+            # Fail closed: no answer, and the query is still recorded with what was learnt of it.
+            log.exception("DNS query %s from %s failed", heard.id, heard.client)
+            if not heard.recorded:
+                self._record(heard, Decision.DENY, _BAD_REQUEST)
             return None
 
     def _source(self, text: str) -> tuple[IPAddress | None, str | None]:
@@ -623,55 +650,79 @@ class DnsServer:
         return remember(self._sources, text, (address, str(address) if address is not None else None),
                         MAX_TRACKED_CLIENTS)
 
-    def _answer(self, packet: bytes, source: IPAddress | None, attempt: Attempt) -> bytes | None:
+    def _answer(self, packet: bytes, source: IPAddress | None, heard: _Heard) -> bytes | None:
         try:
             query = read_query(packet)
         except DnsQueryError as exc:
-            attempt.refuse(Reason.BAD_REQUEST)
-            attempt.extra["detail"] = str(exc)
-            attempt.extra["answer"] = exc.rcode.name if exc.rcode is not None else None
-            self.gate.finish(attempt)
+            heard.detail = str(exc)
+            heard.answer = exc.rcode.name if exc.rcode is not None else None
+            self._record(heard, Decision.DENY, _BAD_REQUEST)
             return exc.reply
         name = query.name
-        attempt.host = host = name if name is not None else query.shown
-        extra = attempt.extra
-        extra["qtype"] = qtype_text(query.qtype)
+        heard.host = host = name if name is not None else query.shown
+        heard.qtype = qtype_text(query.qtype)
         run = self.runs.attribute(source, None)
         if run is None:
             outcome = self._auth_required
         else:
-            attempt.run = run
-            attempt.command = run.command
+            heard.run, heard.command = run, run.command
             if not self.gate.audit.healthy:
                 outcome = self._audit_unavailable
             else:
                 unreachable = None
                 if self.strict and name is not None:
-                    unreachable, attempt.rule = unreachable_reason(run, name)
+                    unreachable, heard.rule = unreachable_reason(run, name)
                 # A run on a network of its own reaches egressd there, and only there.
                 own = run.address
                 answer4 = own if isinstance(own, IPv4Address) else self._answer4
                 outcome = self._outcome(query, unreachable, answer4)
-        attempt.decision = outcome.decision
-        attempt.reason = outcome.reason
-        extra["answer"] = outcome.answer
+        heard.answer = outcome.answer
         if run is None or self._record_in_full(run, host):
-            self.gate.finish(attempt)
+            self._record(heard, outcome.decision, outcome.reason)
         else:
-            self.gate.metrics.decided(attempt.decision, attempt.reason, self.gate.monotonic() - attempt.started)
+            self.gate.metrics.decided(outcome.decision, outcome.reason, self.gate.monotonic() - heard.started)
         # At most 12 + 259 + 28 = 299 octets (one question, one address
         # record), under RFC 1035 §4.2.1's 512: never truncated.
         return outcome.reply(query)
 
-    def _outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address) -> Outcome:
-        """``plan_answer`` for ``query``, as an Outcome kept for the next query like it."""
+    def _record(self, heard: _Heard, decision: Decision, reason: str | None) -> None:
+        """The query's ``egress`` record, built once from what was learnt of it (``Gate.settle``)."""
+        heard.recorded = True
+        run = heard.run
+        extra: dict[str, object] = {"qtype": heard.qtype, "answer": heard.answer, "transport": heard.transport}
+        if heard.detail is not None:
+            extra["detail"] = heard.detail
+        duration_s = self.gate.monotonic() - heard.started
+        fact = EgressDecided(
+            id=heard.id,
+            ts=heard.ts,
+            run=run.id if run is not None else None,
+            kind=EgressKind.DNS,
+            client=heard.client,
+            host=heard.host,
+            port=None,
+            address=None,
+            decision=decision,
+            reason=reason,
+            rule=heard.rule,
+            approval=None,
+            command=heard.command,
+            bytes_up=0,
+            bytes_down=0,
+            duration_s=duration_s,
+            extra=extra,
+        )
+        self.gate.settle(fact, run)
+
+    def _outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address) -> PreparedReply:
+        """``plan_answer`` for ``query``, as a PreparedReply kept for the next query like it."""
         key = (query.name is None, query.qclass, query.qtype, unreachable, answer4)
         try:
             return self._outcomes[key]
         except KeyError:
             pass
         plan = plan_answer(query, answer4=answer4, answer6=self._answer6, unreachable=unreachable)
-        return remember(self._outcomes, key, Outcome(plan, self._ttl_s), _MAX_OUTCOMES)
+        return remember(self._outcomes, key, PreparedReply(plan, self._ttl_s), _MAX_OUTCOMES)
 
     def _record_in_full(self, run: Run, name: str) -> bool:
         """Whether this query gets its own record: its name is one of the run's first N."""
@@ -706,14 +757,29 @@ class DnsServer:
                 self._summary(run, None, count, "names_per_run")
 
     def _summary(self, run: Run | None, client: str | None, count: int, limit: str) -> None:
-        attempt = self.gate.begin("dns", client)
-        attempt.run = run
-        attempt.command = run.command if run is not None else None
-        attempt.refuse(Reason.LIMIT_EXCEEDED)
-        attempt.decided = True  # each query was counted in the metrics as it came
-        attempt.summary = True  # a count of others: written whatever the run's refusal budget
-        attempt.extra.update(qtype=None, answer=None, suppressed=count, limit=limit)
-        self.gate.finish(attempt)
+        gate = self.gate
+        fact_id, ts, started = new_request_id(), gate.clock(), gate.monotonic()
+        fact = EgressDecided(
+            id=fact_id,
+            ts=ts,
+            run=run.id if run is not None else None,
+            kind=EgressKind.DNS,
+            client=client,
+            host=None,
+            port=None,
+            address=None,
+            decision=Decision.DENY,
+            reason=_LIMIT_EXCEEDED,
+            rule=None,
+            approval=None,
+            command=run.command if run is not None else None,
+            bytes_up=0,
+            bytes_down=0,
+            duration_s=gate.monotonic() - started,
+            extra={"qtype": None, "answer": None, "suppressed": count, "limit": limit},
+        )
+        # Each query was counted in the metrics as it came; a count of others is written whatever the budget.
+        gate.settle(fact, run, counted=True, summary=True)
 
     def _tick(self) -> None:
         self.flush_summaries()

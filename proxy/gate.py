@@ -23,9 +23,10 @@ Each attempt is an ``Attempt`` that ``finish`` turns into its final audit
 record (the ``egress`` record of a refusal, the ``egress.end`` record of an
 opened connection), one run event and the metrics; a refusal past its run's
 budget for the interval is counted into one ``egress.suppressed`` record
-instead (``floods.RefusalBudget``). The DNS server records its queries
-through ``begin``/``finish`` too, but never admits: a query is answered
-without asking anyone or resolving anything.
+instead (``floods.RefusalBudget``). The DNS server never admits (a query
+is answered without asking anyone or resolving anything): it builds each
+query's ``EgressDecided`` fact itself and records it through ``settle``,
+which does for it what ``finish`` does for a refused attempt.
 """
 
 from __future__ import annotations
@@ -36,13 +37,21 @@ import ipaddress
 import logging
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
 from audit.log import AuditError, AuditSink
-from audit.records import egress_end_record, egress_record, new_request_id, suppressed_record
+from audit.records import (
+    ApprovalSummary,
+    Decision,
+    EgressDecided,
+    EgressEnded,
+    EgressKind,
+    new_request_id,
+    suppressed_record,
+)
 
 from .addresses import OwnEndpoints, forbidden_reason, is_own
 from .floods import RefusalBudget, Suppressed
@@ -87,10 +96,24 @@ def bound_locally(address: IPAddress) -> bool:
 
 @dataclass(slots=True)
 class Attempt:
-    """One egress attempt on its way to becoming one audit record."""
+    """One connection attempt under way (``proxy.server``'s listeners): what is learnt and measured while it lasts.
+
+    The gate turns it into facts (``audit.records``), each built once: the
+    ``EgressDecided`` written ahead of an allowed dial (``Gate.open``, kept
+    as ``ahead``) or, for a refusal, the final one (``Gate.finish``); and the
+    ``EgressEnded`` of an opened connection (``Gate.finish``, from the bytes,
+    the duration and ``end``). Who sets what: ``Gate.begin`` the identity;
+    the listener the target it parsed (``host``, ``port``, ``attribute``),
+    refusals before the policy (``refuse``), the byte counters, ``extra``
+    notes (``status``, ``sni``, ``detail``) and ``end``; ``Gate.admit`` the
+    decision (``decision``, ``reason``, ``rule``, ``approval``); ``Gate.dial``
+    the address. The byte counters are ``proxy.server``'s alone (its
+    ``Listener`` relays every byte). The DNS server keeps no attempt: a query
+    is decided at once, and it builds the query's fact itself (``Gate.settle``).
+    """
 
     id: str
-    kind: str
+    kind: EgressKind
     client: str | None
     ts: float
     started: float
@@ -98,29 +121,45 @@ class Attempt:
     host: str | None = None
     port: int | None = None
     address: str | None = None
-    decision: str = "deny"
+    decision: Decision = Decision.DENY
     reason: str | None = None
     rule: str | None = None
-    approval: dict[str, Any] | None = None
+    approval: ApprovalSummary | None = None
     command: str | None = None
     bytes_up: int = 0
     bytes_down: int = 0
+    # Why an opened connection ended when that is not its decision's reason (``closed``, ``idle_timeout``, ...).
+    end: str | None = None
     # The phrase a refused client reads instead of the reason's usual one (responses.REASON_MESSAGES).
     message: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, object] = field(default_factory=dict)
     decided: bool = False
-    # Its ``egress`` record is written (``Gate.open``): what ends it is an ``egress.end`` record.
-    opened: bool = False
-    ahead: dict[str, Any] | None = None  # that record, as written
+    # Its ``egress`` record, written ahead (``Gate.open``): what ends it is an ``egress.end`` record.
+    ahead: EgressDecided | None = None
     finished: bool = False
     # A spliced tunnel now owns the connection: it finishes the attempt when it ends.
     handed_off: bool = False
-    # A record that counts others (the DNS server's limits): never itself counted instead of written.
-    summary: bool = False
 
-    def refuse(self, reason: Reason | str) -> None:
-        self.decision = "deny"
+    @property
+    def opened(self) -> bool:
+        return self.ahead is not None
+
+    def attribute(self, run: Run | None) -> None:
+        """The attempt belongs to ``run``, and is made for its current command."""
+        self.run = run
+        self.command = run.command if run is not None else None
+
+    def refuse(self, reason: Reason | str, detail: str | None = None) -> None:
+        """Deny with ``reason``; ``detail`` says more unless something already did."""
+        self.decision = Decision.DENY
         self.reason = reason.value if isinstance(reason, Reason) else reason
+        if detail:
+            self.extra.setdefault("detail", detail)
+
+    def ends(self, end: str) -> None:
+        """Say why the connection ended, unless something already did."""
+        if self.end is None:
+            self.end = end
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,23 +216,23 @@ class Gate:
         self._address_ok: dict[IPAddress, bool] = {}
         self._texts: dict[IPAddress, str] = {}
         # Called with every finished egress record (e.g. `egressd run` prints refusals).
-        self.observers: list[Callable[[dict[str, Any]], None]] = []
+        self.observers: list[Callable[[dict[str, object]], None]] = []
         # Floods: past a run's budget, refusals are counted into egress.suppressed records (None: all written).
         self.refusals = refusals
         self._refusals_timer: asyncio.TimerHandle | None = None
 
-    def begin(self, kind: str, client: str | None) -> Attempt:
+    def begin(self, kind: EgressKind, client: str | None) -> Attempt:
         return Attempt(id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic())
 
     async def admit(self, attempt: Attempt, run: Run, host: str, port: int) -> Admission:
         """Steps 1-4 of the module docstring; fills the attempt as it goes."""
-        attempt.run = run
-        attempt.command = run.command
-        attempt.host, attempt.port = host, port
+        attempt.attribute(run)
+        attempt.port = port
+        attempt.host = host
         admission = await self._admit(attempt, run, host, port)
         attempt.host = admission.host
         if admission.allowed:
-            attempt.decision, attempt.reason = "allow", None
+            attempt.decision, attempt.reason = Decision.ALLOW, None
         else:
             attempt.refuse(admission.reason or Reason.BAD_REQUEST)
         attempt.decided = True
@@ -211,12 +250,9 @@ class Gate:
             return Admission(decision.reason, host, port)
         if decision.verdict is Verdict.ASK:
             outcome = await self._ask(run, host, port)
-            attempt.approval = {
-                "id": outcome.approval_id,
-                "channel": outcome.channel,
-                "by": outcome.by,
-                "waited_s": round(outcome.waited_s, 3),
-            }
+            attempt.approval = ApprovalSummary(
+                outcome.approval_id, outcome.channel, outcome.by, round(outcome.waited_s, 3)
+            )
             if not outcome.allowed:
                 if outcome.answer is Answer.DENY:
                     run.deny_host(host)
@@ -313,15 +349,15 @@ class Gate:
         the record could not be written: the attempt must not go out.
         Idempotent (a request on a kept upstream connection opens once).
         """
-        if attempt.opened:
+        if attempt.ahead is not None:
             return
         attempt.address = address
+        ahead = self._decided(attempt)
         try:
-            attempt.ahead = self._record(attempt, final=False)
-            self.audit.write_ahead(attempt.ahead)
+            self.audit.write_ahead(ahead.record())
         except AuditError as exc:
             raise DialError(Reason.AUDIT_UNAVAILABLE, str(exc)) from None
-        attempt.opened = True
+        attempt.ahead = ahead
 
     async def dial(self, attempt: Attempt, admission: Admission, protocol: Callable[[], P]) -> P:
         """Record the attempt ahead (``open``), then connect to the first admitted address that answers.
@@ -360,7 +396,7 @@ class Gate:
         bytes then asked for a different one. The metrics move the attempt
         from allow to deny; the record says deny with ``reason``.
         """
-        if attempt.decided and attempt.decision == "allow":
+        if attempt.decided and attempt.decision is Decision.ALLOW:
             self.metrics.decisions[("allow", "")] -= 1
             self.metrics.decisions[("deny", reason.value)] += 1
         attempt.refuse(reason)
@@ -381,45 +417,75 @@ class Gate:
         attempt.finished = True
         run = attempt.run
         duration_s = self.monotonic() - attempt.started
-        if attempt.opened and attempt.ahead is not None:
-            end = attempt.extra.pop("end", None) or (attempt.reason if attempt.decision == "deny" else "closed")
-            written = egress_end_record(
-                id=attempt.id,
-                ts=self.clock(),
-                run=run.id if run else None,
-                address=attempt.address,
-                bytes_up=attempt.bytes_up,
-                bytes_down=attempt.bytes_down,
-                duration_s=duration_s,
-                end=end or "closed",
-                **attempt.extra,
-            )
-            attempt.extra["end"] = end
-            # The whole attempt, for the run's events and the observers: what was written ahead,
-            # with what the end says folded in (as ``egressd audit`` joins them).
-            record = dict(attempt.ahead)
-            record.update(written)
-            record["event"], record["ts"] = attempt.ahead["event"], attempt.ahead["ts"]
-            record["decision"], record["reason"] = attempt.decision, attempt.reason
-        else:
-            record = written = self._record(attempt, final=True, duration_s=duration_s)
-        if not attempt.decided:  # refused before the policy ran (bad request, auth, limits)
+        ahead = attempt.ahead
+        if ahead is None:
+            fact = self._decided(attempt, duration_s)
+            self.settle(fact, run, counted=attempt.decided)
+            return
+        end = attempt.end or (attempt.reason if attempt.decision is Decision.DENY else None) or "closed"
+        extra = attempt.extra
+        written = EgressEnded(
+            id=attempt.id,
+            ts=self.clock(),
+            run=run.id if run else None,
+            address=attempt.address,
+            bytes_up=attempt.bytes_up,
+            bytes_down=attempt.bytes_down,
+            duration_s=duration_s,
+            end=end,
+            extra=dict(extra) if extra else None,
+        ).record()
+        # The whole attempt, for the run's events and the observers: what was written ahead,
+        # with what the end says folded in (as ``egressd audit`` joins them).
+        record = ahead.record()
+        event, ts = record["event"], record["ts"]
+        record.update(written)
+        record["event"], record["ts"] = event, ts
+        record["decision"], record["reason"] = attempt.decision.value, attempt.reason
+        if not attempt.decided:
             self.metrics.decided(attempt.decision, attempt.reason, duration_s)
         self.metrics.bytes_up += attempt.bytes_up
         self.metrics.bytes_down += attempt.bytes_down
         if run is not None:
             run.record_event(record)
         try:
-            self._write(attempt, written)
+            # An opened attempt's egress.end follows its written-ahead record whatever the decision became.
+            self._write(written, run, attempt.kind, attempt.decision, attempt.reason, attempt.host, always=True)
         except AuditError:
             pass  # the sink has said why once and is now unhealthy: new egress is refused
         for observer in self.observers:
             observer(record)
 
-    def _record(self, attempt: Attempt, *, final: bool, duration_s: float | None = None) -> dict[str, Any]:
-        """The attempt as an ``egress`` record: final (bytes, duration, extras) or written ahead (nulls)."""
+    def settle(self, fact: EgressDecided, run: Run | None, *, counted: bool = False, summary: bool = False) -> None:
+        """Record a decided attempt that opened no connection, its ``egress`` fact built whole by the caller.
+
+        What ``finish`` does for such an attempt: the metrics (unless
+        ``counted``: they already have it), the run's event, the record
+        (counted instead past the run's refusal budget, unless ``summary``:
+        a count of others is always written) and the observers. The DNS
+        server records its queries this way; ``finish`` an attempt refused before it opened.
+        """
+        record = fact.record()
+        if not counted:  # refused before the policy ran (bad request, auth, limits), or a DNS query
+            self.metrics.decided(fact.decision, fact.reason, fact.duration_s or 0.0)
+        self.metrics.bytes_up += fact.bytes_up or 0
+        self.metrics.bytes_down += fact.bytes_down or 0
+        if run is not None:
+            run.record_event(record)
+        try:
+            self._write(record, run, fact.kind, fact.decision, fact.reason, fact.host, always=summary, extra=fact.extra)
+        except AuditError:
+            pass  # the sink has said why once and is now unhealthy: new egress is refused
+        for observer in self.observers:
+            observer(record)
+
+    @staticmethod
+    def _decided(attempt: Attempt, duration_s: float | None = None) -> EgressDecided:
+        """The attempt's ``egress`` fact: final (``duration_s`` given: bytes, duration, extras) or written ahead."""
         run = attempt.run
-        return egress_record(
+        final = duration_s is not None
+        extra = attempt.extra
+        return EgressDecided(
             id=attempt.id,
             ts=attempt.ts,
             run=run.id if run else None,
@@ -436,11 +502,25 @@ class Gate:
             bytes_up=attempt.bytes_up if final else None,
             bytes_down=attempt.bytes_down if final else None,
             duration_s=duration_s,
-            **(attempt.extra if final else {}),
+            extra=dict(extra) if final and extra else None,
         )
 
-    def _write(self, attempt: Attempt, record: dict[str, Any]) -> None:
-        """Write a finished attempt's record, unless it is a refusal past its run's budget (``floods``)."""
+    def _write(
+        self,
+        record: dict[str, object],
+        run: Run | None,
+        kind: EgressKind,
+        decision: Decision,
+        reason: str | None,
+        host: str | None,
+        *,
+        always: bool,
+        extra: Mapping[str, object] | None = None,
+    ) -> None:
+        """Write a finished attempt's record, unless it is a refusal past its run's budget (``floods``).
+
+        ``always``: written whatever the budget (an ``egress.end``, a summary).
+        """
         budget = self.refusals
         if budget is None:
             self.audit.write(record)
@@ -448,14 +528,13 @@ class Gate:
         now = self.monotonic()
         if budget.next_due is not None and now >= budget.next_due:
             self._write_suppressed(budget.due(now))
-        # An opened attempt's egress.end follows its written-ahead record whatever the decision became.
-        if attempt.decision != "deny" or attempt.summary or attempt.opened:
+        if decision is not Decision.DENY or always:
             self.audit.write(record)
             return
-        run_id = attempt.run.id if attempt.run is not None else None
+        run_id = run.id if run is not None else None
         # A DNS query refused for its type has no reason code; its response code says why.
-        reason = attempt.reason or str(attempt.extra.get("answer") or "-")
-        if budget.admit(run_id, now, attempt.kind, reason, attempt.host):
+        reason = reason or str((extra or {}).get("answer") or "-")
+        if budget.admit(run_id, now, kind, reason, host):
             self.audit.write(record)
         elif self._refusals_timer is None and budget.next_due is not None:
             self._arm_refusals_timer(budget.next_due - now)

@@ -31,6 +31,8 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+from audit.records import EgressKind
+
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client, tls_alert
 from .gate import Admission, Attempt, DialError, Gate
 from .hosts import HostError, normalise_host
@@ -146,7 +148,7 @@ class Listener:
     def _finish(self, attempt: Attempt) -> None:
         """``gate.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
         if self._cutting and attempt.opened:
-            attempt.extra.setdefault("end", SHUTDOWN_END)
+            attempt.ends(SHUTDOWN_END)
         self.gate.finish(attempt)
 
     def _splice(self, client: Peer, upstream: Peer, attempt: Attempt, check: ClientCheck | None = None) -> None:
@@ -179,7 +181,7 @@ class Listener:
         attempt.bytes_up += tunnel.bytes_up
         attempt.bytes_down += tunnel.bytes_down
         if tunnel.idle_expired:
-            attempt.extra.setdefault("end", IDLE_END)
+            attempt.ends(IDLE_END)
         tunnel.upstream.close()
         if attempt.run is not None:
             attempt.run.open_connections -= 1
@@ -221,13 +223,13 @@ class ProxyServer(Listener):
         attempt: Attempt | None = None
         try:
             if metrics.connections_open > self.limits.max_connections:
-                attempt = self.gate.begin("http", client_text)
+                attempt = self.gate.begin(EgressKind.HTTP, client_text)
                 await self._refuse(client, attempt, Reason.LIMIT_EXCEEDED, status=429)
                 return
             first = True
             holder = self.runs.bound(source)  # once per connection: its address's run does not change
             while True:
-                attempt = self.gate.begin("http", client_text)
+                attempt = self.gate.begin(EgressKind.HTTP, client_text)
                 keep_going = await self._serve_request(client, attempt, source, holder, first)
                 first = False
                 if not keep_going:
@@ -273,7 +275,7 @@ class ProxyServer(Listener):
         if head is None:
             return False
         self.gate.metrics.connections_total[("connect" if head.method == "CONNECT" else "http")] += 1
-        attempt.kind = "connect" if head.method == "CONNECT" else "http"
+        attempt.kind = EgressKind.CONNECT if head.method == "CONNECT" else EgressKind.HTTP
         try:
             destination = self._destination(head)
         except HttpError as exc:
@@ -403,7 +405,7 @@ class ProxyServer(Listener):
                     await self._refuse(client, attempt, Reason.UPSTREAM_TIMEOUT)
                     return False
                 # A body moved no byte for the idle timeout: both connections close, as an idle tunnel's do.
-                attempt.extra.setdefault("end", IDLE_END)
+                attempt.ends(IDLE_END)
                 return False
             finally:
                 if keep_upstream:
@@ -478,9 +480,7 @@ class ProxyServer(Listener):
     ) -> None:
         """Answer a refusal as the contract says and record it."""
         reason = reason or Reason.BAD_REQUEST
-        attempt.refuse(reason)
-        if message:
-            attempt.extra.setdefault("detail", message)
+        attempt.refuse(reason, message)
         run = attempt.run
         extra: list[tuple[str, str]] = []
         if status == 429 or (status is None and STATUS_FOR_REASON.get(reason.value) == 429):

@@ -33,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from audit.records import EgressKind
+
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello, tls_alert
 from .gate import Attempt, DialError, Gate
 from .hosts import HostError, normalise_host
@@ -155,7 +157,7 @@ class TransparentTlsServer(Listener):
         metrics = self.gate.metrics
         metrics.connections_open += 1
         metrics.connections_total["tls"] += 1
-        attempt = self.gate.begin("tls", f"{peer[0]}:{peer[1]}")
+        attempt = self.gate.begin(EgressKind.TLS, f"{peer[0]}:{peer[1]}")
         attempt.port = self.dest_port
         record = True
         try:
@@ -173,9 +175,7 @@ class TransparentTlsServer(Listener):
                 return
             await self._serve_hello(client, attempt, hello, source)
         except _Refusal as refusal:
-            attempt.refuse(refusal.reason)
-            if refusal.detail:
-                attempt.extra.setdefault("detail", refusal.detail)
+            attempt.refuse(refusal.reason, refusal.detail)
             if refusal.alert is not None:
                 try:
                     await client.send(tls_alert(refusal.alert))
@@ -228,8 +228,7 @@ class TransparentTlsServer(Listener):
         run = self.runs.attribute(source, None)
         if run is None:
             raise _Refusal(Reason.AUTH_REQUIRED, Alert.ACCESS_DENIED)
-        attempt.run = run
-        attempt.command = run.command
+        attempt.attribute(run)
         if hello.ech:
             # Refused before the policy runs: the SNI is a cover name, so no
             # approver is asked about it and nothing is dialled.

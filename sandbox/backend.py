@@ -17,7 +17,9 @@ import select
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
+
+from audit.views import Refusal
 
 from .copyout import CopyReport
 from .limits import Limits
@@ -48,7 +50,7 @@ class Observation:
     duration_s: float = 0.0
     stdout_truncated: int = 0
     stderr_truncated: int = 0
-    egress_refusals: list[dict[str, Any]] = field(default_factory=list)
+    egress_refusals: list[Refusal] = field(default_factory=list)
 
 
 class BoundedOutput:

@@ -9,7 +9,7 @@ therefore never follows a link on either side (DESIGN.md, "Command line"):
   descriptors, each step opened relative to the last with ``O_NOFOLLOW``; a
   match is copied only if it is a regular file (no devices, sockets, FIFOs),
   and a link, or anything reached through one, is skipped.
-- Destination (``Destination``, shared with the Docker backend): a
+- The destination (``CopyDestination``, shared with the Docker backend): a
   destination inside the working directory, or reached through it, is
   refused (``check_destination``: before the run, and again at copy time);
   the destination's last component and every directory under it are opened
@@ -184,10 +184,10 @@ class Source(Protocol):
     def read(self, size: int = -1, /) -> bytes: ...
 
 
-class Destination:
+class CopyDestination:
     """The copy-out destination, written only relative to directory descriptors, never through a link.
 
-    Open it with ``Destination.open`` (a context manager closes it).
+    Open it with ``CopyDestination.open`` (a context manager closes it).
     ``write(name, source, ...)`` puts one file at a safe relative name:
 
     1. each directory on the way is made (``mkdirat``) if missing and opened
@@ -211,7 +211,7 @@ class Destination:
         self.workdir = workdir
 
     @classmethod
-    def open(cls, dest: Path, *, workdir: Path) -> Destination:
+    def open(cls, dest: Path, *, workdir: Path) -> CopyDestination:
         """Make (if missing) and open ``dest``; CopyOutError if it is a link or inside ``workdir``."""
         check_destination(dest, workdir)
         workdir_id = _identity(os.stat(workdir))
@@ -242,7 +242,7 @@ class Destination:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self) -> Destination:
+    def __enter__(self) -> CopyDestination:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -342,7 +342,7 @@ def copy_out(
     except OSError as exc:
         raise CopyOutError(f"cannot open the working directory {workdir}: {exc.strerror}") from None
     try:
-        with Destination.open(dest, workdir=workdir) as out:
+        with CopyDestination.open(dest, workdir=workdir) as out:
             for name, directory, kind in _walk(root_fd):
                 if kind == "deep":
                     report.skipped.append((name, f"deeper than {MAX_DEPTH} directories (not walked)"))
@@ -402,7 +402,7 @@ def _walk(root_fd: int) -> Iterator[tuple[str, int, str]]:
 
 
 def _copy_one(
-    directory: int, name: str, out: Destination, report: CopyReport, max_files: int, max_bytes: int
+    directory: int, name: str, out: CopyDestination, report: CopyReport, max_files: int, max_bytes: int
 ) -> str | None:
     if len(report.copied) >= max_files:
         return f"more than {max_files} files"

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from approvals.broker import ApprovalBroker
-from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Decision
+from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Choice
 from approvals.slack import abandoned_blocks, fallback_text
 from audit.log import MemoryAuditSink
 from cli.commands.approvals import _print_pending
@@ -113,7 +113,7 @@ async def test_a_denial_after_the_client_gave_up_sticks_for_the_run(
     target = f"origin.test:{echo_origin.port}"
     await give_up(svc, target, lambda: channel.delivered)
     await wait_until(lambda: channel.abandonments)
-    assert channel.answer(Decision.DENY).settlement is not None
+    assert channel.answer(Choice.DENY).settlement is not None
     status, headers, _, _, writer = await connect_via(svc, target)
     writer.close()
     assert status == 403 and headers["x-egress-reason"] == "denied_earlier"
@@ -134,7 +134,7 @@ async def test_a_new_request_joins_the_abandoned_approval_without_a_second_messa
     assert not again.done() and channel.attempts == 1 and len(records(svc, "approval.requested")) == 1
     [pending] = (await control(svc, "GET", "/approvals"))[1]["approvals"]
     assert pending["abandoned"] is False  # somebody waits for it again
-    channel.answer(Decision.ALLOW)
+    channel.answer(Choice.ALLOW)
     status, _, _, reader, writer = await again
     assert status == 200 and await echo_through(reader, writer) == b"ping"
     await broker.close()
@@ -151,7 +151,7 @@ async def test_an_abandoned_approval_that_expires_applies_nothing(
     assert decided["decision"] == "deny" and decided["reason"] == "approval_timeout"
     asked = asyncio.create_task(connect_via(svc, target))
     await wait_until(lambda: len(channel.delivered) == 2)  # asked again: a timeout does not stick
-    channel.answer(Decision.DENY)
+    channel.answer(Choice.DENY)
     status, headers, _, _, writer = await asked
     writer.close()
     assert status == 403 and headers["x-egress-reason"] == "denied"
@@ -239,7 +239,7 @@ async def test_a_transparent_tls_client_that_hangs_up_abandons_the_approval_and_
     [gone] = egress(svc)
     assert gone["kind"] == "tls" and gone["detail"] == "the client went away before its request was decided"
     assert [p.abandoned for p in broker.pending()] == [True]
-    channel.answer(Decision.ALLOW)
+    channel.answer(Choice.ALLOW)
     assert svc.default_run.decide("origin.test", 443).verdict is Verdict.ALLOW  # type: ignore[union-attr]
     assert len(records(svc, "approval.requested")) == 1
     await broker.close()

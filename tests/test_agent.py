@@ -22,6 +22,7 @@ from agent.prompt import render_observation, system_prompt
 from agent.script import ScriptError, ScriptModel, parse_script
 from agent.spec import Api, SpecError, api_key, open_model, parse_model_spec
 from agent.transcript import TranscriptWriter
+from audit.views import EgressSeen, Refusal
 from sandbox.backend import Observation
 from tests.fakes.models import FakeModelServer
 from tests.harness import LEAK
@@ -205,7 +206,7 @@ def test_an_observation_names_limits_output_and_each_refusal() -> None:
         stdout="partial\n[… 10 more bytes truncated]",
         stderr="",
         timed_out=True,
-        egress_refusals=[{"host": "evil.example", "port": 443, "reason": "denied", "message": "denied by approver"}],
+        egress_refusals=[Refusal(host="evil.example", port=443, reason="denied", message="denied by approver")],
     )
     text = render_observation(obs, timeout_s=5, memory_mb=256)
     assert text.startswith("exit code: 124")
@@ -277,7 +278,7 @@ def test_a_step_is_one_transcript_line_in_the_designs_shape() -> None:
         exit_code=56,
         stdout="",
         stderr="curl: (56)\n",
-        egress_refusals=[{"host": "evil.example", "port": 443, "reason": "denied", "message": "m", "kind": "connect"}],
+        egress_refusals=[Refusal(host="evil.example", port=443, reason="denied", kind="connect", message="m")],
     )
     record = Step(3, "curl https://evil.example", obs).record()
     assert list(record) == [
@@ -315,7 +316,7 @@ async def test_tool_calls_come_in_and_tool_results_go_back_in_the_wire_format(ap
     refused = Observation(
         exit_code=56,
         stderr="curl: (56) CONNECT tunnel failed, response 403\n",
-        egress_refusals=[{"host": "evil.example", "port": 443, "reason": "denied", "message": "denied by approver"}],
+        egress_refusals=[Refusal(host="evil.example", port=443, reason="denied", message="denied by approver")],
     )
     executor = FakeExecutor({"curl https://evil.example": refused})
     actions = [{"command": "echo hi"}, {"command": "curl https://evil.example"}, {"final_echo": True}]
@@ -605,13 +606,17 @@ def test_the_egress_summary_counts_allowed_approved_and_denied_connections_not_d
     from cli.commands.agent import EgressTally
 
     tally = EgressTally()
-    base = {"event": "egress", "kind": "connect", "port": 443, "approval": None}
-    tally(base | {"host": "pypi.org", "decision": "allow"})
-    tally(base | {"host": "pypi.org", "decision": "allow"})
-    tally(base | {"host": "example.com", "decision": "allow", "approval": {"id": "a-1", "by": "ann"}})
-    tally(base | {"host": "example.com", "decision": "allow"})  # approved earlier in the run
-    tally(base | {"host": "evil.example", "decision": "deny", "reason": "denied"})
-    tally(base | {"host": "evil.example", "kind": "dns", "port": 53, "decision": "allow"})
+    base: dict[str, object] = {"event": "egress", "kind": "connect", "port": 443, "approval": None}
+
+    def seen(**fields: object) -> None:
+        tally(EgressSeen.of(base | fields))
+
+    seen(host="pypi.org", decision="allow")
+    seen(host="pypi.org", decision="allow")
+    seen(host="example.com", decision="allow", approval={"id": "a-1", "by": "ann"})
+    seen(host="example.com", decision="allow")  # approved earlier in the run
+    seen(host="evil.example", decision="deny", reason="denied")
+    seen(host="evil.example", kind="dns", port=53, decision="allow")
     assert tally.lines() == [
         "egress: 2 allowed, 2 approved, 1 denied",
         "  allowed  pypi.org:443 ×2",

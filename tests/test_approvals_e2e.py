@@ -27,7 +27,7 @@ import aiohttp
 import pytest
 
 from approvals.broker import ApprovalBroker
-from approvals.interface import Decision
+from approvals.interface import Choice
 from approvals.slack import INTERACTIVITY_PATH
 from approvals.webhook import CALLBACK_PATH
 from audit.log import MemoryAuditSink
@@ -182,7 +182,7 @@ async def test_allow_after_a_delay_lets_the_held_tunnel_through(
     assert not held.done() and echo_origin.connections == 0  # held, and nothing dialled yet
     message = channel.delivered[0].message.text
     assert f"Domain: origin.test:{echo_origin.port}" in message and "Command: curl origin.test" in message
-    channel.answer(Decision.ALLOW, by="alice")
+    channel.answer(Choice.ALLOW, by="alice")
     status, headers, _, reader, writer = await held
     assert status == 200
     assert await echo_through(reader, writer) == b"ping"
@@ -258,7 +258,7 @@ async def test_a_timeout_refuses_the_request_and_does_not_stick(
     assert status == 403 and headers["x-egress-reason"] == "approval_timeout"
     held = asyncio.create_task(connect_via(svc, f"origin.test:{echo_origin.port}"))
     await wait_until(lambda: len(channel.delivered) == 2)  # asked again
-    channel.answer(Decision.ALLOW)
+    channel.answer(Choice.ALLOW)
     status, _, _, _, writer = await held
     writer.close()
     assert status == 200
@@ -377,7 +377,7 @@ async def test_too_many_pending_in_a_run(make_egressd: MakeEgressd, echo_origin:
     writer.close()
     assert status == 403 and headers["x-egress-reason"] == "too_many_pending"
     for index in range(2):
-        channel.answer(Decision.DENY, index=index)
+        channel.answer(Choice.DENY, index=index)
     for task in held:
         writer = (await task)[4]
         writer.close()

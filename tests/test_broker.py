@@ -25,7 +25,7 @@ from approvals.interface import (
     ApprovalRequest,
     ChannelError,
     ChannelUnavailable,
-    Decision,
+    Choice,
     ManagedApprover,
     Notice,
     PendingApproval,
@@ -93,7 +93,7 @@ class RecordingChannel:
     def routes(self) -> Sequence[Route]:
         return []
 
-    def answer(self, decision: Decision, *, by: str = "tester", index: int = -1) -> Answered:
+    def answer(self, decision: Choice, *, by: str = "tester", index: int = -1) -> Answered:
         assert self.answerer is not None
         return self.answerer.answer(self.delivered[index].id, decision, channel=self.name, by=by)
 
@@ -140,12 +140,12 @@ def test_ledger_first_answer_decides_and_later_ones_hear_who_did() -> None:
     ledger = Ledger(max_pending_per_run=5)
     approval = ledger.open(request(), approval_id="a-1", channels=["x", "y"], now=100.0)
     assert ledger.find(("r-1", "evil.example", 443)) is approval
-    first = ledger.answer("a-1", Decision.DENY, channel="x", by="alice", now=103.5)
+    first = ledger.answer("a-1", Choice.DENY, channel="x", by="alice", now=103.5)
     assert first.result is AnswerResult.ACCEPTED
     assert first.settlement == Settlement(Answer.DENY, "x", "alice", 103.5, 3.5)
-    again = ledger.answer("a-1", Decision.ALLOW, channel="y", by="bob", now=104.0)
+    again = ledger.answer("a-1", Choice.ALLOW, channel="y", by="bob", now=104.0)
     assert again == Answered(AnswerResult.SETTLED, first.settlement)
-    assert ledger.answer("a-nope", Decision.ALLOW, channel="y", by="bob", now=104.0).result is AnswerResult.UNKNOWN
+    assert ledger.answer("a-nope", Choice.ALLOW, channel="y", by="bob", now=104.0).result is AnswerResult.UNKNOWN
     assert ledger.find(("r-1", "evil.example", 443)) is None  # settled: the key may be asked again
 
 
@@ -190,8 +190,8 @@ def test_ledger_forgets_old_settlements_within_its_bound() -> None:
     for i in range(3):
         ledger.open(request(f"h{i}.example"), approval_id=f"a-{i}", channels=["x"], now=0)
         ledger.withdraw(f"a-{i}", now=1)
-    assert ledger.answer("a-0", Decision.ALLOW, channel="x", by=None, now=2).result is AnswerResult.UNKNOWN
-    assert ledger.answer("a-2", Decision.ALLOW, channel="x", by=None, now=2).result is AnswerResult.SETTLED
+    assert ledger.answer("a-0", Choice.ALLOW, channel="x", by=None, now=2).result is AnswerResult.UNKNOWN
+    assert ledger.answer("a-2", Choice.ALLOW, channel="x", by=None, now=2).result is AnswerResult.SETTLED
 
 
 # -- the broker -----------------------------------------------------------------------------
@@ -212,7 +212,7 @@ async def test_allow_after_a_delay_answers_the_held_request() -> None:
     await wait_until(lambda: channel.delivered)
     await asyncio.sleep(0.05)
     assert not held.done()  # held until someone answers
-    assert channel.answer(Decision.ALLOW, by="alice").result is AnswerResult.ACCEPTED
+    assert channel.answer(Choice.ALLOW, by="alice").result is AnswerResult.ACCEPTED
     outcome = await asyncio.wait_for(held, 1)
     assert outcome.allowed and outcome.channel == "fake" and outcome.by == "alice"
     assert outcome.approval_id == channel.delivered[0].id and outcome.waited_s >= 0.05
@@ -227,7 +227,7 @@ async def test_the_message_is_rendered_once_and_sent_to_every_channel() -> None:
     assert a.delivered[0] is b.delivered[0] is c.delivered[0]  # one PendingApproval, one rendered message
     message = a.delivered[0].message
     assert "Domain: evil.example:443" in message.text and message.unrelated
-    b.answer(Decision.DENY)
+    b.answer(Choice.DENY)
     assert (await held).answer is Answer.DENY
     await broker.close()
 
@@ -237,8 +237,8 @@ async def test_the_first_answer_decides_and_every_channel_is_told() -> None:
     broker = await make_broker(a, b)
     held = asyncio.create_task(broker.ask(request()))
     await wait_until(lambda: a.delivered and b.delivered)
-    assert a.answer(Decision.ALLOW, by="alice").result is AnswerResult.ACCEPTED
-    late = b.answer(Decision.DENY, by="bob")
+    assert a.answer(Choice.ALLOW, by="alice").result is AnswerResult.ACCEPTED
+    late = b.answer(Choice.DENY, by="bob")
     assert late.result is AnswerResult.SETTLED and late.settlement is not None
     assert late.settlement.answer is Answer.ALLOW and late.settlement.by == "alice"
     assert (await held).allowed
@@ -255,10 +255,10 @@ async def test_approval_ids_are_unguessable_and_each_answers_once() -> None:
     ids = [a.id for a in channel.delivered]
     assert len(set(ids)) == 4
     assert all(re.fullmatch(r"a-[A-Za-z0-9_-]{16}", i) for i in ids)  # 96 random bits
-    assert broker.answer("a-guessed", Decision.ALLOW, channel="x", by="mallory").result is AnswerResult.UNKNOWN
+    assert broker.answer("a-guessed", Choice.ALLOW, channel="x", by="mallory").result is AnswerResult.UNKNOWN
     for index in range(4):
-        assert channel.answer(Decision.DENY, index=index).result is AnswerResult.ACCEPTED
-        assert channel.answer(Decision.ALLOW, index=index).result is AnswerResult.SETTLED
+        assert channel.answer(Choice.DENY, index=index).result is AnswerResult.ACCEPTED
+        assert channel.answer(Choice.ALLOW, index=index).result is AnswerResult.SETTLED
     assert [o.answer for o in await asyncio.gather(*tasks)] == [Answer.DENY] * 4
     await broker.close()
 
@@ -275,7 +275,7 @@ async def test_a_timeout_denies_and_does_not_stick() -> None:
     second = asyncio.create_task(broker.ask(request()))  # asked again: a new approval
     await wait_until(lambda: len(channel.delivered) == 2)
     assert channel.delivered[1].id != first.approval_id
-    channel.answer(Decision.ALLOW)
+    channel.answer(Choice.ALLOW)
     assert (await second).allowed
     await broker.close()
 
@@ -296,7 +296,7 @@ async def test_a_channel_that_is_down_does_not_stop_another_from_answering() -> 
     broker = await make_broker(down, up)
     held = asyncio.create_task(broker.ask(request()))
     await wait_until(lambda: down.attempts and up.delivered)
-    up.answer(Decision.ALLOW)
+    up.answer(Choice.ALLOW)
     assert (await held).allowed
     await wait_until(lambda: up.settled)
     assert not down.settled
@@ -308,7 +308,7 @@ async def test_a_channel_still_delivering_when_another_answers_is_stopped() -> N
     broker = await make_broker(slow, fast)
     held = asyncio.create_task(broker.ask(request()))
     await wait_until(lambda: slow.attempts and fast.delivered)
-    fast.answer(Decision.DENY)
+    fast.answer(Choice.DENY)
     assert (await asyncio.wait_for(held, 1)).answer is Answer.DENY
     await wait_until(lambda: fast.settled)
     assert not slow.settled and not broker._tasks
@@ -323,7 +323,7 @@ async def test_twenty_concurrent_requests_for_one_key_share_one_approval() -> No
     await wait_until(lambda: channel.delivered)
     await asyncio.sleep(0.02)
     assert len(channel.delivered) == 1 and len(broker.pending()) == 1
-    channel.answer(Decision.ALLOW)
+    channel.answer(Choice.ALLOW)
     outcomes = await asyncio.gather(*held)
     assert all(o.allowed for o in outcomes)
     assert {o.approval_id for o in outcomes} == {channel.delivered[0].id}
@@ -341,7 +341,7 @@ async def test_another_port_or_run_is_another_approval() -> None:
     ]
     await wait_until(lambda: len(channel.delivered) == 3)
     for index in range(3):
-        channel.answer(Decision.DENY, index=index)
+        channel.answer(Choice.DENY, index=index)
     await asyncio.gather(*held)
     await broker.close()
 
@@ -357,12 +357,12 @@ async def test_too_many_pending_in_a_run_is_refused_at_once() -> None:
     joined = asyncio.create_task(broker.ask(request("h0.example")))  # joining an open one is no new approval
     other_run = asyncio.create_task(broker.ask(request("h2.example", run="r-2")))
     await wait_until(lambda: len(channel.delivered) == 3)
-    channel.answer(Decision.DENY, index=0)
+    channel.answer(Choice.DENY, index=0)
     assert (await joined).answer is Answer.DENY
     room_again = asyncio.create_task(broker.ask(request("h3.example")))
     await wait_until(lambda: len(channel.delivered) == 4)
     for index in (1, 2, 3):
-        channel.answer(Decision.DENY, index=index)
+        channel.answer(Choice.DENY, index=index)
     await asyncio.gather(*held, other_run, room_again)
     assert len(events(audit, "approval.requested")) == 4  # the refused one asked nobody
     await broker.close()
@@ -376,7 +376,7 @@ async def test_every_step_is_in_the_audit_log() -> None:
     held = asyncio.create_task(broker.ask(request()))
     await wait_until(lambda: channel.delivered)
     clock.now += 12.5
-    channel.answer(Decision.DENY, by="alice")
+    channel.answer(Choice.DENY, by="alice")
     await held
     [requested] = events(audit, "approval.requested")
     [decided] = events(audit, "approval.decided")
@@ -411,7 +411,7 @@ async def test_an_allow_that_cannot_be_recorded_becomes_a_denial() -> None:
     broker = await make_broker(channel, audit=audit)
     held = asyncio.create_task(broker.ask(request()))
     await wait_until(lambda: channel.delivered)
-    answered = channel.answer(Decision.ALLOW)
+    answered = channel.answer(Choice.ALLOW)
     assert answered.result is AnswerResult.ACCEPTED and answered.settlement is not None
     assert answered.settlement.answer is Answer.NO_APPROVER
     assert (await held).answer is Answer.NO_APPROVER
@@ -445,7 +445,7 @@ async def test_a_failing_broker_or_channel_fails_closed(monkeypatch: pytest.Monk
     broker = await make_broker(channel)
     held = asyncio.create_task(broker.ask(request()))
     await wait_until(lambda: channel.delivered)
-    channel.answer(Decision.ALLOW)
+    channel.answer(Choice.ALLOW)
     assert (await held).allowed  # a channel failing to update afterwards changes nothing
 
     def broken_render(**_: object) -> object:
@@ -465,7 +465,7 @@ async def test_one_waiter_going_away_does_not_cancel_the_shared_approval() -> No
     await wait_until(lambda: channel.delivered)
     leaving.cancel()
     await asyncio.gather(leaving, return_exceptions=True)
-    channel.answer(Decision.ALLOW)
+    channel.answer(Choice.ALLOW)
     assert (await staying).allowed
     await broker.close()
 
@@ -475,7 +475,7 @@ async def test_who_answered_is_escaped_and_bounded() -> None:
     broker = await make_broker(channel)
     held = asyncio.create_task(broker.ask(request()))
     await wait_until(lambda: channel.delivered)
-    channel.answer(Decision.DENY, by="\x1b[2Jmallory" + "x" * 500)
+    channel.answer(Choice.DENY, by="\x1b[2Jmallory" + "x" * 500)
     outcome = await held
     assert outcome.by is not None and outcome.by.startswith("\\x1b[2Jmallory") and len(outcome.by) < 260
     await broker.close()
@@ -568,7 +568,7 @@ async def test_the_last_waiter_leaving_keeps_the_approval_open_and_tells_every_c
     assert (record["host"], record["port"]) == ("evil.example", 443) and record["waited_s"] >= 0
     assert not events(audit, "approval.decided")
     # The answer after abandonment is recorded as any answer and handed to the askers that left.
-    assert one.answer(Decision.ALLOW, by="alice").result is AnswerResult.ACCEPTED
+    assert one.answer(Choice.ALLOW, by="alice").result is AnswerResult.ACCEPTED
     [decided] = events(audit, "approval.decided")
     assert decided["decision"] == "allow" and decided["by"] == "alice" and decided["channel"] == "one"
     assert late and {o.answer for o in late} == {Answer.ALLOW} and late[0].approval_id == approval_id
@@ -592,7 +592,7 @@ async def test_a_new_waiter_joins_an_abandoned_approval_without_a_second_message
     assert not back.done() and len(channel.delivered) == 1 and channel.attempts == 1
     assert len(events(audit, "approval.requested")) == 1
     assert [p.abandoned for p in broker.pending()] == [False]  # somebody waits again
-    channel.answer(Decision.DENY)
+    channel.answer(Choice.DENY)
     outcome = await asyncio.wait_for(back, 1)
     assert outcome.answer is Answer.DENY and outcome.approval_id == channel.delivered[0].id
     assert channel.abandonments == [channel.delivered[0].id]
@@ -625,7 +625,7 @@ async def test_a_late_answer_is_not_handed_on_while_a_client_still_waits() -> No
     await wait_until(lambda: channel.delivered)
     gone.cancel()
     await asyncio.gather(gone, return_exceptions=True)
-    channel.answer(Decision.ALLOW)
+    channel.answer(Choice.ALLOW)
     assert (await asyncio.wait_for(staying, 1)).allowed
     assert late == [] and channel.abandonments == []  # the waiter that stayed carries the answer
     await broker.close()
@@ -644,7 +644,7 @@ async def test_a_channel_that_cannot_show_the_abandonment_changes_nothing() -> N
     await asyncio.gather(gone, return_exceptions=True)
     await asyncio.sleep(0.05)
     assert [p.abandoned for p in broker.pending()] == [True]
-    assert channel.answer(Decision.ALLOW).result is AnswerResult.ACCEPTED
+    assert channel.answer(Choice.ALLOW).result is AnswerResult.ACCEPTED
     await broker.close()
 
 
@@ -654,7 +654,7 @@ async def test_a_waiter_leaving_in_the_instant_its_answer_came_still_hands_the_a
     broker = await make_broker(channel)
     waiting = asyncio.create_task(broker.ask(request(late=late.append)))
     await wait_until(lambda: channel.delivered)
-    channel.answer(Decision.ALLOW)  # settled; the waiter has not woken yet ...
+    channel.answer(Choice.ALLOW)  # settled; the waiter has not woken yet ...
     waiting.cancel()  # ... when its client goes
     await asyncio.gather(waiting, return_exceptions=True)
     assert waiting.cancelled()

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from sandbox.copyout import CopyOutError, CopyReport, Destination, check_destination, copy_out
+from sandbox.copyout import CopyDestination, CopyOutError, CopyReport, check_destination, copy_out
 from tests.harness import have, require
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
@@ -149,7 +149,7 @@ def test_the_writer_leaves_nothing_behind_when_a_file_is_over_the_limit(tmp_path
     work, dest = tmp_path / "work", tmp_path / "dest"
     work.mkdir()
     report = CopyReport(bytes=5)
-    with Destination.open(dest, workdir=work) as out:
+    with CopyDestination.open(dest, workdir=work) as out:
         assert out.write("d/big", io.BytesIO(b"x" * 10), report=report, max_bytes=12) == "over the 0 MiB copy-out limit"
         assert out.write("d/small", io.BytesIO(b"x" * 7), report=report, max_bytes=12) is None
     assert [p.name for p in (dest / "d").iterdir()] == ["small"] and report.copied == ["d/small"] and report.bytes == 12
@@ -161,7 +161,7 @@ def test_the_writer_leaves_a_directory_in_the_way_alone(tmp_path: Path) -> None:
     (dest / "a" / "keep").mkdir(parents=True)
     (dest / "f").write_text("a file, not a directory")
     report = CopyReport()
-    with Destination.open(dest, workdir=work) as out:
+    with CopyDestination.open(dest, workdir=work) as out:
         assert out.write("a", io.BytesIO(b"x"), report=report, max_bytes=100) == (
             "the destination has something other than a file there (left alone)")
         assert out.write("f/x", io.BytesIO(b"x"), report=report, max_bytes=100) == (
@@ -195,7 +195,7 @@ def test_the_docker_archive_goes_through_the_same_writer(tmp_path: Path) -> None
     spool = _archive(("work", None), ("work/dist", None), ("work/dist/a.whl", b"wheel"), ("work/sub", None),
                      ("work/sub/x.whl", b"x"), ("work/ok", None), ("work/ok/y.whl", b"y"))
     report = CopyReport()
-    with Destination.open(dest, workdir=work) as out:
+    with CopyDestination.open(dest, workdir=work) as out:
         _extract(spool, ["dist/*", "sub/*", "ok/*", "nope/*"], out, report, 10, 1 << 20)
     assert list(forbidden.iterdir()) == [] and (dest / "sub" / "x.whl").is_symlink()
     assert report.copied == ["ok/y.whl"] and (dest / "ok" / "y.whl").read_bytes() == b"y"

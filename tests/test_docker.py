@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from audit.views import Refusal
 from cli.wiring.docker_session import PASSTHROUGH, SIDECAR_OWN, DockerSession, sidecar_environment
 from config.settings import load_settings
 from sandbox.backend import SandboxError
@@ -315,7 +316,7 @@ async def test_unknown_domain_is_refused_and_reported(make_bed: Any) -> None:
         obs = await bed.sh("curl -fsS -m 5 http://leak.test:8080/; echo curl=$?", capture=True)
         assert "curl=0" not in obs.stdout
         refusals = bed.session.refusals_since(cursor)
-        assert {"host": "leak.test", "port": 8080, "reason": "no_approver", "kind": "http"} in refusals
+        assert Refusal(host="leak.test", port=8080, reason="no_approver", kind="http") in refusals
         assert await bed.leak.leaks() == []
 
 

@@ -28,7 +28,7 @@ import pytest
 
 from approvals.assembly import approver_from_settings
 from approvals.broker import ApprovalBroker
-from approvals.interface import Answer, Decision, Notice
+from approvals.interface import Answer, Choice, Notice
 from approvals.ledger import Ledger
 from approvals.message import render
 from approvals.slack import SlackChannel
@@ -68,7 +68,7 @@ async def refused_or_asked(
     await wait_until(lambda: task.done() or len(channel.delivered) > before)
     if task.done():
         return task.result()
-    channel.answer(Decision.DENY, by="tester")  # let the held request go
+    channel.answer(Choice.DENY, by="tester")  # let the held request go
     await task
     return None
 
@@ -101,7 +101,7 @@ async def test_after_denying_a1_evil_test_every_name_under_evil_test_is_denied_e
     svc = await make_egressd(approver=broker, audit=sink)
     first = asyncio.create_task(attempt(svc, "a1.evil.test:443"))
     await wait_until(lambda: channel.delivered)
-    channel.answer(Decision.DENY, by="alice")
+    channel.answer(Choice.DENY, by="alice")
     status, headers = await first
     assert status == 403 and headers["x-egress-reason"] == "denied"
     for name in ("a2.evil.test", "evil.test", "deep.a3.evil.test", "A4.Evil.Test."):
@@ -237,7 +237,7 @@ async def test_concurrent_requests_cannot_overshoot_the_cap(broker_over: Any) ->
     assert sorted(t.result().answer.value for t in held if t.done()) == ["stopped_asking"] * 3
     await wait_until(lambda: channel.notices)
     for index in range(2):
-        channel.answer(Decision.ALLOW, index=index)
+        channel.answer(Choice.ALLOW, index=index)
     await asyncio.gather(*held)
     assert len(channel.notices) == 1
 
@@ -247,7 +247,7 @@ async def test_joining_an_open_approval_is_not_another_request(broker_over: Any)
     broker = await broker_over(channel, max_requests_per_run=1)
     held = [asyncio.create_task(broker.ask(request())) for _ in range(10)]
     await wait_until(lambda: channel.delivered)
-    channel.answer(Decision.ALLOW)
+    channel.answer(Choice.ALLOW)
     assert all(o.answer is Answer.ALLOW for o in await asyncio.gather(*held))
     assert (await broker.ask(request("other.test"))).answer is Answer.STOPPED_ASKING
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from audit.views import EgressSeen, Refusal
 from cli.wiring.docker_session import DockerSession
-from cli.wiring.session import SandboxSession, Session, is_refusal, refusal_summaries
+from cli.wiring.session import SandboxSession, Session, refusal_summaries
 from config.settings import Settings
 
 RECORDS = [
@@ -18,10 +19,10 @@ RECORDS = [
 
 
 def test_only_real_refusals_are_reported() -> None:
-    assert [is_refusal(r) for r in RECORDS] == [True, False, False, True]
+    assert [EgressSeen.of(r).is_refusal for r in RECORDS] == [True, False, False, True]
     assert refusal_summaries(RECORDS) == [
-        {"host": "evil.test", "port": 443, "reason": "not_allowlisted", "kind": "connect"},
-        {"host": "evil.test", "port": None, "reason": "denylisted", "kind": "dns"},
+        Refusal(host="evil.test", port=443, reason="not_allowlisted", kind="connect"),
+        Refusal(host="evil.test", port=None, reason="denylisted", kind="dns"),
     ]
 
 
@@ -46,6 +47,6 @@ def test_both_backends_offer_the_session_surface(tmp_path: Path) -> None:
 def test_the_docker_session_reports_refusals_as_the_bubblewrap_one_does(tmp_path: Path) -> None:
     session = DockerSession(Settings(), workdir=tmp_path, task=None)
     cursor = session.cursor()
-    session._events.extend(RECORDS)  # what polling egressd's control API appends
+    session._events.extend(EgressSeen.of(r) for r in RECORDS)  # what polling egressd's control API appends
     assert session.refusals_since(cursor) == refusal_summaries(RECORDS)
     assert session.refusals_since(session.cursor()) == []

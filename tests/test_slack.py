@@ -228,9 +228,9 @@ async def test_a_click_after_the_decision_is_told_it_is_too_late(
 
 
 def Decision_allow() -> Any:  # noqa: N802 - reads like the enum member it returns
-    from approvals.interface import Decision
+    from approvals.interface import Choice
 
-    return Decision.ALLOW
+    return Choice.ALLOW
 
 
 async def test_rate_limits_are_retried_by_slack_sdk(fake_slack: FakeSlack, slack_broker: Callable[..., Any]) -> None:

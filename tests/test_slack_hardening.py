@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from approvals.broker import ApprovalBroker
-from approvals.interface import Answer, ApprovalRequest, Decision, PendingApproval, Settlement
+from approvals.interface import Answer, ApprovalRequest, Choice, PendingApproval, Settlement
 from approvals.message import escape, render
 from approvals.slack import (
     INTERACTIVITY_PATH,
@@ -259,7 +259,7 @@ async def test_the_settled_message_shows_who_answered_neutralised(
     broker = await slack_broker(other)
     held = asyncio.create_task(broker.ask(request()))
     await wait_until(lambda: fake_slack.posted and other.delivered)
-    other.answer(Decision.DENY, by="<!channel> *boss* `x` <https://evil|ok>")
+    other.answer(Choice.DENY, by="<!channel> *boss* `x` <https://evil|ok>")
     assert (await held).answer is Answer.DENY
     await wait_until(lambda: fake_slack.called("chat.update"))
     [update] = fake_slack.called("chat.update")

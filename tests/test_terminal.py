@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from approvals.broker import ApprovalBroker
-from approvals.interface import Answer, ChannelUnavailable, Decision
+from approvals.interface import Answer, ChannelUnavailable, Choice
 from approvals.terminal import TerminalChannel, countdown
 from audit.log import MemoryAuditSink
 from tests.fakes.terminal import Pty
@@ -127,10 +127,10 @@ async def test_an_approval_settled_elsewhere_is_withdrawn_from_the_prompt_and_th
     third = asyncio.create_task(broker.ask(request("three.example")))
     await pty.shows("2 more waiting")
     await wait_until(lambda: len(other.delivered) == 3)
-    other.answer(Decision.ALLOW, by="@bob (U2)", index=0)  # the one on screen
+    other.answer(Choice.ALLOW, by="@bob (U2)", index=0)  # the one on screen
     await pty.shows("one.example:443: allowed by @bob (U2) via slack")
     await pty.shows("allow or deny two.example:443? ")
-    other.answer(Decision.DENY, by="@bob (U2)", index=2)  # the one still queued
+    other.answer(Choice.DENY, by="@bob (U2)", index=2)  # the one still queued
     await wait_until(lambda: third.done())
     await pty.shows("Enter = deny] > ")
     pty.type("allow\r")

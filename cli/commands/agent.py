@@ -24,15 +24,15 @@ import os
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 from agent.endpoint import RetryPolicy
-from agent.loop import DEFAULT_MAX_STEPS, ExecutorError, Outcome, Step, Stop, run_agent
+from agent.loop import DEFAULT_MAX_STEPS, AgentOutcome, ExecutorError, Step, Stop, run_agent
 from agent.model import Conversation, Model
 from agent.prompt import system_prompt
 from agent.script import ScriptError
 from agent.spec import KEY_VARIABLES, SpecError, open_model, parse_model_spec
 from agent.transcript import TranscriptError, TranscriptWriter
+from audit.views import EgressSeen, Refusal
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
 from sandbox.backend import EXIT_CANNOT_START, Observation, SandboxError
@@ -168,9 +168,8 @@ def _answer_text(text: str) -> str:
     return "".join(c if c.isprintable() or c in "\n\t" else ascii(c)[1:-1] for c in text)
 
 
-def _target(refusal: dict[str, Any]) -> str:
-    host, port = refusal.get("host"), refusal.get("port")
-    return _shown(f"{host}:{port}" if port else f"{host}")
+def _target(refusal: Refusal) -> str:
+    return _shown(refusal.target)
 
 
 def shell_argv() -> list[str]:
@@ -203,12 +202,7 @@ class SandboxExecutor:
             raise ExecutorError(str(exc)) from None
         await asyncio.sleep(SETTLE_S)
         obs.egress_refusals = [
-            {
-                "host": r["host"],
-                "port": r["port"],
-                "reason": r["reason"],
-                "message": REASON_MESSAGES.get(r["reason"] or "", r["reason"]),
-            }
+            Refusal(r.host, r.port, r.reason, message=REASON_MESSAGES.get(r.reason or "", r.reason))
             for r in self.session.refusals_since(cursor)
         ]
         return obs
@@ -226,17 +220,16 @@ class EgressTally:
         self.destinations: dict[str, Counter[str]] = {"allowed": Counter(), "approved": Counter(), "denied": Counter()}
         self.approved_hosts: set[str] = set()
 
-    def __call__(self, record: dict[str, Any]) -> None:
-        if record.get("event", "egress") != "egress" or record.get("kind") == "dns":
+    def __call__(self, seen: EgressSeen) -> None:
+        if seen.event != "egress" or seen.kind == "dns":
             return
-        host, port = record.get("host"), record.get("port")
-        target = f"{host}:{port}" if port else f"{host}"
-        if record.get("decision") == "deny":
-            reason = record.get("reason") or ""
+        host, target = seen.host, seen.target
+        if seen.denied:
+            reason = seen.reason or ""
             self.counts["denied"] += 1
             self.destinations["denied"][f"{target} ({REASON_MESSAGES.get(reason, reason)})"] += 1
             return
-        if record.get("approval"):
+        if seen.approved:
             self.approved_hosts.add(str(host))
         kind = "approved" if host in self.approved_hosts else "allowed"
         self.counts[kind] += 1
@@ -281,7 +274,7 @@ class ProgressReporter:
             if obs.egress_refusals:
                 parts.append(
                     "egress refused: "
-                    + ", ".join(f"{_target(r)} ({r.get('message') or r.get('reason')})" for r in obs.egress_refusals)
+                    + ", ".join(f"{_target(r)} ({r.message or r.reason})" for r in obs.egress_refusals)
                 )
             _say(f"{head} " + "; ".join(parts))
         if self.transcript is not None:
@@ -323,7 +316,7 @@ def _open_model(args: argparse.Namespace) -> tuple[Model, str | None]:
     return opened
 
 
-def _exit_status(outcome: Outcome) -> int:
+def _exit_status(outcome: AgentOutcome) -> int:
     if outcome.stop is Stop.ERROR:
         return EXIT_CANNOT_START if outcome.error_in == "sandbox" else EXIT_MODEL_FAILED
     return EXIT_FOR_STOP[outcome.stop]

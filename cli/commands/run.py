@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from approvals.terminal import TerminalOutput
+from audit.views import EgressSeen
 from config.settings import Settings, SettingsError
 from proxy.responses import REASON_MESSAGES
 from sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
@@ -114,15 +115,15 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env
 
 
-def refusal_line(record: dict[str, Any]) -> str | None:
+def refusal_line(seen: EgressSeen) -> str | None:
     """The line that tells of one refusal of the run (None: the record is no refusal)."""
-    if record.get("decision") != "deny":
+    if not seen.denied:
         return None
-    host, port, reason = record.get("host"), record.get("port"), record.get("reason") or ""
-    target = f"{host}:{port}" if port else f"{host}"
+    reason = seen.reason or ""
+    target = seen.target
     if not target.isprintable():
         target = ascii(target)
-    kind = " (dns)" if record.get("kind") == "dns" else ""
+    kind = " (dns)" if seen.kind == "dns" else ""
     return f"egressd: blocked {target}{kind} ({REASON_MESSAGES.get(reason, reason)})\n"
 
 
@@ -130,11 +131,11 @@ def _on_tty(stream: TextIO | None) -> bool:
     return stream is not None and stream.isatty()
 
 
-def refusal_printer(output: TerminalOutput) -> Callable[[dict[str, Any]], None]:
+def refusal_printer(output: TerminalOutput) -> Callable[[EgressSeen], None]:
     """Print each refusal of the run to stderr as it happens (on a terminal, not across a prompt)."""
 
-    def tell(record: dict[str, Any]) -> None:
-        line = refusal_line(record)
+    def tell(seen: EgressSeen) -> None:
+        line = refusal_line(seen)
         if line is None:
             return
         if _on_tty(sys.stderr):

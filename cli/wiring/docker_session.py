@@ -71,7 +71,7 @@ from approvals.interface import (
     ApprovalRequest,
     ChannelError,
     ChannelUnavailable,
-    Decision,
+    Choice,
     PendingApproval,
     Settlement,
 )
@@ -79,6 +79,7 @@ from approvals.message import render
 from approvals.signing import ReplayGuard, VerifyError, verify
 from approvals.terminal import TerminalChannel, TerminalOutput
 from audit.log import AuditError, JsonlAuditSink
+from audit.views import EgressSeen, Refusal, refusals
 from config.settings import SECRET_SETTINGS, Settings
 from proxy.runs import new_control_token
 from sandbox.backend import Observation, Sandbox, SandboxError
@@ -101,7 +102,7 @@ from sandbox.docker.sidecar import read_file, start_egressd
 from .control_client import ControlClient, ControlError
 from .controltoken import TokenFileError, read_token_file
 from .service import StartupError, entries_from_settings, token_path
-from .session import SessionBase, SessionError, refusal_summaries
+from .session import SessionBase, SessionError
 
 # The control API answers at once; anything slower means it is not there.
 CONTROL_TIMEOUT_S = 10.0
@@ -233,7 +234,7 @@ class TerminalRelay:
         self.control: ControlClient | None = None  # set once the run is registered
         self.url = ""
         self._pending: dict[str, PendingApproval] = {}
-        self._answers: asyncio.Queue[tuple[str, Decision, str | None]] = asyncio.Queue()
+        self._answers: asyncio.Queue[tuple[str, Choice, str | None]] = asyncio.Queue()
         self._guard = ReplayGuard()
         self._runner: web.AppRunner | None = None
         self._sender: asyncio.Task[None] | None = None
@@ -264,7 +265,7 @@ class TerminalRelay:
 
     # -- the Answerer the prompt answers through ------------------------------------------
 
-    def answer(self, approval_id: str, decision: Decision, *, channel: str, by: str | None) -> Answered:
+    def answer(self, approval_id: str, decision: Choice, *, channel: str, by: str | None) -> Answered:
         if self._pending.pop(approval_id, None) is None:
             return Answered(AnswerResult.UNKNOWN)
         self._answers.put_nowait((approval_id, decision, by))
@@ -425,9 +426,9 @@ class DockerSession(SessionBase[_SessionBox]):
         self.run_id: str | None = None
         self.run: RemoteRun | None = None
         self.polling = False
-        self._events: list[dict[str, Any]] = []
+        self._events: list[EgressSeen] = []  # the run's egress records, each read once as it arrived
         self._server_cursor = 0
-        self._observers: list[Callable[[dict[str, Any]], None]] = []
+        self._observers: list[Callable[[EgressSeen], None]] = []
         self._command: str | None = None
         self._command_sent = True
         self._poll_lock = asyncio.Lock()
@@ -653,9 +654,10 @@ class DockerSession(SessionBase[_SessionBox]):
                 events = data.get("events") or []
                 self._server_cursor = int(data.get("cursor", self._server_cursor))
                 for event in events:
-                    self._events.append(event)
+                    seen = EgressSeen.of(event)
+                    self._events.append(seen)
                     for observer in self._observers:
-                        observer(event)
+                        observer(seen)
                 if not events:
                     return
 
@@ -683,11 +685,11 @@ class DockerSession(SessionBase[_SessionBox]):
         """A position in the run's egress events; pass it to ``refusals_since``."""
         return len(self._events)
 
-    def refusals_since(self, cursor: int) -> list[dict[str, Any]]:
+    def refusals_since(self, cursor: int) -> list[Refusal]:
         """Egress refusals recorded after ``cursor``: host, port, reason, kind."""
-        return refusal_summaries(self._events[cursor:])
+        return refusals(self._events[cursor:])
 
-    def observe(self, callback: Callable[[dict[str, Any]], None]) -> None:
+    def observe(self, callback: Callable[[EgressSeen], None]) -> None:
         """Call ``callback`` with every egress record of this run as it arrives."""
         self._observers.append(callback)
 

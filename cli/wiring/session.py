@@ -29,10 +29,11 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
+from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 from approvals.terminal import TerminalOutput
 from audit.records import run_record
+from audit.views import EgressSeen, Refusal, refusals
 from config.settings import Settings
 from proxy.runs import Run
 from sandbox.backend import Sandbox, SandboxError
@@ -55,24 +56,9 @@ from sandbox.seccomp import SeccompUnsupported, check_machine
 from .service import EgressService, StartupError, entries_from_settings
 
 
-def is_refusal(record: dict[str, Any]) -> bool:
-    """A refused egress attempt worth telling the user or the model about.
-
-    A DNS "deny" without a reason is an empty AAAA answer or a refused query
-    type: egressd answered as designed and nothing was refused.
-    """
-    if record.get("decision") != "deny":
-        return False
-    return not (record.get("kind") == "dns" and record.get("reason") is None)
-
-
-def refusal_summaries(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The refusals among egress records, as runners report them: host, port, reason, kind."""
-    return [
-        {"host": r.get("host"), "port": r.get("port"), "reason": r.get("reason"), "kind": r.get("kind")}
-        for r in records
-        if is_refusal(r)
-    ]
+def refusal_summaries(records: Iterable[Mapping[str, object]]) -> list[Refusal]:
+    """The refusals among egress records (``EgressSeen.is_refusal``), as runners report them."""
+    return refusals(EgressSeen.of(record) for record in records)
 
 
 class RunHandle(Protocol):
@@ -109,11 +95,11 @@ class Session(Protocol):
     def cursor(self) -> int:
         """A position in the run's egress events; pass it to ``refusals_since``."""
 
-    def refusals_since(self, cursor: int) -> list[dict[str, Any]]:
+    def refusals_since(self, cursor: int) -> list[Refusal]:
         """Egress refusals recorded after ``cursor`` (``refusal_summaries``)."""
 
-    def observe(self, callback: Callable[[dict[str, Any]], None]) -> None:
-        """Call ``callback`` with every egress record of this run."""
+    def observe(self, callback: Callable[[EgressSeen], None]) -> None:
+        """Call ``callback`` with every egress record of this run, read once (``EgressSeen``)."""
 
     async def __aenter__(self) -> Session: ...
 
@@ -320,7 +306,7 @@ class SandboxSession(SessionBase[BwrapSandbox]):
             raise SessionError(str(exc)) from None
         stack.push_async_callback(self._box.destroy)
 
-    def _audit(self, record: dict[str, Any]) -> None:
+    def _audit(self, record: dict[str, object]) -> None:
         assert self.service is not None and self.service.gate is not None
         with contextlib.suppress(Exception):
             self.service.gate.audit.write(record)
@@ -350,14 +336,16 @@ class SandboxSession(SessionBase[BwrapSandbox]):
         assert self.run is not None
         return self.run.next_event - 1
 
-    def refusals_since(self, cursor: int) -> list[dict[str, Any]]:
+    def refusals_since(self, cursor: int) -> list[Refusal]:
         """Egress refusals recorded after ``cursor``: host, port, reason, kind."""
         assert self.run is not None
         events, _ = self.run.events_after(cursor, limit=10_000)
         return refusal_summaries(events)
 
-    def observe(self, callback: Callable[[dict[str, Any]], None]) -> None:
+    def observe(self, callback: Callable[[EgressSeen], None]) -> None:
         """Call ``callback`` with every egress record of this run as it is written."""
         assert self.service is not None and self.service.gate is not None and self.run is not None
         run_id = self.run.id
-        self.service.gate.observers.append(lambda record: callback(record) if record.get("run") == run_id else None)
+        self.service.gate.observers.append(
+            lambda record: callback(EgressSeen.of(record)) if record.get("run") == run_id else None
+        )

@@ -29,7 +29,7 @@ from ..backend import (
     SandboxError,
 )
 from ..bwrap import SANDBOX_WORKDIR, base_environment
-from ..copyout import MAX_BYTES, MAX_FILES, CopyReport, Destination, check_pattern, unmatched_patterns
+from ..copyout import MAX_BYTES, MAX_FILES, CopyDestination, CopyReport, check_pattern, unmatched_patterns
 from ..limits import Limits
 from ..stage import stage, unstage
 from .config import (
@@ -227,14 +227,14 @@ class DockerSandbox:
         The same rules as ``copyout.copy_out``: on the source side
         ``check_member`` (safe relative names, no links, no devices, bounded
         count and bytes, every skipped match and every pattern that matched
-        nothing reported); on the destination side the same ``Destination``
+        nothing reported); on the destination side the same ``CopyDestination``
         writer, opened before anything is fetched (CopyOutError: a link, or
         inside the working directory).
         """
         for pattern in patterns:
             check_pattern(pattern)
         report = CopyReport()
-        out = await asyncio.to_thread(Destination.open, dest, workdir=self.workdir)
+        out = await asyncio.to_thread(CopyDestination.open, dest, workdir=self.workdir)
         try:
             # A created, never started container with the same mount: the archive
             # API reads /work from it, whatever the engine's host looks like.
@@ -289,7 +289,7 @@ class DockerSandbox:
 
 
 def _extract(
-    spool: Any, patterns: list[str], out: Destination, report: CopyReport, max_files: int, max_bytes: int
+    spool: Any, patterns: list[str], out: CopyDestination, report: CopyReport, max_files: int, max_bytes: int
 ) -> None:
     """Write the files ``check_member`` lets through with ``out`` (runs in a thread: plain file I/O)."""
     links: set[str] = set()

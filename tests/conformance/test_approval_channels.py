@@ -41,7 +41,7 @@ import pytest
 
 from approvals.broker import ApprovalBroker
 from approvals.control import Scope
-from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Channel, Decision, SetupError
+from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Channel, Choice, SetupError
 from approvals.message import UNRELATED, is_invisible, render
 from approvals.signing import parse_secret
 from approvals.slack import SlackChannel
@@ -139,7 +139,7 @@ async def hold(driver: Driver, broker: ApprovalBroker, req: ApprovalRequest | No
         outcome = await asyncio.wait_for(broker.ask(req), 5)
         assert outcome == ApprovalOutcome(Answer.NO_APPROVER), outcome  # no id, nobody, no wait
         assert broker.pending() == [] and driver.audit.records == []
-        assert await driver.answer_unknown("", Decision.ALLOW) is False
+        assert await driver.answer_unknown("", Choice.ALLOW) is False
         return None
     held = asyncio.create_task(broker.ask(req))
     approval_id = await opened(broker, req.host)
@@ -202,7 +202,7 @@ class Driver:
         """Assert that nothing sent so far could be read by the medium as anything but text."""
         raise NotImplementedError
 
-    async def answer(self, approval_id: str, decision: Decision) -> bool | None:
+    async def answer(self, approval_id: str, choice: Choice) -> bool | None:
         raise NotImplementedError
 
     async def withdrawn(self, approval_id: str) -> str:
@@ -217,11 +217,11 @@ class Driver:
         """A started broker whose channel has nothing to attach to, or SetupError (start-up stops)."""
         raise NotImplementedError
 
-    async def answer_unknown(self, pending_id: str, decision: Decision) -> bool | None:
+    async def answer_unknown(self, pending_id: str, choice: Choice) -> bool | None:
         """Answer an approval id that does not exist, the way the channel lets one name it."""
         raise NotImplementedError
 
-    async def answer_foreign(self, own_id: str, other_id: str, decision: Decision) -> bool | None:
+    async def answer_foreign(self, own_id: str, other_id: str, choice: Choice) -> bool | None:
         """Answer ``other_id`` (another run's) through what the channel gave for ``own_id``."""
         raise NotImplementedError
 
@@ -269,8 +269,8 @@ class TerminalDriver(Driver):
         text = terminal_text(self.pty.output)
         assert not [ch for ch in text if ch != "\n" and (ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0)], repr(text)
 
-    async def answer(self, approval_id: str, decision: Decision) -> bool | None:
-        word = "allow" if decision is Decision.ALLOW else "deny"
+    async def answer(self, approval_id: str, choice: Choice) -> bool | None:
+        word = "allow" if choice is Choice.ALLOW else "deny"
         mark = len(self.pty.output)
         if not self._on_screen(approval_id):
             self.pty.type(word + "\r")  # typed with no prompt for it: nothing should come of it
@@ -379,10 +379,10 @@ class SlackDriver(Driver):
         )
         return len(self.slack.called("chat.postEphemeral")) == told
 
-    async def answer(self, approval_id: str, decision: Decision) -> bool | None:
+    async def answer(self, approval_id: str, choice: Choice) -> bool | None:
         post = self._post(approval_id)
         assert post is not None
-        return await self._interact(approval_id, block_actions(post, decision.value, user=ALICE, username="alice"))
+        return await self._interact(approval_id, block_actions(post, choice.value, user=ALICE, username="alice"))
 
     async def withdrawn(self, approval_id: str) -> str:
         def settled() -> list[dict[str, Any]]:
@@ -398,20 +398,20 @@ class SlackDriver(Driver):
         self.slack = await self.stack.enter_async_context(FakeSlack())
         return await self.broker([self._channel(bot_token="xoxb-revoked")], 30.0)
 
-    def _naming(self, via_id: str, target_id: str, decision: Decision) -> dict[str, Any]:
+    def _naming(self, via_id: str, target_id: str, choice: Choice) -> dict[str, Any]:
         """A click on the message of ``via_id`` whose button names ``target_id`` instead."""
         post = self._post(via_id)
         assert post is not None
-        payload = block_actions(post, decision.value, user=ALICE, username="alice")
+        payload = block_actions(post, choice.value, user=ALICE, username="alice")
         instance = payload["actions"][0]["value"].partition(":")[0]
         payload["actions"][0]["value"] = f"{instance}:{target_id}"
         return payload
 
-    async def answer_unknown(self, pending_id: str, decision: Decision) -> bool | None:
-        return await self._interact(pending_id, self._naming(pending_id, UNKNOWN_ID, decision))
+    async def answer_unknown(self, pending_id: str, choice: Choice) -> bool | None:
+        return await self._interact(pending_id, self._naming(pending_id, UNKNOWN_ID, choice))
 
-    async def answer_foreign(self, own_id: str, other_id: str, decision: Decision) -> bool | None:
-        return await self._interact(own_id, self._naming(own_id, other_id, decision))
+    async def answer_foreign(self, own_id: str, other_id: str, choice: Choice) -> bool | None:
+        return await self._interact(own_id, self._naming(own_id, other_id, choice))
 
 
 class WebhookDriver(Driver):
@@ -466,9 +466,9 @@ class WebhookDriver(Driver):
             assert received.signature_ok
             assert not [b for b in received.body if b < 0x20], received.body  # JSON escapes every control character
 
-    async def answer(self, approval_id: str, decision: Decision) -> bool | None:
+    async def answer(self, approval_id: str, choice: Choice) -> bool | None:
         url = next(r.payload["callback_url"] for r in self.receiver.requests)
-        status, _, _ = await self.receiver.callback(approval_id, decision.value, by="bob", url=url)
+        status, _, _ = await self.receiver.callback(approval_id, choice.value, by="bob", url=url)
         assert status in (200, 404, 409), status
         return status == 200
 
@@ -485,8 +485,8 @@ class WebhookDriver(Driver):
         _, callback_key = make_secret()
         return await self._broker(f"http://127.0.0.1:{port}/hook", parse_secret(secret), callback_key, 1.0)
 
-    async def answer_unknown(self, pending_id: str, decision: Decision) -> bool | None:
-        return await self.answer(UNKNOWN_ID, decision)
+    async def answer_unknown(self, pending_id: str, choice: Choice) -> bool | None:
+        return await self.answer(UNKNOWN_ID, choice)
 
 
 class ControlDriver(Driver):
@@ -529,14 +529,14 @@ class ControlDriver(Driver):
         for approval in self.last_listing["approvals"]:
             assert not [ch for ch in approval["message"] if ch != "\n" and is_invisible(ch)]
 
-    async def _decide(self, approval_id: str, decision: Decision, token: str) -> bool:
-        status, body = await self._call("POST", f"/approvals/{approval_id}/{decision.value}", token=token,
+    async def _decide(self, approval_id: str, choice: Choice, token: str) -> bool:
+        status, body = await self._call("POST", f"/approvals/{approval_id}/{choice.value}", token=token,
                                         body={"by": "carol"})  # fmt: skip
         assert status in (200, 403, 404, 409), (status, body)
         return status == 200
 
-    async def answer(self, approval_id: str, decision: Decision) -> bool | None:
-        return await self._decide(approval_id, decision, "global-token")
+    async def answer(self, approval_id: str, choice: Choice) -> bool | None:
+        return await self._decide(approval_id, choice, "global-token")
 
     async def withdrawn(self, approval_id: str) -> str:
         async def gone() -> bool:
@@ -548,13 +548,13 @@ class ControlDriver(Driver):
     async def never_attached(self) -> ApprovalBroker:
         return await self._serve(await self.broker([], 30.0))
 
-    async def answer_unknown(self, pending_id: str, decision: Decision) -> bool | None:
-        return await self._decide(UNKNOWN_ID, decision, "global-token")
+    async def answer_unknown(self, pending_id: str, choice: Choice) -> bool | None:
+        return await self._decide(UNKNOWN_ID, choice, "global-token")
 
-    async def answer_foreign(self, own_id: str, other_id: str, decision: Decision) -> bool | None:
+    async def answer_foreign(self, own_id: str, other_id: str, choice: Choice) -> bool | None:
         own = await self._listed(own_id)
         assert own is not None
-        return await self._decide(other_id, decision, f"{own['run']}-token")
+        return await self._decide(other_id, choice, f"{own['run']}-token")
 
 
 class NobodyDriver(ControlDriver):
@@ -602,9 +602,9 @@ async def driver(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterato
 # -- the checks ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("decision", [Decision.ALLOW, Decision.DENY])
+@pytest.mark.parametrize("choice", [Choice.ALLOW, Choice.DENY])
 async def test_an_answer_decides_and_the_broker_records_who_answered_through_which_channel(
-    driver: Driver, decision: Decision
+    driver: Driver, choice: Choice
 ) -> None:
     broker = await driver.start(timeout_s=30)
     if (held := await hold(driver, broker)) is None:
@@ -612,9 +612,9 @@ async def test_an_answer_decides_and_the_broker_records_who_answered_through_whi
     waiting, approval_id = held
     await asyncio.sleep(0.05)
     assert not waiting.done()
-    assert await driver.answer(approval_id, decision) is True
+    assert await driver.answer(approval_id, choice) is True
     outcome = await asyncio.wait_for(waiting, 5)
-    answer = Answer.ALLOW if decision is Decision.ALLOW else Answer.DENY
+    answer = Answer.ALLOW if choice is Choice.ALLOW else Answer.DENY
     assert (outcome.answer, outcome.approval_id, outcome.channel, outcome.by) == (
         answer, approval_id, driver.channel, driver.by
     )  # fmt: skip
@@ -622,12 +622,12 @@ async def test_an_answer_decides_and_the_broker_records_who_answered_through_whi
     assert {k: record[k] for k in ("id", "run", "decision", "reason", "channel", "by")} == {
         "id": approval_id,
         "run": "r-1",
-        "decision": decision.value,
-        "reason": None if decision is Decision.ALLOW else "denied",
+        "decision": choice.value,
+        "reason": None if choice is Choice.ALLOW else "denied",
         "channel": driver.channel,
         "by": driver.by,
     }
-    assert driver.marks[decision.value] in await driver.withdrawn(approval_id)
+    assert driver.marks[choice.value] in await driver.withdrawn(approval_id)
 
 
 async def test_no_answer_in_time_is_an_approval_timeout_the_prompt_is_withdrawn_and_a_late_answer_refused(
@@ -644,7 +644,7 @@ async def test_no_answer_in_time_is_an_approval_timeout_the_prompt_is_withdrawn_
         "deny", "approval_timeout", None, None
     )  # fmt: skip
     assert driver.marks["timeout"] in await driver.withdrawn(approval_id)
-    assert await driver.answer(approval_id, Decision.ALLOW) is not True
+    assert await driver.answer(approval_id, Choice.ALLOW) is not True
     assert decided(driver.audit) == [record] and broker.pending() == []
 
 
@@ -680,10 +680,10 @@ async def test_an_answer_counts_once_and_a_second_one_changes_nothing(driver: Dr
     if (held := await hold(driver, broker)) is None:
         return  # nobody attached: not even a first answer counts
     waiting, first = held
-    assert await driver.answer(first, Decision.ALLOW) is True
+    assert await driver.answer(first, Choice.ALLOW) is True
     assert (await asyncio.wait_for(waiting, 5)).allowed
     await driver.withdrawn(first)
-    assert await driver.answer(first, Decision.DENY) is not True
+    assert await driver.answer(first, Choice.DENY) is not True
     [record] = decided(driver.audit)
     assert (record["id"], record["decision"]) == (first, "allow")
     # Nor does the refused answer carry over to the next approval.
@@ -692,7 +692,7 @@ async def test_an_answer_counts_once_and_a_second_one_changes_nothing(driver: Dr
     later, second = later_held
     await asyncio.sleep(0.3)
     assert not later.done() and [a.id for a in broker.pending()] == [second] and len(decided(driver.audit)) == 1
-    assert await driver.answer(second, Decision.DENY) is True
+    assert await driver.answer(second, Choice.DENY) is True
     assert (await asyncio.wait_for(later, 5)).answer is Answer.DENY
 
 
@@ -731,7 +731,7 @@ async def test_the_message_carries_the_same_content_and_hostile_text_is_shown_es
     assert not [ch for ch in RAW if ch in shown]
     assert not [ch for ch in shown if ch != "\n" and is_invisible(ch)]
     driver.inert()
-    assert await driver.answer(approval_id, Decision.DENY) is True
+    assert await driver.answer(approval_id, Choice.DENY) is True
     await asyncio.wait_for(waiting, 5)
 
 
@@ -741,10 +741,10 @@ async def test_an_answer_for_an_approval_that_does_not_exist_is_refused(driver: 
     if (held := await hold(driver, broker)) is None:
         return  # nobody attached: ``hold`` answered an id that does not exist, and was refused
     waiting, approval_id = held
-    assert await driver.answer_unknown(approval_id, Decision.ALLOW) is False
+    assert await driver.answer_unknown(approval_id, Choice.ALLOW) is False
     await asyncio.sleep(0.1)
     assert not waiting.done() and [a.id for a in broker.pending()] == [approval_id] and decided(driver.audit) == []
-    assert await driver.answer(approval_id, Decision.DENY) is True
+    assert await driver.answer(approval_id, Choice.DENY) is True
     assert (await asyncio.wait_for(waiting, 5)).answer is Answer.DENY
 
 
@@ -757,14 +757,14 @@ async def test_an_answer_decides_its_own_approval_never_another_runs(driver: Dri
     two_id = await opened(broker, "two.example")
     if driver.run_scoped:
         await driver.shown(two_id)
-        assert await driver.answer_foreign(one_id, two_id, Decision.ALLOW) is False
+        assert await driver.answer_foreign(one_id, two_id, Choice.ALLOW) is False
         await asyncio.sleep(0.1)
         assert {a.id for a in broker.pending()} == {one_id, two_id} and decided(driver.audit) == []
-    assert await driver.answer(one_id, Decision.ALLOW) is True
+    assert await driver.answer(one_id, Choice.ALLOW) is True
     assert (await asyncio.wait_for(one, 5)).allowed
     await asyncio.sleep(0.1)
     assert not two.done() and [a.id for a in broker.pending()] == [two_id]
     assert [r["id"] for r in decided(driver.audit)] == [one_id]
     await driver.shown(two_id)
-    assert await driver.answer(two_id, Decision.DENY) is True
+    assert await driver.answer(two_id, Choice.DENY) is True
     assert (await asyncio.wait_for(two, 5)).answer is Answer.DENY

@@ -1,0 +1,101 @@
+"""Egress records read back: typed views for the runners (``egressd run``, ``egressd agent``).
+
+An ``egress`` record crosses from the proxy (or from a Docker run's egressd,
+as JSON) into ``cli`` and ``agent`` as a dict; ``EgressSeen.of`` parses it
+once into what they read of it, and ``Refusal`` is what they report of a
+refused attempt. Pure: nothing here writes or reshapes a record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["EgressSeen", "Refusal", "refusals"]
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """One refused attempt as runners report it (``message``: the phrase a person reads, when known)."""
+
+    host: str | None
+    port: int | None
+    reason: str | None
+    kind: str | None = None
+    message: str | None = None
+
+    @property
+    def target(self) -> str:
+        """``host:port``, or the host alone when there is no port (a DNS query)."""
+        return f"{self.host}:{self.port}" if self.port else f"{self.host}"
+
+
+@dataclass(frozen=True, slots=True)
+class EgressSeen:
+    """What a runner reads of one egress record (an ``egress`` record joined with its end, or alone).
+
+    Fields a record lacks are None; ``event`` is ``egress`` when the record
+    names none; ``approved`` says the record carries an approval.
+    """
+
+    event: str
+    kind: str | None
+    host: str | None
+    port: int | None
+    decision: str | None
+    reason: str | None
+    approved: bool
+
+    @classmethod
+    def of(cls, record: Mapping[str, object]) -> EgressSeen:
+        get = record.get
+        return cls(
+            event=_text(get("event", "egress")) or "",
+            kind=_text(get("kind")),
+            host=_text(get("host")),
+            port=_port(get("port")),
+            decision=_text(get("decision")),
+            reason=_text(get("reason")),
+            approved=bool(get("approval")),
+        )
+
+    @property
+    def denied(self) -> bool:
+        return self.decision == "deny"
+
+    @property
+    def is_refusal(self) -> bool:
+        """A refused egress attempt worth telling the user or the model about.
+
+        A DNS "deny" without a reason is an empty AAAA answer or a refused
+        query type: egressd answered as designed and nothing was refused.
+        """
+        return self.denied and not (self.kind == "dns" and self.reason is None)
+
+    @property
+    def target(self) -> str:
+        """``host:port``, or the host alone when there is no port (a DNS query)."""
+        return f"{self.host}:{self.port}" if self.port else f"{self.host}"
+
+    def refusal(self) -> Refusal:
+        return Refusal(host=self.host, port=self.port, reason=self.reason, kind=self.kind)
+
+
+def refusals(seen: Iterable[EgressSeen]) -> list[Refusal]:
+    """The refusals among egress records (``EgressSeen.is_refusal``), as runners report them."""
+    return [s.refusal() for s in seen if s.is_refusal]
+
+
+def _text(value: object) -> str | None:
+    return None if value is None else str(value)
+
+
+def _port(value: object) -> int | None:
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    try:
+        return int(str(value))
+    except ValueError:
+        return None
