@@ -34,22 +34,10 @@ from dataclasses import dataclass
 from audit.records import EgressKind
 
 from .clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client, tls_alert
+from .exchange import Exchange
 from .gate import Admission, Attempt, DialError, Gate
 from .hosts import HostError, normalise_host
-from .http1 import (
-    BodyKind,
-    Destination,
-    HttpError,
-    RequestHead,
-    ResponseHead,
-    forward_request_head,
-    forward_response_head,
-    parse_request_head,
-    parse_response_head,
-    request_body_kind,
-    request_destination,
-    response_body_kind,
-)
+from .http1 import Destination, HttpError, RequestHead, ResponseHead, request_destination
 from .policy import Reason
 from .responses import CONNECT_ESTABLISHED, REASON_MESSAGES, STATUS_FOR_REASON, refusal
 from .runs import NOT_WAITING, IPAddress, Run, RunRegistry, source_address
@@ -58,7 +46,6 @@ from .tunnel import ClientCheck, Tunnel
 
 log = logging.getLogger("egressd.proxy")
 
-CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 # The audit record's ``end`` when a connection ended because nothing moved (DESIGN.md "Audit log").
 IDLE_END = "idle_timeout"
 # ... and when egressd cut it on stopping, after the grace period.
@@ -192,7 +179,7 @@ class Listener:
     @staticmethod
     def _close_client(client: Peer) -> None:
         if client.pooled is not None:
-            client.pooled[1].close()
+            client.pooled[2].close()
             client.pooled = None
         client.close()
 
@@ -228,9 +215,10 @@ class ProxyServer(Listener):
                 return
             first = True
             holder = self.runs.bound(source)  # once per connection: its address's run does not change
+            exchange = Exchange(self.limits.max_head_bytes)  # the connection's HTTP, request after request
             while True:
                 attempt = self.gate.begin(EgressKind.HTTP, client_text)
-                keep_going = await self._serve_request(client, attempt, source, holder, first)
+                keep_going = await self._serve_request(client, attempt, source, holder, first, exchange)
                 first = False
                 if not keep_going:
                     return
@@ -248,7 +236,13 @@ class ProxyServer(Listener):
                 self._close_client(client)
 
     async def _serve_request(
-        self, client: Peer, attempt: Attempt, source: IPAddress | None, holder: Run | None, first: bool
+        self,
+        client: Peer,
+        attempt: Attempt,
+        source: IPAddress | None,
+        holder: Run | None,
+        first: bool,
+        exchange: Exchange,
     ) -> bool:
         """Serve one request; True when the connection may carry another.
 
@@ -262,7 +256,7 @@ class ProxyServer(Listener):
         try:
             deadline = asyncio.get_running_loop().time() + self.limits.head_timeout_s
             with holder.waiting_head() if holder is not None else NOT_WAITING:
-                head = await client.read_head(parse_request_head, self.limits.max_head_bytes, deadline)
+                head = await client.read_head(exchange.read_request, deadline)
         except TimeoutError:
             if not first and not client.buf:
                 return False  # an idle keep-alive connection, not an attempt
@@ -306,7 +300,7 @@ class ProxyServer(Listener):
             if head.method == "CONNECT":
                 await self._tunnel(client, attempt, admission)
                 return False
-            return await self._forward(client, attempt, head, admission, destination)
+            return await self._forward(client, attempt, exchange, admission, destination)
         finally:
             if not attempt.handed_off:
                 run.open_connections -= 1
@@ -332,34 +326,34 @@ class ProxyServer(Listener):
                 upstream.close()
 
     async def _forward(
-        self, client: Peer, attempt: Attempt, head: RequestHead, admission: Admission, destination: Destination
+        self, client: Peer, attempt: Attempt, exchange: Exchange, admission: Admission, destination: Destination
     ) -> bool:
         """Forward one request and its response; True when the client connection may carry another.
 
-        The upstream connection is kept for the client's next request to the
-        same host and port (keep-alive on both sides, RFC 9112 §9.3). A kept
-        connection the origin has meanwhile closed is replaced once, for a
-        request without a body (nothing is lost by sending it again).
+        Read, feed, act: ``exchange`` says what to send and where each body
+        ends. The upstream connection is kept for the client's next request
+        to the same host and port when the exchange allows (keep-alive on
+        both sides, RFC 9112 §9.3). A kept connection the origin has
+        meanwhile closed is replaced once, for a request without a body
+        (nothing is lost by sending it again).
         """
-        if any(v.lower() == "100-continue" for v in head.get_all("Expect")):
-            # We answer the expectation ourselves (RFC 9110 §10.1.1) so a
-            # client waiting for it never stalls behind our relay.
-            head.headers = [(k, v) for k, v in head.headers if k.lower() != "expect"]
-            await client.send(CONTINUE)
-        out = forward_request_head(head, destination)
-        kind, length = request_body_kind(head)
+        out = exchange.forward(destination)
+        if exchange.interim:
+            await client.send(exchange.interim)
+        body = exchange.request_body
         key = (admission.host, admission.port)
         for try_again in (True, False):
-            upstream = self._kept(client, key, admission)
-            reused = upstream is not None
-            if upstream is None:
+            kept = self._kept(client, key, admission)
+            reused = kept is not None
+            if kept is None:
                 upstream = await self._dial(client, attempt, admission)
                 if upstream is None:
                     return False
-                upstream.dialled = attempt.address
+                address = attempt.address
             else:
+                address, upstream = kept
                 try:
-                    self.gate.open(attempt, upstream.dialled)  # the record before the request goes out
+                    self.gate.open(attempt, address)  # the record before the request goes out
                 except DialError as exc:
                     upstream.close()
                     await self._refuse(client, attempt, exc.reason)
@@ -369,27 +363,25 @@ class ProxyServer(Listener):
                 response = None
                 try:
                     await upstream.send(out)
-                    if kind is BodyKind.NONE:
-                        response = await self._response_head(upstream)
+                    if body is None:
+                        response = await self._response_head(upstream, exchange)
                 except PeerClosed:
                     pass
-                if response is None and reused and try_again and kind is BodyKind.NONE:
+                if response is None and reused and try_again and body is None:
                     continue  # a stale kept connection: dial a fresh one
                 attempt.bytes_up += len(out)
-                idle_s = self.limits.idle_timeout_s
-                try:
-                    if kind is BodyKind.LENGTH:
-                        attempt.bytes_up += await client.relay_exact(length, upstream, idle_s=idle_s)
-                    elif kind is BodyKind.CHUNKED:
-                        attempt.bytes_up += await client.relay_chunked(upstream, idle_s=idle_s)
-                except (IdleTimeout, PeerClosed) as exc:
-                    attempt.bytes_up += getattr(exc, "moved", 0)
-                    raise
+                if body is not None:
+                    try:
+                        attempt.bytes_up += await client.relay_body(body, upstream, idle_s=self.limits.idle_timeout_s)
+                    except (IdleTimeout, PeerClosed) as exc:
+                        attempt.bytes_up += exc.moved
+                        raise
                 if response is None:
-                    response = await self._response_head(upstream)
+                    response = await self._response_head(upstream, exchange)
                 if response is None:
                     raise HttpError(502, "upstream closed without a response")
-                keep_client, keep_upstream = await self._relay_response(client, attempt, head, upstream, response)
+                keep_client = await self._relay_response(client, attempt, exchange, upstream, response)
+                keep_upstream = exchange.keep_upstream
                 return keep_client
             except HttpError as exc:
                 # The origin sent something we cannot frame safely; stop here.
@@ -400,7 +392,7 @@ class ProxyServer(Listener):
             except TimeoutError as exc:
                 if response is None and not isinstance(exc, IdleTimeout):
                     # The origin took the whole request and began no answer: 504, the client hears why.
-                    if kind is BodyKind.NONE:
+                    if body is None:
                         attempt.bytes_up += len(out)  # sent, and not counted yet
                     await self._refuse(client, attempt, Reason.UPSTREAM_TIMEOUT)
                     return False
@@ -409,65 +401,55 @@ class ProxyServer(Listener):
                 return False
             finally:
                 if keep_upstream:
-                    client.pooled = (key, upstream)
+                    client.pooled = (key, address, upstream)
                 else:
                     upstream.close()
         return False
 
     @staticmethod
-    def _kept(client: Peer, key: tuple[str, int], admission: Admission) -> Peer | None:
-        """The client's kept upstream connection, if it serves this request; else None (and closed)."""
+    def _kept(client: Peer, key: tuple[str, int], admission: Admission) -> tuple[str | None, Peer] | None:
+        """The client's kept upstream connection and its address, if it serves this request; else None (and closed)."""
         pooled = client.pooled
         if pooled is None:
             return None
         client.pooled = None
-        pooled_key, upstream = pooled
+        pooled_key, address, upstream = pooled
         usable = (
             pooled_key == key
             and not upstream.closed
             and not upstream.eof
             and not upstream.buf  # an unrequested byte means the stream is out of step
-            and upstream.dialled in admission.texts
+            and address in admission.texts
         )
         if usable:
-            return upstream
+            return address, upstream
         upstream.close()
         return None
 
-    async def _response_head(self, upstream: Peer) -> ResponseHead | None:
-        """The final response head (interim 1xx skipped); None if the upstream closed first."""
+    async def _response_head(self, upstream: Peer, exchange: Exchange) -> ResponseHead | None:
+        """The final response head (``exchange`` drops interim 1xx); None if the upstream closed first."""
         deadline = asyncio.get_running_loop().time() + self.limits.idle_timeout_s
-        while True:
-            response = await upstream.read_head(parse_response_head, self.limits.max_head_bytes, deadline)
-            if response is None or not (100 <= response.status < 200 and response.status != 101):
-                return response
-            # interim responses: we already answered any 100-continue ourselves
+        return await upstream.read_head(exchange.read_response, deadline)
 
     async def _relay_response(
-        self, client: Peer, attempt: Attempt, head: RequestHead, upstream: Peer, response: ResponseHead
-    ) -> tuple[bool, bool]:
-        """Send the response on; (client may carry another request, upstream may be kept)."""
+        self, client: Peer, attempt: Attempt, exchange: Exchange, upstream: Peer, response: ResponseHead
+    ) -> bool:
+        """Send the response on, as ``exchange`` framed it; True when the client may send another request."""
         attempt.extra["status"] = response.status
-        kind, length = response_body_kind(response, head.method)
-        keep_alive = head.keep_alive and kind is not BodyKind.UNTIL_CLOSE
-        out = forward_response_head(response, keep_alive)
+        out = exchange.response_out
         attempt.bytes_down += len(out)
+        body = exchange.response_body
         idle_s = self.limits.idle_timeout_s
         try:
-            if kind is BodyKind.LENGTH:
+            if body is None:
+                await client.send(out, asyncio.get_running_loop().time() + idle_s)
+            else:
                 # The head and the body bytes already here go out in one write.
-                attempt.bytes_down += await upstream.relay_exact(length, client, head=out, idle_s=idle_s)
-                return keep_alive, keep_alive and response.keep_alive
-            await client.send(out, asyncio.get_running_loop().time() + idle_s)
-            if kind is BodyKind.CHUNKED:
-                attempt.bytes_down += await upstream.relay_chunked(client, error_status=502, idle_s=idle_s)
-            elif kind is BodyKind.UNTIL_CLOSE:
-                attempt.bytes_down += await upstream.relay_until_eof(client, idle_s=idle_s)
+                attempt.bytes_down += await upstream.relay_body(body, client, head=out, idle_s=idle_s)
         except (IdleTimeout, PeerClosed) as exc:
-            attempt.bytes_down += getattr(exc, "moved", 0)  # what reached the client counts, cut short or not
+            attempt.bytes_down += exc.moved  # what reached the client counts, cut short or not
             raise
-        keep_upstream = keep_alive and response.keep_alive and response.status != 101
-        return keep_alive, keep_upstream
+        return exchange.finish()
 
     async def _refuse(
         self,

@@ -3,16 +3,20 @@
 Why a protocol and not ``loop.sock_recv``: the transport keeps its socket
 registered with the event loop for the connection's whole life, so reading
 costs no per-call (un)registration, and on uvloop the reads and writes are
-done in C. Coroutines wait on the buffer (``fill``, ``read_head``, the
-``relay_*`` helpers) while a request head or body is being handled; once a
+done in C. Coroutines wait on the buffer (``fill``, ``read_head``,
+``relay_body``) while a request head or body is being handled; once a
 tunnel is spliced (``tunnel``), bytes go from one transport to the other in
 ``data_received`` without waking any coroutine.
+
+Nothing here knows HTTP: ``read_head`` asks a parser where a head ends, and
+``relay_body`` a framer (``exchange``) where a body ends; this module only
+moves the bytes they point at.
 
 Flow control both ways: a buffer holding more than ``HIGH_WATER`` unread
 bytes pauses reading from that peer, and a peer whose outgoing buffer is
 full makes ``send`` wait (``pause_writing``/``resume_writing``).
 
-The ``relay_*`` helpers take ``idle_s``: when no byte of the body moves for
+``relay_body`` takes ``idle_s``: when no byte of the body moves for
 that long (the source sends nothing, or the destination takes nothing), they
 raise ``IdleTimeout``, saying how many body bytes had gone through.
 """
@@ -24,13 +28,31 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from .http1 import ChunkedScanner, HttpError
-
 # Unread bytes a peer may hold before we stop reading from it: one large
 # request head plus some body, and no more.
 HIGH_WATER = 256 * 1024
 
 H = TypeVar("H")  # a parsed message head (request or response)
+
+
+class Framing(Protocol):
+    """Where a body ends (``exchange.LengthBody``, ``exchange.ChunkedBody``, ``exchange.UntilClose``)."""
+
+    @property
+    def done(self) -> bool:
+        """The body is through."""
+
+    @property
+    def passes_on(self) -> bool:
+        """Feeding never fails: bytes may go on from the transport's callbacks."""
+
+    @property
+    def ends_at_close(self) -> bool:
+        """The peer closing ends the body (else it cuts it short)."""
+
+    def feed(self, data: bytes | bytearray) -> int:
+        """How many leading bytes of ``data`` belong to the body."""
+        ...
 
 
 class PeerClosed(Exception):
@@ -74,7 +96,7 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "dialled", "pooled", "_on_gone")
+                 "_write_paused", "_read_paused", "relay", "pooled", "_on_gone")
 
     def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
         self.transport: asyncio.Transport | None = None
@@ -88,10 +110,9 @@ class Peer(asyncio.Protocol):
         self._read_paused = False
         # Set while spliced or passing a body on: bytes go straight to the other peer.
         self.relay: Relay | None = None
-        # Plain HTTP: the address an upstream peer was dialled at, and the
-        # upstream a client connection keeps for its next request.
-        self.dialled: str | None = None
-        self.pooled: tuple[tuple[str, int], Peer] | None = None
+        # The upstream connection a client connection keeps for its next
+        # request: (its key, the address it was dialled at, the upstream).
+        self.pooled: tuple[tuple[str, int], str | None, Peer] | None = None
         # Set inside ``gone_cancels``: what the peer leaving does to the waiting task.
         self._on_gone: Callable[[bool], None] | None = None
 
@@ -228,59 +249,73 @@ class Peer(asyncio.Protocol):
         return data
 
     async def read_head(
-        self, parse: Callable[[bytearray, int], tuple[H, int] | None], max_bytes: int, deadline: float | None = None
+        self, parse: Callable[[bytearray, bool], tuple[H | None, int]], deadline: float | None = None
     ) -> H | None:
-        """The next head, or None on a clean EOF before any byte of it; TimeoutError past ``deadline``."""
-        while True:
-            if self.buf:
-                parsed = parse(self.buf, max_bytes)
-                if parsed is not None:
-                    head, used = parsed
-                    del self.buf[:used]
-                    return head
-            if not await self.fill(deadline):
-                if self.buf:
-                    raise HttpError(400, "connection closed inside a message head")
-                return None
+        """The next head, or None when the peer closed without one; TimeoutError past ``deadline``.
 
-    async def relay_exact(self, n: int, dst: Peer, *, head: bytes = b"", idle_s: float | None = None) -> int:
-        """Copy exactly ``n`` body bytes to ``dst``, after ``head`` (sent in the same write when it can be).
-
-        ``idle_s``: IdleTimeout when no byte moves for that long.
+        ``parse(buf, closed)`` says where the head at the start of the buffer
+        ends: ``(head, used)``, or ``(None, used)`` to read more (``used``
+        bytes, such as skipped interim heads, are dropped either way);
+        ``closed``: nothing more will come, so ``(None, _)`` is the end.
         """
-        left = n
+        while True:
+            if self.buf or self.eof:
+                head, used = parse(self.buf, self.eof)
+                if used:
+                    del self.buf[:used]
+                if head is not None or self.eof:
+                    return head
+            await self.fill(deadline)  # False at EOF: the next turn parses with ``closed``
+
+    async def relay_body(self, body: Framing, dst: Peer, *, head: bytes = b"", idle_s: float | None = None) -> int:
+        """Copy a body to ``dst`` until ``body`` says it is done, after ``head`` (one write when it can be).
+
+        The body bytes moved are returned. This peer closing cuts the body
+        short (PeerClosed) unless ``body.ends_at_close``; ``body.feed``'s
+        errors come out as they are, after ``head`` has been sent. ``idle_s``:
+        IdleTimeout when no byte moves for that long.
+        """
+        moved = 0
         passing: _PassOn | None = None
         try:
             if head:
-                chunk = self.take(min(left, len(self.buf)))
-                await dst.send(head + chunk if chunk else head, _deadline(idle_s))
-                left -= len(chunk)
-            while left:
+                try:
+                    n = body.feed(self.buf) if self.buf else 0
+                except Exception:
+                    await dst.send(head, _deadline(idle_s))
+                    raise
+                await dst.send(head + self.take(n) if n else head, _deadline(idle_s))
+                moved += n
+            while not body.done:
                 if not self.buf:
-                    # Nothing buffered: pass what arrives straight on, from the
-                    # callbacks, until the body is done or ``dst`` is full.
-                    passing = _PassOn(dst, left, idle_s)
-                    await self._pass_on(passing)
-                    left, passing = passing.left, None
-                    continue
-                chunk = self.take(min(left, len(self.buf)))
-                await dst.send(chunk, _deadline(idle_s))
-                left -= len(chunk)
+                    if body.passes_on:
+                        # Nothing buffered: pass what arrives straight on, from the
+                        # callbacks, until the body is done or ``dst`` is full.
+                        passing = _PassOn(dst, body, idle_s)
+                        await self._pass_on(passing)
+                        moved += passing.moved
+                        passing = None
+                        continue
+                    if not await self.fill(_deadline(idle_s)):
+                        if body.ends_at_close:
+                            return moved
+                        raise PeerClosed("peer closed inside a body")
+                n = body.feed(self.buf)
+                await dst.send(self.take(n), _deadline(idle_s))
+                moved += n
         except TimeoutError:
-            if passing is not None:
-                left = passing.left
-            raise IdleTimeout(n - left) from None
+            raise IdleTimeout(moved + (passing.moved if passing is not None else 0)) from None
         except PeerClosed as exc:
-            exc.moved = n - (passing.left if passing is not None else left)
+            exc.moved = moved + (passing.moved if passing is not None else 0)
             raise
-        return n
+        return moved
 
     async def _pass_on(self, passing: _PassOn) -> None:
-        """Write the next of ``passing.left`` body bytes to its ``dst`` as they arrive.
+        """Write the next bytes of ``passing.body`` to its ``dst`` as they arrive.
 
         Returns once the body is done or ``dst``'s buffer is full (the caller
-        then waits for it through ``send``), ``passing.left`` the bytes still
-        to come; no coroutine wakes per chunk, and a chunk is written as
+        then waits for it through ``send``), ``passing.moved`` the bytes that
+        went; no coroutine wakes per chunk, and a chunk is written as
         received, never copied into our buffer.
         """
         await passing.dst.drain(_deadline(passing.idle_s))
@@ -298,46 +333,6 @@ class Peer(asyncio.Protocol):
         finally:
             self.relay = None
             passing.stop()
-
-    async def relay_chunked(self, dst: Peer, *, error_status: int = 400, idle_s: float | None = None) -> int:
-        """Copy a chunked body unchanged, up to and including its last CRLF.
-
-        ``error_status`` is the status of the HttpError for a malformed body:
-        400 when the client sent it, 502 when the upstream did. ``idle_s``:
-        IdleTimeout when no byte moves for that long.
-        """
-        scanner = ChunkedScanner(error_status=error_status)
-        total = 0
-        try:
-            while not scanner.done:
-                if not self.buf and not await self.fill(_deadline(idle_s)):
-                    raise PeerClosed("peer closed inside a chunked body")
-                n = scanner.feed(bytes(self.buf))
-                await dst.send(self.take(n), _deadline(idle_s))
-                total += n
-        except TimeoutError:
-            raise IdleTimeout(total) from None
-        except PeerClosed as exc:
-            exc.moved = total
-            raise
-        return total
-
-    async def relay_until_eof(self, dst: Peer, *, idle_s: float | None = None) -> int:
-        """Copy everything until this peer's EOF; ``idle_s``: IdleTimeout when no byte moves for that long."""
-        total = 0
-        try:
-            while True:
-                if self.buf:
-                    chunk = self.take()
-                    await dst.send(chunk, _deadline(idle_s))
-                    total += len(chunk)
-                if not await self.fill(_deadline(idle_s)):
-                    return total
-        except TimeoutError:
-            raise IdleTimeout(total) from None
-        except PeerClosed as exc:
-            exc.moved = total
-            raise
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -359,17 +354,18 @@ class Peer(asyncio.Protocol):
 
 
 class _PassOn:
-    """``Peer._pass_on``'s relay: the source's bytes go to ``dst`` until ``left`` reaches 0 or ``dst`` is full.
+    """``Peer._pass_on``'s relay: the source's bytes go to ``dst`` until ``body`` is done or ``dst`` is full.
 
     With ``idle_s``, one loop timer (not one per chunk) ends it with
     TimeoutError once no byte has come for that long.
     """
 
-    __slots__ = ("dst", "left", "done", "idle_s", "_last", "_timer")
+    __slots__ = ("dst", "body", "moved", "done", "idle_s", "_last", "_timer")
 
-    def __init__(self, dst: Peer, left: int, idle_s: float | None = None) -> None:
+    def __init__(self, dst: Peer, body: Framing, idle_s: float | None = None) -> None:
         self.dst = dst
-        self.left = left
+        self.body = body
+        self.moved = 0
         self.idle_s = idle_s
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._last = 0.0
@@ -405,20 +401,22 @@ class _PassOn:
             source.keep(data)
             self.done.set_exception(PeerClosed("connection closed"))
             return
-        if len(data) > self.left:
+        n = self.body.feed(data)
+        if n < len(data):
             # The body ends inside this chunk: the rest is the next message's.
-            source.keep(data[self.left :])
-            data = data[: self.left]
+            source.keep(data[n:])
+            data = data[:n]
         dst.transport.write(data)
-        self.left -= len(data)
+        self.moved += n
         if self._timer is not None:
             self._last = time.monotonic()
-        if dst._write_paused and self.left:
+        done = self.body.done
+        if dst._write_paused and not done:
             # Leave the rest in the kernel rather than in our buffer: the
             # coroutine resumes reading once ``dst`` has drained.
             source._read_paused = True
             source.transport.pause_reading()  # type: ignore[union-attr]
-        if not self.left or dst._write_paused:
+        if done or dst._write_paused:
             source.relay = None
             self.done.set_result(None)
 
