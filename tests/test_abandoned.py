@@ -29,6 +29,7 @@ from proxy.stream import Peer, PeerClosed
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes import hellos
 from tests.fakes.slack import FakeSlack, limit_problems
+from tests.fakes.terminal import Pty
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import connect_via, egress, open_proxy, wait_until
 from tests.test_approvals_e2e import (  # noqa: F401 - fixtures
@@ -43,7 +44,7 @@ from tests.test_approvals_e2e import (  # noqa: F401 - fixtures
 from tests.test_broker import RecordingChannel, request
 from tests.test_slack_hardening import mrkdwn_outside_code
 from tests.test_slack_hardening import pending as slack_pending
-from tests.test_terminal import Pty, pty, terminal_broker  # noqa: F401 - the pty fixture
+from tests.test_terminal import pty, terminal_broker  # noqa: F401 - the pty fixture
 from tests.test_transparent import transparent  # noqa: F401 - the fixture
 
 

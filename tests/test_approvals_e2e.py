@@ -36,6 +36,7 @@ from config.settings import load_settings
 from tests.conftest import HttpOrigin, Listener, MakeEgressd
 from tests.fakes.dns import FakeDns
 from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request
+from tests.fakes.terminal import Pty
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import (
     ORIGIN_RANGE,
@@ -50,7 +51,6 @@ from tests.harness import (
     wait_until,
 )
 from tests.test_broker import RecordingChannel
-from tests.test_terminal import Pty
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 TOKEN = "test-token"

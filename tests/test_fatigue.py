@@ -40,10 +40,10 @@ from config.settings import SettingsError, load_settings
 from proxy.runs import Run
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes.slack import FakeSlack
+from tests.fakes.terminal import Pty
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import connect_via, egress, wait_until
 from tests.test_broker import RecordingChannel, request
-from tests.test_terminal import Pty
 
 # -- helpers ---------------------------------------------------------------------------------
 

@@ -39,11 +39,11 @@ from names.suffixes import public_suffix
 from proxy.policy import EntryError, RunPolicy, Verdict, decide, parse_entry
 from proxy.reasons import Reason
 from tests.conftest import Listener, MakeEgressd
+from tests.fakes.control import control_server
 from tests.fakes.dns import FakeDns
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import LEAK, ORIGIN, egress, listening_socket, open_proxy, read_response, wait_until
 from tests.test_broker import request
-from tests.test_webhook import control_server
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 

@@ -29,11 +29,11 @@ from audit.log import MemoryAuditSink
 from config.settings import load_settings
 from names.shown import escape_mrkdwn
 from tests.conftest import Listener
+from tests.fakes.control import control_server
 from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request
 from tests.fakes.webhook import WebhookReceiver
 from tests.harness import listening_socket, refused_port, wait_until
 from tests.test_broker import RecordingChannel, request
-from tests.test_webhook import control_server
 
 CHANNEL = "C0APPROVE"
 ALICE = "U0ALICE"
@@ -231,16 +231,6 @@ def Decision_allow() -> Any:  # noqa: N802 - reads like the enum member it retur
     from approvals.interface import Choice
 
     return Choice.ALLOW
-
-
-async def test_expiry_updates_the_message_to_expired_and_denied(
-    fake_slack: FakeSlack, slack_broker: Callable[..., Any]
-) -> None:
-    broker = await slack_broker(timeout_s=0.3)
-    outcome = await asyncio.wait_for(broker.ask(request()), 5)
-    assert outcome.answer is Answer.TIMEOUT
-    await wait_until(lambda: fake_slack.called("chat.update"))
-    assert "Expired — denied" in json.dumps(fake_slack.called("chat.update")[0]["blocks"], ensure_ascii=False)
 
 
 async def test_rate_limits_are_retried_by_slack_sdk(fake_slack: FakeSlack, slack_broker: Callable[..., Any]) -> None:

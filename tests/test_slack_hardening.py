@@ -36,11 +36,11 @@ from approvals.slack import (
 )
 from audit.log import MemoryAuditSink
 from names.shown import escape, escape_mrkdwn
+from tests.fakes.control import control_server
 from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request, limit_problems, units
 from tests.fakes.webhook import WebhookReceiver
 from tests.harness import listening_socket, wait_until
 from tests.test_broker import RecordingChannel, request
-from tests.test_webhook import control_server
 
 CHANNEL = "C0APPROVE"
 ALICE = "U0ALICE"

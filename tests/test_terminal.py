@@ -14,49 +14,9 @@ from approvals.broker import ApprovalBroker
 from approvals.interface import Answer, ChannelUnavailable, Choice
 from approvals.terminal import TerminalChannel, countdown
 from audit.log import MemoryAuditSink
+from tests.fakes.terminal import Pty
 from tests.harness import wait_until
 from tests.test_broker import Clock, RecordingChannel, request
-
-
-class Pty:
-    """The person's side of a pseudo-terminal: what egressd drew, and a keyboard."""
-
-    def __init__(self) -> None:
-        self.master, self.slave = os.openpty()
-        self.path = os.ttyname(self.slave)
-        self.output = ""
-        os.set_blocking(self.master, False)
-        asyncio.get_running_loop().add_reader(self.master, self._read)
-
-    def _read(self) -> None:
-        try:
-            data = os.read(self.master, 65536)
-        except OSError:
-            return
-        self.output += data.decode("utf-8", "replace")
-
-    async def shows(self, text: str, timeout_s: float = 5.0) -> None:
-        try:
-            await wait_until(lambda: text in self.output, timeout_s)
-        except AssertionError:
-            raise AssertionError(f"{text!r} not on screen:\n{self.output!r}") from None
-
-    def type(self, keys: str) -> None:
-        os.write(self.master, keys.encode())
-
-    def lflag(self) -> int:
-        return int(termios.tcgetattr(self.slave)[3])
-
-    def hang_up(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.master)
-        os.close(self.master)
-        self.master = -1
-
-    def close(self) -> None:
-        if self.master >= 0:
-            asyncio.get_running_loop().remove_reader(self.master)
-            os.close(self.master)
-        os.close(self.slave)
 
 
 @pytest.fixture
@@ -211,19 +171,6 @@ async def test_the_countdown_shows_the_time_left(pty: Pty) -> None:
     await held
     await broker.close()
     assert countdown(3725) == "1:02:05" and countdown(-3) == "0:00" and countdown(0.2) == "0:01"
-
-
-async def test_an_expired_prompt_says_so_and_a_hung_up_terminal_stops_answering(pty: Pty) -> None:
-    broker, channel = await terminal_broker(pty, timeout_s=0.2)
-    outcome = await asyncio.wait_for(broker.ask(request()), 5)
-    assert outcome.answer is Answer.TIMEOUT
-    await pty.shows("evil.example:443: expired (denied)")
-    held = asyncio.create_task(broker.ask(request("next.example")))
-    await pty.shows("allow or deny next.example:443?")
-    pty.hang_up()
-    assert (await asyncio.wait_for(held, 5)).answer is Answer.TIMEOUT  # nobody left to answer
-    assert (await asyncio.wait_for(broker.ask(request("third.example")), 5)).answer is Answer.NO_APPROVER
-    await broker.close()
 
 
 async def test_closing_says_what_was_denied_and_restores_the_terminal(pty: Pty) -> None:

@@ -6,24 +6,22 @@ import asyncio
 import base64
 import json
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from approvals.assembly import approver_from_settings
 from approvals.broker import ApprovalBroker
-from approvals.interface import Answer, Route, SetupError
+from approvals.interface import Answer, SetupError
 from approvals.signing import ReplayGuard, SigningError, VerifyError, parse_secret, sign, signed_headers, verify
 from approvals.webhook import CALLBACK_PATH, WebhookChannel
 from audit.log import MemoryAuditSink
 from config.settings import load_settings
 from tests.conftest import Listener
+from tests.fakes.control import control_server
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import listening_socket, refused_port, wait_until
 from tests.test_broker import request
@@ -95,21 +93,6 @@ def test_the_replay_guard_remembers_ids_for_its_window_within_its_bound() -> Non
 
 
 # -- the channel, against a receiver -------------------------------------------------------
-
-
-@asynccontextmanager
-async def control_server(routes: Callable[[], Sequence[Route]], sock: socket.socket) -> AsyncIterator[str]:
-    """Serve routes on ``sock`` (already listening) the way the control API would (the callback is public)."""
-    app = web.Application()
-    for route in routes():
-        app.router.add_route(route.method, route.path, route.handler)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.SockSite(runner, sock).start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture
