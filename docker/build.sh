@@ -24,6 +24,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE=${EGRESSD_DOCKER_CACHE:-/var/cache/egressd-docker}
+# egressd's package folders, the image's inputs (tests/project/test_imports.py
+# checks this list and the Dockerfile's COPY lines against pyproject.toml).
+EGRESSD_FOLDERS="names proxy approvals config audit sandbox agent cli"
 SUITE=bookworm
 IMAGE_PYTHON=3.11  # bookworm's python3: the wheels must fit it
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -128,7 +131,7 @@ build_egressd() {
     local wheels=$1 base_id inputs ctx
     base_id=$(docker image inspect -f '{{.Id}}' "$PYTHON_BASE")
     inputs=$( { echo "egressd 1 $base_id"; ls "$wheels";
-                tree_digest pyproject.toml README.md proxy approvals config audit sandbox agent cli \
+                tree_digest pyproject.toml README.md $EGRESSD_FOLDERS \
                     docker/Dockerfile docker/egressd.toml docker/healthcheck.py; } | digest)
     if up_to_date "$EGRESSD_IMAGE" "$inputs"; then
         log "$EGRESSD_IMAGE is up to date"
@@ -137,7 +140,7 @@ build_egressd() {
     # A context of exactly the inputs (no .venv, no .git): small and reproducible.
     ctx=$(mktemp -d "$CACHE/context.XXXXXX")
     tar --exclude=__pycache__ --exclude='*.pyc' -cf - pyproject.toml README.md \
-        proxy approvals config audit sandbox agent cli docker/Dockerfile docker/egressd.toml \
+        $EGRESSD_FOLDERS docker/Dockerfile docker/egressd.toml \
         docker/healthcheck.py | tar -xf - -C "$ctx"
     cp -r "$wheels" "$ctx/docker/wheels"
     log "building $EGRESSD_IMAGE (offline)"
@@ -183,5 +186,6 @@ WHEELS=$(wheelhouse)
 build_egressd "$WHEELS"
 build_sandbox
 # Images replaced by a rebuild lose their tag: drop them (ours only, by label).
-docker image prune --force --filter label=egressd.build >/dev/null
+# Another prune already under way (a second build on this machine) is no failure.
+docker image prune --force --filter label=egressd.build >/dev/null || log "could not prune old build images now; they go next time"
 log "done in $(( $(date +%s) - started ))s: $EGRESSD_IMAGE $SANDBOX_IMAGE"
