@@ -33,7 +33,7 @@ from typing import Any
 
 import aiohttp
 
-from names.shown import logged
+from egressd.names.shown import logged
 
 from .model import ModelError
 

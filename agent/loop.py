@@ -26,7 +26,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from sandbox.backend import Observation
+from egressd.sandbox.backend import Observation
 
 from .model import Conversation, Model, ModelError, ToolCall, ToolResult, Turn
 from .prompt import render_observation

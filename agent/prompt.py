@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from audit.views import Refusal
-from sandbox.backend import Observation
+from egressd.audit.views import Refusal
+from egressd.sandbox.backend import Observation
 
 SYSTEM_PROMPT = """\
 You are a coding agent. Everything you run happens inside a sandbox; a person \

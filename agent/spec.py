@@ -12,7 +12,7 @@ SPEC forms (the part before the first ``:`` names the API):
   colons work (``...:11434/v1:llama3.1:8b``). Key ``EGRESSD_MODEL_API_KEY``
   (optional, and never ``OPENAI_API_KEY``: that key is not sent to another
   server).
-- ``script:FILE`` — replay FILE (see ``agent.script``).
+- ``script:FILE`` — replay FILE (see ``egressd.agent.script``).
 
 ``--model-url`` points ``openai:``/``anthropic:`` at another base URL (a
 gateway, or a test server). ``open_model`` builds the client.

@@ -22,8 +22,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from audit.log import AuditSink
-from config.settings import Settings
+from egressd.audit.log import AuditSink
+from egressd.config.settings import Settings
 
 from .broker import ApprovalBroker
 from .deny import DenyApprover, NoApprover

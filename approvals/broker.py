@@ -50,8 +50,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from audit.log import AuditError, AuditSink
-from audit.records import approval_abandoned_record, approval_decided_record, approval_requested_record
+from egressd.audit.log import AuditError, AuditSink
+from egressd.audit.records import approval_abandoned_record, approval_decided_record, approval_requested_record
 
 from .control import control_routes
 from .interface import (

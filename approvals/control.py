@@ -28,7 +28,7 @@ from typing import Any
 
 from aiohttp import web
 
-from audit.records import rfc3339
+from egressd.audit.records import rfc3339
 
 from .interface import Answerer, AnswerResult, Choice, PendingApproval, Route
 from .message import settled_text

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from audit.records import rfc3339
+from egressd.audit.records import rfc3339
 
 if TYPE_CHECKING:
     from aiohttp import web

@@ -1,7 +1,7 @@
 """The new-domain approval message: one template, rendered once, shown by every channel.
 
 Pure: no I/O, no clock; the bundled Public Suffix List is read once, lazily
-(``names.suffixes``, the copy the policy uses too).
+(``egressd.names.suffixes``, the copy the policy uses too).
 
 Everything the agent controls (the domain's display form, the command, the
 task, the allowed entries) is made inert here: every character that does not
@@ -12,7 +12,7 @@ blanks; and each field is bounded so the message stays readable: a field
 shows at most ``MAX_FIELD_CHARS`` characters *as shown* (escapes counted),
 so a channel can show the command whole (Slack's budget for its line, 2900,
 is above five times that, for ``&amp;``). Channels add their own escaping
-on top (Slack's ``&<>``). ``names.shown`` holds the rule (``escape``);
+on top (Slack's ``&<>``). ``egressd.names.shown`` holds the rule (``escape``);
 ``TerminalText`` there does the same, read by
 read, for a command's output relayed to the terminal an approval prompt is
 drawn on. A channel with less room (a small terminal) renders the message
@@ -47,9 +47,9 @@ from dataclasses import dataclass
 
 import idna
 
-from names import suffixes
-from names.authority import Colons, split_authority
-from names.shown import escape, is_invisible
+from egressd.names import suffixes
+from egressd.names.authority import Colons, split_authority
+from egressd.names.shown import escape, is_invisible
 
 from .interface import Answer, Settlement
 

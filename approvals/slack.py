@@ -68,7 +68,7 @@ from slack_sdk.socket_mode.request import SocketModeRequest
 from slack_sdk.socket_mode.response import SocketModeResponse
 from slack_sdk.web.async_client import AsyncWebClient
 
-from names.shown import escape, escape_mrkdwn
+from egressd.names.shown import escape, escape_mrkdwn
 
 from .interface import (
     Answer,
@@ -152,7 +152,7 @@ def neutralise(text: str, limit: int = TEXT_MAX) -> str:
     """``text`` made inert and visible for any Slack text field, cut to ``limit`` UTF-16 units.
 
     1. every invisible or control character becomes a visible escape
-       (``names.shown.escape``): nothing hidden, and no line break, so nothing
+       (``egressd.names.shown.escape``): nothing hidden, and no line break, so nothing
        can start a quote or a list;
     2. Slack's three control characters become entities (``&amp; &lt;
        &gt;``): no link, mention, ``<!channel>`` or date token;

@@ -17,7 +17,7 @@ countdown can be redrawn every second without garbling what is typed:
    (the registered domain whole) and the command is cut, and the
    "unrelated" warning is judged on what is shown;
 3. the domain line and the unrelated warning are emphasised; all text from
-   the message is already escaped (``names.shown.escape``), so nothing the
+   the message is already escaped (``egressd.names.shown.escape``), so nothing the
    agent controls can move the cursor or repaint the prompt; every drawing
    starts by putting the terminal's attributes, character set and scroll
    region back to normal (``SANE``), whatever was written to it before;
@@ -35,7 +35,7 @@ countdown can be redrawn every second without garbling what is typed:
 7. when the queue is empty the terminal's modes are restored.
 
 A command's output relayed to the same terminal goes through a
-``TerminalOutput``: escaped (``names.shown.TerminalText``), and held back from
+``TerminalOutput``: escaped (``egressd.names.shown.TerminalText``), and held back from
 the moment a prompt is shown until the channel has finished drawing, so no
 command can hide, move or paint over a prompt.
 
@@ -58,7 +58,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from names.shown import TerminalText
+from egressd.names.shown import TerminalText
 
 from .interface import (
     Answerer,
@@ -318,7 +318,7 @@ class TerminalOutput:
 
     ``stream(fd)`` is one of the command's streams (stdout or stderr, ``fd``
     the terminal) in the shape the sandbox's relay takes: ``add(chunk)`` as
-    it arrives, ``end()`` once. Its text is escaped (``names.shown.TerminalText``).
+    it arrives, ``end()`` once. Its text is escaped (``egressd.names.shown.TerminalText``).
     The terminal channel ``hold``s the output from the moment it shows a
     prompt and ``release``s it when it has finished drawing; what was held is
     then written in the order it came. Past ``max_held`` bytes the rest is

@@ -27,7 +27,7 @@ stopped asking) is one best-effort ``run.stopped_asking`` event.
 
 The answer in the response is not signed (Standard Webhooks signs requests
 only), so it counts only when nobody on the wire could have written it:
-over https, or plain http to a loopback address (``config.settings.
+over https, or plain http to a loopback address (``egressd.config.settings.
 protected_url``). Settings refuse any other URL unless
 ``unsafe_webhook_http`` is set; with it, such answers are ignored and only
 the signed callback (or the control API) can answer.
@@ -49,8 +49,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from audit.records import rfc3339
-from config.settings import protected_url
+from egressd.audit.records import rfc3339
+from egressd.config.settings import protected_url
 
 from .interface import (
     Answerer,

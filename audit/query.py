@@ -29,7 +29,7 @@ import re
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from names.shown import ascii_escaped
+from egressd.names.shown import ascii_escaped
 
 __all__ = [
     "AuditFilter",
@@ -114,7 +114,7 @@ class AuditFilter:
 # What an ``egress.end`` record adds to its ``egress`` record; the rest of it
 # (``event``, ``id``, ``ts``, ``run``, ``prev``) belongs to the end itself.
 _END_OWN = frozenset({"event", "id", "ts", "run", "prev"})
-# Ends that are not a refusal (audit.records.ENDS; the query side does not import the builders).
+# Ends that are not a refusal (egressd.audit.records.ENDS; the query side does not import the builders).
 _NORMAL_ENDS = frozenset({"closed", "idle_timeout", "shutdown"})
 OPEN = "open"
 
@@ -625,7 +625,7 @@ def _safe(value: object) -> str:
 
     Printable ASCII stays; a backslash is doubled so an escape cannot be
     forged; everything else (C0/C1 controls, DEL, any non-ASCII letter that
-    could pose as another) becomes a Python-style escape (``names.shown.ascii_escaped``).
+    could pose as another) becomes a Python-style escape (``egressd.names.shown.ascii_escaped``).
     """
     return ascii_escaped(value if isinstance(value, str) else str(value))
 

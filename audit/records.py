@@ -18,7 +18,7 @@ again, because a leak into an append-only log cannot be taken back.
 
 ``prev`` (the hash chain) is not built here: it is the SHA-256 of the line
 written before, known only to the writer at the moment it writes
-(``audit.log.JsonlAuditSink``), so no builder accepts a field of that name.
+(``egressd.audit.log.JsonlAuditSink``), so no builder accepts a field of that name.
 """
 
 from __future__ import annotations

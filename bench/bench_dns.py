@@ -219,14 +219,14 @@ def serve_egressd(port: int, audit_path: str) -> None:
     sys.path.insert(0, str(ROOT))
     from ipaddress import IPv4Address
 
-    from approvals.deny import NoApprover
-    from audit.log import JsonlAuditSink
-    from proxy.dnsserver import DnsServer
-    from proxy.gate import Gate
-    from proxy.metrics import Metrics
-    from proxy.policy import parse_entry
-    from proxy.resolver import SystemResolver
-    from proxy.runs import DEFAULT_RUN_ID, Run, RunRegistry
+    from egressd.approvals.deny import NoApprover
+    from egressd.audit.log import JsonlAuditSink
+    from egressd.proxy.core.metrics import Metrics
+    from egressd.proxy.core.policy import parse_entry
+    from egressd.proxy.core.runs import DEFAULT_RUN_ID, Run, RunRegistry
+    from egressd.proxy.net.dnsserver import DnsServer
+    from egressd.proxy.net.gate import Gate
+    from egressd.proxy.net.resolver import SystemResolver
 
     async def main() -> None:
         sink = JsonlAuditSink(Path(audit_path))

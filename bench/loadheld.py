@@ -36,7 +36,7 @@ count and time. Descriptors: egressd needs two per tunnel, so the bench raises
 its own RLIMIT_NOFILE (the hard limit too, when it may) and ``egressd serve``
 raises its soft limit to the hard one; when the hard limit is too low for the
 counts asked, it says so and uses fewer idle tunnels. ``--json`` prints the
-figures as one JSON object (the last line), for tests/test_load_held.py.
+figures as one JSON object (the last line), for tests/integration/proxy/test_load_held.py.
 Exit status 1 when a hard property failed.
 
 The child roles (``origin``, ``hold``, ``traffic``) are this file run again
@@ -456,7 +456,7 @@ class Egressd:
         argv = [
             PY,
             "-c",
-            "import sys; from cli.main import main; sys.argv[0] = 'egressd'; sys.exit(main())",
+            "import sys; from egressd.cli.main import main; sys.argv[0] = 'egressd'; sys.exit(main())",
             "serve",
             "--listen",
             "127.0.0.1:0",

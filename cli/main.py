@@ -1,6 +1,6 @@
 """``egressd``: the one console script.
 
-Each subcommand parses its flags into the values ``config.settings`` takes
+Each subcommand parses its flags into the values ``egressd.config.settings`` takes
 (flags left out are not passed, so the environment and the config file still
 apply), then hands over to the module that does the work. Once the settings
 are read, the variables that held secrets are dropped from our environment,
@@ -21,7 +21,7 @@ import sys
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from config.settings import SECRET_SETTINGS, Settings, SettingsError, load_settings, secret_variables
+from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, load_settings, secret_variables
 
 from .commands.agent import add_agent_arguments
 from .commands.run import add_run_arguments

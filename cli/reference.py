@@ -1,6 +1,6 @@
-"""docs/settings.md, generated from the settings themselves: ``python -m cli.reference > docs/settings.md``.
+"""docs/settings.md, generated from the settings themselves: ``python -m egressd.cli.reference > docs/settings.md``.
 
-One row per field of ``config.settings.Settings``, in declaration order: the
+One row per field of ``egressd.config.settings.Settings``, in declaration order: the
 TOML key is the field's name; the flag is the ``egressd serve`` option whose
 destination is that field, read from the parser (a setting the command line
 does not offer shows "—"); the environment variable is ``EGRESSD_`` and the
@@ -9,7 +9,7 @@ the meaning is the field's description, and a secret setting says so.
 
 It lives in ``cli`` and not in ``config`` because the flags are ``cli``'s:
 ``config`` is the bottom layer of the import contracts and may not import
-``cli``. ``tests/test_readme.py`` fails when docs/settings.md is not this
+``cli``. ``tests/project/test_readme.py`` fails when docs/settings.md is not this
 module's output.
 """
 
@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from config.settings import SECRET_SETTINGS, Settings
+from egressd.config.settings import SECRET_SETTINGS, Settings
 
 from .main import build_parser
 
-COMMAND = "python -m cli.reference > docs/settings.md"
+COMMAND = "python -m egressd.cli.reference > docs/settings.md"
 
 _HEADER = f"""\
 # Settings

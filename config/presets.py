@@ -1,7 +1,7 @@
 """Named allowlists for common toolchains (``--preset python``).
 
 Each preset is a short tuple of allowlist entries, in the syntax
-``proxy.policy.parse_entry`` accepts (tests check that every entry parses).
+``egressd.proxy.core.policy.parse_entry`` accepts (tests check that every entry parses).
 They name exact hosts rather than wildcards where the vendor's file hosts
 share a public suffix (``githubusercontent.com`` is one), so a preset never
 opens more than its toolchain needs.

@@ -9,7 +9,7 @@ half-configured.
 
 Values here are checked for shape (an address is ``HOST:PORT``, a CIDR is a
 network, a number is in range). Whether an allowlist entry is meaningful is
-the proxy's business; ``cli`` checks entries with ``proxy.policy`` and reports
+the proxy's business; ``cli`` checks entries with ``egressd.proxy.core.policy`` and reports
 them in the same form.
 
 Secrets (``SECRET_SETTINGS``) can also be read from a file: ``NAME_file``
@@ -42,8 +42,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from names.addresses import unmapped
-from names.authority import AuthorityError, Colons, parse_authority
+from egressd.names.addresses import unmapped
+from egressd.names.authority import AuthorityError, Colons, parse_authority
 
 Approver = Literal["terminal", "slack", "webhook", "deny"]
 
@@ -57,7 +57,7 @@ class SettingsError(Exception):
 
 
 # The settings that hold secrets: each also has a NAME_file setting. Model keys
-# are not settings (``agent.spec`` reads them from the environment).
+# are not settings (``egressd.agent.spec`` reads them from the environment).
 SECRET_SETTINGS = (
     "control_token", "slack_bot_token", "slack_app_token", "slack_signing_secret",
     "webhook_secret", "webhook_callback_secret",

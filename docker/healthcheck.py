@@ -12,7 +12,7 @@ import http.client
 import socket
 import sys
 
-from config.settings import SettingsError, load_settings, parse_hostport
+from egressd.config.settings import SettingsError, load_settings, parse_hostport
 
 TIMEOUT_S = 2.0  # well inside the HEALTHCHECK --timeout of 3 s
 

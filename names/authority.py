@@ -4,18 +4,18 @@ egressd reads authorities in several places, and their rules differ on
 purpose; each difference is a keyword parameter here, so it is visible where
 the parser is called:
 
-- defaults (``parse_authority(text)``; the allowlist, ``proxy.policy``, calls
+- defaults (``parse_authority(text)``; the allowlist, ``egressd.proxy.core.policy``, calls
   ``split_authority`` and ``parse_port`` itself, with these rules): no
   default port; port 1..65535 in at most 5 ASCII digits; unbracketed text
   with two or more colons is an IPv6 address without a port; the host is
   ``normalise_host``'d; bracket and missing-port errors come before host errors.
-- CONNECT and absolute-form targets (``proxy.http1``): default port none or
+- CONNECT and absolute-form targets (``egressd.proxy.core.http1``): default port none or
   80; the port starts after the first colon (``Colons.FIRST``: IPv6 needs
   brackets); the host is checked for syntax only; host errors come first
   (``host_first``).
-- ``--upstream-dns`` (``proxy.resolver``): default port 53; any number of
+- ``--upstream-dns`` (``egressd.proxy.net.resolver``): default port 53; any number of
   leading zeros (``port_digits=None``); the host is an IP or a DNS name.
-- listen and control addresses (``config.settings``): a port is required
+- listen and control addresses (``egressd.config.settings``): a port is required
   and port 0 (any free port) allowed (``port_zero``); the port follows the
   last colon, brackets or not (``Colons.LAST``); any number of leading
   zeros; any Unicode decimal digit (``port_unicode_digits``, as ``int()``);

@@ -7,7 +7,7 @@ client library accepts (inet_aton shorthand, hex, octal, IPv6 with zone ids),
 because a spelling we took for a name would slip past the IP-literal rule.
 
 Pure: no I/O, except that the bundled Public Suffix List is read once, lazily
-(``names.suffixes``, the one copy egressd keeps).
+(``egressd.names.suffixes``, the one copy egressd keeps).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ _MAX_PART_DIGITS = 12
 
 
 class HostError(ValueError):
-    """A host, port or authority is malformed (``names.authority`` raises it too)."""
+    """A host, port or authority is malformed (``egressd.names.authority`` raises it too)."""
 
 
 def _uts46(text: str) -> str:

@@ -12,7 +12,7 @@ sections both: anyone can register a name under a private-section suffix
 ``com``. Unknown top-level labels count as public suffixes, so
 ``*.internal`` is refused like ``*.com``.
 
-Every function takes a name already normalised by ``names.hosts`` (lower
+Every function takes a name already normalised by ``egressd.names.hosts`` (lower
 case, A-labels, no trailing dot) and never an IP literal. Pure: no I/O,
 except that the bundled list is read once, on first use.
 """

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from audit.views import Refusal
+from egressd.audit.views import Refusal
 
 from .copyout import CopyReport
 from .limits import Limits
@@ -78,7 +78,7 @@ class OutputSink(Protocol):
     """Where ``relay=`` passes one of a command's streams: each chunk as it arrives, then its end.
 
     ``FdOutput`` writes the bytes as they are; a terminal gets a sink from
-    cli that makes them inert first (``approvals.terminal.TerminalOutput``).
+    cli that makes them inert first (``egressd.approvals.terminal.TerminalOutput``).
     """
 
     def add(self, chunk: bytes) -> None: ...

@@ -76,7 +76,7 @@ default.json as of 2026, Docker 20.10's, runc, gVisor):
   refuses AF_VSOCK since December 2022 and now AF_ALG too, with 64-bit
   comparisons (allow below 38, 39, above 40): a family passed with high
   bits set (0x1_0000_0028) is "above 40" to the filter and AF_VSOCK to the
-  kernel (tests/test_docker_seccomp.py shows it on the engine at hand). Its
+  kernel (tests/integration/sandbox/test_docker_seccomp.py shows it on the engine at hand). Its
   i386 ``socketcall`` is allowed again since 2026 (moby leaves that to an
   LSM); ours kills the process. We allow four families, compared as the
   kernel does, for socketpair() too.

@@ -26,7 +26,7 @@ fi
 bash scripts/install.sh
 .venv/bin/lint-imports --no-cache
 .venv/bin/ruff check .
-.venv/bin/mypy
+bash scripts/typecheck.sh
 # egressd's images, built offline and cached (a second run rebuilds only what changed).
 if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
     bash docker/build.sh
@@ -40,12 +40,11 @@ status=0
 # The proxy's tests once more on uvloop, the loop `egressd serve` runs on
 # (the two loops' transports buffer, pause and call back differently).
 if [ $# -eq 0 ]; then
+    proxy=tests/integration/proxy
     EGRESSD_TEST_LOOP=uvloop .venv/bin/python -m pytest -q -p no:cacheprovider \
-        tests/test_proxy.py tests/test_transparent.py tests/test_attacks.py \
-        tests/test_control.py tests/test_dnsserver.py tests/test_approvals_e2e.py \
-        tests/test_own_addresses.py tests/test_policy_edges.py tests/test_ech.py tests/test_body_idle.py \
-        tests/test_run_tokens.py tests/test_write_ahead.py tests/test_faults.py tests/test_flood_attacks.py \
-        tests/test_abandoned.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+        "$proxy"/test_{proxy,transparent,attacks,control,dnsserver,own_addresses,policy_edges,ech}.py \
+        "$proxy"/test_{body_idle,run_tokens,write_ahead,faults,flood_attacks,abandoned,precision}.py \
+        tests/integration/approvals/test_approvals_e2e.py tests/unit/test_exchange.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 fi
 if [ "$status" -ne 0 ]; then
     echo "test.sh: a test pass failed (exit $status); both passes ran, see above" >&2

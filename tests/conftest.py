@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from approvals.interface import Approver
-from audit.log import AuditSink, MemoryAuditSink
-from cli.wiring.service import EgressService
-from config.settings import load_settings
+from egressd.approvals.interface import Approver
+from egressd.audit.log import AuditSink, MemoryAuditSink
+from egressd.cli.wiring.service import EgressService
+from egressd.config.settings import load_settings
 from tests.fakes.dns import FakeDns
 from tests.harness import LEAK, ORIGIN, ORIGIN_RANGE
 

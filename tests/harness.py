@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from audit.query import join_ends
-from cli.wiring.service import EgressService
+from egressd.audit.query import join_ends
+from egressd.cli.wiring.service import EgressService
 
 ORIGIN = "127.0.0.2"
 LEAK = "127.0.0.66"

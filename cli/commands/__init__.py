@@ -1,1 +1,1 @@
-"""The subcommands: arguments, exit codes and printing; the work is in ``cli.wiring`` and the packages below."""
+"""The subcommands: arguments, exit codes and printing; the work is in ``egressd.cli.wiring`` and the packages below."""

@@ -1,10 +1,10 @@
 """``egressd agent``: a model whose every shell command runs in one sandbox.
 
-Wiring: the model client comes from ``agent.spec`` (checked, with its key,
-before anything is created), ``cli.wiring.session.SandboxSession`` makes the
+Wiring: the model client comes from ``egressd.agent.spec`` (checked, with its key,
+before anything is created), ``egressd.cli.wiring.session.SandboxSession`` makes the
 sandbox and its embedded egressd, ``SandboxExecutor`` below runs the model's
 commands in it (setting the run's current command, collecting each
-command's egress refusals), and ``agent.loop.run_agent`` drives the model.
+command's egress refusals), and ``egressd.agent.loop.run_agent`` drives the model.
 Afterwards: copy-out, then the sandbox is destroyed (the session's exit,
 whatever happened: model failure, Ctrl-C, SIGTERM), the transcript's last
 line, the egress summary on stderr and the final answer on stdout.
@@ -25,19 +25,19 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from agent.endpoint import RetryPolicy
-from agent.loop import DEFAULT_MAX_STEPS, AgentOutcome, ExecutorError, Step, Stop, run_agent
-from agent.model import Conversation, Model
-from agent.prompt import system_prompt
-from agent.script import ScriptError
-from agent.spec import KEY_VARIABLES, SpecError, open_model, parse_model_spec
-from agent.transcript import TranscriptError, TranscriptWriter
-from audit.views import EgressSeen, Refusal
-from config.settings import Settings, SettingsError
-from names.shown import printable
-from proxy.reasons import reason_message
-from sandbox.backend import EXIT_CANNOT_START, Observation, SandboxError
-from sandbox.limits import DEFAULT_MAX_PIDS, Limits
+from egressd.agent.endpoint import RetryPolicy
+from egressd.agent.loop import DEFAULT_MAX_STEPS, AgentOutcome, ExecutorError, Step, Stop, run_agent
+from egressd.agent.model import Conversation, Model
+from egressd.agent.prompt import system_prompt
+from egressd.agent.script import ScriptError
+from egressd.agent.spec import KEY_VARIABLES, SpecError, open_model, parse_model_spec
+from egressd.agent.transcript import TranscriptError, TranscriptWriter
+from egressd.audit.views import EgressSeen, Refusal
+from egressd.config.settings import Settings, SettingsError
+from egressd.names.shown import printable
+from egressd.proxy.core.reasons import reason_message
+from egressd.sandbox.backend import EXIT_CANNOT_START, Observation, SandboxError
+from egressd.sandbox.limits import DEFAULT_MAX_PIDS, Limits
 
 from ..wiring.docker_session import copy_out
 from ..wiring.service import StartupError, entries_from_settings
@@ -182,7 +182,7 @@ def shell_argv() -> list[str]:
 
 
 class SandboxExecutor:
-    """``agent.loop.Executor`` on a session of either backend: one ``sh -c COMMAND`` per call."""
+    """``egressd.agent.loop.Executor`` on a session of either backend: one ``sh -c COMMAND`` per call."""
 
     def __init__(self, session: Session, *, limits: Limits, max_output: int, shell: list[str]) -> None:
         self.session = session

@@ -20,8 +20,8 @@ import json
 import sys
 from typing import Any
 
-from config.settings import Settings
-from names.shown import escape
+from egressd.config.settings import Settings
+from egressd.names.shown import escape
 
 from ..wiring.control_client import ControlClient, ControlError
 from ..wiring.controltoken import TokenFileError, read_token_file

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from audit.query import (
+from egressd.audit.query import (
     AuditFilter,
     follow_records,
     format_json,
@@ -20,7 +20,7 @@ from audit.query import (
     read_records_from,
     verify_files,
 )
-from config.settings import Settings, SettingsError
+from egressd.config.settings import Settings, SettingsError
 
 
 def _printer(as_json: bool) -> Callable[[Iterable[Mapping[str, object]]], None]:

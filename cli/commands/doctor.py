@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from sandbox.doctor import clean_docker, render, run_checks
+from egressd.sandbox.doctor import clean_docker, render, run_checks
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

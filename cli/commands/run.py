@@ -1,7 +1,7 @@
 """``egressd run``: one command in a fresh sandbox pinned to an embedded egressd.
 
-``cli.wiring.session.SandboxSession`` sets up and tears down the sandbox (network,
-embedded egressd, run, bubblewrap), ``cli.wiring.docker_session.DockerSession`` its
+``egressd.cli.wiring.session.SandboxSession`` sets up and tears down the sandbox (network,
+embedded egressd, run, bubblewrap), ``egressd.cli.wiring.docker_session.DockerSession`` its
 Docker counterpart (``--backend docker``: networks, egressd's container or
 ``--connect``, the sandbox's containers); this module runs the one command in it,
 printing each egress refusal to stderr as it happens, copies out what was
@@ -26,16 +26,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from approvals.terminal import TerminalOutput
-from audit.views import EgressSeen
-from config.settings import Settings, SettingsError
-from names.shown import logged
-from proxy.reasons import reason_message
-from sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
-from sandbox.copyout import CopyOutError, check_destination, check_pattern
-from sandbox.docker.config import DEFAULT_DOCKER_RANGE
-from sandbox.limits import Limits
-from sandbox.network import DEFAULT_RANGE
+from egressd.approvals.terminal import TerminalOutput
+from egressd.audit.views import EgressSeen
+from egressd.config.settings import Settings, SettingsError
+from egressd.names.shown import logged
+from egressd.proxy.core.reasons import reason_message
+from egressd.sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
+from egressd.sandbox.copyout import CopyOutError, check_destination, check_pattern
+from egressd.sandbox.docker.config import DEFAULT_DOCKER_RANGE
+from egressd.sandbox.limits import Limits
+from egressd.sandbox.network import DEFAULT_RANGE
 
 from ..wiring.control_client import ControlError
 from ..wiring.controltoken import UntrustedEndpoint, check_url

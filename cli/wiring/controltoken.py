@@ -46,7 +46,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from names.addresses import IPAddress, unmapped
+from egressd.names.addresses import IPAddress, unmapped
 
 __all__ = [
     "TokenFileError",

@@ -1,4 +1,4 @@
-"""A Docker sandbox session: ``cli.wiring.session.SandboxSession``'s counterpart for ``--backend docker``.
+"""A Docker sandbox session: ``egressd.cli.wiring.session.SandboxSession``'s counterpart for ``--backend docker``.
 
 ``egressd run --backend docker`` and ``egressd agent --backend docker`` use it
 exactly like the bubblewrap session:
@@ -22,7 +22,7 @@ internal network of its own (sandboxes of different runs never share one),
 and that egressd's container is attached to it for the run's lifetime — (4)
 registers the run through the control API, with the global control token,
 which is then dropped: every later call goes with the run's own control
-token, which acts on this run alone (``proxy.control``), (5) prepares the sandbox.
+token, which acts on this run alone (``egressd.proxy.net.control``), (5) prepares the sandbox.
 Leaving it ends the run, appends egressd's audit records to the host's audit
 log, and removes every container and volume of the run and its networks
 (detaching a running egressd first), whatever happened. A failure to set up
@@ -32,7 +32,7 @@ Approvals from the terminal where the session was started (``--approver
 terminal``): egressd in its container has no terminal, so ``TerminalRelay``
 stands in for one — egressd delivers each approval by a signed webhook to a
 listener of ours on the outgoing network's host address, the prompt appears
-on our terminal (``approvals.terminal``), and the answer goes back through
+on our terminal (``egressd.approvals.terminal``), and the answer goes back through
 the control API (``POST /approvals/ID/allow|deny``).
 
 The run's events come through the control API (``GET /runs/ID/events``):
@@ -63,7 +63,7 @@ from aiohttp import web
 from pydantic import SecretStr
 from yarl import URL
 
-from approvals.interface import (
+from egressd.approvals.interface import (
     ANSWER_REASONS,
     Answer,
     Answered,
@@ -75,17 +75,17 @@ from approvals.interface import (
     PendingApproval,
     Settlement,
 )
-from approvals.message import render
-from approvals.signing import ReplayGuard, VerifyError, verify
-from approvals.terminal import TerminalChannel, TerminalOutput
-from audit.log import AuditError, JsonlAuditSink
-from audit.views import EgressSeen, Refusal, refusals
-from config.settings import SECRET_SETTINGS, Settings
-from proxy.runs import new_control_token
-from sandbox.backend import Observation, Sandbox, SandboxError
-from sandbox.copyout import CopyOutError, CopyReport
-from sandbox.docker.commands import DockerSandbox
-from sandbox.docker.config import (
+from egressd.approvals.message import render
+from egressd.approvals.signing import ReplayGuard, VerifyError, verify
+from egressd.approvals.terminal import TerminalChannel, TerminalOutput
+from egressd.audit.log import AuditError, JsonlAuditSink
+from egressd.audit.views import EgressSeen, Refusal, refusals
+from egressd.config.settings import SECRET_SETTINGS, Settings
+from egressd.proxy.core.runs import new_control_token
+from egressd.sandbox.backend import Observation, Sandbox, SandboxError
+from egressd.sandbox.copyout import CopyOutError, CopyReport
+from egressd.sandbox.docker.commands import DockerSandbox
+from egressd.sandbox.docker.config import (
     CONTROL_PORT,
     DEFAULT_DOCKER_RANGE,
     DEFAULT_EGRESSD_IMAGE,
@@ -95,9 +95,9 @@ from sandbox.docker.config import (
     SECRETS_DIR,
     seccomp_option,
 )
-from sandbox.docker.engine import DockerEngine, clean_leftovers
-from sandbox.docker.networks import DockerRun, DockerRunNetwork, SharedEgressdNetwork
-from sandbox.docker.sidecar import read_file, start_egressd
+from egressd.sandbox.docker.engine import DockerEngine, clean_leftovers
+from egressd.sandbox.docker.networks import DockerRun, DockerRunNetwork, SharedEgressdNetwork
+from egressd.sandbox.docker.sidecar import read_file, start_egressd
 
 from .control_client import ControlClient, ControlError
 from .controltoken import TokenFileError, read_token_file
@@ -213,7 +213,7 @@ class TerminalRelay:
 
     egressd's webhook channel delivers each ``approval.requested`` here
     (signed with a key made for this run; anything unsigned, stale or
-    replayed is refused); the approval is shown by an ``approvals.terminal``
+    replayed is refused); the approval is shown by an ``egressd.approvals.terminal``
     prompt, whose answer this relay — the prompt's ``Answerer`` — sends to
     the control API. ``approval.settled`` withdraws a prompt answered
     elsewhere or expired.
@@ -593,7 +593,7 @@ class DockerSession(SessionBase[_SessionBox]):
         created = await control.call("POST", "/runs", body)
         run_token = created.get("control_token") if isinstance(created, dict) else None
         if isinstance(run_token, str) and run_token:
-            # From here on the run's own token, which acts on this run alone (proxy.control): the
+            # From here on the run's own token, which acts on this run alone (egressd.proxy.net.control): the
             # global one is dropped with its client, no longer held by this session.
             run_control = ControlClient.for_url(control.url, run_token, timeout_s=CONTROL_TIMEOUT_S)
             self._stack.push_async_callback(run_control.close)

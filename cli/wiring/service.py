@@ -20,25 +20,25 @@ from types import TracebackType
 
 from aiohttp import web
 
-from approvals.assembly import approver_from_settings as _approvals_from_settings
-from approvals.interface import Approver, ManagedApprover, SetupError
-from approvals.terminal import TerminalOutput
-from audit.log import AuditError, AuditSink, JsonlAuditSink
-from audit.records import run_record
-from config.presets import UnknownPreset, preset_entries
-from config.settings import Settings, default_state_dir, parse_hostport
-from names.addresses import IPAddress
-from proxy.addresses import OwnEndpoints
-from proxy.control import PUBLIC_PATHS, build_app
-from proxy.dnsserver import DnsServer
-from proxy.floods import RefusalBudget
-from proxy.gate import Gate
-from proxy.metrics import Metrics
-from proxy.policy import Entry, EntryError, parse_entry
-from proxy.resolver import DnsResolver, Resolver, SystemResolver, parse_server
-from proxy.runs import DEFAULT_RUN_ID, Run, RunRegistry, new_control_token
-from proxy.server import ListenerLimits, ProxyServer
-from proxy.transparent import TransparentHttpServer, TransparentTlsServer
+from egressd.approvals.assembly import approver_from_settings as _approvals_from_settings
+from egressd.approvals.interface import Approver, ManagedApprover, SetupError
+from egressd.approvals.terminal import TerminalOutput
+from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
+from egressd.audit.records import run_record
+from egressd.config.presets import UnknownPreset, preset_entries
+from egressd.config.settings import Settings, default_state_dir, parse_hostport
+from egressd.names.addresses import IPAddress
+from egressd.proxy.core.addresses import OwnEndpoints
+from egressd.proxy.core.floods import RefusalBudget
+from egressd.proxy.core.metrics import Metrics
+from egressd.proxy.core.policy import Entry, EntryError, parse_entry
+from egressd.proxy.core.runs import DEFAULT_RUN_ID, Run, RunRegistry, new_control_token
+from egressd.proxy.net.control import PUBLIC_PATHS, build_app
+from egressd.proxy.net.dnsserver import DnsServer
+from egressd.proxy.net.gate import Gate
+from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
+from egressd.proxy.net.server import ListenerLimits, ProxyServer
+from egressd.proxy.net.transparent import TransparentHttpServer, TransparentTlsServer
 
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
 

@@ -31,18 +31,18 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
-from approvals.terminal import TerminalOutput
-from audit.records import run_record
-from audit.views import EgressSeen, Refusal, refusals
-from config.settings import Settings
-from proxy.runs import Run
-from sandbox.backend import Sandbox, SandboxError
-from sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
-from sandbox.doctor import clean_tmp
-from sandbox.identity import refusal, run_as, unreachable
-from sandbox.launcher import BwrapSandbox, owner_reaches
-from sandbox.limits import Cgroup, cgroup_mode, leftover_cgroups
-from sandbox.network import (
+from egressd.approvals.terminal import TerminalOutput
+from egressd.audit.records import run_record
+from egressd.audit.views import EgressSeen, Refusal, refusals
+from egressd.config.settings import Settings
+from egressd.proxy.core.runs import Run
+from egressd.sandbox.backend import Sandbox, SandboxError
+from egressd.sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
+from egressd.sandbox.doctor import clean_tmp
+from egressd.sandbox.identity import refusal, run_as, unreachable
+from egressd.sandbox.launcher import BwrapSandbox, owner_reaches
+from egressd.sandbox.limits import Cgroup, cgroup_mode, leftover_cgroups
+from egressd.sandbox.network import (
     DEFAULT_RANGE,
     OWNERS_DIR,
     EgressPorts,
@@ -51,7 +51,7 @@ from sandbox.network import (
     clean_leftovers,
     owner_alive,
 )
-from sandbox.seccomp import SeccompUnsupported, check_machine
+from egressd.sandbox.seccomp import SeccompUnsupported, check_machine
 
 from .service import EgressService, StartupError, entries_from_settings
 
@@ -71,7 +71,7 @@ class RunHandle(Protocol):
 @runtime_checkable
 class Session(Protocol):
     """What ``egressd run`` and ``egressd agent`` use of a sandboxed run, whichever
-    backend made it: ``SandboxSession`` (bubblewrap) or ``cli.wiring.docker_session.DockerSession``.
+    backend made it: ``SandboxSession`` (bubblewrap) or ``egressd.cli.wiring.docker_session.DockerSession``.
 
     Entered, it has a working directory, a run in egressd and a sandbox
     (``box``: ``run(command, **options)`` → Observation, ``copy_out``) whose

@@ -43,7 +43,7 @@ reach each other.
 The sandbox: each command is a fresh container (like each bwrap invocation:
 /tmp is per command, the working directory persists), with a read-only root
 filesystem, every capability dropped, no-new-privileges, egressd's own seccomp
-profile instead of Docker's default (``sandbox.seccomp``: the bwrap filter's
+profile instead of Docker's default (``egressd.sandbox.seccomp``: the bwrap filter's
 policy, so AF_VSOCK and io_uring are refused here too), the working
 directory's owner as its uid and gid (``identity``: never root; 1000 for a
 fresh one), /work mounted nosuid and nodev (through a bind mount of ours

@@ -39,22 +39,22 @@ from typing import Any, ClassVar
 
 import pytest
 
-from approvals.broker import ApprovalBroker
-from approvals.control import Scope
-from approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Channel, Choice, SetupError
-from approvals.message import UNRELATED, is_invisible, render
-from approvals.signing import parse_secret
-from approvals.slack import SlackChannel
-from approvals.terminal import BOLD, CLEAR_LINE, RESET, SANE, WARN, TerminalChannel
-from approvals.webhook import WebhookChannel
-from audit.log import MemoryAuditSink
-from cli.wiring.control_client import ControlClient
+from egressd.approvals.broker import ApprovalBroker
+from egressd.approvals.control import Scope
+from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Channel, Choice, SetupError
+from egressd.approvals.message import UNRELATED, is_invisible, render
+from egressd.approvals.signing import parse_secret
+from egressd.approvals.slack import SlackChannel
+from egressd.approvals.terminal import BOLD, CLEAR_LINE, RESET, SANE, WARN, TerminalChannel
+from egressd.approvals.webhook import WebhookChannel
+from egressd.audit.log import MemoryAuditSink
+from egressd.cli.wiring.control_client import ControlClient
 from tests.fakes.control import control_server
 from tests.fakes.slack import FakeSlack, block_actions
 from tests.fakes.terminal import Pty
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import listening_socket, refused_port, wait_until
-from tests.test_broker import RecordingChannel
+from tests.integration.approvals.test_broker import RecordingChannel
 
 UNKNOWN_ID = "a-doesnotexist0000"
 
@@ -713,7 +713,7 @@ async def test_the_message_carries_the_same_content_and_hostile_text_is_shown_es
         return  # nobody attached: nothing is shown to anybody
     waiting, approval_id = held
     shown = await driver.shown(approval_id)
-    # Every channel shows the one rendering (approvals.message), every line of it in the template's
+    # Every channel shows the one rendering (egressd.approvals.message), every line of it in the template's
     # order (DESIGN.md: intro, domain, command, task, allowed domains, the warning, the reply), the
     # agent's text escaped in it.
     message = render(host=req.host, port=req.port, command=req.command, task=req.task, allowed=req.allowed)

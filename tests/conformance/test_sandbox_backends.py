@@ -1,4 +1,4 @@
-"""The ``sandbox.backend.Sandbox`` contract, held against both backends: bubblewrap and Docker.
+"""The ``egressd.sandbox.backend.Sandbox`` contract, held against both backends: bubblewrap and Docker.
 
 Each test runs once per backend, on a real sandbox made the way ``egressd run``
 makes it (``SandboxSession`` / ``DockerSession``). What one backend does and the
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from config.settings import load_settings
-from sandbox.backend import EXIT_MEMORY, EXIT_TIMEOUT, Sandbox
-from sandbox.limits import Limits
+from egressd.config.settings import load_settings
+from egressd.sandbox.backend import EXIT_MEMORY, EXIT_TIMEOUT, Sandbox
+from egressd.sandbox.limits import Limits
 from tests.harness import have, require
 
 
@@ -26,14 +26,14 @@ def _bwrap_session(settings: Any, work: Path) -> Any:
     require(os.geteuid() == 0, "the bubblewrap backend needs root (network namespaces, nftables, cgroups)")
     for tool in ("bwrap", "nft", "ip", "nsenter"):
         require(have(tool), f"{tool} is not installed")
-    from cli.wiring.session import SandboxSession
+    from egressd.cli.wiring.session import SandboxSession
 
     return SandboxSession(settings, workdir=work, task="conformance")
 
 
 async def _docker_session(settings: Any, work: Path) -> Any:
-    from cli.wiring.docker_session import DockerSession
-    from sandbox.docker.engine import DockerEngine
+    from egressd.cli.wiring.docker_session import DockerSession
+    from egressd.sandbox.docker.engine import DockerEngine
     from tests.fakes import dockerbed
 
     ok, why = dockerbed.engine_answers()

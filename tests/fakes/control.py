@@ -5,7 +5,7 @@ channels': ``ApprovalBroker.routes``) on ``sock``, already listening, and
 yields its base URL. With ``tokens`` (bearer token → ``Scope``) every route
 but a public one needs one of those tokens, and its handler finds the
 caller's scope on the request, as behind the real control API's token check
-(``proxy.control``); without, nothing is checked (enough for the public
+(``egressd.proxy.net.control``); without, nothing is checked (enough for the public
 webhook callback and Slack endpoint).
 """
 
@@ -17,8 +17,8 @@ from contextlib import asynccontextmanager
 
 from aiohttp import web
 
-from approvals.control import SCOPE, Scope
-from approvals.interface import Route
+from egressd.approvals.control import SCOPE, Scope
+from egressd.approvals.interface import Route
 
 
 def _token_check(tokens: Mapping[str, Scope], public: set[str]) -> Callable[..., object]:

@@ -43,7 +43,7 @@ from types import TracebackType
 
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, SOA, A, DNSError, DNSLabel, DNSRecord
 
-from names.addresses import IPAddress
+from egressd.names.addresses import IPAddress
 
 _HOST = "127.0.0.1"
 _CNAME_PREFIX = "CNAME:"

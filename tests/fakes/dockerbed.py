@@ -29,8 +29,8 @@ from typing import Any
 
 from aiohttp import web
 
-from sandbox.docker.config import LABEL_OWNER
-from sandbox.docker.engine import DockerEngine
+from egressd.sandbox.docker.config import LABEL_OWNER
+from egressd.sandbox.docker.engine import DockerEngine
 
 # The egressd image under test (another tag: one built from this tree while other trees build egressd:latest).
 EGRESSD_IMAGE = os.environ.get("EGRESSD_TEST_IMAGE", "egressd:latest")

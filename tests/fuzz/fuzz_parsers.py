@@ -70,13 +70,12 @@ from ipaddress import IPv4Address, IPv6Address
 import dnslib
 from dnslib import DNSRecord
 
-from names import authority, shown
-from names.hosts import HostError, normalise_host
-from proxy import clienthello as clienthello_module
-from proxy import dnsserver, http1, runs
-from proxy.clienthello import ClientHello, ClientHelloError, ClientRecords, parse_client_hello, scan_client
-from proxy.dnsserver import DnsQueryError, pack_reply, plan_answer, read_query
-from proxy.http1 import (
+from egressd.names import authority, shown
+from egressd.names.hosts import HostError, normalise_host
+from egressd.proxy.core import clienthello as clienthello_module
+from egressd.proxy.core import http1, runs
+from egressd.proxy.core.clienthello import ClientHello, ClientHelloError, ClientRecords, parse_client_hello, scan_client
+from egressd.proxy.core.http1 import (
     BodyKind,
     ChunkedScanner,
     HttpError,
@@ -85,9 +84,11 @@ from proxy.http1 import (
     request_body_kind,
     request_destination,
 )
-from proxy.policy import RunPolicy, decide
-from proxy.reasons import Reason
-from proxy.runs import RunRegistry, parse_proxy_authorization
+from egressd.proxy.core.policy import RunPolicy, decide
+from egressd.proxy.core.reasons import Reason
+from egressd.proxy.core.runs import RunRegistry, parse_proxy_authorization
+from egressd.proxy.net import dnsserver
+from egressd.proxy.net.dnsserver import DnsQueryError, pack_reply, plan_answer, read_query
 from tests.fakes import hellos
 from tests.fuzz import toy_parser
 
@@ -1112,7 +1113,7 @@ TARGETS: dict[str, Target] = {
             "http_head",
             http_seeds,
             check_http_head,
-            (http1, authority),  # the request-target's authority is parsed in names.authority
+            (http1, authority),  # the request-target's authority is parsed in egressd.names.authority
             _HTTP_TOKENS,
             (_http_line_edit, _http_request_line, _http_value),
             max_len=_HEAD_LIMIT + 64,

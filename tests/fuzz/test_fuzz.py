@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from proxy import runs
-from proxy.http1 import ChunkedScanner
+from egressd.proxy.core import runs
+from egressd.proxy.core.http1 import ChunkedScanner
 from tests.fuzz import fuzz_parsers, toy_parser
 from tests.fuzz.fuzz_parsers import (
     TARGETS,

@@ -1,0 +1,267 @@
+"""One client connection of the plain-HTTP forward proxy, as a state machine without I/O.
+
+The listener (``server.ProxyServer``) reads, feeds and acts; everything HTTP
+about a connection is decided here: where a message head ends, how its body
+is framed and where it ends, which interim responses are answered or dropped,
+and whether the connection may carry another request (RFC 9112 §9.3).
+
+Theory of operation. A connection goes round one cycle per request::
+
+    IDLE ──read_request──▶ DECIDING ──forward──▶ SENDING ─(body done)─▶ WAITING
+     ▲                        │                     (no body: straight to WAITING)
+     │                        └── refused, or CONNECT: the listener closes or splices
+     │
+     └─ finish() keeps it ── RELAYING ◀──read_response── WAITING
+                  (else CLOSED)
+
+1. ``read_request(buf, closed)``: the next request head at the start of the
+   client's bytes, and how many of them it spans (``None`` and 0: read more;
+   ``None`` at a clean close: the connection ended). Bytes after the head are
+   its body or the next, pipelined request: they stay with the caller until
+   this request is done, so requests are served strictly one after another;
+2. the caller decides (policy, the approval wait) and, to forward, calls
+   ``forward(destination)``: the head to send upstream. ``interim`` is what
+   the client hears first (``100 Continue`` when it asked for one: we answer
+   the expectation ourselves, RFC 9110 §10.1.1, so a client never stalls
+   waiting behind our relay), ``request_body`` the body's framer (None: no body);
+3. ``read_response(buf, closed)``: the final response head at the start of
+   the upstream's bytes; interim 1xx responses before it are consumed and
+   dropped (we already answered any 100-continue), except 101, which is final.
+   ``response_out`` is the head to send the client, ``response_body`` the
+   body's framer (None: no body);
+4. ``finish()`` once the response body is through: True when the client
+   connection may carry another request. ``keep_upstream`` says whether the
+   upstream connection may serve the client's next request.
+
+A framer's ``feed(data)`` says how many leading bytes of ``data`` belong to
+the body; the caller passes exactly those on and stops when ``done``
+(``LengthBody``, ``ChunkedBody``, ``UntilClose``). Bodies are never
+decoded or re-framed: what goes out is what came in.
+
+Every ambiguity a peer could read differently from us (Content-Length with
+Transfer-Encoding, differing Content-Lengths, bad chunk sizes, obs-fold, bare
+CR) is refused by ``http1`` as ``HttpError``, raised from here: the status
+says whose fault it is (4xx the client's, 502 the upstream's), the detail is
+safe to show. No request smuggling, no response splitting.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+from egressd.proxy.core.http1 import (
+    BodyKind,
+    ChunkedScanner,
+    Destination,
+    HttpError,
+    RequestHead,
+    ResponseHead,
+    forward_request_head,
+    forward_response_head,
+    parse_request_head,
+    parse_response_head,
+    request_body_kind,
+    response_body_kind,
+)
+
+CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
+# The detail of the HttpError for a peer that closed half-way through a head.
+CLOSED_IN_HEAD: Final = "connection closed inside a message head"
+
+
+class LengthBody:
+    """A body of exactly ``left`` more bytes (Content-Length)."""
+
+    __slots__ = ("left",)
+    # Feeding never fails: bytes may be passed on as they arrive, from the transport's callbacks.
+    passes_on = True
+    ends_at_close = False
+
+    def __init__(self, length: int) -> None:
+        self.left = length
+
+    @property
+    def done(self) -> bool:
+        return not self.left
+
+    def feed(self, data: bytes | bytearray | memoryview) -> int:
+        """How many leading bytes of ``data`` belong to the body."""
+        n = min(self.left, len(data))
+        self.left -= n
+        return n
+
+
+class UntilClose:
+    """A response body that runs until the upstream closes (RFC 9112 §6.3 item 8)."""
+
+    __slots__ = ()
+    passes_on = False
+    ends_at_close = True
+    done = False
+
+    def feed(self, data: bytes | bytearray | memoryview) -> int:
+        return len(data)
+
+
+class ChunkedBody(ChunkedScanner):
+    """A chunked body (``http1.ChunkedScanner``), as a framer: it ends with its last chunk."""
+
+    __slots__ = ()
+    # A feed can fail, so bytes are fed from a buffer, never from the transport's callbacks;
+    # and the body ends with its last chunk, never at a close.
+    passes_on = False
+    ends_at_close = False
+
+
+# What ``request_body`` and ``response_body`` hold: the three framings of RFC 9112 §6.3.
+Framer = LengthBody | ChunkedBody | UntilClose
+
+
+def _framer(kind: BodyKind, length: int, error_status: int) -> Framer | None:
+    if kind is BodyKind.LENGTH:
+        return LengthBody(length)
+    if kind is BodyKind.CHUNKED:
+        return ChunkedBody(error_status=error_status)
+    if kind is BodyKind.UNTIL_CLOSE:
+        return UntilClose()
+    return None
+
+
+class State(enum.Enum):
+    """Where a connection is in its request cycle (see the module's docstring)."""
+
+    IDLE = "idle"  # waiting for a request head
+    DECIDING = "deciding"  # a head is in; the listener decides and dials
+    SENDING = "sending"  # the request body goes upstream
+    WAITING = "waiting"  # for the response head
+    RELAYING = "relaying"  # the response body goes to the client
+    CLOSED = "closed"  # the connection carries no more requests
+
+
+class ExchangeError(RuntimeError):
+    """A call out of turn: the caller's bug, never a peer's."""
+
+
+class Exchange:
+    """One client connection, request after request; the module's docstring says how to drive it."""
+
+    __slots__ = (
+        "max_head_bytes",
+        "state",
+        "request",
+        "interim",
+        "request_body",
+        "response",
+        "response_out",
+        "response_body",
+        "keep_client",
+        "keep_upstream",
+    )
+
+    def __init__(self, max_head_bytes: int) -> None:
+        self.max_head_bytes = max_head_bytes
+        self.state = State.IDLE
+        self.request: RequestHead | None = None
+        self.interim = b""
+        self.request_body: Framer | None = None
+        self.response: ResponseHead | None = None
+        self.response_out = b""
+        self.response_body: Framer | None = None
+        self.keep_client = False
+        self.keep_upstream = False
+
+    def _expect(self, state: State) -> None:
+        if self.state is not state:
+            raise ExchangeError(f"{self.state.value}, not {state.value}")
+
+    # -- the client's side -------------------------------------------------------
+
+    def read_request(self, buf: bytes | bytearray, closed: bool) -> tuple[RequestHead | None, int]:
+        """The request head at the start of ``buf`` and the bytes it spans; (None, 0) to read more.
+
+        ``closed``: nothing more will come; then (None, 0) is the clean end of
+        the connection, and a head cut short is HttpError(400). Malformed or
+        ambiguous heads are HttpError (400, 431, 501, 505).
+        """
+        self._expect(State.IDLE)
+        parsed = parse_request_head(buf, self.max_head_bytes) if buf else None
+        if parsed is None:
+            if closed:
+                if buf:
+                    raise HttpError(400, CLOSED_IN_HEAD)
+                self.state = State.CLOSED
+            return None, 0
+        self.request = parsed[0]
+        self.state = State.DECIDING
+        return parsed
+
+    def forward(self, destination: Destination) -> bytes:
+        """The request is to go to ``destination``: the head to send upstream.
+
+        Sets ``interim`` (bytes for the client before anything else) and
+        ``request_body`` (None: the request has no body). An ``Expect:
+        100-continue`` is answered here and not forwarded.
+        """
+        self._expect(State.DECIDING)
+        head = self.request
+        assert head is not None
+        if any(value.lower() == "100-continue" for value in head.get_all("Expect")):
+            head.headers = [(k, v) for k, v in head.headers if k.lower() != "expect"]
+            self.interim = CONTINUE
+        else:
+            self.interim = b""
+        kind, length = request_body_kind(head)
+        self.request_body = _framer(kind, length, 400)
+        self.state = State.SENDING if self.request_body is not None else State.WAITING
+        return forward_request_head(head, destination)
+
+    # -- the upstream's side ---------------------------------------------------
+
+    def read_response(self, buf: bytes | bytearray, closed: bool) -> tuple[ResponseHead | None, int]:
+        """The final response head at the start of ``buf`` and the bytes used; (None, n) to read more.
+
+        Interim (1xx but 101) responses are consumed and dropped: ``n`` counts
+        them. ``closed``: nothing more will come; then (None, n) means the
+        upstream closed without a response, and a head cut short is
+        HttpError(400). Malformed heads and bodies are HttpError(502).
+        Sets ``response_out`` (the head for the client), ``response_body``,
+        ``keep_client`` and ``keep_upstream``.
+        """
+        if self.state is not State.WAITING:
+            body = self.request_body
+            if self.state is not State.SENDING or body is None or not body.done:
+                self._expect(State.WAITING)
+            self.state = State.WAITING  # the request body is through
+        used = 0
+        while True:
+            rest = buf[used:] if used else buf
+            parsed = parse_response_head(rest, self.max_head_bytes) if rest else None
+            if parsed is None:
+                if closed and rest:
+                    raise HttpError(400, CLOSED_IN_HEAD)
+                return None, used
+            response, n = parsed
+            used += n
+            if not 100 <= response.status < 200 or response.status == 101:
+                break
+        request = self.request
+        assert request is not None
+        kind, length = response_body_kind(response, request.method)
+        keep_client = request.keep_alive and kind is not BodyKind.UNTIL_CLOSE
+        self.response = response
+        self.response_out = forward_response_head(response, keep_client)
+        self.response_body = _framer(kind, length, 502)
+        self.keep_client = keep_client
+        self.keep_upstream = keep_client and response.keep_alive and response.status != 101
+        self.state = State.RELAYING
+        return response, used
+
+    def finish(self) -> bool:
+        """The response is through: True when the client connection may carry another request."""
+        self._expect(State.RELAYING)
+        keep = self.keep_client
+        self.state = State.IDLE if keep else State.CLOSED
+        self.request = self.response = None
+        self.request_body = self.response_body = None
+        return keep

@@ -1,0 +1,135 @@
+"""Why a request was refused: the one table of reason codes and what each becomes.
+
+Each ``Reason`` carries everything a refusal needs, side by side, so no other
+module keeps a table of its own (after Smokescreen's decision reasons):
+
+- its code (the member's ``value``): the ``reason`` of an audit record and
+  the ``X-Egress-Reason`` header (DESIGN.md "What a client sees");
+- ``status``: the HTTP status a refused client gets unless the caller knows
+  a more precise one (431 for an oversized head, 408 for a slow one);
+- ``message``: the phrase in the refusal's one-line body;
+- ``alert``: the fatal TLS alert (RFC 8446 §6.2) the transparent TLS
+  listener and a CONNECT tunnel's SNI check send instead of an HTTP answer:
+  access_denied for a policy refusal (403, 407), internal_error otherwise;
+- ``rcode``: the DNS response code (RFC 1035 §4.1.1) of a query refused
+  with this reason, None for a reason no DNS answer carries.
+
+``responses`` turns a reason into HTTP bytes or a TLS alert, ``dnsserver``
+into a reply. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Final, NamedTuple
+
+from egressd.proxy.core.clienthello import Alert
+
+__all__ = ["Rcode", "Reason", "reason_for", "reason_message"]
+
+
+class Rcode(enum.IntEnum):
+    """RFC 1035 §4.1.1 response codes the DNS server sends."""
+
+    NOERROR = 0
+    FORMERR = 1
+    NXDOMAIN = 3
+    NOTIMP = 4
+    REFUSED = 5
+
+
+class _Row(NamedTuple):
+    """A reason's columns after its code (see the module docstring)."""
+
+    status: int
+    message: str
+    alert: Alert
+    rcode: Rcode | None
+
+
+_DENIED = Alert.ACCESS_DENIED
+_FAILED = Alert.INTERNAL_ERROR
+
+
+class Reason(enum.Enum):
+    """Why a request was refused: the codes clients see in ``X-Egress-Reason``.
+
+    A member is (code, status, message, alert, rcode); see the module docstring.
+    """
+
+    _value_: str
+    _row: _Row
+
+    def __new__(cls, code: str, status: int, message: str, alert: Alert, rcode: Rcode | None = None) -> Reason:
+        member = object.__new__(cls)
+        member._value_ = code
+        member._row = _Row(status, message, alert, rcode)
+        return member
+
+    # Read-only: a refusal cannot be reworded or re-statused at run time.
+    @property
+    def status(self) -> int:
+        return self._row.status
+
+    @property
+    def message(self) -> str:
+        return self._row.message
+
+    @property
+    def alert(self) -> Alert:
+        return self._row.alert
+
+    @property
+    def rcode(self) -> Rcode | None:
+        return self._row.rcode
+
+    # The policy's refusals (DESIGN.md "Decision order"). In strict mode the
+    # DNS server answers NXDOMAIN for a name refused for one of the four that
+    # hold for every port and the rest of the run.
+    DENYLISTED = ("denylisted", 403, "on the denylist", _DENIED, Rcode.NXDOMAIN)
+    NOT_ALLOWLISTED = ("not_allowlisted", 403, "not on the allowlist", _DENIED, Rcode.NXDOMAIN)
+    DENIED = ("denied", 403, "denied by approver", _DENIED)
+    APPROVAL_TIMEOUT = ("approval_timeout", 403, "no answer from an approver in time", _DENIED)
+    NO_APPROVER = ("no_approver", 403, "no approver attached", _DENIED)
+    DENIED_EARLIER = ("denied_earlier", 403, "denied earlier in this run", _DENIED, Rcode.NXDOMAIN)
+    TOO_MANY_PENDING = ("too_many_pending", 403, "too many approvals pending", _DENIED)
+    IP_LITERAL = ("ip_literal", 403, "IP address not allowlisted", _DENIED, Rcode.NXDOMAIN)
+    PRIVATE_ADDRESS = ("private_address", 403, "resolves only to private or special addresses", _DENIED)
+    PORT_NOT_ALLOWED = ("port_not_allowed", 403, "port not allowed for this host", _DENIED)
+    SNI_MISMATCH = ("sni_mismatch", 403, "TLS server name differs from the CONNECT host", _DENIED)
+    # The request itself: malformed (a DNS query whose name is not a host is
+    # FORMERR), or from a client no run claims (REFUSED: nothing to answer for).
+    BAD_REQUEST = ("bad_request", 400, "malformed request", _FAILED, Rcode.FORMERR)
+    AUTH_REQUIRED = ("auth_required", 407, "run credentials missing or wrong", _DENIED, Rcode.REFUSED)
+    # Upstream failures, after the policy allowed the request.
+    RESOLVE_FAILED = ("resolve_failed", 502, "could not resolve", _FAILED)
+    UPSTREAM_UNREACHABLE = ("upstream_unreachable", 502, "could not connect upstream", _FAILED)
+    UPSTREAM_TIMEOUT = ("upstream_timeout", 504, "upstream timed out", _FAILED)
+    # A connection cap (429, with Retry-After) or a head limit (431, 408). A
+    # DNS query over its rate is dropped unanswered, so no rcode.
+    LIMIT_EXCEEDED = ("limit_exceeded", 429, "a limit was exceeded", _FAILED)
+    # Not in the design's list: the audit log cannot be written, so nothing may
+    # go out unrecorded (fail closed).
+    AUDIT_UNAVAILABLE = ("audit_unavailable", 503, "the audit log cannot be written", _FAILED, Rcode.REFUSED)
+    # egressd stopped while the request was held or queued.
+    SHUTTING_DOWN = ("shutting_down", 503, "egressd stopped while the request was held", _FAILED)
+
+
+# Reasons by code, for codes read back from a record or named by another package.
+_BY_CODE: Final[Mapping[str, Reason]] = MappingProxyType({reason.value: reason for reason in Reason})
+
+
+def reason_for(code: str) -> Reason:
+    """The reason whose code is ``code``; ValueError for a code that is none."""
+    try:
+        return _BY_CODE[code]
+    except KeyError:
+        raise ValueError(f"no reason has the code {code!r}") from None
+
+
+def reason_message(code: str) -> str:
+    """The phrase for a reason code as read back from an audit record; an unknown code is itself."""
+    reason = _BY_CODE.get(code)
+    return reason.message if reason is not None else code

@@ -1,0 +1,365 @@
+"""Runs: one sandbox's lifetime, and how a request is attributed to one.
+
+A run holds the state the decision needs (its allowlist, what was approved or
+denied during it, whether to ask), the command it is executing now (for the
+approval message), its credentials (the proxy token its sandbox sends, and
+the control token its runner uses on the control API: ``control_token``,
+which acts on this run alone and dies with it) and the source addresses
+bound to it, and
+a bounded window of its recent egress events for the control API. A run on a
+network of its own (``egressd run --connect``: a Docker network per run)
+also holds egressd's address there, which its proxy URL names and its DNS
+answers with.
+
+Attribution order (``RunRegistry.attribute``):
+1. ``Proxy-Authorization: Basic base64(RUN_ID:TOKEN)`` present → that run if
+   the credentials are right, else nothing (the caller answers 407);
+2. the client's source address is bound to a run → that run;
+3. the default run, when there is one (``egressd serve`` without
+   ``--require-auth``);
+4. nothing: the caller refuses with ``auth_required``.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import hmac
+import ipaddress
+import secrets
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from egressd.names.addresses import IPAddress, unmapped
+from egressd.names.hosts import HostError, registered_domain
+from egressd.proxy.core.memo import remember
+from egressd.proxy.core.policy import Entry, PolicyDecision, RunPolicy, Verdict, approval_ports, decide
+from egressd.proxy.core.reasons import Reason
+
+DEFAULT_RUN_ID = "default"
+# Enough for an agent's step to be read back by the runner; older events stay
+# in the audit log, which is the record of truth.
+EVENT_WINDOW = 10_000
+# Distinct (host, port) decisions remembered per run; a flood of new names only empties it.
+DECISION_CACHE = 4096
+# A run's control token: 32 random bytes (256 bits), not guessable within any number of tries.
+CONTROL_TOKEN_BYTES = 32
+
+
+def new_control_token() -> str:
+    """A fresh control token, in hex: never starting with '-' (``--control-token "$TOKEN"`` must parse)."""
+    return secrets.token_hex(CONTROL_TOKEN_BYTES)
+
+
+class RunError(Exception):
+    """A run could not be created or found (unknown id, address already bound)."""
+
+
+@dataclass(eq=False)
+class Run:
+    """One run's mutable state. Only the event loop thread touches it."""
+
+    id: str
+    token: str = field(repr=False)
+    task: str | None
+    allow: tuple[Entry, ...]
+    deny: tuple[Entry, ...]
+    ask: bool = True
+    sources: frozenset[IPAddress] = frozenset()
+    # egressd's address on the run's own network (None: the configured listeners' and DNS answer).
+    address: IPAddress | None = None
+    command: str | None = None
+    approved: dict[str, frozenset[int]] = field(default_factory=dict)
+    denied: set[str] = field(default_factory=set)
+    open_connections: int = 0
+    # Connections from the run's own source addresses still sending a request head (slowloris).
+    waiting_heads: int = 0
+    pending_approvals: int = 0
+    events: deque[tuple[int, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
+    next_event: int = 1
+    ended: bool = False
+    # The run's own bearer token on the control API (``RunRegistry.by_control_token``); never shown.
+    control_token: str = field(default="", repr=False)
+    _policy: RunPolicy | None = None
+    # decide() is pure, so its answers for this policy are kept until the policy changes.
+    _decisions: dict[tuple[str, int], PolicyDecision] = field(default_factory=dict)
+
+    def policy(self) -> RunPolicy:
+        """The pure decision input; rebuilt only after an approval or denial."""
+        if self._policy is None:
+            self._policy = RunPolicy(
+                allow=self.allow,
+                deny=self.deny,
+                approved=dict(self.approved),
+                denied=frozenset(self.denied),
+                ask=self.ask,
+            )
+        return self._policy
+
+    def decide(self, host: str, port: int) -> PolicyDecision:
+        """``policy.decide`` for this run, remembered per (host, port) until the policy changes.
+
+        Step 6 reaches further here than in the pure policy: a host whose
+        registered domain was denied earlier in the run is ``denied_earlier``
+        too, rather than asked about (approval fatigue: ``a1.evil.com``,
+        ``a2.evil.com``, ... each a new prompt).
+        """
+        key = (host, port)
+        decision = self._decisions.get(key)
+        if decision is None:
+            decision = self._decide(host, port)
+            remember(self._decisions, key, decision, DECISION_CACHE)
+        return decision
+
+    def _decide(self, host: str, port: int) -> PolicyDecision:
+        decision = decide(self.policy(), host, port)
+        if decision.verdict is Verdict.ASK and self.denied and _site(decision.host) in self.denied:
+            return PolicyDecision.deny(decision.host, port, Reason.DENIED_EARLIER)
+        return decision
+
+    def approve(self, host: str, port: int) -> None:
+        """Allow host on port (and 80/443) for the rest of the run."""
+        self.approved[host] = self.approved.get(host, frozenset()) | approval_ports(port)
+        self._changed()
+
+    def deny_host(self, host: str) -> None:
+        """A denial sticks for the rest of the run and covers the host's registered domain.
+
+        DESIGN.md "Decision order": every name under it that is not on the
+        allowlist (nor approved earlier) is then ``denied_earlier``. A host
+        with no registered domain (an IP literal, a public suffix) covers only
+        itself.
+        """
+        self.denied.add(host)
+        site = _site(host)
+        if site is not None:
+            self.denied.add(site)
+        self._changed()
+
+    def stop_asking(self) -> None:
+        """The run made as many approval requests as it may: new domains are ``not_allowlisted``."""
+        self.ask = False
+        self._changed()
+
+    def _changed(self) -> None:
+        self._policy = None
+        self._decisions.clear()
+
+    def at_connection_cap(self, cap: int) -> bool:
+        """Whether the run holds ``cap`` client connections, decided or still sending their head."""
+        return self.open_connections + self.waiting_heads >= cap
+
+    def waiting_head(self) -> WaitingHead:
+        """Count a connection whose request head is still arriving against this run's cap (``with``).
+
+        A head says which run it belongs to only once it is read; a run whose
+        source addresses are its own (a sandbox on a network of its own) is
+        known at accept, so its slow heads fill its own cap, not egressd's.
+        """
+        return WaitingHead(self)
+
+    def allowed_texts(self) -> tuple[str, ...]:
+        """The allowlist as a person reads it: entries, then approvals."""
+        return tuple(e.text for e in self.allow) + tuple(sorted(self.approved))
+
+    def record_event(self, record: Mapping[str, Any]) -> None:
+        self.events.append((self.next_event, dict(record)))
+        self.next_event += 1
+
+    def events_after(self, cursor: int, limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
+        """Events with sequence numbers above ``cursor``, and the new cursor."""
+        picked = [(seq, rec) for seq, rec in self.events if seq > cursor][:limit]
+        if not picked:
+            return [], cursor
+        return [rec for _, rec in picked], picked[-1][0]
+
+    def describe(self) -> dict[str, Any]:
+        """The run as the control API shows it (never the token)."""
+        return {
+            "id": self.id,
+            "task": self.task,
+            "allow": [e.text for e in self.allow],
+            "deny": [e.text for e in self.deny],
+            "approved": sorted(self.approved),
+            "denied": sorted(self.denied),
+            "ask": self.ask,
+            "sources": sorted(str(a) for a in self.sources),
+            "address": str(self.address) if self.address is not None else None,
+            "command": self.command,
+            "open_connections": self.open_connections,
+        }
+
+
+def _site(host: str) -> str | None:
+    """The registered domain a denial of ``host`` covers; None when it covers only the host itself."""
+    try:
+        return registered_domain(host)
+    except HostError:
+        return None
+
+
+@functools.lru_cache(maxsize=4096)  # a client connects from the same few addresses again and again
+def source_address(text: str) -> IPAddress | None:
+    """The address a client's source is bound by: ``peer[0]`` of a socket, as a value.
+
+    A zone id is dropped and an IPv4-mapped IPv6 address (a dual-stack
+    listener's view of an IPv4 client) becomes the IPv4 address it maps, so
+    one client has one key whichever listener it reached. None when the text
+    is no address (a Unix socket).
+    """
+    try:
+        address = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return None
+    return unmapped(address)
+
+
+def parse_proxy_authorization(value: str) -> tuple[str, str] | None:
+    """``Basic base64(id:token)`` → (id, token), or None when malformed."""
+    # Only SP and HTAB are whitespace here (RFC 9110 §5.6.3), not str.strip()'s NBSP or NEL.
+    scheme, _, payload = value.strip(" \t").partition(" ")
+    if scheme.lower() != "basic" or not payload:
+        return None
+    try:
+        # ValueError: a payload that is not ASCII (b64decode's binascii.Error
+        # and UnicodeDecodeError are ValueErrors too).
+        decoded = base64.b64decode(payload.strip(" \t"), validate=True).decode("utf-8")
+    except ValueError:
+        return None
+    run_id, sep, token = decoded.partition(":")
+    if not sep or not run_id:
+        return None
+    return run_id, token
+
+
+class WaitingHead:
+    """``Run.waiting_head``'s context: a plain class, as it is entered once per request."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def __enter__(self) -> None:
+        self.run.waiting_heads += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.run.waiting_heads -= 1
+
+
+# For a connection bound to no run: nothing to count (one object, entered as often as needed).
+NOT_WAITING = contextlib.nullcontext()
+
+
+class RunRegistry:
+    """All live runs, by id and by bound source address."""
+
+    def __init__(self, *, default: Run | None = None) -> None:
+        self._runs: dict[str, Run] = {}
+        self._by_source: dict[IPAddress, Run] = {}
+        self.default = default
+        if default is not None:
+            self._runs[default.id] = default
+
+    def __iter__(self) -> Any:
+        return iter(list(self._runs.values()))
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def get(self, run_id: str) -> Run | None:
+        return self._runs.get(run_id)
+
+    def create(
+        self,
+        *,
+        task: str | None,
+        allow: Iterable[Entry],
+        deny: Iterable[Entry] = (),
+        ask: bool = True,
+        sources: Iterable[IPAddress] = (),
+        address: IPAddress | None = None,
+        run_id: str | None = None,
+    ) -> Run:
+        """Register a new run with fresh credentials; its source addresses must be free.
+
+        ``address`` is egressd's own address on the run's network, when the
+        run has one of its own.
+        """
+        sources = frozenset(sources)
+        for source in sources:
+            if source in self._by_source:
+                raise RunError(f"source address {source} is already bound to run {self._by_source[source].id}")
+        run_id = run_id or f"r-{secrets.token_hex(4)}"
+        if run_id in self._runs:
+            raise RunError(f"run {run_id} exists")
+        run = Run(
+            id=run_id,
+            token=secrets.token_urlsafe(24),
+            control_token=new_control_token(),
+            task=task,
+            allow=tuple(allow),
+            deny=tuple(deny),
+            ask=ask,
+            sources=sources,
+            address=address,
+        )
+        self._runs[run.id] = run
+        for source in sources:
+            self._by_source[source] = run
+        return run
+
+    def end(self, run_id: str) -> Run:
+        run = self._runs.pop(run_id, None)
+        if run is None:
+            raise RunError(f"no run {run_id}")
+        run.ended = True  # a request held across the end must not go out afterwards
+        for address in run.sources:
+            self._by_source.pop(address, None)
+        if run is self.default:
+            self.default = None
+        return run
+
+    def authenticate(self, header: str) -> Run | None:
+        """The run whose credentials the header carries, or None."""
+        parsed = parse_proxy_authorization(header)
+        if parsed is None:
+            return None
+        run = self._runs.get(parsed[0])
+        if run is None:
+            # Compare anyway, so a wrong id costs the same time as a wrong token.
+            hmac.compare_digest(parsed[1].encode(), b"x" * 32)  # bytes: a str token may not be ASCII
+            return None
+        return run if hmac.compare_digest(parsed[1].encode(), run.token.encode()) else None
+
+    def by_control_token(self, token: str) -> Run | None:
+        """The live run whose control token this is, or None (an ended run's token matches nothing).
+
+        Every live run's token is compared, in constant time, whichever
+        matches: the time taken says nothing about which run's token, or how
+        much of one, was guessed. A run without a control token (the default
+        run) never matches.
+        """
+        given = token.encode()
+        found: Run | None = None
+        for run in self._runs.values():
+            if hmac.compare_digest(given, run.control_token.encode()) and run.control_token:
+                found = run
+        return found
+
+    def bound(self, source: IPAddress | None) -> Run | None:
+        """The run this source address is bound to, if any (never the default run by default)."""
+        return self._by_source.get(source) if source is not None else None
+
+    def attribute(self, source: IPAddress | None, proxy_authorization: str | None) -> Run | None:
+        """Steps 1-4 of the module docstring."""
+        if proxy_authorization is not None:
+            return self.authenticate(proxy_authorization)
+        if source is not None:
+            run = self._by_source.get(source)
+            if run is not None:
+                return run
+        return self.default

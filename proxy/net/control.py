@@ -1,0 +1,332 @@
+"""The control API (aiohttp): health, metrics and runs, behind a bearer token.
+
+Two kinds of bearer token, and what each can do:
+
+- The global control token (``--control-token``, or the token file egressd
+  writes) has full power over every run: whoever holds it can create runs,
+  list them, rewrite any run's command — the command every approver is shown
+  when that run asks — end any run, and see and answer any run's approvals,
+  so it can allow any egress. Give it to the operator only.
+- A run's own control token, returned by ``POST /runs`` as
+  ``control_token`` (256 random bits; never logged, never in the audit log,
+  never in ``GET /runs``), acts on that run alone: ``GET /runs/ID``,
+  ``PUT /runs/ID/command``, ``GET /runs/ID/events``, ``DELETE /runs/ID``
+  for its own ID, and ``GET /approvals`` / ``POST /approvals/ID/allow|deny``
+  narrowed to its run's approvals (``egressd.approvals.control``). Everything else —
+  another run, creating or listing runs, ``/metrics`` (which counts every
+  run's traffic), any route added later — is 403 with a JSON error. It dies
+  with the run: once the run is ended its token is refused (401).
+  ``egressd run --connect`` creates its run with the global token and uses
+  the run's token from then on; a ``--connect`` user can be handed a run
+  token instead, and ``egressd pending|allow|deny`` take it like any other.
+
+Routes (JSON unless said otherwise):
+
+- ``GET /health``                      no token needed; ``{"status", "audit", "runs"}``
+- ``GET /metrics``                     Prometheus text
+- ``GET /runs``                        every live run
+- ``POST /runs``                       ``{"task", "allow", "deny", "preset", "ask", "sources", "address"}``
+                                       → ``{"id", "token", "proxy_url", "control_token"}``
+                                       (global token only); ``address``: egressd's
+                                       own address on a network of the run's own, which its
+                                       proxy URL names and its DNS answers with (the proxy must
+                                       listen on every address, or on that one)
+- ``GET /runs/{id}``                   one run
+- ``PUT /runs/{id}/command``           ``{"command": str|null}``: what the run executes now
+- ``GET /runs/{id}/events?cursor=N``   egress records after cursor N → ``{"events", "cursor"}``
+- ``DELETE /runs/{id}``                end the run
+
+Other packages add routes of their own to the application before it starts
+(approvals will); the token check covers every route except those whose path
+is in ``app[PUBLIC_PATHS]``, and puts the caller's ``Scope`` on each request
+(``request[SCOPE]``) for handlers that narrow what a run's token sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from aiohttp import web
+
+from egressd.approvals.control import RUN_SCOPED_ROUTES, SCOPE, Scope
+from egressd.audit.log import AuditError
+from egressd.audit.records import run_record
+from egressd.config.presets import UnknownPreset, preset_entries
+from egressd.proxy.core.addresses import forbidden_reason
+from egressd.proxy.core.policy import Entry, EntryError, parse_entry
+from egressd.proxy.core.runs import Run, RunError, RunRegistry
+from egressd.proxy.net.gate import Gate
+
+GATE = web.AppKey("gate", Gate)
+RUNS = web.AppKey("runs", RunRegistry)
+PROXY_ADDRESS = web.AppKey("proxy_address", tuple)
+PUBLIC_PATHS = web.AppKey("public_paths", set)
+TOKEN = web.AppKey("token", str)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# The routes a run's own token may use; those naming a run (``{run_id}``) only for its run.
+_RUN_ROUTES = frozenset(
+    {
+        ("GET", "/runs/{run_id}"),
+        ("PUT", "/runs/{run_id}/command"),
+        ("GET", "/runs/{run_id}/events"),
+        ("DELETE", "/runs/{run_id}"),
+    }
+) | RUN_SCOPED_ROUTES
+
+
+def json_error(status: int, message: str) -> web.HTTPException:
+    """An HTTP error whose body is ``{"error": message}``."""
+    classes: dict[int, type[web.HTTPException]] = {
+        400: web.HTTPBadRequest,
+        401: web.HTTPUnauthorized,
+        404: web.HTTPNotFound,
+        403: web.HTTPForbidden,
+        409: web.HTTPConflict,
+    }
+    return classes[status](text=json.dumps({"error": message}), content_type="application/json")
+
+
+def _scope(request: web.Request) -> Scope:
+    """Who the bearer token says the caller is: the global token, a live run's own token, or 401."""
+    scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+    given = given.strip()
+    if scheme.lower() != "bearer" or not given:
+        raise json_error(401, "missing or wrong bearer token")
+    if hmac.compare_digest(given.encode(), request.app[TOKEN].encode()):
+        return Scope(run_id=None)
+    run = request.app[RUNS].by_control_token(given)
+    if run is None:
+        raise json_error(401, "missing or wrong bearer token")
+    return Scope(run_id=run.id)
+
+
+def _check_run_route(request: web.Request, scope: Scope) -> None:
+    """A run's token: only ``_RUN_ROUTES``, and those naming a run only for its own (else 403).
+
+    An allowlist, so a route added later is closed to run tokens until it
+    is listed here or in ``egressd.approvals.control.RUN_SCOPED_ROUTES``.
+    """
+    resource = request.match_info.route.resource
+    pattern = resource.canonical if resource is not None else None
+    if (request.method, pattern) not in _RUN_ROUTES:
+        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only: "
+                              f"{request.method} {request.path} needs the global control token")
+    named = request.match_info.get("run_id")
+    if named is not None and named != scope.run_id:
+        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only, "
+                              f"not on run {named}")
+
+
+@web.middleware
+async def _require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path in request.app[PUBLIC_PATHS]:
+        return await handler(request)
+    scope = _scope(request)
+    if scope.run_id is not None:
+        _check_run_route(request, scope)
+    request[SCOPE] = scope
+    return await handler(request)
+
+
+def parse_entries(texts: Any, what: str) -> tuple[Entry, ...]:
+    """Allow/deny entries from JSON; raises a 400 naming the bad entry."""
+    if texts is None:
+        return ()
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise json_error(400, f"{what} must be a list of strings")
+    try:
+        return tuple(parse_entry(t) for t in texts)
+    except EntryError as exc:
+        raise json_error(400, f"{what}: {exc}") from None
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise json_error(400, "body is not JSON") from None
+    if not isinstance(body, dict):
+        raise json_error(400, "body must be a JSON object")
+    return body
+
+
+def _run(request: web.Request) -> Run:
+    run = request.app[RUNS].get(request.match_info["run_id"])
+    if run is None:
+        raise json_error(404, f"no run {request.match_info['run_id']}")
+    return run
+
+
+def _write_audit(request: web.Request, record: dict[str, Any]) -> None:
+    try:
+        request.app[GATE].audit.write(record)
+    except AuditError:
+        pass  # the sink is now unhealthy and says so; egress is refused from here on
+
+
+async def health(request: web.Request) -> web.Response:
+    healthy = request.app[GATE].audit.healthy
+    return web.json_response(
+        {"status": "ok" if healthy else "degraded", "audit": healthy, "runs": len(request.app[RUNS])},
+        status=200 if healthy else 503,
+    )
+
+
+async def metrics(request: web.Request) -> web.Response:
+    gate = request.app[GATE]
+    text = gate.metrics.render(
+        runs=len(request.app[RUNS]), audit_healthy=gate.audit.healthy, tasks=len(asyncio.all_tasks())
+    )
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def list_runs(request: web.Request) -> web.Response:
+    return web.json_response({"runs": [run.describe() for run in request.app[RUNS]]})
+
+
+async def create_run(request: web.Request) -> web.Response:
+    body = await _body(request)
+    task = body.get("task")
+    if task is not None and not isinstance(task, str):
+        raise json_error(400, "task must be a string")
+    presets = body.get("preset") or []
+    if not isinstance(presets, list):
+        raise json_error(400, "preset must be a list of names")
+    try:
+        preset_texts = [text for name in presets for text in preset_entries(name)]
+    except UnknownPreset as exc:
+        raise json_error(400, str(exc)) from None
+    allow = parse_entries(body.get("allow") or [], "allow") + parse_entries(preset_texts, "preset")
+    deny = parse_entries(body.get("deny"), "deny")
+    sources_raw = body.get("sources") or []
+    try:
+        sources = [ipaddress.ip_address(s) for s in sources_raw]
+    except (TypeError, ValueError):
+        raise json_error(400, "sources must be a list of IP addresses") from None
+    ask = body.get("ask", True)
+    if not isinstance(ask, bool):
+        raise json_error(400, "ask must be true or false")
+    address = _run_address(body.get("address"), request.app[PROXY_ADDRESS][0], request.app[GATE].allow_private)
+    try:
+        run = request.app[RUNS].create(task=task, allow=allow, deny=deny, ask=ask, sources=sources, address=address)
+    except RunError as exc:
+        raise json_error(409, str(exc)) from None
+    _write_audit(
+        request,
+        run_record(
+            "run.start",
+            ts=time.time(),
+            run=run.id,
+            task=task,
+            allow=[e.text for e in allow],
+            deny=[e.text for e in deny],
+            sources=[str(s) for s in sources],
+            **({"address": str(address)} if address is not None else {}),
+        ),
+    )
+    host, port = request.app[PROXY_ADDRESS]
+    host = str(address) if address is not None else host
+    host = f"[{host}]" if ":" in host else host
+    return web.json_response(
+        {
+            "id": run.id,
+            "token": run.token,
+            "proxy_url": f"http://{run.id}:{run.token}@{host}:{port}",
+            "control_token": run.control_token,
+        },
+        status=201,
+    )
+
+
+def _run_address(
+    raw: Any, proxy_host: str, allow_private: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]
+) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``POST /runs``'s ``address``: one the proxy listens on and egressd never dials.
+
+    1. not an IP address → 400;
+    2. the proxy listens on neither every address nor this one → 409 (the
+       run's sandbox could reach nothing there: refused now, not at its first
+       request);
+    3. egressd would dial it (public, or inside ``allow_private``) → 409: an
+       allowed name resolving there would loop back into egressd's own
+       listeners, as a client bound to no run — or to another run's policy.
+    """
+    if raw is None:
+        return None
+    try:
+        address = ipaddress.ip_address(raw)
+    except (TypeError, ValueError):
+        raise json_error(400, "address must be an IP address") from None
+    try:
+        listening = ipaddress.ip_address(proxy_host)
+    except ValueError:
+        listening = None  # a name (localhost): never one of a run's own network
+    every = listening is not None and listening.is_unspecified and listening.version in (address.version, 6)
+    if not (every or listening == address):
+        raise json_error(409, f"the proxy listens on {proxy_host} only, not on {address}: a run on a network "
+                              "of its own needs egressd listening on every address of its container (0.0.0.0)")
+    if forbidden_reason(address, allow_private) is None:
+        raise json_error(409, f"egressd would dial {address}, its own address on the run's network: "
+                              "allow_private must not cover egressd's networks")
+    return address
+
+
+async def get_run(request: web.Request) -> web.Response:
+    return web.json_response(_run(request).describe())
+
+
+async def set_command(request: web.Request) -> web.Response:
+    run = _run(request)
+    command = (await _body(request)).get("command")
+    if command is not None and not isinstance(command, str):
+        raise json_error(400, "command must be a string or null")
+    run.command = command
+    return web.json_response({"id": run.id, "command": run.command})
+
+
+async def run_events(request: web.Request) -> web.Response:
+    run = _run(request)
+    try:
+        cursor = int(request.query.get("cursor", "0"))
+    except ValueError:
+        raise json_error(400, "cursor must be an integer") from None
+    events, cursor = run.events_after(cursor)
+    return web.json_response({"events": events, "cursor": cursor})
+
+
+async def end_run(request: web.Request) -> web.Response:
+    run = _run(request)
+    try:
+        request.app[RUNS].end(run.id)
+    except RunError as exc:
+        raise json_error(404, str(exc)) from None
+    request.app[GATE].flush_suppressed(run.id)  # what was counted in the run comes before its end
+    _write_audit(request, run_record("run.end", ts=time.time(), run=run.id))
+    return web.json_response({"id": run.id, "ended": True})
+
+
+def build_app(*, gate: Gate, runs: RunRegistry, proxy_address: tuple[str, int], token: str) -> web.Application:
+    """The control application; the caller may add routes, then serves it."""
+    app = web.Application(middlewares=[_require_token], client_max_size=1024 * 1024)
+    app[GATE] = gate
+    app[RUNS] = runs
+    app[PROXY_ADDRESS] = proxy_address
+    app[TOKEN] = token
+    app[PUBLIC_PATHS] = {"/health"}
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/runs", list_runs)
+    app.router.add_post("/runs", create_run)
+    app.router.add_get("/runs/{run_id}", get_run)
+    app.router.add_put("/runs/{run_id}/command", set_command)
+    app.router.add_get("/runs/{run_id}/events", run_events)
+    app.router.add_delete("/runs/{run_id}", end_run)
+    return app

@@ -1,0 +1,857 @@
+"""The sandbox-facing DNS server: every name points at egressd, and nothing goes upstream.
+
+A sandbox's resolver is egressd (DESIGN.md "The two boundaries"), so a tool
+that ignores proxy settings still connects to egressd's transparent
+listeners, which read the real destination from the SNI or the Host header.
+This server never asks anyone else: data hidden in a query's labels stops
+here, and the only thing that leaves is an audit record on the host.
+
+How one query is answered (``DnsServer.handle``), in order:
+
+1. the client's source address is over its rate (a token bucket) → dropped
+   unanswered and counted; the counts are written as summary records;
+2. not a query at all (shorter than a header, or a response) → dropped;
+   an opcode other than QUERY → NOTIMP; no single question, or a question
+   that cannot be decoded (cut short, a compressed name, a label that is
+   not UTF-8) → FORMERR (RFC 1035 §4.1.1);
+3. the source address belongs to no run (``--require-auth``) → REFUSED,
+   ``auth_required``; the audit log cannot be written → REFUSED,
+   ``audit_unavailable``;
+4. a name that is not a well-formed host name (``egressd.names.hosts``) → FORMERR;
+5. a class other than IN, or a type other than A and AAAA → REFUSED;
+6. strict mode, and the run could never reach the name → NXDOMAIN (see
+   ``unreachable_reason``);
+7. A → the configured IPv4 answer, or, for a run on a network of its own,
+   egressd's IPv4 address there (``Run.address``); AAAA → the IPv6 answer if
+   configured, else NOERROR with no records (RFC 2308 §2.2 "NODATA").
+
+Steps 3, 4 and 6 refuse with a reason, and the reason's table row gives the
+response code (``Reason.rcode``, through ``refused``).
+
+Every query that passes step 1 is one ``egress`` record of kind ``dns``
+(through the gate, like every other attempt), with ``host`` the name,
+``port`` null, ``qtype`` and ``answer`` (the address, or the response code
+when no address was given: ``NOERROR``, ``NXDOMAIN``, ``REFUSED``,
+``FORMERR``, ``NOTIMP``; null when dropped). ``decision`` is ``allow`` only
+when egressd's address was given. Once a run has had ``max_names_per_run``
+distinct names recorded, queries for further new names are answered as usual
+but counted instead of recorded one by one; the counts, like the rate
+limit's, are written every ``summary_interval_s`` as one record each (host
+null, ``reason: limit_exceeded``, ``suppressed: N``, ``limit``: which one).
+
+``read_query``, ``query_name``, ``plan_answer``, ``refused``,
+``unreachable_reason`` and ``RateLimiter`` are pure (time is passed in); the
+question is read and the reply packed here (the layout is fixed, and it is
+the hot path), and dnslib gives only the names of query types. The asyncio
+shell answers from protocol callbacks: no task per query, and no waiting —
+a DNS query never triggers an approval (DESIGN.md "Decision order").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import struct
+import time
+import weakref
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from ipaddress import IPv4Address, IPv6Address
+from typing import NamedTuple
+
+from dnslib import CLASS, QTYPE
+
+from egressd.audit.records import Decision, EgressDecided, EgressKind, new_request_id
+from egressd.names.addresses import IPAddress
+from egressd.names.hosts import HostError, normalise_host
+from egressd.names.shown import shown_name
+from egressd.proxy.core.memo import remember
+from egressd.proxy.core.policy import Verdict, decide
+from egressd.proxy.core.reasons import Rcode, Reason
+from egressd.proxy.core.runs import Run, RunRegistry, source_address
+from egressd.proxy.net.gate import Gate
+
+log = logging.getLogger("egressd.dns")
+
+# Every answer points at egressd and never changes while it runs, so caching
+# would be harmless; 5 s still absorbs a tool's burst of lookups, and a cache
+# in the sandbox forgets within seconds when egressd restarts with another
+# answer address or a strict-mode verdict changes (a run denied a name).
+DEFAULT_TTL_S = 5
+# A stub resolver asks A and AAAA for each lookup: 100 queries/s is 50
+# lookups/s sustained, and a burst of 200 covers a parallel package install
+# starting; a flood beyond that is dropped before it costs a parse or a record.
+DEFAULT_RATE_QPS = 100.0
+DEFAULT_BURST = 200
+# A build or an agent session touches tens of hosts, rarely hundreds; past
+# 1000 distinct names a run is enumerating or exfiltrating, and the names
+# (up to 253 bytes each) stop going to the log one by one.
+DEFAULT_MAX_NAMES_PER_RUN = 1000
+# Summaries of what was counted rather than recorded, at most once a minute.
+DEFAULT_SUMMARY_INTERVAL_S = 60.0
+# RFC 7766 §6.2.3: close idle TCP connections after some seconds.
+TCP_IDLE_TIMEOUT_S = 10.0
+# A sandbox needs a handful of TCP connections (truncation fallback, zone-
+# transfer-happy tools); this bounds the file descriptors a flood can hold.
+MAX_TCP_CONNECTIONS = 256
+# Rate-limit state per source address; past this the least recent is
+# forgotten (a forgotten client starts again with a full bucket).
+MAX_TRACKED_CLIENTS = 4096
+# Replies a TCP client has not read yet, before we stop reading its queries.
+_TCP_WRITE_HIGH_WATER = 64 * 1024
+
+_HEADER = struct.Struct("!HHHHHH")
+# An answer record: owner (a compression pointer), type, class, TTL, RDLENGTH.
+_ANSWER = struct.Struct("!HHHIH")
+_POINTER_TO_QUESTION = 0xC000 | 12  # RFC 1035 §4.1.4: the name right after the header
+_QR = 0x8000
+_OPCODE_MASK = 0x7800
+_RD = 0x0100
+_RA = 0x0080
+_TYPE_A = QTYPE.A
+_TYPE_AAAA = QTYPE.AAAA
+_BIND_ATTEMPTS = 50
+# Outcomes kept per server: a handful in use (A, AAAA, REFUSED, FORMERR and
+# the strict-mode NXDOMAINs); the bound is for a client cycling through types.
+_MAX_OUTCOMES = 1024
+_LIMIT_EXCEEDED = Reason.LIMIT_EXCEEDED.value
+_BAD_REQUEST = Reason.BAD_REQUEST.value
+
+
+# Strict mode: the policy reasons that hold for the rest of a run whatever
+# the port, so no connection to the name can ever be let out — those the
+# reason table answers NXDOMAIN (denylisted, ip_literal, denied_earlier,
+# not_allowlisted). ``port_not_allowed`` is not one (the host is allowed on
+# another port), nor is ASK (a person may still allow it).
+UNREACHABLE: frozenset[Reason] = frozenset(reason for reason in Reason if reason.rcode is Rcode.NXDOMAIN)
+
+
+# --- the pure part ---------------------------------------------------------------
+
+
+class DnsQueryError(Exception):
+    """A packet that is not a query we answer; ``reply`` is what to send (None: drop)."""
+
+    def __init__(self, detail: str, reply: bytes | None, rcode: Rcode | None) -> None:
+        super().__init__(detail)
+        self.reply = reply
+        self.rcode = rcode
+
+
+class Query(NamedTuple):
+    """One decoded question. ``name`` is the normalised host, None when the
+    name is not a well-formed host name; ``shown`` is the name as received,
+    escaped (RFC 1035 §5.1 ``\\DDD``) for the audit log; ``question`` is the
+    question section's bytes as received, which the reply repeats. (read_query
+    builds it from a tuple in this field order.)
+
+    A named tuple rather than a frozen dataclass: one is built per query,
+    and a tuple is the cheapest immutable record to build."""
+
+    ident: int
+    flags: int
+    question: bytes
+    name: str | None
+    labels: tuple[bytes, ...]
+    qtype: int
+    qclass: int
+    shown: str
+
+    @property
+    def qtype_text(self) -> str:
+        return qtype_text(self.qtype)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What to answer: the code, the address (if any), and how to record it."""
+
+    rcode: Rcode
+    address: IPAddress | None = None
+    reason: Reason | None = None
+
+    @property
+    def decision(self) -> str:
+        return "allow" if self.address is not None else "deny"
+
+    @property
+    def answer_text(self) -> str:
+        return str(self.address) if self.address is not None else self.rcode.name
+
+
+def refused(reason: Reason) -> Plan:
+    """The answer that refuses a query with ``reason``: the reason's rcode (``Reason.rcode``).
+
+    Raises ValueError for a reason no DNS answer carries.
+    """
+    if reason.rcode is None:
+        raise ValueError(f"no DNS answer says {reason.value}")
+    return Plan(reason.rcode, reason=reason)
+
+
+def header_reply(packet: bytes, rcode: Rcode) -> bytes:
+    """A header-only reply to ``packet`` (at least 12 bytes): its id, opcode and RD, and ``rcode``."""
+    ident, flags = struct.unpack_from("!HH", packet)
+    flags = _QR | (flags & (_OPCODE_MASK | _RD)) | int(rcode)
+    return _HEADER.pack(ident, flags, 0, 0, 0, 0)
+
+
+def _formerr(packet: bytes, detail: str) -> DnsQueryError:
+    return DnsQueryError(detail, header_reply(packet, Rcode.FORMERR), Rcode.FORMERR)
+
+
+def read_query(packet: bytes) -> Query:
+    """Decode a query; DnsQueryError says what to answer when it is not one.
+
+    1. shorter than a header, or a response (QR set) → drop: an answer to an
+       answer could loop between two servers;
+    2. an opcode other than QUERY → NOTIMP;
+    3. not exactly one question, or answer/authority records → FORMERR
+       (RFC 9619: QDCOUNT is one; a query carries no answers);
+    4. the question cannot be decoded (``read_name``: cut short, a label
+       that is not UTF-8, or a compressed name — a pointer there could only
+       point into the header), or the packet ends inside its type or class
+       → FORMERR.
+
+    What follows the question (an EDNS OPT record, say) is not decoded: the
+    answer never depends on it, and nothing of it is kept or sent anywhere.
+    """
+    if packet.__class__ is not bytes:
+        packet = bytes(packet)  # a bytearray (dnslib packs into one) is no cache key
+    if len(packet) < 12:
+        raise DnsQueryError("shorter than a DNS header", None, None)
+    ident, flags, qdcount, ancount, nscount, _arcount = _HEADER.unpack_from(packet)
+    if flags & _QR:
+        raise DnsQueryError("a response, not a query", None, None)
+    if flags & _OPCODE_MASK:
+        raise DnsQueryError("opcode is not QUERY", header_reply(packet, Rcode.NOTIMP), Rcode.NOTIMP)
+    if qdcount != 1 or ancount or nscount:
+        raise _formerr(packet, "not exactly one question")
+    # The name ends at its root label, a zero octet. A name whose labels hold
+    # no zero octet ends at the first one after the header: the question
+    # there (name, type, class) is looked up among those read before. A hit
+    # is a question read before, which reads the same again (only questions
+    # whose name ends at its first zero octet are kept; a packet cut short
+    # gives a shorter key, which matches none). A miss, or a name with a
+    # zero octet inside a label, is read label by label.
+    end = packet.find(0, 12) + 5
+    known = _QUESTIONS.get(packet[12:end]) if end > 4 else None
+    if known is None:
+        known = _read_question(packet)
+    return _new_query(Query, (ident, flags, *known))
+
+
+def _read_question(packet: bytes) -> tuple[bytes, str | None, tuple[bytes, ...], int, int, str]:
+    """(question, host or None, labels, type, class, shown) of the question at offset 12; kept when it can be found."""
+    labels, end = read_name(packet, 12)
+    tail = end + 4
+    if len(packet) < tail:
+        raise _formerr(packet, "undecodable: the packet ends inside the question's type or class")
+    qtype, qclass = _TYPE_CLASS.unpack_from(packet, end)
+    try:
+        host: str | None = query_name(labels)
+    except HostError:
+        host = None
+    question = packet[12:tail]
+    known = (question, host, labels, qtype, qclass, shown_name(labels))
+    # Kept when the fast path can find it (no zero octet inside a label) and
+    # no longer than a name can be (RFC 1035 §3.1: 255 octets), so the cache
+    # holds at most _MAX_QUESTIONS_CACHED × 259 octets of keys.
+    if end - 12 <= 255 and packet.find(0, 12) + 1 == end:
+        remember(_QUESTIONS, question, known, _MAX_QUESTIONS_CACHED)
+    return known
+
+
+def read_name(packet: bytes, offset: int) -> tuple[tuple[bytes, ...], int]:
+    """The labels of the uncompressed name at ``offset``, and the offset after it.
+
+    RFC 1035 §4.1.2 / §3.1: length-prefixed labels up to a zero octet. A
+    length octet with both top bits set is a compression pointer (§4.1.4),
+    which is FORMERR in a question: the only name before it is the header.
+    Other length octets are read as lengths, up to 191 (as dnslib did: a
+    label over 63 octets, or a name over 255, reads, and is no host name, so
+    it is answered FORMERR all the same, with the name in the record); a
+    label must be UTF-8. Raises DnsQueryError (FORMERR) when the packet ends
+    first. Needs ``packet`` to hold a header (its id goes into the error reply).
+    """
+    labels: list[bytes] = []
+    size = len(packet)
+    while True:
+        if offset >= size:
+            raise _formerr(packet, "undecodable: the packet ends inside the question's name")
+        length = packet[offset]
+        if length == 0:
+            return tuple(labels), offset + 1
+        if length >= 0xC0:
+            raise _formerr(packet, "compressed question name")
+        start = offset + 1
+        offset = start + length
+        if offset > size:
+            raise _formerr(packet, "undecodable: the packet ends inside a label of the question's name")
+        label = packet[start:offset]
+        if not label.isascii():
+            try:
+                label.decode()
+            except UnicodeDecodeError:
+                raise _formerr(packet, "undecodable: a label of the question's name is not UTF-8") from None
+        labels.append(label)
+
+
+# Question section (name, type, class) → what read_query makes of it: a pure
+# function of the bytes, and a sandbox asks the same few names again and
+# again. Bounded like the gate's caches: cleared when full.
+_QUESTIONS: dict[bytes, tuple[bytes, str | None, tuple[bytes, ...], int, int, str]] = {}
+_MAX_QUESTIONS_CACHED = 4096
+_TYPE_CLASS = struct.Struct("!HH")
+# Builds a Query from one tuple without NamedTuple's Python-level __new__.
+_new_query = tuple.__new__
+
+
+# The text of the types a sandbox asks for, and dnslib's table for the rest
+# (``TYPEnnn`` for a number it does not know, RFC 3597 §5).
+_QTYPE_TEXT: dict[int, str] = {code: str(text) for code, text in QTYPE.forward.items()}
+
+
+def qtype_text(qtype: int) -> str:
+    """A query type as master-file text: ``A``, ``AAAA``, ``TYPE65280``."""
+    text = _QTYPE_TEXT.get(qtype)
+    return text if text is not None else str(QTYPE[qtype])
+
+
+def query_name(labels: Sequence[bytes]) -> str:
+    """The normalised host a query's labels spell; HostError when they spell none.
+
+    Labels must be ASCII (names on the wire are A-labels) and form a host
+    ``egressd.names.hosts.normalise_host`` accepts: letters, digits, hyphen and
+    underscore, 63 octets a label, 253 characters in all. The root name is
+    not a host.
+    """
+    if not labels:
+        raise HostError("the root name is not a host")
+    parts = []
+    for label in labels:
+        if not label.isascii() or b"." in label:
+            raise HostError("label is not an ASCII host label")
+        parts.append(label.decode("ascii"))
+    return normalise_host(".".join(parts))
+
+
+def plan_answer(
+    query: Query,
+    *,
+    answer4: IPv4Address,
+    answer6: IPv6Address | None,
+    unreachable: Reason | None,
+) -> Plan:
+    """Steps 4-7 of the module docstring, for a query from an attributed client.
+
+    ``unreachable`` is the strict-mode verdict for the name (None: reachable,
+    or strict mode off).
+    """
+    if query.name is None:
+        return refused(Reason.BAD_REQUEST)
+    if query.qclass != CLASS.IN or query.qtype not in (_TYPE_A, _TYPE_AAAA):
+        return Plan(Rcode.REFUSED)
+    if unreachable is not None:
+        return refused(unreachable)
+    if query.qtype == _TYPE_A:
+        return Plan(Rcode.NOERROR, answer4)
+    if answer6 is not None:
+        return Plan(Rcode.NOERROR, answer6)
+    return Plan(Rcode.NOERROR)
+
+
+def unreachable_reason(run: Run, name: str) -> tuple[Reason | None, str | None]:
+    """Strict mode: why no connection to ``name`` can ever leave in this run.
+
+    The policy's verdict for the name on port 443: a DENY whose reason is in
+    ``UNREACHABLE`` (on the denylist, an IP literal no entry names, denied
+    earlier in the run, or not allowlisted with asking off) holds for every
+    port and for the rest of the run. Allowed names, names allowed on other
+    ports, and names a person could still be asked about are reachable.
+    Returns (reason or None, the rule that matched).
+    """
+    decision = decide(run.policy(), name, 443)
+    if decision.verdict is Verdict.DENY and decision.reason in UNREACHABLE:
+        return decision.reason, decision.rule
+    return None, decision.rule
+
+
+def pack_reply(query: Query, plan: Plan, ttl_s: int) -> bytes:
+    """The reply to ``query`` per ``plan`` (RFC 1035 §4.1).
+
+    The header keeps the query's id, opcode and RD, sets QR and RA (we act as
+    the sandbox's recursive resolver) and the response code; the question is
+    repeated byte for byte (so 0x20 case randomisation survives); the answer,
+    if any, is one record whose owner is a pointer to the question's name
+    (§4.1.4), class IN, ``ttl_s``, and the address. Built here rather than
+    with dnslib's packer: the layout is fixed, and it is the hot path.
+    """
+    return PreparedReply(plan, ttl_s).reply(query)
+
+
+class PreparedReply:
+    """A plan with what the server writes for it worked out once: the
+    record's decision, reason and answer text, and the reply's flags and
+    answer record. Immutable by convention; the server keeps one per
+    distinct plan, so a query costs no Plan, no ``str(address)``, no packing
+    of the address."""
+
+    __slots__ = ("plan", "decision", "reason", "answer", "_flags", "_ancount", "_record")
+
+    def __init__(self, plan: Plan, ttl_s: int) -> None:
+        self.plan = plan
+        self.decision = Decision(plan.decision)
+        self.reason = plan.reason.value if plan.reason is not None else None
+        self.answer = plan.answer_text
+        self._flags = _QR | _RA | int(plan.rcode)
+        address = plan.address
+        if address is None:
+            self._ancount, self._record = 0, b""
+        else:
+            rdata = address.packed
+            rtype = _TYPE_A if address.version == 4 else _TYPE_AAAA
+            self._ancount = 1
+            self._record = _ANSWER.pack(_POINTER_TO_QUESTION, rtype, CLASS.IN, ttl_s, len(rdata)) + rdata
+
+    def reply(self, query: Query) -> bytes:
+        """The reply to ``query``: see ``pack_reply``."""
+        flags = self._flags | (query.flags & (_OPCODE_MASK | _RD))
+        return _HEADER.pack(query.ident, flags, 1, self._ancount, 0, 0) + query.question + self._record
+
+
+class RateLimiter:
+    """A token bucket per key: ``rate`` tokens a second, at most ``burst`` saved.
+
+    Pure: ``allow(key, now)`` takes the time. At most ``max_keys`` buckets are
+    kept; the least recently used is forgotten first.
+    """
+
+    def __init__(self, rate: float, burst: int, max_keys: int = MAX_TRACKED_CLIENTS) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("rate must be positive and burst at least 1")
+        self.rate = rate
+        self.burst = float(burst)
+        self.max_keys = max_keys
+        self._buckets: OrderedDict[object, list[float]] = OrderedDict()
+
+    def allow(self, key: object, now: float) -> bool:
+        """Take one token for ``key`` if there is one."""
+        buckets = self._buckets
+        bucket = buckets.get(key)
+        if bucket is None:
+            if len(buckets) >= self.max_keys:
+                buckets.popitem(last=False)
+            tokens = self.burst
+            bucket = buckets[key] = [tokens, now]
+        else:
+            buckets.move_to_end(key)
+            tokens = bucket[0] + (now - bucket[1]) * self.rate
+            if tokens > self.burst:
+                tokens = self.burst
+            bucket[1] = now
+        if tokens >= 1.0:
+            bucket[0] = tokens - 1.0
+            return True
+        bucket[0] = tokens
+        return False
+
+
+# --- the asyncio shell -----------------------------------------------------------
+
+
+class _RunLedger:
+    """Which names of one run were recorded in full, and what was only counted."""
+
+    __slots__ = ("names", "suppressed")
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.suppressed = 0
+
+
+@dataclass(slots=True)
+class _Heard:
+    """One query while the server answers it: what it has learnt so far, for the one record ``_record`` builds.
+
+    Owned by ``DnsServer.handle`` and what it calls; set once each, in the
+    order the server learns them, so a query that breaks the server is still
+    recorded with what was known.
+    """
+
+    id: str
+    ts: float
+    started: float
+    client: str
+    transport: str
+    host: str | None = None
+    qtype: str | None = None
+    run: Run | None = None
+    command: str | None = None
+    rule: str | None = None
+    detail: str | None = None
+    answer: str | None = None
+    recorded: bool = False
+
+
+class DnsServer:
+    """UDP and TCP on one address, answering from callbacks; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        gate: Gate,
+        runs: RunRegistry,
+        answer4: IPv4Address,
+        answer6: IPv6Address | None = None,
+        strict: bool = False,
+        ttl_s: int = DEFAULT_TTL_S,
+        rate_qps: float = DEFAULT_RATE_QPS,
+        burst: int = DEFAULT_BURST,
+        max_names_per_run: int = DEFAULT_MAX_NAMES_PER_RUN,
+        summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.gate = gate
+        self.runs = runs
+        self._answer4 = answer4
+        self._answer6 = answer6
+        self.strict = strict
+        self._ttl_s = ttl_s
+        self.max_names_per_run = max_names_per_run
+        self.summary_interval_s = summary_interval_s
+        self._monotonic = monotonic
+        self._limiter = RateLimiter(rate_qps, burst)
+        self._ledgers: weakref.WeakKeyDictionary[Run, _RunLedger] = weakref.WeakKeyDictionary()
+        self._dropped: Counter[IPAddress | None] = Counter()
+        # peer[0] → (its source address, the rate limiter's key for it): the
+        # address's text, one string per address whatever its spelling, so the
+        # limiter hashes a string (its hash kept) rather than an ip_address.
+        self._sources: dict[str, tuple[IPAddress | None, str | None]] = {}
+        # The last run a query came from and its ledger: a sandbox's queries
+        # come from one run, and a WeakKeyDictionary lookup builds a weakref.
+        self._last_ledger: tuple[weakref.ref[Run], _RunLedger] | None = None
+        self._udp: asyncio.DatagramTransport | None = None
+        self._tcp: asyncio.Server | None = None
+        self._tcp_connections: set[_TcpDns] = set()
+        self._timer: asyncio.TimerHandle | None = None
+        self._address: tuple[str, int] | None = None
+        # plan_answer is a pure function of (the name is None, class, type,
+        # unreachable, the A answer) and the fixed AAAA answer: its outcomes are
+        # kept, bounded (a run's own address adds a handful).
+        self._outcomes: dict[tuple[bool, int, int, Reason | None, IPv4Address], PreparedReply] = {}
+        self._auth_required = PreparedReply(refused(Reason.AUTH_REQUIRED), ttl_s)
+        self._audit_unavailable = PreparedReply(refused(Reason.AUDIT_UNAVAILABLE), ttl_s)
+
+    # Fixed at construction: the kept outcomes are worked out from them.
+    @property
+    def answer4(self) -> IPv4Address:
+        return self._answer4
+
+    @property
+    def answer6(self) -> IPv6Address | None:
+        return self._answer6
+
+    @property
+    def ttl_s(self) -> int:
+        return self._ttl_s
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) serving both UDP and TCP."""
+        if self._address is None:
+            raise RuntimeError("the DNS server is not started")
+        return self._address
+
+    async def start(self, host: str, port: int) -> None:
+        """Bind UDP, then TCP on the same port (port 0: any port free for both)."""
+        loop = asyncio.get_running_loop()
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        for _ in range(_BIND_ATTEMPTS if port == 0 else 1):
+            udp, _protocol = await loop.create_datagram_endpoint(
+                lambda: _UdpDns(self), local_addr=(host, port), family=family
+            )
+            bound = udp.get_extra_info("sockname")[1]
+            try:
+                self._tcp = await loop.create_server(
+                    lambda: _TcpDns(self), host, bound, family=family, reuse_address=True, backlog=128
+                )
+            except OSError as exc:
+                udp.close()
+                if port == 0 and exc.errno == errno.EADDRINUSE:
+                    continue
+                raise
+            self._udp = udp
+            self._address = (host, bound)
+            self._timer = loop.call_later(self.summary_interval_s, self._tick)
+            return
+        raise OSError(errno.EADDRINUSE, "no port free for both UDP and TCP")
+
+    async def close(self) -> None:
+        """Stop answering, close every TCP connection, write the last summaries."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._udp is not None:
+            self._udp.close()
+            self._udp = None
+        if self._tcp is not None:
+            self._tcp.close()
+            for connection in list(self._tcp_connections):
+                connection.close()
+            await self._tcp.wait_closed()
+            self._tcp = None
+        self.flush_summaries()
+
+    # -- one query ------------------------------------------------------------------
+
+    def handle(self, packet: bytes, peer: tuple[str | int, ...], transport: str) -> bytes | None:
+        """The reply to one query from ``peer`` (None: send nothing); records it."""
+        host = peer[0]
+        try:
+            source, key = self._sources[host]  # type: ignore[index]
+        except KeyError:
+            source, key = self._source(str(host))
+        if not self._limiter.allow(key, self._monotonic()):
+            self._dropped[source] += 1
+            self.gate.metrics.decided("deny", _LIMIT_EXCEEDED, 0.0)
+            return None
+        gate = self.gate
+        heard = _Heard(new_request_id(), gate.clock(), gate.monotonic(), f"{host}:{peer[1]}", transport)
+        try:
+            return self._answer(packet, source, heard)
+        except Exception:
+            # Fail closed: no answer, and the query is still recorded with what was learnt of it.
+            log.exception("DNS query %s from %s failed", heard.id, heard.client)
+            if not heard.recorded:
+                self._record(heard, Decision.DENY, _BAD_REQUEST)
+            return None
+
+    def _source(self, text: str) -> tuple[IPAddress | None, str | None]:
+        """``runs.source_address`` and the limiter's key, remembered: a sandbox asks from one address."""
+        try:
+            return self._sources[text]
+        except KeyError:
+            pass
+        address = source_address(text)
+        return remember(self._sources, text, (address, str(address) if address is not None else None),
+                        MAX_TRACKED_CLIENTS)
+
+    def _answer(self, packet: bytes, source: IPAddress | None, heard: _Heard) -> bytes | None:
+        try:
+            query = read_query(packet)
+        except DnsQueryError as exc:
+            heard.detail = str(exc)
+            heard.answer = exc.rcode.name if exc.rcode is not None else None
+            self._record(heard, Decision.DENY, _BAD_REQUEST)
+            return exc.reply
+        name = query.name
+        heard.host = host = name if name is not None else query.shown
+        heard.qtype = qtype_text(query.qtype)
+        run = self.runs.attribute(source, None)
+        if run is None:
+            outcome = self._auth_required
+        else:
+            heard.run, heard.command = run, run.command
+            if not self.gate.audit.healthy:
+                outcome = self._audit_unavailable
+            else:
+                unreachable = None
+                if self.strict and name is not None:
+                    unreachable, heard.rule = unreachable_reason(run, name)
+                # A run on a network of its own reaches egressd there, and only there.
+                own = run.address
+                answer4 = own if isinstance(own, IPv4Address) else self._answer4
+                outcome = self._outcome(query, unreachable, answer4)
+        heard.answer = outcome.answer
+        if run is None or self._record_in_full(run, host):
+            self._record(heard, outcome.decision, outcome.reason)
+        else:
+            self.gate.metrics.decided(outcome.decision, outcome.reason, self.gate.monotonic() - heard.started)
+        # At most 12 + 259 + 28 = 299 octets (one question, one address
+        # record), under RFC 1035 §4.2.1's 512: never truncated.
+        return outcome.reply(query)
+
+    def _record(self, heard: _Heard, decision: Decision, reason: str | None) -> None:
+        """The query's ``egress`` record, built once from what was learnt of it (``Gate.settle``)."""
+        heard.recorded = True
+        run = heard.run
+        extra: dict[str, object] = {"qtype": heard.qtype, "answer": heard.answer, "transport": heard.transport}
+        if heard.detail is not None:
+            extra["detail"] = heard.detail
+        duration_s = self.gate.monotonic() - heard.started
+        fact = EgressDecided(
+            id=heard.id,
+            ts=heard.ts,
+            run=run.id if run is not None else None,
+            kind=EgressKind.DNS,
+            client=heard.client,
+            host=heard.host,
+            port=None,
+            address=None,
+            decision=decision,
+            reason=reason,
+            rule=heard.rule,
+            approval=None,
+            command=heard.command,
+            bytes_up=0,
+            bytes_down=0,
+            duration_s=duration_s,
+            extra=extra,
+        )
+        self.gate.settle(fact, run)
+
+    def _outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address) -> PreparedReply:
+        """``plan_answer`` for ``query``, as a PreparedReply kept for the next query like it."""
+        key = (query.name is None, query.qclass, query.qtype, unreachable, answer4)
+        try:
+            return self._outcomes[key]
+        except KeyError:
+            pass
+        plan = plan_answer(query, answer4=answer4, answer6=self._answer6, unreachable=unreachable)
+        return remember(self._outcomes, key, PreparedReply(plan, self._ttl_s), _MAX_OUTCOMES)
+
+    def _record_in_full(self, run: Run, name: str) -> bool:
+        """Whether this query gets its own record: its name is one of the run's first N."""
+        last = self._last_ledger
+        if last is not None and last[0]() is run:
+            ledger = last[1]
+        else:
+            found = self._ledgers.get(run)
+            if found is None:
+                found = self._ledgers[run] = _RunLedger()
+            ledger = found
+            self._last_ledger = (weakref.ref(run), ledger)
+        if name in ledger.names:
+            return True
+        if len(ledger.names) < self.max_names_per_run:
+            ledger.names.add(name)
+            return True
+        ledger.suppressed += 1
+        return False
+
+    # -- summaries ------------------------------------------------------------------
+
+    def flush_summaries(self) -> None:
+        """Write one record per client that was rate limited and per run over its name cap."""
+        dropped, self._dropped = self._dropped, Counter()
+        for source, count in dropped.items():
+            run = self.runs.attribute(source, None)
+            self._summary(run, str(source) if source is not None else None, count, "rate_per_client")
+        for run, ledger in list(self._ledgers.items()):
+            if ledger.suppressed:
+                count, ledger.suppressed = ledger.suppressed, 0
+                self._summary(run, None, count, "names_per_run")
+
+    def _summary(self, run: Run | None, client: str | None, count: int, limit: str) -> None:
+        gate = self.gate
+        fact_id, ts, started = new_request_id(), gate.clock(), gate.monotonic()
+        fact = EgressDecided(
+            id=fact_id,
+            ts=ts,
+            run=run.id if run is not None else None,
+            kind=EgressKind.DNS,
+            client=client,
+            host=None,
+            port=None,
+            address=None,
+            decision=Decision.DENY,
+            reason=_LIMIT_EXCEEDED,
+            rule=None,
+            approval=None,
+            command=run.command if run is not None else None,
+            bytes_up=0,
+            bytes_down=0,
+            duration_s=gate.monotonic() - started,
+            extra={"qtype": None, "answer": None, "suppressed": count, "limit": limit},
+        )
+        # Each query was counted in the metrics as it came; a count of others is written whatever the budget.
+        gate.settle(fact, run, counted=True, summary=True)
+
+    def _tick(self) -> None:
+        self.flush_summaries()
+        self._timer = asyncio.get_running_loop().call_later(self.summary_interval_s, self._tick)
+
+
+class _UdpDns(asyncio.DatagramProtocol):
+    def __init__(self, server: DnsServer) -> None:
+        self._server = server
+        self._transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is no DatagramTransport subclass
+
+    def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
+        reply = self._server.handle(data, addr, "udp")
+        if reply is not None and self._transport is not None:
+            self._transport.sendto(reply, addr)
+
+    def error_received(self, exc: Exception) -> None:
+        # An ICMP error for a reply whose client has gone: nothing to do.
+        pass
+
+
+class _TcpDns(asyncio.Protocol):
+    """RFC 1035 §4.2.2 / RFC 7766: 2-byte length framing, several queries per connection."""
+
+    def __init__(self, server: DnsServer) -> None:
+        self._server = server
+        self._buffer = bytearray()
+        self._transport: asyncio.Transport | None = None
+        self._peer: tuple[str | int, ...] = ("", 0)
+        self._idle: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio's: no isinstance check.
+        stream: asyncio.Transport = transport  # type: ignore[assignment]
+        self._transport = stream
+        if len(self._server._tcp_connections) >= MAX_TCP_CONNECTIONS:
+            stream.abort()
+            return
+        self._server._tcp_connections.add(self)
+        self._peer = stream.get_extra_info("peername") or ("", 0)
+        stream.set_write_buffer_limits(high=_TCP_WRITE_HIGH_WATER)
+        self._arm()
+
+    def _arm(self) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+        self._idle = asyncio.get_running_loop().call_later(TCP_IDLE_TIMEOUT_S, self.close)
+
+    def data_received(self, data: bytes) -> None:
+        if self._transport is None:
+            return
+        self._buffer += data
+        while len(self._buffer) >= 2:
+            length = int.from_bytes(self._buffer[:2], "big")
+            if len(self._buffer) < 2 + length:
+                break
+            message = bytes(self._buffer[2 : 2 + length])
+            del self._buffer[: 2 + length]
+            reply = self._server.handle(message, self._peer, "tcp")
+            if self._transport.is_closing():
+                return
+            if reply is not None:
+                self._transport.write(len(reply).to_bytes(2, "big") + reply)
+        self._arm()
+
+    def pause_writing(self) -> None:
+        # The client is not reading its answers: stop reading its questions.
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._idle is not None:
+            self._idle.cancel()
+        self._server._tcp_connections.discard(self)

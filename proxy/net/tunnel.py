@@ -1,0 +1,230 @@
+"""Relay bytes both ways between two connected peers (a spliced tunnel).
+
+Once spliced, each peer's ``data_received`` hands its bytes straight to the
+other transport's ``write``: no coroutine wakes per chunk, and on uvloop the
+whole path is C. Backpressure: when one side's outgoing buffer passes its
+high-water mark (``pause_writing``), we stop reading from the other side
+until it drains (``resume_writing``), so memory stays bounded by the
+transports' buffers. An EOF in one direction is passed on as a half-close
+(``write_eof``), so protocols that half-close keep working; the tunnel ends
+when both directions have ended, when either connection is lost, or after
+``idle_timeout_s`` with no byte either way.
+
+A tunnel may start with a ``ClientCheck``: while it lasts, the client's
+bytes are held (not relayed) and shown to it; it says how many of them may
+go on, holds the rest until more arrive, or refuses and ends the tunnel. The
+upstream's bytes are relayed as they come, and shown to it first, so it can
+say when it is over. Once over (the check says so, or either side
+half-closes), what was held goes on and bytes pass with no inspection. (The
+listeners check the server name of every TLS ClientHello until the server
+has settled the handshake this way.)
+
+A tunnel runs on callbacks alone: no task waits for it. Whoever spliced it
+passes ``on_end``, which runs once when it ends, so the thousands of idle
+tunnels a build can hold cost two transports, two peers and this object,
+not a suspended coroutine chain each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from egressd.proxy.net.stream import Peer
+
+
+class ClientCheck(Protocol):
+    """Looks at a tunnel's client bytes (``tunnel.client.buf``, held) before they are relayed."""
+
+    def client(self, tunnel: Tunnel) -> int | None:
+        """How many of the held bytes may go on now (the rest stay held); None: the check is over.
+
+        May end the tunnel (a refusal); what it returns then does not matter.
+        """
+        ...
+
+    def upstream(self, tunnel: Tunnel, data: bytes) -> bool:
+        """The upstream's next bytes, about to be relayed; True: the check is over."""
+        ...
+
+    def expired(self, tunnel: Tunnel) -> None:
+        """Bytes stayed held for the check's timeout (counted from when holding began)."""
+        ...
+
+
+class Tunnel:
+    """A running relay between ``client`` and ``upstream``; ``on_end(tunnel)`` runs once when it ends."""
+
+    __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_client_eof", "_upstream_eof", "ended",
+                 "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired", "owner",
+                 "_check", "_check_timeout_s", "_check_timer")
+
+    def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
+                 on_end: Callable[[Tunnel], None] | None = None, owner: object = None,
+                 check: ClientCheck | None = None, check_timeout_s: float = 0.0,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.client = client
+        self.upstream = upstream
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self._client_eof = False
+        self._upstream_eof = False
+        self.ended = False
+        self._on_end = on_end
+        # What the splicer needs back when the tunnel ends (its attempt, say).
+        self.owner = owner
+        self._loop = loop or asyncio.get_running_loop()
+        self._timer: asyncio.TimerHandle | None = None
+        self._idle_timeout_s = idle_timeout_s
+        self._last = time.monotonic()
+        self.error: Exception | None = None
+        self.idle_expired = False
+        self._check = check
+        self._check_timeout_s = check_timeout_s
+        self._check_timer: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        """Begin relaying; bytes already buffered on either side go first (or to the check)."""
+        self.client.relay = self
+        self.upstream.relay = self
+        for peer in (self.client, self.upstream):
+            if peer._read_paused:  # a coroutine had paused it; we read from here on
+                peer._read_paused = False
+                peer.transport.resume_reading()  # type: ignore[union-attr]
+        if self.upstream.buf:
+            self.forward(self.upstream, self.upstream.take())  # the upstream spoke first
+        if self.client.buf and not self.ended:
+            if self._check is not None:
+                self._look()
+            else:
+                self.forward(self.client, self.client.take())
+        if self.ended:
+            return
+        for peer in (self.client, self.upstream):
+            if peer.closed:
+                self.peer_lost(peer, None)
+                return
+            if peer.eof:
+                self.peer_eof(peer)
+                if self.ended:
+                    return
+        self._timer = self._loop.call_later(self._idle_timeout_s, self._check_idle)
+
+    def close(self) -> None:
+        """End the tunnel now (shutdown, idle, a peer gone); idempotent. Runs ``on_end`` once."""
+        if self.ended:
+            return
+        self.ended = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._check_timer is not None:
+            self._check_timer.cancel()
+            self._check_timer = None
+        self._check = None
+        self.client.relay = None
+        self.upstream.relay = None
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end(self)
+
+    # -- called by the peers ------------------------------------------------------
+
+    def forward(self, source: Peer, data: bytes) -> None:
+        if self._check is not None:
+            if source is self.client:
+                source.buf += data  # held until the check lets it go
+                self._last = time.monotonic()
+                self._look()
+                return
+            if self._check.upstream(self, data):
+                self._release()
+        self._send(source, data)
+
+    def _send(self, source: Peer, data: bytes) -> None:
+        target = self.upstream if source is self.client else self.client
+        if target.closed or target.transport is None:
+            return
+        target.transport.write(data)
+        self._last = time.monotonic()
+        if source is self.client:
+            self.bytes_up += len(data)
+        else:
+            self.bytes_down += len(data)
+
+    def peer_eof(self, source: Peer) -> None:
+        if self._check is not None:
+            self._release()  # a half-close ends the check: relay what there is, then the EOF
+        if source is self.client:
+            self._client_eof = True
+            target = self.upstream
+        else:
+            self._upstream_eof = True
+            target = self.client
+        if target.transport is not None and not target.transport.is_closing() and target.transport.can_write_eof():
+            target.transport.write_eof()
+        if self._client_eof and self._upstream_eof:
+            self.close()
+
+    def peer_lost(self, source: Peer, exc: Exception | None) -> None:
+        if exc is not None:
+            self.error = exc
+        self.close()
+
+    def pause_from(self, target: Peer) -> None:
+        """``target`` cannot take more for now: stop reading from the other side."""
+        source = self.upstream if target is self.client else self.client
+        if source.transport is not None and not source.closed:
+            source.transport.pause_reading()
+
+    def resume_from(self, target: Peer) -> None:
+        source = self.upstream if target is self.client else self.client
+        ended = self._client_eof if source is self.client else self._upstream_eof
+        if source.transport is not None and not source.closed and not ended:
+            source.transport.resume_reading()
+
+    # -- the client check ------------------------------------------------------
+
+    def _look(self) -> None:
+        """Show the held bytes to the check; relay what it lets go, and time what it holds."""
+        check = self._check
+        assert check is not None
+        ready = check.client(self)
+        if self.ended:
+            return
+        if ready is None:
+            self._release()
+            return
+        if ready:
+            self._send(self.client, self.client.take(ready))
+        if not self.client.buf:
+            if self._check_timer is not None:
+                self._check_timer.cancel()
+                self._check_timer = None
+        elif self._check_timer is None:
+            self._check_timer = self._loop.call_later(self._check_timeout_s, self._check_expired)
+
+    def _release(self) -> None:
+        """End the check: what the client sent so far goes upstream, and relaying starts."""
+        self._check = None
+        if self._check_timer is not None:
+            self._check_timer.cancel()
+            self._check_timer = None
+        if self.client.buf and not self.ended:
+            self._send(self.client, self.client.take())
+
+    def _check_expired(self) -> None:
+        self._check_timer = None
+        check = self._check
+        if check is not None and not self.ended:
+            check.expired(self)
+
+    def _check_idle(self) -> None:
+        idle = time.monotonic() - self._last
+        if idle >= self._idle_timeout_s:
+            self.idle_expired = True
+            self.close()
+        else:
+            self._timer = self._loop.call_later(self._idle_timeout_s - idle, self._check_idle)
