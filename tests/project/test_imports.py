@@ -61,3 +61,11 @@ def test_the_image_copies_every_package_folder() -> None:
               if line.startswith("COPY ") and not line.startswith("COPY --from")}
     tops = {package.split(".")[0] for package in _packages()}
     assert tops <= copied, sorted(tops - copied)
+
+
+def test_the_image_build_takes_every_package_folder() -> None:
+    """docker/build.sh makes the image's context from EGRESSD_FOLDERS: one missing there is missing in the image."""
+    line = next(line for line in (ROOT / "docker" / "build.sh").read_text().splitlines()
+                if line.startswith("EGRESSD_FOLDERS="))
+    listed = set(line.split("=", 1)[1].strip('"').split())
+    assert listed == {package.split(".")[0] for package in _packages()}, line
