@@ -649,7 +649,7 @@ def _plain(value: object) -> object:
     # would write a str-mixin enum as its value anyway, but a plain Enum
     # would not serialise at all.
     if isinstance(value, enum.Enum):
-        return value.value
+        return value._value_  # the plain attribute: ``.value`` is a descriptor, slow once per record
     return value
 
 

@@ -132,6 +132,8 @@ class Attempt:
     decided: bool = False
     # Its ``egress`` record, written ahead (``Gate.open``): what ends it is an ``egress.end`` record.
     ahead: EgressDecided | None = None
+    # That fact's record as written, kept so the end folds into it without serialising it again.
+    ahead_record: dict[str, object] | None = None
     finished: bool = False
     # A spliced tunnel now owns the connection: it finishes the attempt when it ends.
     handed_off: bool = False
@@ -345,11 +347,12 @@ class Gate:
             return
         attempt.address = address
         ahead = self._decided(attempt)
+        record = ahead.record()
         try:
-            self.audit.write_ahead(ahead.record())
+            self.audit.write_ahead(record)
         except AuditError as exc:
             raise DialError(Reason.AUDIT_UNAVAILABLE, str(exc)) from None
-        attempt.ahead = ahead
+        attempt.ahead, attempt.ahead_record = ahead, record
 
     async def dial(self, attempt: Attempt, admission: Admission, protocol: Callable[[], P]) -> P:
         """Record the attempt ahead (``open``), then connect to the first admitted address that answers.
@@ -429,7 +432,7 @@ class Gate:
         ).record()
         # The whole attempt, for the run's events and the observers: what was written ahead,
         # with what the end says folded in (as ``egressd audit`` joins them).
-        record = ahead.record()
+        record = dict(attempt.ahead_record or ahead.record())
         event, ts = record["event"], record["ts"]
         record.update(written)
         record["event"], record["ts"] = event, ts
