@@ -90,7 +90,7 @@ def bound_locally(address: IPAddress) -> bool:
 
 @dataclass(slots=True)
 class Attempt:
-    """One connection attempt under way (``egressd.proxy.net.server``'s listeners).
+    """One connection attempt under way (``egressd.proxy.net.listener``).
 
     What is learnt and measured while it lasts.
 
@@ -103,8 +103,8 @@ class Attempt:
     refusals before the policy (``refuse``), the byte counters, ``extra``
     notes (``status``, ``sni``, ``detail``) and ``end``; ``Gate.admit`` the
     decision (``decision``, ``reason``, ``rule``, ``approval``); ``Gate.dial``
-    the address. The byte counters are ``egressd.proxy.net.server``'s alone (its
-    ``Listener`` relays every byte). The DNS server keeps no attempt: a query
+    the address. The byte counters are the listener's alone (``server`` and
+    ``listener.Held``, which add what each relay moved). The DNS server keeps no attempt: a query
     is decided at once, and it builds the query's fact itself (``Gate.settle``).
     """
 
@@ -133,8 +133,6 @@ class Attempt:
     # Its ``egress`` record, written ahead (``Gate.open``): what ends it is an ``egress.end`` record.
     ahead: EgressDecided | None = None
     finished: bool = False
-    # A spliced tunnel now owns the connection: it finishes the attempt when it ends.
-    handed_off: bool = False
 
     @property
     def opened(self) -> bool:

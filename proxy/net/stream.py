@@ -96,7 +96,7 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "pooled", "_on_gone")
+                 "_write_paused", "_read_paused", "relay", "_on_gone")
 
     def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
         self.transport: asyncio.Transport | None = None
@@ -110,9 +110,6 @@ class Peer(asyncio.Protocol):
         self._read_paused = False
         # Set while spliced or passing a body on: bytes go straight to the other peer.
         self.relay: Relay | None = None
-        # The upstream connection a client connection keeps for its next
-        # request: (its key, the address it was dialled at, the upstream).
-        self.pooled: tuple[tuple[str, int], str | None, Peer] | None = None
         # Set inside ``gone_cancels``: what the peer leaving does to the waiting task.
         self._on_gone: Callable[[bool], None] | None = None
 
