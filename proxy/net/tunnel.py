@@ -88,9 +88,7 @@ class Tunnel:
         self.client.relay = self
         self.upstream.relay = self
         for peer in (self.client, self.upstream):
-            if peer._read_paused:  # a coroutine had paused it; we read from here on
-                peer._read_paused = False
-                peer.transport.resume_reading()  # type: ignore[union-attr]
+            peer.read_again()  # a coroutine may have paused it; we read from here on
         if self.upstream.buf:
             self.forward(self.upstream, self.upstream.take())  # the upstream spoke first
         if self.client.buf and not self.ended:
