@@ -28,7 +28,7 @@ from collections.abc import Iterator
 
 from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mode, Reads
 from egressd.proxy.core.runs import Run, RunRegistry
-from egressd.proxy.net.gate import Attempt, Gate
+from egressd.proxy.net.gate import Attempt, Gate, Seen
 from egressd.proxy.net.server import serve_http
 from egressd.proxy.net.stream import Peer
 from egressd.proxy.net.transparent import serve_tls
@@ -131,8 +131,9 @@ class Held:
     def __init__(self, listener: Listener, client: Peer) -> None:
         self.listener = listener
         self.client = client
-        # The attempt recorded when the connection ends (if not already: ``Gate.finish`` is idempotent).
-        self.attempt: Attempt | None = None
+        # What to record if the connection ends with it unrecorded: an attempt the gate has
+        # (``Gate.finish`` is idempotent), or one seen and not yet refused (recorded with no reason).
+        self.attempt: Attempt | Seen | None = None
         # The HTTP modes' kept upstream connection: (host and port, the address dialled, the upstream).
         self.kept: tuple[tuple[str, int], str | None, Peer] | None = None
         self._run: Run | None = None
@@ -190,7 +191,7 @@ class Held:
         """Everything the spliced connection's coroutine would have done when it finished."""
         self.listener.unspliced(tunnel)
         attempt = self.attempt
-        assert attempt is not None
+        assert isinstance(attempt, Attempt)
         attempt.bytes_up += tunnel.bytes_up
         attempt.bytes_down += tunnel.bytes_down
         if tunnel.idle_expired:
@@ -209,8 +210,10 @@ class Held:
         self._released = True
         self._release_slot()
         attempt, self.attempt = self.attempt, None
-        if attempt is not None:
+        if isinstance(attempt, Attempt):
             self.listener.finish(attempt)
+        elif attempt is not None:
+            self.listener.gate.refuse(attempt, None)
         self.listener.gate.metrics.connections_open -= 1
         kept, self.kept = self.kept, None
         if kept is not None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from egressd.audit.records import EgressKind
@@ -49,7 +50,7 @@ from egressd.proxy.core.modes import (
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.responses import CONNECT_ESTABLISHED, refusal, tls_refusal
 from egressd.proxy.core.runs import NOT_WAITING, Run, source_address
-from egressd.proxy.net.gate import Admission, Attempt, DialError, Gate
+from egressd.proxy.net.gate import Admission, Attempt, DialError, Gate, Seen
 from egressd.proxy.net.stream import IdleTimeout, Peer, PeerClosed
 from egressd.proxy.net.tunnel import Tunnel
 
@@ -82,18 +83,18 @@ class _HttpConnection:
         peer = client.peername or ("", 0)
         client_text = f"{peer[0]}:{peer[1]}"
         source = source_address(peer[0])
-        attempt: Attempt | None = None
+        seen: Seen | None = None
         try:
             if self.gate.metrics.connections_open > self.limits.max_connections:
-                attempt = self.gate.begin(EgressKind.HTTP, client_text)
-                await self._refuse(attempt, too_many_connections(self.mode.reads))
+                seen = self.gate.begin(EgressKind.HTTP, client_text)
+                await self._refuse(seen, too_many_connections(self.mode.reads))
                 return
             first = True
             holder = self.listener.runs.bound(source)  # once per connection: its address's run does not change
             exchange = Exchange(self.limits.max_head_bytes)  # the connection's HTTP, request after request
             while True:
-                attempt = self.gate.begin(EgressKind.HTTP, client_text)
-                keep_going = await self._serve_request(attempt, source, holder, first, exchange)
+                seen = self.gate.begin(EgressKind.HTTP, client_text)
+                keep_going = await self._serve_request(seen, source, holder, first, exchange)
                 first = False
                 if not keep_going:
                     return
@@ -102,13 +103,13 @@ class _HttpConnection:
         except asyncio.CancelledError:
             raise
         except Exception:
-            log.exception("connection %s failed (request %s)", client_text, attempt.id if attempt else "-")
+            log.exception("connection %s failed (request %s)", client_text, seen.id if seen else "-")
         finally:
             self.held.release()
 
     async def _serve_request(
         self,
-        attempt: Attempt,
+        seen: Seen,
         source: IPAddress | None,
         holder: Run | None,
         first: bool,
@@ -122,8 +123,7 @@ class _HttpConnection:
         client = self.client
         reads = self.mode.reads
         if holder is not None and holder.at_connection_cap(self.limits.max_connections_per_run):
-            attempt.run = holder
-            await self._refuse(attempt, run_at_cap(reads, attributed=False))
+            await self._refuse(replace(seen, run=holder), run_at_cap(reads, attributed=False))
             return False
         try:
             deadline = asyncio.get_running_loop().time() + self.limits.head_timeout_s
@@ -132,39 +132,40 @@ class _HttpConnection:
         except TimeoutError:
             if not first and not client.buf:
                 return False  # an idle keep-alive connection, not an attempt
-            await self._refuse(attempt, head_too_slow(reads))
+            await self._refuse(seen, head_too_slow(reads))
             return False
         except HttpError as exc:
-            await self._refuse(attempt, bad_head(exc))
+            await self._refuse(seen, bad_head(exc))
             return False
         if head is None:
             return False
         connect = head.method == "CONNECT"
         self.gate.metrics.connections_total[("connect" if connect else "http")] += 1
-        attempt.kind = EgressKind.CONNECT if connect else EgressKind.HTTP
+        seen = replace(seen, kind=EgressKind.CONNECT if connect else EgressKind.HTTP)
         try:
             destination = self.mode.destination(head)
         except HttpError as exc:
-            await self._refuse(attempt, no_destination(exc))
+            await self._refuse(seen, no_destination(exc))
             return False
-        attempt.host, attempt.port = destination.host, destination.port
-        self.held.attempt = attempt  # recorded when the connection ends, whatever happens next
+        seen = replace(seen, host=destination.host, port=destination.port)
+        self.held.attempt = seen  # recorded when the connection ends, whatever happens next
 
         run = self.listener.runs.attribute(source, self.mode.proxy_credentials(head))
         if run is None:
-            await self._refuse(attempt, Refusal(Reason.AUTH_REQUIRED))
+            await self._refuse(seen, Refusal(Reason.AUTH_REQUIRED))
             return False
-        attempt.run = run
+        seen = self.held.attempt = replace(seen, run=run)
         if run.open_connections >= self.limits.max_connections_per_run:
-            await self._refuse(attempt, run_at_cap(reads, attributed=True))
+            await self._refuse(seen, run_at_cap(reads, attributed=True))
             return False
+        attempt = self.held.attempt = self.gate.attempt(seen, run, destination.host, destination.port)
         try:
             with self.held.slot(run):
                 try:
                     # A client that gives up while its request is held (asked about) stops the wait
                     # (stream.gone_cancels).
                     with client.gone_cancels(on_eof=connect):
-                        admission = await self.gate.admit(attempt, run, destination.host, destination.port)
+                        admission = await self.gate.admit(attempt)
                 except PeerClosed:
                     attempt.extra["detail"] = GONE_DETAIL
                     raise
@@ -324,10 +325,16 @@ class _HttpConnection:
             raise
         return exchange.finish()
 
-    async def _refuse(self, attempt: Attempt, refused: Refusal) -> None:
-        """Answer a refusal as the contract says (``responses.refusal``, the mode's status) and record it."""
+    async def _refuse(self, attempt: Attempt | Seen, refused: Refusal) -> None:
+        """Answer a refusal as the contract says (``responses.refusal``, the mode's status) and record it.
+
+        ``Seen``: refused before the policy ran; its record is built here, once.
+        """
         reason = refused.reason
-        attempt.refuse(reason, refused.detail)
+        message = None
+        if isinstance(attempt, Attempt):
+            attempt.refuse(reason, refused.detail)
+            message = attempt.message
         run = attempt.run
         data = refusal(
             reason,
@@ -336,10 +343,15 @@ class _HttpConnection:
             run.id if run else None,
             attempt.id,
             status=self.mode.status(refused),
-            message=attempt.message,
+            message=message,
             retry_after_s=refused.retry_after_s,
         )
-        self.gate.finish(attempt)
+        if isinstance(attempt, Attempt):
+            self.gate.finish(attempt)
+        else:
+            if self.held.attempt is attempt:
+                self.held.attempt = None
+            self.gate.refuse(attempt, reason, refused.detail)
         with contextlib.suppress(PeerClosed):
             await self.client.send(data)
 

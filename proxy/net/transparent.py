@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from egressd.audit.records import EgressKind
@@ -51,7 +52,7 @@ from egressd.proxy.core.modes import (
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.responses import tls_refusal
 from egressd.proxy.core.runs import NOT_WAITING, source_address
-from egressd.proxy.net.gate import Attempt, DialError
+from egressd.proxy.net.gate import Attempt, DialError, Seen
 from egressd.proxy.net.server import SniCheck
 from egressd.proxy.net.stream import Peer, PeerClosed
 
@@ -70,46 +71,57 @@ class _Refused(Exception):
 
 
 async def serve_tls(listener: Listener, held: Held) -> None:
-    """Serve one client connection of the SNI mode, then release it (unless a tunnel has it)."""
+    """Serve one client connection of the SNI mode, then release it (unless a tunnel has it).
+
+    Until the gate starts deciding, what is known is a ``Seen`` (``held.attempt``): a
+    refusal then is recorded whole, once (``Gate.refuse``); after, the gate's ``Attempt``.
+    """
     client = held.client
     gate = listener.gate
     limits = listener.limits
     reads = listener.mode.reads
     peer = client.peername or ("", 0)
     gate.metrics.connections_total["tls"] += 1
-    attempt = gate.begin(EgressKind.TLS, f"{peer[0]}:{peer[1]}")
-    attempt.port = listener.mode.dest_port
-    held.attempt = attempt
+    seen = held.attempt = gate.begin(EgressKind.TLS, f"{peer[0]}:{peer[1]}", listener.mode.dest_port)
     try:
         if gate.metrics.connections_open > limits.max_connections:
             raise _Refused(too_many_connections(reads))
         source = source_address(str(peer[0]))
         holder = listener.runs.bound(source)  # known before the hello: its slow hellos count against its own cap
         if holder is not None and holder.at_connection_cap(limits.max_connections_per_run):
-            attempt.run = holder
+            held.attempt = replace(seen, run=holder)
             raise _Refused(run_at_cap(reads, attributed=False))
         with holder.waiting_head() if holder is not None else NOT_WAITING:
             hello = await _read_hello(client, limits.head_timeout_s)
         if hello is None:
             held.attempt = None  # closed before sending a byte: nothing was attempted
             return
-        await _serve_hello(listener, held, attempt, hello, source)
+        await _serve_hello(listener, held, seen, hello, source)
     except _Refused as refused:
         refusal = refused.refusal
-        attempt.refuse(refusal.reason, refusal.detail)
+        current = held.attempt
+        if isinstance(current, Attempt):
+            current.refuse(refusal.reason, refusal.detail)
         if not refusal.silent:
             try:
                 await client.send(tls_refusal(refusal.reason, refusal.alert))
             except PeerClosed:
                 pass
+        if isinstance(current, Seen):
+            held.attempt = None
+            gate.refuse(current, refusal.reason, refusal.detail)
     except PeerClosed:
         pass
     except asyncio.CancelledError:
         raise
     except Exception:
-        log.exception("TLS connection %s failed (request %s)", attempt.client, attempt.id)
-        if not attempt.decided:
-            attempt.refuse(Reason.BAD_REQUEST)
+        log.exception("TLS connection %s failed (request %s)", seen.client, seen.id)
+        current = held.attempt
+        if isinstance(current, Seen):
+            held.attempt = None
+            gate.refuse(current, Reason.BAD_REQUEST)
+        elif isinstance(current, Attempt) and not current.decided:
+            current.refuse(Reason.BAD_REQUEST)
     finally:
         held.release()
 
@@ -137,18 +149,18 @@ async def _read_hello(client: Peer, head_timeout_s: float) -> ClientHello | None
 
 
 async def _serve_hello(
-    listener: Listener, held: Held, attempt: Attempt, hello: ClientHello, source: IPAddress | None
+    listener: Listener, held: Held, seen: Seen, hello: ClientHello, source: IPAddress | None
 ) -> None:
     """Attribute, decide on the SNI, dial, replay and splice; refusals raise _Refused."""
     mode = listener.mode
     if hello.server_name is None:
         raise _Refused(Refusal(Reason.BAD_REQUEST, "ClientHello without server_name", alert=Alert.MISSING_EXTENSION))
     # A name that is no host is kept as sent: the gate refuses it as bad_request.
-    attempt.host = normalised(hello.server_name) or hello.server_name
+    seen = held.attempt = replace(seen, host=normalised(hello.server_name) or hello.server_name)
     run = listener.runs.attribute(source, mode.proxy_credentials(None))
     if run is None:
         raise _Refused(Refusal(Reason.AUTH_REQUIRED))
-    attempt.attribute(run)
+    seen = held.attempt = seen.attributed(run)
     if hello.ech:
         # Refused before the policy runs: the SNI is a cover name, so no
         # approver is asked about it and nothing is dialled.
@@ -156,12 +168,13 @@ async def _serve_hello(
     if run.open_connections >= listener.limits.max_connections_per_run:
         raise _Refused(run_at_cap(mode.reads, attributed=True))
     assert mode.dest_port is not None
+    attempt = held.attempt = listener.gate.attempt(seen, run, hello.server_name, mode.dest_port)
     with held.slot(run):
         try:
             # A client that hangs up while held for an answer stops the wait (stream.gone_cancels);
             # after its ClientHello a TLS client cannot go on without sending.
             with held.client.gone_cancels(on_eof=True):
-                admission = await listener.gate.admit(attempt, run, hello.server_name, mode.dest_port)
+                admission = await listener.gate.admit(attempt)
         except PeerClosed:
             attempt.extra["detail"] = GONE_DETAIL
             raise

@@ -78,13 +78,12 @@ def _egress(audit: MemoryAuditSink) -> list[dict[str, object]]:
 
 
 async def test_a_connection_is_counted_open_until_released_and_released_once(setup) -> None:  # type: ignore[no-untyped-def]
-    listener, audit, _ = setup
+    listener, audit, run = setup
     client = _peer()
     held = Held(listener, client)
     assert listener.gate.metrics.connections_open == 1
-    attempt = listener.gate.begin(EgressKind.HTTP, "127.0.0.1:5555")
-    attempt.host, attempt.port = "a.test", 80
-    held.attempt = attempt
+    seen = listener.gate.begin(EgressKind.HTTP, "127.0.0.1:5555")
+    held.attempt = listener.gate.attempt(seen, run, "a.test", 80)
     held.release()
     held.release()
     assert listener.gate.metrics.connections_open == 0
@@ -107,9 +106,7 @@ async def test_after_a_splice_the_task_releases_nothing_and_the_tunnels_end_rele
     listener, audit, run = setup
     client, upstream = _peer(), _peer()
     held = Held(listener, client)
-    attempt = listener.gate.begin(EgressKind.CONNECT, "127.0.0.1:5555")
-    attempt.host, attempt.port = "a.test", 443
-    attempt.attribute(run)
+    attempt = listener.gate.attempt(listener.gate.begin(EgressKind.CONNECT, "127.0.0.1:5555"), run, "a.test", 443)
     with held.slot(run):
         held.splice(upstream, attempt)
     held.done(attempt)
@@ -123,6 +120,17 @@ async def test_after_a_splice_the_task_releases_nothing_and_the_tunnels_end_rele
     assert _transport(client).closed and _transport(upstream).closed
     [record] = _egress(audit)
     assert record["bytes_down"] == 5
+
+
+async def test_an_attempt_seen_and_never_refused_is_recorded_once_when_the_connection_ends(setup) -> None:  # type: ignore[no-untyped-def]
+    listener, audit, run = setup
+    held = Held(listener, _peer())
+    seen = listener.gate.begin(EgressKind.HTTP, "127.0.0.1:5555")
+    held.attempt = seen.attributed(run)
+    held.release()
+    held.release()
+    [record] = _egress(audit)
+    assert (record["decision"], record["reason"], record["run"], record["id"]) == ("deny", None, "r-1", seen.id)
 
 
 async def test_the_kept_upstream_is_closed_with_the_client(setup) -> None:  # type: ignore[no-untyped-def]
