@@ -38,8 +38,8 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from dataclasses import dataclass, field
+from typing import NamedTuple, TypeVar
 
 from egressd.approvals.interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest, Approver
 from egressd.audit.log import AuditError, AuditSink
@@ -88,14 +88,13 @@ def bound_locally(address: IPAddress) -> bool:
     return True
 
 
-@dataclass(frozen=True, slots=True)
-class Seen:
+class Seen(NamedTuple):
     """What a listener has learnt about one attempt before the gate decides it: a value, never edited.
 
     ``Gate.begin`` makes the first (its identity: id, kind, client, when);
-    the listener makes each next one as it learns more (``dataclasses.replace``:
-    the kind and destination from the request head, the run it is
-    attributed to). It goes into the gate whole: ``Gate.refuse`` records an
+    the listener makes each next one as it learns more (``_replace``: the
+    kind and destination from the request head, the run it is attributed
+    to; a tuple, since one is made for every request). It goes into the gate whole: ``Gate.refuse`` records an
     attempt refused before the policy ran, ``Gate.attempt`` starts the one
     the gate decides. ``command`` is the run's current command where the
     listener attributed the attempt itself (``attributed``), not where it
@@ -114,7 +113,7 @@ class Seen:
 
     def attributed(self, run: Run) -> Seen:
         """The same attempt, made in ``run`` for its current command."""
-        return replace(self, run=run, command=run.command)
+        return self._replace(run=run, command=run.command)
 
 
 @dataclass(slots=True)
@@ -272,11 +271,14 @@ class Gate:
         )
         self.settle(fact, run, counted=False)
 
-    def attempt(self, seen: Seen, run: Run, host: str, port: int) -> Attempt:
-        """The attempt the gate decides from here on: ``seen``'s, for ``host``:``port`` in ``run``."""
+    def attempt(self, seen: Seen, run: Run, host: str, port: int, kind: EgressKind | None = None) -> Attempt:
+        """The attempt the gate decides from here on: ``seen``'s (of ``kind`` if given), to ``host``:``port`` in a run.
+
+        The listener's last facts come as arguments, not as one more ``Seen``: this is every request's path.
+        """
         return Attempt(
             id=seen.id,
-            kind=seen.kind,
+            kind=seen.kind if kind is None else kind,
             client=seen.client,
             ts=seen.ts,
             started=seen.started,

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterator
 
 from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mode, Reads
 from egressd.proxy.core.runs import Run, RunRegistry
@@ -145,16 +144,22 @@ class Held:
     def spliced(self) -> bool:
         return self._tunnel is not None
 
-    @contextlib.contextmanager
-    def slot(self, run: Run) -> Iterator[None]:
-        """The request counts against ``run``'s connection cap until the block ends (or its tunnel does)."""
+    def slot(self, run: Run) -> Held:
+        """``with held.slot(run):`` the request counts against ``run``'s connection cap until the block ends.
+
+        Or until its tunnel does, when the block spliced it. (The ``with`` is this
+        object: a generator-based context manager would cost every request twice as much.)
+        """
         run.open_connections += 1
         self._run = run
-        try:
-            yield
-        finally:
-            if self._tunnel is None:
-                self._release_slot()
+        return self
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        if self._tunnel is None:
+            self._release_slot()
 
     def done(self, attempt: Attempt) -> None:
         """The request is over: record ``attempt`` (unless its tunnel will)."""

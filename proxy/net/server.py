@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from egressd.audit.records import EgressKind
@@ -123,7 +122,7 @@ class _HttpConnection:
         client = self.client
         reads = self.mode.reads
         if holder is not None and holder.at_connection_cap(self.limits.max_connections_per_run):
-            await self._refuse(replace(seen, run=holder), run_at_cap(reads, attributed=False))
+            await self._refuse(seen._replace(run=holder), run_at_cap(reads, attributed=False))
             return False
         try:
             deadline = asyncio.get_running_loop().time() + self.limits.head_timeout_s
@@ -141,24 +140,28 @@ class _HttpConnection:
             return False
         connect = head.method == "CONNECT"
         self.gate.metrics.connections_total[("connect" if connect else "http")] += 1
-        seen = replace(seen, kind=EgressKind.CONNECT if connect else EgressKind.HTTP)
+        kind = EgressKind.CONNECT if connect else EgressKind.HTTP
+        # What is learnt from here on is made into a new ``Seen`` only where a refusal needs it:
+        # on the way to a decision it goes into the gate's attempt directly.
         try:
             destination = self.mode.destination(head)
         except HttpError as exc:
-            await self._refuse(seen, no_destination(exc))
+            await self._refuse(seen._replace(kind=kind), no_destination(exc))
             return False
-        seen = replace(seen, host=destination.host, port=destination.port)
-        self.held.attempt = seen  # recorded when the connection ends, whatever happens next
-
-        run = self.listener.runs.attribute(source, self.mode.proxy_credentials(head))
+        host, port = destination.host, destination.port
+        try:
+            run = self.listener.runs.attribute(source, self.mode.proxy_credentials(head))
+        except Exception:
+            self.held.attempt = seen._replace(kind=kind, host=host, port=port)  # recorded as the connection ends
+            raise
         if run is None:
-            await self._refuse(seen, Refusal(Reason.AUTH_REQUIRED))
+            await self._refuse(seen._replace(kind=kind, host=host, port=port), Refusal(Reason.AUTH_REQUIRED))
             return False
-        seen = self.held.attempt = replace(seen, run=run)
         if run.open_connections >= self.limits.max_connections_per_run:
-            await self._refuse(seen, run_at_cap(reads, attributed=True))
+            refused = seen._replace(kind=kind, host=host, port=port, run=run)
+            await self._refuse(refused, run_at_cap(reads, attributed=True))
             return False
-        attempt = self.held.attempt = self.gate.attempt(seen, run, destination.host, destination.port)
+        attempt = self.held.attempt = self.gate.attempt(seen, run, host, port, kind)
         try:
             with self.held.slot(run):
                 try:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from egressd.audit.records import EgressKind
@@ -89,7 +88,7 @@ async def serve_tls(listener: Listener, held: Held) -> None:
         source = source_address(str(peer[0]))
         holder = listener.runs.bound(source)  # known before the hello: its slow hellos count against its own cap
         if holder is not None and holder.at_connection_cap(limits.max_connections_per_run):
-            held.attempt = replace(seen, run=holder)
+            held.attempt = seen._replace(run=holder)
             raise _Refused(run_at_cap(reads, attributed=False))
         with holder.waiting_head() if holder is not None else NOT_WAITING:
             hello = await _read_hello(client, limits.head_timeout_s)
@@ -156,7 +155,7 @@ async def _serve_hello(
     if hello.server_name is None:
         raise _Refused(Refusal(Reason.BAD_REQUEST, "ClientHello without server_name", alert=Alert.MISSING_EXTENSION))
     # A name that is no host is kept as sent: the gate refuses it as bad_request.
-    seen = held.attempt = replace(seen, host=normalised(hello.server_name) or hello.server_name)
+    seen = held.attempt = seen._replace(host=normalised(hello.server_name) or hello.server_name)
     run = listener.runs.attribute(source, mode.proxy_credentials(None))
     if run is None:
         raise _Refused(Refusal(Reason.AUTH_REQUIRED))
