@@ -12,7 +12,7 @@ by whoever has it last: the listener's task, or the tunnel it was spliced
 to (``Held.splice``).
 
 1. the listener's count of open connections (``Metrics.connections_open``):
-   from the accept to the release;
+   from when its task starts to the release;
 2. a slot under its run's cap (``Run.open_connections``) while a request
    is decided, dialled and relayed (``Held.slot``);
 3. the attempt to record when the connection ends (``Held.attempt``);
@@ -139,10 +139,6 @@ class Held:
         self._tunnel: Tunnel | None = None
         self._released = False
         listener.gate.metrics.connections_open += 1
-
-    @property
-    def spliced(self) -> bool:
-        return self._tunnel is not None
 
     def slot(self, run: Run) -> Held:
         """``with held.slot(run):`` the request counts against ``run``'s connection cap until the block ends.
