@@ -6,12 +6,14 @@ frame HTTP/1, ``clienthello`` reads a TLS ClientHello, ``policy.decide`` is the
 design's decision order as a value, ``addresses`` classifies what a name
 resolved to, ``reasons`` is the one table of refusals and ``responses`` turns
 one into bytes, ``runs`` holds the runs and their allowlists, ``floods`` the
-refusal budget, ``metrics`` the counters. ``net`` executes what the core
-decides:
+refusal budget, ``metrics`` the counters, ``modes`` what each listener mode
+is (where a request goes, how it is attributed, which refusal a limit or a
+bad head earns). ``net`` executes what the core decides:
 
-1. ``server``   accepts the client and feeds its bytes to an ``exchange``;
-   the run is found (``runs``) by credentials or source address (the
-   transparent listeners: by source address alone);
+1. ``listener`` accepts the client in its mode and holds what the connection
+   claims until it ends; ``server`` feeds an HTTP client's bytes to an
+   ``exchange``; the run is found (``runs``) by credentials or source
+   address (the transparent modes: by source address alone);
 2. ``gate``     decides with ``policy.decide``; asking goes through the
    ``approvals.interface.Approver`` interface; an allowed name is resolved
    (``resolver``) and every address classified before anything is dialled;
@@ -22,8 +24,9 @@ decides:
    its refusals are counted into one summary instead (``floods``).
 
 The sandbox-facing side: ``dnsserver`` answers every name with egressd's own
-address and forwards nothing; ``transparent`` reads the destination of a
-connection that arrives there from its ClientHello or its Host header, and
-from then on everything happens as above. ``control`` is the HTTP control API
+address and forwards nothing; a transparent listener reads the destination of
+a connection that arrives there from its ClientHello (``transparent``) or its
+Host header (``server`` in ``modes.transparent_http``), and from then on
+everything happens as above. ``control`` is the HTTP control API
 (aiohttp). Host names and authorities are ``egressd.names``' business.
 """

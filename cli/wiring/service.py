@@ -31,14 +31,14 @@ from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
 from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
+from egressd.proxy.core.modes import EXPLICIT, ListenerLimits, transparent_http, transparent_tls
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
 from egressd.proxy.core.runs import DEFAULT_RUN_ID, Run, RunRegistry, new_control_token
 from egressd.proxy.net.control import PUBLIC_PATHS, build_app
 from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.gate import Gate
+from egressd.proxy.net.listener import Listener
 from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
-from egressd.proxy.net.server import ListenerLimits, ProxyServer
-from egressd.proxy.net.transparent import TransparentHttpServer, TransparentTlsServer
 
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
 
@@ -181,10 +181,10 @@ class EgressService:
         self._own_audit: JsonlAuditSink | None = None  # the file sink this service opened (SIGUSR1 reopens it)
         self.runs: RunRegistry | None = None
         self.gate: Gate | None = None
-        self.proxy: ProxyServer | None = None
+        self.proxy: Listener | None = None
         self.dns: DnsServer | None = None
-        self.transparent_tls: TransparentTlsServer | None = None
-        self.transparent_http: TransparentHttpServer | None = None
+        self.transparent_tls: Listener | None = None
+        self.transparent_http: Listener | None = None
         self._control_runner: web.AppRunner | None = None
         self.control_token = ""
         self.control_address: str = ""
@@ -294,7 +294,7 @@ class EgressService:
             max_connections=s.max_connections,
             max_connections_per_run=s.max_connections_per_run,
         )
-        self.proxy = ProxyServer(gate=self.gate, runs=self.runs, limits=limits)
+        self.proxy = Listener(gate=self.gate, runs=self.runs, limits=limits, mode=EXPLICIT)
         try:
             await self.proxy.start(listen_host, listen_port)
         except OSError as exc:
@@ -318,10 +318,14 @@ class EgressService:
         s = self.settings
         assert self.gate is not None and self.runs is not None
         if s.transparent_tls is not None:
-            self.transparent_tls = TransparentTlsServer(gate=self.gate, runs=self.runs, limits=limits)
+            self.transparent_tls = Listener(
+                gate=self.gate, runs=self.runs, limits=limits, mode=transparent_tls()
+            )
             await self._listen(self.transparent_tls, "transparent_tls", s.transparent_tls)
         if s.transparent_http is not None:
-            self.transparent_http = TransparentHttpServer(gate=self.gate, runs=self.runs, limits=limits)
+            self.transparent_http = Listener(
+                gate=self.gate, runs=self.runs, limits=limits, mode=transparent_http()
+            )
             await self._listen(self.transparent_http, "transparent_http", s.transparent_http)
         if s.dns_listen is not None:
             answer4, answer6 = dns_answers(s)
@@ -329,7 +333,7 @@ class EgressService:
             await self._listen(self.dns, "dns_listen", s.dns_listen)
 
     async def _listen(
-        self, server: TransparentTlsServer | TransparentHttpServer | DnsServer, setting: str, value: str
+        self, server: Listener | DnsServer, setting: str, value: str
     ) -> None:
         host, port = parse_hostport(value, setting)
         try:

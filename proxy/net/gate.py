@@ -39,7 +39,7 @@ import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from egressd.approvals.interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest, Approver
 from egressd.audit.log import AuditError, AuditSink
@@ -88,24 +88,53 @@ def bound_locally(address: IPAddress) -> bool:
     return True
 
 
+class Seen(NamedTuple):
+    """What a listener has learnt about one attempt before the gate decides it: a value, never edited.
+
+    ``Gate.begin`` makes the first (its identity: id, kind, client, when);
+    the listener makes each next one as it learns more (``_replace``: the
+    kind and destination from the request head, the run it is attributed
+    to; a tuple, since one is made for every request). It goes into the gate whole: ``Gate.refuse`` records an
+    attempt refused before the policy ran, ``Gate.attempt`` starts the one
+    the gate decides. ``command`` is the run's current command where the
+    listener attributed the attempt itself (``attributed``), not where it
+    only knows the run its source address is bound to.
+    """
+
+    id: str
+    kind: EgressKind
+    client: str | None
+    ts: float
+    started: float
+    host: str | None = None
+    port: int | None = None
+    run: Run | None = None
+    command: str | None = None
+
+    def attributed(self, run: Run) -> Seen:
+        """The same attempt, made in ``run`` for its current command."""
+        return self._replace(run=run, command=run.command)
+
+
 @dataclass(slots=True)
 class Attempt:
-    """One connection attempt under way (``egressd.proxy.net.server``'s listeners).
-
-    What is learnt and measured while it lasts.
+    """One attempt the gate decides, from ``Gate.attempt`` (what the listener ``Seen``) to its record.
 
     The gate turns it into facts (``egressd.audit.records``), each built once: the
     ``EgressDecided`` written ahead of an allowed dial (``Gate.open``, kept
     as ``ahead``) or, for a refusal, the final one (``Gate.finish``); and the
     ``EgressEnded`` of an opened connection (``Gate.finish``, from the bytes,
-    the duration and ``end``). Who sets what: ``Gate.begin`` the identity;
-    the listener the target it parsed (``host``, ``port``, ``attribute``),
-    refusals before the policy (``refuse``), the byte counters, ``extra``
-    notes (``status``, ``sni``, ``detail``) and ``end``; ``Gate.admit`` the
+    the duration and ``end``). Who sets what: ``Gate.attempt`` the identity,
+    run and destination, from the listener's ``Seen``; ``Gate.admit`` the
     decision (``decision``, ``reason``, ``rule``, ``approval``); ``Gate.dial``
-    the address. The byte counters are ``egressd.proxy.net.server``'s alone (its
-    ``Listener`` relays every byte). The DNS server keeps no attempt: a query
-    is decided at once, and it builds the query's fact itself (``Gate.settle``).
+    the address; then the listener what the connection did: a refusal after
+    the decision (``refuse``), the byte counters, ``extra`` notes
+    (``status``, ``sni``, ``detail``, in the order they came: the record
+    keeps it) and ``end``. The byte counters are the listener's alone
+    (``server`` and ``listener.Held``, which add what each relay moved). An
+    attempt refused before the policy ran never becomes one: ``Gate.refuse``
+    records its ``Seen``. The DNS server keeps no attempt either: a query is
+    decided at once, and it builds the query's fact itself (``Gate.settle``).
     """
 
     id: str
@@ -135,17 +164,10 @@ class Attempt:
     # That fact's record as written, kept so the end folds into it without serialising it again.
     ahead_record: dict[str, object] | None = None
     finished: bool = False
-    # A spliced tunnel now owns the connection: it finishes the attempt when it ends.
-    handed_off: bool = False
 
     @property
     def opened(self) -> bool:
         return self.ahead is not None
-
-    def attribute(self, run: Run | None) -> None:
-        """The attempt belongs to ``run``, and is made for its current command."""
-        self.run = run
-        self.command = run.command if run is not None else None
 
     def refuse(self, reason: Reason | str, detail: str | None = None) -> None:
         """Deny with ``reason``; ``detail`` says more unless something already did."""
@@ -218,14 +240,60 @@ class Gate:
         self.refusals = refusals
         self._refusals_timer: asyncio.TimerHandle | None = None
 
-    def begin(self, kind: EgressKind, client: str | None) -> Attempt:
-        return Attempt(id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic())
+    def begin(self, kind: EgressKind, client: str | None, port: int | None = None) -> Seen:
+        """A new attempt's identity: what the listener learns next goes into new ``Seen`` values."""
+        return Seen(id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic(), port=port)
 
-    async def admit(self, attempt: Attempt, run: Run, host: str, port: int) -> Admission:
-        """Steps 1-4 of the module docstring; fills the attempt as it goes."""
-        attempt.attribute(run)
-        attempt.port = port
-        attempt.host = host
+    def refuse(self, seen: Seen, reason: Reason | None, detail: str | None = None) -> None:
+        """Record an attempt refused before the policy ran (bad request, auth, limits, ECH), at once.
+
+        Its one ``egress`` fact is built whole from what the listener saw;
+        ``reason`` None: the connection ended (or broke) before anything was
+        decided or refused.
+        """
+        run = seen.run
+        fact = EgressDecided(
+            id=seen.id,
+            ts=seen.ts,
+            run=run.id if run else None,
+            kind=seen.kind,
+            client=seen.client,
+            host=seen.host,
+            port=seen.port,
+            address=None,
+            decision=Decision.DENY,
+            reason=reason.value if reason is not None else None,
+            rule=None,
+            approval=None,
+            command=seen.command,
+            bytes_up=0,
+            bytes_down=0,
+            duration_s=self.monotonic() - seen.started,
+            extra={"detail": detail} if detail else None,
+        )
+        self.settle(fact, run, counted=False)
+
+    def attempt(self, seen: Seen, run: Run, host: str, port: int, kind: EgressKind | None = None) -> Attempt:
+        """The attempt the gate decides from here on: ``seen``'s (of ``kind`` if given), to ``host``:``port`` in a run.
+
+        The listener's last facts come as arguments, not as one more ``Seen``: this is every request's path.
+        """
+        return Attempt(
+            id=seen.id,
+            kind=seen.kind if kind is None else kind,
+            client=seen.client,
+            ts=seen.ts,
+            started=seen.started,
+            run=run,
+            host=host,
+            port=port,
+            command=run.command,
+        )
+
+    async def admit(self, attempt: Attempt) -> Admission:
+        """Steps 1-4 of the module docstring, for the attempt ``attempt`` started; fills it as it goes."""
+        run, host, port = attempt.run, attempt.host, attempt.port
+        assert run is not None and host is not None and port is not None
         admission = await self._admit(attempt, run, host, port)
         attempt.host = admission.host
         if admission.allowed:

@@ -96,7 +96,7 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "pooled", "_on_gone")
+                 "_write_paused", "_read_paused", "relay", "_on_gone")
 
     def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
         self.transport: asyncio.Transport | None = None
@@ -110,9 +110,6 @@ class Peer(asyncio.Protocol):
         self._read_paused = False
         # Set while spliced or passing a body on: bytes go straight to the other peer.
         self.relay: Relay | None = None
-        # The upstream connection a client connection keeps for its next
-        # request: (its key, the address it was dialled at, the upstream).
-        self.pooled: tuple[tuple[str, int], str | None, Peer] | None = None
         # Set inside ``gone_cancels``: what the peer leaving does to the waiting task.
         self._on_gone: Callable[[bool], None] | None = None
 
@@ -132,9 +129,8 @@ class Peer(asyncio.Protocol):
     def keep(self, data: bytes) -> None:
         """Add ``data`` to the read buffer (pausing the peer past ``HIGH_WATER``) and wake its reader."""
         self.buf += data
-        if len(self.buf) > HIGH_WATER and not self._read_paused:
-            self._read_paused = True
-            self.transport.pause_reading()  # type: ignore[union-attr]
+        if len(self.buf) > HIGH_WATER:
+            self.hold_reading()
         self._wake_reader()
 
     def eof_received(self) -> bool:
@@ -167,6 +163,25 @@ class Peer(asyncio.Protocol):
             self.relay.resume_from(self)
         self._wake_writer()
 
+    # -- flow control, for the relays too ------------------------------------------
+
+    @property
+    def backed_up(self) -> bool:
+        """Our outgoing buffer is past its high-water mark (``pause_writing``): write no more for now."""
+        return self._write_paused
+
+    def hold_reading(self) -> None:
+        """Stop reading from this peer (its bytes wait in the kernel) until ``read_again``."""
+        if not self._read_paused:
+            self._read_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+
+    def read_again(self) -> None:
+        """Undo ``hold_reading`` (or the pause past ``HIGH_WATER``), if any."""
+        if self._read_paused:
+            self._read_paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+
     # -- what coroutines use -----------------------------------------------------
 
     @property
@@ -190,8 +205,7 @@ class Peer(asyncio.Protocol):
             return False
         size = len(self.buf)
         if self._read_paused:
-            self._read_paused = False
-            self.transport.resume_reading()  # type: ignore[union-attr]
+            self.read_again()
         while len(self.buf) == size and not self.eof:
             loop = asyncio.get_running_loop()
             waiter = self._read_waiter = loop.create_future()
@@ -323,9 +337,7 @@ class Peer(asyncio.Protocol):
             return  # bytes came while we waited: they go first, from the buffer
         if self.eof:
             raise PeerClosed("peer closed inside a body")
-        if self._read_paused:
-            self._read_paused = False
-            self.transport.resume_reading()  # type: ignore[union-attr]
+        self.read_again()
         self.relay = passing
         passing.start()
         try:
@@ -411,12 +423,12 @@ class _PassOn:
         if self._timer is not None:
             self._last = time.monotonic()
         done = self.body.done
-        if dst._write_paused and not done:
+        backed_up = dst.backed_up
+        if backed_up and not done:
             # Leave the rest in the kernel rather than in our buffer: the
             # coroutine resumes reading once ``dst`` has drained.
-            source._read_paused = True
-            source.transport.pause_reading()  # type: ignore[union-attr]
-        if done or dst._write_paused:
+            source.hold_reading()
+        if done or backed_up:
             source.relay = None
             self.done.set_result(None)
 

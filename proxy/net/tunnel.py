@@ -58,11 +58,11 @@ class Tunnel:
     """A running relay between ``client`` and ``upstream``; ``on_end(tunnel)`` runs once when it ends."""
 
     __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_client_eof", "_upstream_eof", "ended",
-                 "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired", "owner",
+                 "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired",
                  "_check", "_check_timeout_s", "_check_timer")
 
     def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
-                 on_end: Callable[[Tunnel], None] | None = None, owner: object = None,
+                 on_end: Callable[[Tunnel], None] | None = None,
                  check: ClientCheck | None = None, check_timeout_s: float = 0.0,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.client = client
@@ -73,8 +73,6 @@ class Tunnel:
         self._upstream_eof = False
         self.ended = False
         self._on_end = on_end
-        # What the splicer needs back when the tunnel ends (its attempt, say).
-        self.owner = owner
         self._loop = loop or asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self._idle_timeout_s = idle_timeout_s
@@ -90,9 +88,7 @@ class Tunnel:
         self.client.relay = self
         self.upstream.relay = self
         for peer in (self.client, self.upstream):
-            if peer._read_paused:  # a coroutine had paused it; we read from here on
-                peer._read_paused = False
-                peer.transport.resume_reading()  # type: ignore[union-attr]
+            peer.read_again()  # a coroutine may have paused it; we read from here on
         if self.upstream.buf:
             self.forward(self.upstream, self.upstream.take())  # the upstream spoke first
         if self.client.buf and not self.ended:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from egressd.approvals.deny import DenyApprover
+from egressd.proxy.core.modes import transparent_tls
 from tests.fakes import hellos
 from tests.fakes.dns import FakeDns
 from tests.fakes.tls import Pki, TlsOrigin, make_pki
@@ -118,7 +119,7 @@ async def transparent_to(make_egressd, port: int, **values):  # type: ignore[no-
     """An egressd whose transparent TLS listener decides and dials port ``port`` (not 443)."""
     values.setdefault("allow", [f"origin.test:{port}"])
     svc = await make_egressd(transparent_tls="127.0.0.1:0", **values)
-    svc.transparent_tls.dest_port = port
+    svc.transparent_tls.mode = transparent_tls(port)
     return svc
 
 

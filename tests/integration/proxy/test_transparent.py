@@ -23,7 +23,7 @@ from dnslib import DNSRecord
 
 from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest
 from egressd.proxy.core.http1 import HttpError, RequestHead
-from egressd.proxy.net.transparent import host_destination
+from egressd.proxy.core.modes import host_destination
 from tests.fakes import hellos
 from tests.fakes.dns import FakeDns
 from tests.fakes.tls import BIG, Pki, TlsOrigin, make_pki

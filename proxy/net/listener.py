@@ -1,0 +1,222 @@
+"""The one TCP listener: accepts clients and serves each in the way its mode says.
+
+egressd listens in three modes (``egressd.proxy.core.modes``): the explicit
+proxy, the transparent Host listener and the transparent SNI listener. They
+differ only in what the client sends first, how the destination is found,
+how a run is attributed and how a refusal is sent, which the ``Mode`` value
+says; the conversation that follows from it is ``server.serve_http`` (a
+request head) or ``transparent.serve_tls`` (a ClientHello).
+
+What a client connection holds while it lasts is a ``Held``, released once
+by whoever has it last: the listener's task, or the tunnel it was spliced
+to (``Held.splice``).
+
+1. the listener's count of open connections (``Metrics.connections_open``):
+   from when its task starts to the release;
+2. a slot under its run's cap (``Run.open_connections``) while a request
+   is decided, dialled and relayed (``Held.slot``);
+3. the attempt to record when the connection ends (``Held.attempt``);
+4. the upstream connection the HTTP modes keep for the client's next
+   request to the same host (``Held.kept``), closed with the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mode, Reads
+from egressd.proxy.core.runs import Run, RunRegistry
+from egressd.proxy.net.gate import Attempt, Gate, Seen
+from egressd.proxy.net.server import serve_http
+from egressd.proxy.net.stream import Peer
+from egressd.proxy.net.transparent import serve_tls
+from egressd.proxy.net.tunnel import ClientCheck, Tunnel
+
+_SERVE = {Reads.HTTP: serve_http, Reads.TLS: serve_tls}
+
+
+class Listener:
+    """Accepts clients on one listening socket and serves each in a task until it is spliced or closed.
+
+    ``mode`` may be replaced before ``start`` (a test's destination port).
+    """
+
+    def __init__(self, *, gate: Gate, runs: RunRegistry, limits: ListenerLimits, mode: Mode) -> None:
+        self.gate = gate
+        self.runs = runs
+        self.limits = limits
+        self.mode = mode
+        self._server: asyncio.AbstractServer | None = None
+        self._address: tuple[str, int] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._tunnels: set[Tunnel] = set()
+        self._all_ended: asyncio.Event | None = None  # while close() waits for the tunnels
+        self._cutting = False  # close() is ending what the grace period left open
+
+    @property
+    def address(self) -> tuple[str, int]:
+        assert self._address is not None, "not started"
+        return self._address
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: Peer(on_connect=self._accepted), host, port, backlog=1024, reuse_address=True
+        )
+        bound = self._server.sockets[0].getsockname()
+        self._address = (bound[0], bound[1])
+
+    def _accepted(self, client: Peer) -> None:
+        # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
+        task = asyncio.get_running_loop().create_task(self._serve(client))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, client: Peer) -> None:
+        # Counted open here, when its task runs, not at the accept: the cap compares the tasks under way.
+        await _SERVE[self.mode.reads](self, Held(self, client))
+
+    async def close(self, grace_s: float = 0.0) -> None:
+        """Stop accepting, give open connections ``grace_s`` to finish, then end them."""
+        if self._server is not None:
+            self._server.close()  # stop accepting; open connections are ours to end
+        if grace_s > 0:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + grace_s
+            if self._tasks:
+                await asyncio.wait(set(self._tasks), timeout=grace_s)
+            # Spliced tunnels have no task to wait on: the last to end sets this.
+            self._all_ended = asyncio.Event()
+            if self._tunnels:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._all_ended.wait(), max(0.0, deadline - loop.time()))
+        self._cutting = True
+        for tunnel in list(self._tunnels):
+            tunnel.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    def finish(self, attempt: Attempt) -> None:
+        """``gate.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
+        if self._cutting and attempt.opened:
+            attempt.ends(SHUTDOWN_END)
+        self.gate.finish(attempt)
+
+    def spliced(self, tunnel: Tunnel) -> None:
+        """A tunnel now relays one of this listener's connections (``close`` ends it)."""
+        self._tunnels.add(tunnel)
+
+    def unspliced(self, tunnel: Tunnel) -> None:
+        """That tunnel ended."""
+        self._tunnels.discard(tunnel)
+        if not self._tunnels and self._all_ended is not None:
+            self._all_ended.set()
+
+
+class Held:
+    """What one client connection holds (the module docstring's list), each released once.
+
+    The listener's task has it while it serves the client, and ends with
+    ``release``; once ``splice`` has handed the connection to a tunnel, the
+    tunnel has it, and what the task then calls here does nothing: the
+    tunnel's end releases it all.
+    """
+
+    __slots__ = ("listener", "client", "attempt", "kept", "_run", "_tunnel", "_released")
+
+    def __init__(self, listener: Listener, client: Peer) -> None:
+        self.listener = listener
+        self.client = client
+        # What to record if the connection ends with it unrecorded: an attempt the gate has
+        # (``Gate.finish`` is idempotent), or one seen and not yet refused (recorded with no reason).
+        self.attempt: Attempt | Seen | None = None
+        # The HTTP modes' kept upstream connection: (host and port, the address dialled, the upstream).
+        self.kept: tuple[tuple[str, int], str | None, Peer] | None = None
+        self._run: Run | None = None
+        self._tunnel: Tunnel | None = None
+        self._released = False
+        listener.gate.metrics.connections_open += 1
+
+    def slot(self, run: Run) -> Held:
+        """``with held.slot(run):`` the request counts against ``run``'s connection cap until the block ends.
+
+        Or until its tunnel does, when the block spliced it. (The ``with`` is this
+        object: a generator-based context manager would cost every request twice as much.)
+        """
+        run.open_connections += 1
+        self._run = run
+        return self
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, *exc: object) -> None:
+        if self._tunnel is None:
+            self._release_slot()
+
+    def done(self, attempt: Attempt) -> None:
+        """The request is over: record ``attempt`` (unless its tunnel will)."""
+        if self._tunnel is None:
+            self.attempt = None
+            self.listener.finish(attempt)
+
+    def release(self) -> None:
+        """The connection is over: record what is left, count it closed, close the client (unless spliced)."""
+        if self._tunnel is None:
+            self._release()
+
+    def splice(self, upstream: Peer, attempt: Attempt, check: ClientCheck | None = None) -> None:
+        """Hand the decided connection to a tunnel, which relays both ways from now on.
+
+        Returns at once: the caller's coroutine ends, and the tunnel owns the
+        client, the upstream, the run's slot and the attempt, which its end
+        records and releases. Bytes already buffered on either side go first.
+        """
+        limits = self.listener.limits
+        self.attempt = attempt
+        tunnel = self._tunnel = Tunnel(
+            self.client,
+            upstream,
+            idle_timeout_s=limits.idle_timeout_s,
+            on_end=self._tunnel_ended,
+            check=check,
+            check_timeout_s=limits.head_timeout_s,
+        )
+        self.listener.spliced(tunnel)
+        tunnel.start()
+
+    def _tunnel_ended(self, tunnel: Tunnel) -> None:
+        """Everything the spliced connection's coroutine would have done when it finished."""
+        self.listener.unspliced(tunnel)
+        attempt = self.attempt
+        assert isinstance(attempt, Attempt)
+        attempt.bytes_up += tunnel.bytes_up
+        attempt.bytes_down += tunnel.bytes_down
+        if tunnel.idle_expired:
+            attempt.ends(IDLE_END)
+        tunnel.upstream.close()
+        self._release()
+
+    def _release_slot(self) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            run.open_connections -= 1
+
+    def _release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        self._release_slot()
+        attempt, self.attempt = self.attempt, None
+        if isinstance(attempt, Attempt):
+            self.listener.finish(attempt)
+        elif attempt is not None:
+            self.listener.gate.refuse(attempt, None)
+        self.listener.gate.metrics.connections_open -= 1
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            kept[2].close()
+        self.client.close()

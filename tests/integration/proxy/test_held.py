@@ -1,0 +1,142 @@
+"""What a client connection holds (``egressd.proxy.net.listener.Held``) is released once, by its last owner.
+
+Socket-free: peers on a fake transport, a real gate recording into memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from egressd.approvals.deny import DenyApprover
+from egressd.audit.log import MemoryAuditSink
+from egressd.audit.records import EgressKind
+from egressd.proxy.core.metrics import Metrics
+from egressd.proxy.core.modes import EXPLICIT, ListenerLimits
+from egressd.proxy.core.runs import Run, RunRegistry
+from egressd.proxy.net.gate import Gate
+from egressd.proxy.net.listener import Held, Listener
+from egressd.proxy.net.resolver import SystemResolver
+from egressd.proxy.net.stream import Peer
+
+
+class FakeTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = bytearray()
+        self.closed = False
+
+    def write(self, data: Any) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 5555) if name == "peername" else default
+
+
+def _peer() -> Peer:
+    peer = Peer()
+    peer.connection_made(FakeTransport())
+    return peer
+
+
+def _transport(peer: Peer) -> FakeTransport:
+    assert isinstance(peer.transport, FakeTransport)
+    return peer.transport
+
+
+@pytest.fixture
+def setup() -> tuple[Listener, MemoryAuditSink, Run]:
+    audit = MemoryAuditSink()
+    gate = Gate(resolver=SystemResolver(), approver=DenyApprover(), audit=audit, metrics=Metrics())
+    run = Run(id="r-1", token="t", task=None, allow=(), deny=())
+    listener = Listener(gate=gate, runs=RunRegistry(default=run), limits=ListenerLimits(), mode=EXPLICIT)
+    return listener, audit, run
+
+
+def _egress(audit: MemoryAuditSink) -> list[dict[str, object]]:
+    return [r for r in audit.records if str(r["event"]).startswith("egress")]
+
+
+async def test_a_connection_is_counted_open_until_released_and_released_once(setup) -> None:  # type: ignore[no-untyped-def]
+    listener, audit, run = setup
+    client = _peer()
+    held = Held(listener, client)
+    assert listener.gate.metrics.connections_open == 1
+    seen = listener.gate.begin(EgressKind.HTTP, "127.0.0.1:5555")
+    held.attempt = listener.gate.attempt(seen, run, "a.test", 80)
+    held.release()
+    held.release()
+    assert listener.gate.metrics.connections_open == 0
+    assert _transport(client).closed
+    assert len(_egress(audit)) == 1  # the attempt left with the connection is recorded, once
+
+
+async def test_a_runs_slot_is_given_back_when_its_block_ends_even_by_an_exception(setup) -> None:  # type: ignore[no-untyped-def]
+    listener, _, run = setup
+    held = Held(listener, _peer())
+    with pytest.raises(RuntimeError), held.slot(run):
+        assert run.open_connections == 1
+        raise RuntimeError
+    assert run.open_connections == 0
+    held.release()
+    assert run.open_connections == 0 and listener.gate.metrics.connections_open == 0
+
+
+async def test_after_a_splice_the_task_releases_nothing_and_the_tunnels_end_releases_everything(setup) -> None:  # type: ignore[no-untyped-def]
+    listener, audit, run = setup
+    client, upstream = _peer(), _peer()
+    held = Held(listener, client)
+    attempt = listener.gate.attempt(listener.gate.begin(EgressKind.CONNECT, "127.0.0.1:5555"), run, "a.test", 443)
+    with held.slot(run):
+        held.splice(upstream, attempt)
+    held.done(attempt)
+    held.release()
+    # The tunnel has them all: still counted, nothing recorded, nothing closed.
+    assert (listener.gate.metrics.connections_open, run.open_connections) == (1, 1)
+    assert _egress(audit) == [] and not _transport(client).closed
+    upstream.data_received(b"hello")
+    client.connection_lost(None)  # the client goes: the tunnel ends
+    assert (listener.gate.metrics.connections_open, run.open_connections) == (0, 0)
+    assert _transport(client).closed and _transport(upstream).closed
+    [record] = _egress(audit)
+    assert record["bytes_down"] == 5
+
+
+async def test_an_attempt_seen_and_never_refused_is_recorded_once_when_the_connection_ends(setup) -> None:  # type: ignore[no-untyped-def]
+    listener, audit, run = setup
+    held = Held(listener, _peer())
+    seen = listener.gate.begin(EgressKind.HTTP, "127.0.0.1:5555")
+    held.attempt = seen.attributed(run)
+    held.release()
+    held.release()
+    [record] = _egress(audit)
+    assert (record["decision"], record["reason"], record["run"], record["id"]) == ("deny", None, "r-1", seen.id)
+
+
+async def test_the_kept_upstream_is_closed_with_the_client(setup) -> None:  # type: ignore[no-untyped-def]
+    listener, _, _ = setup
+    held = Held(listener, _peer())
+    kept = _peer()
+    held.kept = (("a.test", 80), "127.0.0.2", kept)
+    held.release()
+    assert _transport(kept).closed and held.kept is None
