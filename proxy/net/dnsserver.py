@@ -39,10 +39,9 @@ but counted instead of recorded one by one; the counts, like the rate
 limit's, are written every ``summary_interval_s`` as one record each (host
 null, ``reason: limit_exceeded``, ``suppressed: N``, ``limit``: which one).
 
-``read_query``, ``query_name``, ``plan_answer``, ``refused``,
-``unreachable_reason`` and ``RateLimiter`` are pure (time is passed in); the
-question is read and the reply packed here (the layout is fixed, and it is
-the hot path), and dnslib gives only the names of query types. The asyncio
+``plan_answer``, ``refused``, ``unreachable_reason`` and ``RateLimiter``
+are pure (time is passed in); the question is read and the reply packed by
+``egressd.proxy.core.dns`` (the DNS codec, with ``read_query``). The asyncio
 shell answers from protocol callbacks: no task per query, and no waiting —
 a DNS query never triggers an approval (DESIGN.md "Decision order").
 """
@@ -53,21 +52,25 @@ import asyncio
 import errno
 import logging
 import socket
-import struct
 import time
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
-from typing import NamedTuple
-
-from dnslib import CLASS, QTYPE
 
 from egressd.audit.records import Decision, EgressDecided, EgressKind, new_request_id
 from egressd.names.addresses import IPAddress
-from egressd.names.hosts import HostError, normalise_host
-from egressd.names.shown import shown_name
+from egressd.proxy.core.dns import (
+    CLASS_IN,
+    TYPE_A,
+    TYPE_AAAA,
+    DnsQueryError,
+    Query,
+    ReplyTemplate,
+    qtype_text,
+    read_query,
+)
 from egressd.proxy.core.memo import remember
 from egressd.proxy.core.policy import Verdict, decide
 from egressd.proxy.core.reasons import Rcode, Reason
@@ -103,16 +106,6 @@ MAX_TRACKED_CLIENTS = 4096
 # Replies a TCP client has not read yet, before we stop reading its queries.
 _TCP_WRITE_HIGH_WATER = 64 * 1024
 
-_HEADER = struct.Struct("!HHHHHH")
-# An answer record: owner (a compression pointer), type, class, TTL, RDLENGTH.
-_ANSWER = struct.Struct("!HHHIH")
-_POINTER_TO_QUESTION = 0xC000 | 12  # RFC 1035 §4.1.4: the name right after the header
-_QR = 0x8000
-_OPCODE_MASK = 0x7800
-_RD = 0x0100
-_RA = 0x0080
-_TYPE_A = QTYPE.A
-_TYPE_AAAA = QTYPE.AAAA
 _BIND_ATTEMPTS = 50
 # Outcomes kept per server: a handful in use (A, AAAA, REFUSED, FORMERR and
 # the strict-mode NXDOMAINs); the bound is for a client cycling through types.
@@ -130,39 +123,6 @@ UNREACHABLE: frozenset[Reason] = frozenset(reason for reason in Reason if reason
 
 
 # --- the pure part ---------------------------------------------------------------
-
-
-class DnsQueryError(Exception):
-    """A packet that is not a query we answer; ``reply`` is what to send (None: drop)."""
-
-    def __init__(self, detail: str, reply: bytes | None, rcode: Rcode | None) -> None:
-        super().__init__(detail)
-        self.reply = reply
-        self.rcode = rcode
-
-
-class Query(NamedTuple):
-    """One decoded question. ``name`` is the normalised host, None when the
-    name is not a well-formed host name; ``shown`` is the name as received,
-    escaped (RFC 1035 §5.1 ``\\DDD``) for the audit log; ``question`` is the
-    question section's bytes as received, which the reply repeats. (read_query
-    builds it from a tuple in this field order.)
-
-    A named tuple rather than a frozen dataclass: one is built per query,
-    and a tuple is the cheapest immutable record to build."""
-
-    ident: int
-    flags: int
-    question: bytes
-    name: str | None
-    labels: tuple[bytes, ...]
-    qtype: int
-    qclass: int
-    shown: str
-
-    @property
-    def qtype_text(self) -> str:
-        return qtype_text(self.qtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,153 +152,6 @@ def refused(reason: Reason) -> Plan:
     return Plan(reason.rcode, reason=reason)
 
 
-def header_reply(packet: bytes, rcode: Rcode) -> bytes:
-    """A header-only reply to ``packet`` (at least 12 bytes): its id, opcode and RD, and ``rcode``."""
-    ident, flags = struct.unpack_from("!HH", packet)
-    flags = _QR | (flags & (_OPCODE_MASK | _RD)) | int(rcode)
-    return _HEADER.pack(ident, flags, 0, 0, 0, 0)
-
-
-def _formerr(packet: bytes, detail: str) -> DnsQueryError:
-    return DnsQueryError(detail, header_reply(packet, Rcode.FORMERR), Rcode.FORMERR)
-
-
-def read_query(packet: bytes) -> Query:
-    """Decode a query; DnsQueryError says what to answer when it is not one.
-
-    1. shorter than a header, or a response (QR set) → drop: an answer to an
-       answer could loop between two servers;
-    2. an opcode other than QUERY → NOTIMP;
-    3. not exactly one question, or answer/authority records → FORMERR
-       (RFC 9619: QDCOUNT is one; a query carries no answers);
-    4. the question cannot be decoded (``read_name``: cut short, a label
-       that is not UTF-8, or a compressed name — a pointer there could only
-       point into the header), or the packet ends inside its type or class
-       → FORMERR.
-
-    What follows the question (an EDNS OPT record, say) is not decoded: the
-    answer never depends on it, and nothing of it is kept or sent anywhere.
-    """
-    if packet.__class__ is not bytes:
-        packet = bytes(packet)  # a bytearray (dnslib packs into one) is no cache key
-    if len(packet) < 12:
-        raise DnsQueryError("shorter than a DNS header", None, None)
-    ident, flags, qdcount, ancount, nscount, _arcount = _HEADER.unpack_from(packet)
-    if flags & _QR:
-        raise DnsQueryError("a response, not a query", None, None)
-    if flags & _OPCODE_MASK:
-        raise DnsQueryError("opcode is not QUERY", header_reply(packet, Rcode.NOTIMP), Rcode.NOTIMP)
-    if qdcount != 1 or ancount or nscount:
-        raise _formerr(packet, "not exactly one question")
-    # The name ends at its root label, a zero octet. A name whose labels hold
-    # no zero octet ends at the first one after the header: the question
-    # there (name, type, class) is looked up among those read before. A hit
-    # is a question read before, which reads the same again (only questions
-    # whose name ends at its first zero octet are kept; a packet cut short
-    # gives a shorter key, which matches none). A miss, or a name with a
-    # zero octet inside a label, is read label by label.
-    end = packet.find(0, 12) + 5
-    known = _QUESTIONS.get(packet[12:end]) if end > 4 else None
-    if known is None:
-        known = _read_question(packet)
-    return _new_query(Query, (ident, flags, *known))
-
-
-def _read_question(packet: bytes) -> tuple[bytes, str | None, tuple[bytes, ...], int, int, str]:
-    """(question, host or None, labels, type, class, shown) of the question at offset 12; kept when it can be found."""
-    labels, end = read_name(packet, 12)
-    tail = end + 4
-    if len(packet) < tail:
-        raise _formerr(packet, "undecodable: the packet ends inside the question's type or class")
-    qtype, qclass = _TYPE_CLASS.unpack_from(packet, end)
-    try:
-        host: str | None = query_name(labels)
-    except HostError:
-        host = None
-    question = packet[12:tail]
-    known = (question, host, labels, qtype, qclass, shown_name(labels))
-    # Kept when the fast path can find it (no zero octet inside a label) and
-    # no longer than a name can be (RFC 1035 §3.1: 255 octets), so the cache
-    # holds at most _MAX_QUESTIONS_CACHED × 259 octets of keys.
-    if end - 12 <= 255 and packet.find(0, 12) + 1 == end:
-        remember(_QUESTIONS, question, known, _MAX_QUESTIONS_CACHED)
-    return known
-
-
-def read_name(packet: bytes, offset: int) -> tuple[tuple[bytes, ...], int]:
-    """The labels of the uncompressed name at ``offset``, and the offset after it.
-
-    RFC 1035 §4.1.2 / §3.1: length-prefixed labels up to a zero octet. A
-    length octet with both top bits set is a compression pointer (§4.1.4),
-    which is FORMERR in a question: the only name before it is the header.
-    Other length octets are read as lengths, up to 191 (as dnslib did: a
-    label over 63 octets, or a name over 255, reads, and is no host name, so
-    it is answered FORMERR all the same, with the name in the record); a
-    label must be UTF-8. Raises DnsQueryError (FORMERR) when the packet ends
-    first. Needs ``packet`` to hold a header (its id goes into the error reply).
-    """
-    labels: list[bytes] = []
-    size = len(packet)
-    while True:
-        if offset >= size:
-            raise _formerr(packet, "undecodable: the packet ends inside the question's name")
-        length = packet[offset]
-        if length == 0:
-            return tuple(labels), offset + 1
-        if length >= 0xC0:
-            raise _formerr(packet, "compressed question name")
-        start = offset + 1
-        offset = start + length
-        if offset > size:
-            raise _formerr(packet, "undecodable: the packet ends inside a label of the question's name")
-        label = packet[start:offset]
-        if not label.isascii():
-            try:
-                label.decode()
-            except UnicodeDecodeError:
-                raise _formerr(packet, "undecodable: a label of the question's name is not UTF-8") from None
-        labels.append(label)
-
-
-# Question section (name, type, class) → what read_query makes of it: a pure
-# function of the bytes, and a sandbox asks the same few names again and
-# again. Bounded like the gate's caches: cleared when full.
-_QUESTIONS: dict[bytes, tuple[bytes, str | None, tuple[bytes, ...], int, int, str]] = {}
-_MAX_QUESTIONS_CACHED = 4096
-_TYPE_CLASS = struct.Struct("!HH")
-# Builds a Query from one tuple without NamedTuple's Python-level __new__.
-_new_query = tuple.__new__
-
-
-# The text of the types a sandbox asks for, and dnslib's table for the rest
-# (``TYPEnnn`` for a number it does not know, RFC 3597 §5).
-_QTYPE_TEXT: dict[int, str] = {code: str(text) for code, text in QTYPE.forward.items()}
-
-
-def qtype_text(qtype: int) -> str:
-    """A query type as master-file text: ``A``, ``AAAA``, ``TYPE65280``."""
-    text = _QTYPE_TEXT.get(qtype)
-    return text if text is not None else str(QTYPE[qtype])
-
-
-def query_name(labels: Sequence[bytes]) -> str:
-    """The normalised host a query's labels spell; HostError when they spell none.
-
-    Labels must be ASCII (names on the wire are A-labels) and form a host
-    ``egressd.names.hosts.normalise_host`` accepts: letters, digits, hyphen and
-    underscore, 63 octets a label, 253 characters in all. The root name is
-    not a host.
-    """
-    if not labels:
-        raise HostError("the root name is not a host")
-    parts = []
-    for label in labels:
-        if not label.isascii() or b"." in label:
-            raise HostError("label is not an ASCII host label")
-        parts.append(label.decode("ascii"))
-    return normalise_host(".".join(parts))
-
-
 def plan_answer(
     query: Query,
     *,
@@ -353,11 +166,11 @@ def plan_answer(
     """
     if query.name is None:
         return refused(Reason.BAD_REQUEST)
-    if query.qclass != CLASS.IN or query.qtype not in (_TYPE_A, _TYPE_AAAA):
+    if query.qclass != CLASS_IN or query.qtype not in (TYPE_A, TYPE_AAAA):
         return Plan(Rcode.REFUSED)
     if unreachable is not None:
         return refused(unreachable)
-    if query.qtype == _TYPE_A:
+    if query.qtype == TYPE_A:
         return Plan(Rcode.NOERROR, answer4)
     if answer6 is not None:
         return Plan(Rcode.NOERROR, answer6)
@@ -387,40 +200,28 @@ def pack_reply(query: Query, plan: Plan, ttl_s: int) -> bytes:
     the sandbox's recursive resolver) and the response code; the question is
     repeated byte for byte (so 0x20 case randomisation survives); the answer,
     if any, is one record whose owner is a pointer to the question's name
-    (§4.1.4), class IN, ``ttl_s``, and the address. Built here rather than
-    with dnslib's packer: the layout is fixed, and it is the hot path.
+    (§4.1.4), class IN, ``ttl_s``, and the address (``dns.ReplyTemplate``).
     """
     return PreparedReply(plan, ttl_s).reply(query)
 
 
 class PreparedReply:
     """A plan with what the server writes for it worked out once: the
-    record's decision, reason and answer text, and the reply's flags and
-    answer record. Immutable by convention; the server keeps one per
-    distinct plan, so a query costs no Plan, no ``str(address)``, no packing
-    of the address."""
+    record's decision, reason and answer text, and the reply's bytes but for
+    the query's own (``dns.ReplyTemplate``). Immutable by convention; the
+    server keeps one per distinct plan, so a query costs no Plan, no
+    ``str(address)``, no packing of the address."""
 
-    __slots__ = ("plan", "decision", "reason", "answer", "_flags", "_ancount", "_record")
+    __slots__ = ("plan", "decision", "reason", "answer", "reply")
 
     def __init__(self, plan: Plan, ttl_s: int) -> None:
         self.plan = plan
         self.decision = Decision(plan.decision)
         self.reason = plan.reason.value if plan.reason is not None else None
         self.answer = plan.answer_text
-        self._flags = _QR | _RA | int(plan.rcode)
-        address = plan.address
-        if address is None:
-            self._ancount, self._record = 0, b""
-        else:
-            rdata = address.packed
-            rtype = _TYPE_A if address.version == 4 else _TYPE_AAAA
-            self._ancount = 1
-            self._record = _ANSWER.pack(_POINTER_TO_QUESTION, rtype, CLASS.IN, ttl_s, len(rdata)) + rdata
-
-    def reply(self, query: Query) -> bytes:
-        """The reply to ``query``: see ``pack_reply``."""
-        flags = self._flags | (query.flags & (_OPCODE_MASK | _RD))
-        return _HEADER.pack(query.ident, flags, 1, self._ancount, 0, 0) + query.question + self._record
+        # The reply to a query (see ``pack_reply``): the template's bound
+        # method, so the hot path makes one call.
+        self.reply: Callable[[Query], bytes] = ReplyTemplate(plan.rcode, plan.address, ttl_s).pack
 
 
 class RateLimiter:
