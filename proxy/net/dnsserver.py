@@ -17,16 +17,13 @@ How one query is answered (``DnsServer.handle``), in order:
 3. the source address belongs to no run (``--require-auth``) → REFUSED,
    ``auth_required``; the audit log cannot be written → REFUSED,
    ``audit_unavailable``;
-4. a name that is not a well-formed host name (``egressd.names.hosts``) → FORMERR;
-5. a class other than IN, or a type other than A and AAAA → REFUSED;
-6. strict mode, and the run could never reach the name → NXDOMAIN (see
-   ``unreachable_reason``);
-7. A → the configured IPv4 answer, or, for a run on a network of its own,
-   egressd's IPv4 address there (``Run.address``); AAAA → the IPv6 answer if
-   configured, else NOERROR with no records (RFC 2308 §2.2 "NODATA").
-
-Steps 3, 4 and 6 refuse with a reason, and the reason's table row gives the
-response code (``Reason.rcode``, through ``refused``).
+4. otherwise what ``egressd.proxy.core.dnsanswer.plan_answer`` says: FORMERR
+   for a name that is no host, REFUSED for a class or type other than IN A
+   and AAAA, NXDOMAIN in strict mode for a name the run could never reach
+   (``unreachable_reason``), else the A answer (for a run on a network of its
+   own, egressd's IPv4 address there, ``Run.address``) or the AAAA answer
+   (NOERROR with no records when there is none). A refusal carries a reason,
+   whose table row gives the response code (``Reason.rcode``).
 
 Every query that passes step 1 is one ``egress`` record of kind ``dns``
 (through the gate, like every other attempt), with ``host`` the name,
@@ -39,11 +36,13 @@ but counted instead of recorded one by one; the counts, like the rate
 limit's, are written every ``summary_interval_s`` as one record each (host
 null, ``reason: limit_exceeded``, ``suppressed: N``, ``limit``: which one).
 
-``plan_answer``, ``refused``, ``unreachable_reason`` and ``RateLimiter``
-are pure (time is passed in); the question is read and the reply packed by
-``egressd.proxy.core.dns`` (the DNS codec, with ``read_query``). The asyncio
-shell answers from protocol callbacks: no task per query, and no waiting —
-a DNS query never triggers an approval (DESIGN.md "Decision order").
+The pure parts live in the core: the DNS codec (``egressd.proxy.core.dns``)
+reads the question and packs the reply; ``egressd.proxy.core.dnsanswer``
+decides what to answer and prepares each outcome's reply once. Here: the
+sockets, the rate limit (``RateLimiter``, pure: time is passed in), the
+per-run name ledger and the records. The asyncio shell answers from
+protocol callbacks: no task per query, and no waiting — a DNS query never
+triggers an approval (DESIGN.md "Decision order").
 """
 
 from __future__ import annotations
@@ -61,19 +60,10 @@ from ipaddress import IPv4Address, IPv6Address
 
 from egressd.audit.records import Decision, EgressDecided, EgressKind, new_request_id
 from egressd.names.addresses import IPAddress
-from egressd.proxy.core.dns import (
-    CLASS_IN,
-    TYPE_A,
-    TYPE_AAAA,
-    DnsQueryError,
-    Query,
-    ReplyTemplate,
-    qtype_text,
-    read_query,
-)
+from egressd.proxy.core.dns import DnsQueryError, qtype_text, read_query
+from egressd.proxy.core.dnsanswer import Answers, unreachable_reason
 from egressd.proxy.core.memo import remember
-from egressd.proxy.core.policy import Verdict, decide
-from egressd.proxy.core.reasons import Rcode, Reason
+from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run, RunRegistry, source_address
 from egressd.proxy.net.gate import Gate
 
@@ -107,121 +97,11 @@ MAX_TRACKED_CLIENTS = 4096
 _TCP_WRITE_HIGH_WATER = 64 * 1024
 
 _BIND_ATTEMPTS = 50
-# Outcomes kept per server: a handful in use (A, AAAA, REFUSED, FORMERR and
-# the strict-mode NXDOMAINs); the bound is for a client cycling through types.
-_MAX_OUTCOMES = 1024
 _LIMIT_EXCEEDED = Reason.LIMIT_EXCEEDED.value
 _BAD_REQUEST = Reason.BAD_REQUEST.value
 
 
-# Strict mode: the policy reasons that hold for the rest of a run whatever
-# the port, so no connection to the name can ever be let out — those the
-# reason table answers NXDOMAIN (denylisted, ip_literal, denied_earlier,
-# not_allowlisted). ``port_not_allowed`` is not one (the host is allowed on
-# another port), nor is ASK (a person may still allow it).
-UNREACHABLE: frozenset[Reason] = frozenset(reason for reason in Reason if reason.rcode is Rcode.NXDOMAIN)
-
-
 # --- the pure part ---------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """What to answer: the code, the address (if any), and how to record it."""
-
-    rcode: Rcode
-    address: IPAddress | None = None
-    reason: Reason | None = None
-
-    @property
-    def decision(self) -> str:
-        return "allow" if self.address is not None else "deny"
-
-    @property
-    def answer_text(self) -> str:
-        return str(self.address) if self.address is not None else self.rcode.name
-
-
-def refused(reason: Reason) -> Plan:
-    """The answer that refuses a query with ``reason``: the reason's rcode (``Reason.rcode``).
-
-    Raises ValueError for a reason no DNS answer carries.
-    """
-    if reason.rcode is None:
-        raise ValueError(f"no DNS answer says {reason.value}")
-    return Plan(reason.rcode, reason=reason)
-
-
-def plan_answer(
-    query: Query,
-    *,
-    answer4: IPv4Address,
-    answer6: IPv6Address | None,
-    unreachable: Reason | None,
-) -> Plan:
-    """Steps 4-7 of the module docstring, for a query from an attributed client.
-
-    ``unreachable`` is the strict-mode verdict for the name (None: reachable,
-    or strict mode off).
-    """
-    if query.name is None:
-        return refused(Reason.BAD_REQUEST)
-    if query.qclass != CLASS_IN or query.qtype not in (TYPE_A, TYPE_AAAA):
-        return Plan(Rcode.REFUSED)
-    if unreachable is not None:
-        return refused(unreachable)
-    if query.qtype == TYPE_A:
-        return Plan(Rcode.NOERROR, answer4)
-    if answer6 is not None:
-        return Plan(Rcode.NOERROR, answer6)
-    return Plan(Rcode.NOERROR)
-
-
-def unreachable_reason(run: Run, name: str) -> tuple[Reason | None, str | None]:
-    """Strict mode: why no connection to ``name`` can ever leave in this run.
-
-    The policy's verdict for the name on port 443: a DENY whose reason is in
-    ``UNREACHABLE`` (on the denylist, an IP literal no entry names, denied
-    earlier in the run, or not allowlisted with asking off) holds for every
-    port and for the rest of the run. Allowed names, names allowed on other
-    ports, and names a person could still be asked about are reachable.
-    Returns (reason or None, the rule that matched).
-    """
-    decision = decide(run.policy(), name, 443)
-    if decision.verdict is Verdict.DENY and decision.reason in UNREACHABLE:
-        return decision.reason, decision.rule
-    return None, decision.rule
-
-
-def pack_reply(query: Query, plan: Plan, ttl_s: int) -> bytes:
-    """The reply to ``query`` per ``plan`` (RFC 1035 §4.1).
-
-    The header keeps the query's id, opcode and RD, sets QR and RA (we act as
-    the sandbox's recursive resolver) and the response code; the question is
-    repeated byte for byte (so 0x20 case randomisation survives); the answer,
-    if any, is one record whose owner is a pointer to the question's name
-    (§4.1.4), class IN, ``ttl_s``, and the address (``dns.ReplyTemplate``).
-    """
-    return PreparedReply(plan, ttl_s).reply(query)
-
-
-class PreparedReply:
-    """A plan with what the server writes for it worked out once: the
-    record's decision, reason and answer text, and the reply's bytes but for
-    the query's own (``dns.ReplyTemplate``). Immutable by convention; the
-    server keeps one per distinct plan, so a query costs no Plan, no
-    ``str(address)``, no packing of the address."""
-
-    __slots__ = ("plan", "decision", "reason", "answer", "reply")
-
-    def __init__(self, plan: Plan, ttl_s: int) -> None:
-        self.plan = plan
-        self.decision = Decision(plan.decision)
-        self.reason = plan.reason.value if plan.reason is not None else None
-        self.answer = plan.answer_text
-        # The reply to a query (see ``pack_reply``): the template's bound
-        # method, so the hot path makes one call.
-        self.reply: Callable[[Query], bytes] = ReplyTemplate(plan.rcode, plan.address, ttl_s).pack
 
 
 class RateLimiter:
@@ -319,9 +199,7 @@ class DnsServer:
         self.gate = gate
         self.runs = runs
         self._answer4 = answer4
-        self._answer6 = answer6
         self.strict = strict
-        self._ttl_s = ttl_s
         self.max_names_per_run = max_names_per_run
         self.summary_interval_s = summary_interval_s
         self._monotonic = monotonic
@@ -340,12 +218,7 @@ class DnsServer:
         self._tcp_connections: set[_TcpDns] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._address: tuple[str, int] | None = None
-        # plan_answer is a pure function of (the name is None, class, type,
-        # unreachable, the A answer) and the fixed AAAA answer: its outcomes are
-        # kept, bounded (a run's own address adds a handful).
-        self._outcomes: dict[tuple[bool, int, int, Reason | None, IPv4Address], PreparedReply] = {}
-        self._auth_required = PreparedReply(refused(Reason.AUTH_REQUIRED), ttl_s)
-        self._audit_unavailable = PreparedReply(refused(Reason.AUDIT_UNAVAILABLE), ttl_s)
+        self._answers = Answers(answer6, ttl_s)
 
     # Fixed at construction: the kept outcomes are worked out from them.
     @property
@@ -354,11 +227,11 @@ class DnsServer:
 
     @property
     def answer6(self) -> IPv6Address | None:
-        return self._answer6
+        return self._answers.answer6
 
     @property
     def ttl_s(self) -> int:
-        return self._ttl_s
+        return self._answers.ttl_s
 
     @property
     def address(self) -> tuple[str, int]:
@@ -454,11 +327,11 @@ class DnsServer:
         heard.qtype = qtype_text(query.qtype)
         run = self.runs.attribute(source, None)
         if run is None:
-            outcome = self._auth_required
+            outcome = self._answers.no_run
         else:
             heard.run, heard.command = run, run.command
             if not self.gate.audit.healthy:
-                outcome = self._audit_unavailable
+                outcome = self._answers.no_audit_log
             else:
                 unreachable = None
                 if self.strict and name is not None:
@@ -466,7 +339,7 @@ class DnsServer:
                 # A run on a network of its own reaches egressd there, and only there.
                 own = run.address
                 answer4 = own if isinstance(own, IPv4Address) else self._answer4
-                outcome = self._outcome(query, unreachable, answer4)
+                outcome = self._answers.outcome(query, unreachable, answer4)
         heard.answer = outcome.answer
         if run is None or self._record_in_full(run, host):
             self._record(heard, outcome.decision, outcome.reason)
@@ -504,16 +377,6 @@ class DnsServer:
             extra=extra,
         )
         self.gate.settle(fact, run)
-
-    def _outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address) -> PreparedReply:
-        """``plan_answer`` for ``query``, as a PreparedReply kept for the next query like it."""
-        key = (query.name is None, query.qclass, query.qtype, unreachable, answer4)
-        try:
-            return self._outcomes[key]
-        except KeyError:
-            pass
-        plan = plan_answer(query, answer4=answer4, answer6=self._answer6, unreachable=unreachable)
-        return remember(self._outcomes, key, PreparedReply(plan, self._ttl_s), _MAX_OUTCOMES)
 
     def _record_in_full(self, run: Run, name: str) -> bool:
         """Whether this query gets its own record: its name is one of the run's first N."""

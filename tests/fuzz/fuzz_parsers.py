@@ -73,9 +73,10 @@ from dnslib import DNSRecord
 from egressd.names import authority, shown
 from egressd.names.hosts import HostError, normalise_host
 from egressd.proxy.core import clienthello as clienthello_module
-from egressd.proxy.core import dns, http1, runs
+from egressd.proxy.core import dns, dnsanswer, http1, runs
 from egressd.proxy.core.clienthello import ClientHello, ClientHelloError, ClientRecords, parse_client_hello, scan_client
 from egressd.proxy.core.dns import DnsQueryError, read_query
+from egressd.proxy.core.dnsanswer import pack_reply, plan_answer
 from egressd.proxy.core.http1 import (
     BodyKind,
     ChunkedScanner,
@@ -88,8 +89,6 @@ from egressd.proxy.core.http1 import (
 from egressd.proxy.core.policy import RunPolicy, decide
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import RunRegistry, parse_proxy_authorization
-from egressd.proxy.net import dnsserver
-from egressd.proxy.net.dnsserver import pack_reply, plan_answer
 from tests.fakes import hellos
 from tests.fuzz import toy_parser
 
@@ -1137,7 +1136,7 @@ TARGETS: dict[str, Target] = {
             (_hello_fix_lengths,),
             max_len=8192,
         ),
-        Target("dns", dns_seeds, check_dns, (dns, dnsserver, shown), _DNS_TOKENS, (_dns_label_edit,), 700, _dns_reset),
+        Target("dns", dns_seeds, check_dns, (dns, dnsanswer, shown), _DNS_TOKENS, (_dns_label_edit,), 700, _dns_reset),
         Target(
             "proxy_auth",
             auth_seeds,
