@@ -6,8 +6,10 @@ frame HTTP/1, ``clienthello`` reads a TLS ClientHello, ``policy.decide`` is the
 design's decision order as a value, ``addresses`` classifies what a name
 resolved to, ``reasons`` is the one table of refusals and ``responses`` turns
 one into bytes, ``runs`` holds the runs and their allowlists, ``floods`` the
-refusal budget, ``metrics`` the counters. ``net`` executes what the core
-decides:
+refusal budget, ``metrics`` the counters, ``dns`` is the one DNS codec
+(the sandbox's queries and our replies, the resolver's upstream messages)
+and ``dnsanswer`` what the DNS server answers. ``net`` executes what the
+core decides:
 
 1. ``server``   accepts the client and feeds its bytes to an ``exchange``;
    the run is found (``runs``) by credentials or source address (the
@@ -22,8 +24,9 @@ decides:
    its refusals are counted into one summary instead (``floods``).
 
 The sandbox-facing side: ``dnsserver`` answers every name with egressd's own
-address and forwards nothing; ``transparent`` reads the destination of a
-connection that arrives there from its ClientHello or its Host header, and
-from then on everything happens as above. ``control`` is the HTTP control API
+address (as ``core.dnsanswer`` plans) and forwards nothing; ``transparent``
+reads the destination of a connection that arrives there from its
+ClientHello or its Host header, and from then on everything happens as
+above. ``control`` is the HTTP control API
 (aiohttp). Host names and authorities are ``egressd.names``' business.
 """
