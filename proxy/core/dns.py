@@ -282,8 +282,10 @@ class ReplyTemplate:
     the sandbox's recursive resolver) and the response code; the question is
     repeated byte for byte (so 0x20 case randomisation survives); the answer,
     if any, is one record whose owner is a pointer to the question's name
-    (§4.1.4), class IN, ``ttl_s``, and the address. At most 12 + 259 + 28 =
-    299 octets, under ``UDP_REPLY_OCTETS``. Immutable by convention.
+    (§4.1.4), class IN, ``ttl_s``, and the address. With a name of at most
+    ``MAX_NAME_OCTETS``, at most 12 + 259 + 28 = 299 octets, under
+    ``UDP_REPLY_OCTETS``; a longer name is no host, so its reply (FORMERR)
+    carries no record and is no longer than the query. Immutable by convention.
     """
 
     __slots__ = ("_flags", "_ancount", "_record")
