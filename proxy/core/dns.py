@@ -65,7 +65,8 @@ __all__ = [
 # RFC 1035 §3.1: a name on the wire is at most 255 octets (labels and their lengths).
 MAX_NAME_OCTETS = 255
 # RFC 1035 §4.2.1: a UDP reply without EDNS is at most 512 octets; ours fit
-# (one question, one address record), so they are never truncated.
+# (one question, at most one address record: see ReplyTemplate), so they are
+# never truncated.
 UDP_REPLY_OCTETS = 512
 # RFC 1035 §4.2.2: over TCP each message is prefixed by its 2-octet length
 # (so a message is at most 65535 octets).

@@ -60,7 +60,7 @@ from ipaddress import IPv4Address, IPv6Address
 
 from egressd.audit.records import Decision, EgressDecided, EgressKind, new_request_id
 from egressd.names.addresses import IPAddress
-from egressd.proxy.core.dns import DnsQueryError, qtype_text, read_query
+from egressd.proxy.core.dns import TCP_LENGTH_PREFIX, DnsQueryError, qtype_text, read_query
 from egressd.proxy.core.dnsanswer import Answers, unreachable_reason
 from egressd.proxy.core.memo import remember
 from egressd.proxy.core.reasons import Reason
@@ -489,17 +489,18 @@ class _TcpDns(asyncio.Protocol):
         if self._transport is None:
             return
         self._buffer += data
-        while len(self._buffer) >= 2:
-            length = int.from_bytes(self._buffer[:2], "big")
-            if len(self._buffer) < 2 + length:
+        prefix = TCP_LENGTH_PREFIX
+        while len(self._buffer) >= prefix:
+            length = int.from_bytes(self._buffer[:prefix], "big")
+            if len(self._buffer) < prefix + length:
                 break
-            message = bytes(self._buffer[2 : 2 + length])
-            del self._buffer[: 2 + length]
+            message = bytes(self._buffer[prefix : prefix + length])
+            del self._buffer[: prefix + length]
             reply = self._server.handle(message, self._peer, "tcp")
             if self._transport.is_closing():
                 return
             if reply is not None:
-                self._transport.write(len(reply).to_bytes(2, "big") + reply)
+                self._transport.write(len(reply).to_bytes(prefix, "big") + reply)
         self._arm()
 
     def pause_writing(self) -> None:
