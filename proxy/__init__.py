@@ -8,7 +8,9 @@ resolved to, ``reasons`` is the one table of refusals and ``responses`` turns
 one into bytes, ``runs`` holds the runs and their allowlists, ``floods`` the
 refusal budget, ``metrics`` the counters, ``modes`` what each listener mode
 is (where a request goes, how it is attributed, which refusal a limit or a
-bad head earns). ``net`` executes what the core decides:
+bad head earns), ``dns`` the one DNS codec (the sandbox's queries and our
+replies, the resolver's upstream messages) and ``dnsanswer`` what the DNS
+server answers. ``net`` executes what the core decides:
 
 1. ``listener`` accepts the client in its mode and holds what the connection
    claims until it ends; ``server`` feeds an HTTP client's bytes to an
@@ -24,9 +26,10 @@ bad head earns). ``net`` executes what the core decides:
    its refusals are counted into one summary instead (``floods``).
 
 The sandbox-facing side: ``dnsserver`` answers every name with egressd's own
-address and forwards nothing; a transparent listener reads the destination of
-a connection that arrives there from its ClientHello (``transparent``) or its
-Host header (``server`` in ``modes.transparent_http``), and from then on
-everything happens as above. ``control`` is the HTTP control API
+address (as ``core.dnsanswer`` plans) and forwards nothing; a transparent
+listener reads the destination of a connection that arrives there from its
+ClientHello (``transparent``) or its Host header (``server`` in
+``modes.transparent_http``), and from then on everything happens as above.
+``control`` is the HTTP control API
 (aiohttp). Host names and authorities are ``egressd.names``' business.
 """

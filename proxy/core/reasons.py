@@ -14,7 +14,7 @@ module keeps a table of its own (after Smokescreen's decision reasons):
 - ``rcode``: the DNS response code (RFC 1035 §4.1.1) of a query refused
   with this reason, None for a reason no DNS answer carries.
 
-``responses`` turns a reason into HTTP bytes or a TLS alert, ``dnsserver``
+``responses`` turns a reason into HTTP bytes or a TLS alert, ``dnsanswer``
 into a reply. Pure: no I/O.
 """
 

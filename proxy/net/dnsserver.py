@@ -17,16 +17,13 @@ How one query is answered (``DnsServer.handle``), in order:
 3. the source address belongs to no run (``--require-auth``) → REFUSED,
    ``auth_required``; the audit log cannot be written → REFUSED,
    ``audit_unavailable``;
-4. a name that is not a well-formed host name (``egressd.names.hosts``) → FORMERR;
-5. a class other than IN, or a type other than A and AAAA → REFUSED;
-6. strict mode, and the run could never reach the name → NXDOMAIN (see
-   ``unreachable_reason``);
-7. A → the configured IPv4 answer, or, for a run on a network of its own,
-   egressd's IPv4 address there (``Run.address``); AAAA → the IPv6 answer if
-   configured, else NOERROR with no records (RFC 2308 §2.2 "NODATA").
-
-Steps 3, 4 and 6 refuse with a reason, and the reason's table row gives the
-response code (``Reason.rcode``, through ``refused``).
+4. otherwise what ``egressd.proxy.core.dnsanswer.plan_answer`` says: FORMERR
+   for a name that is no host, REFUSED for a class or type other than IN A
+   and AAAA, NXDOMAIN in strict mode for a name the run could never reach
+   (``unreachable_reason``), else the A answer (for a run on a network of its
+   own, egressd's IPv4 address there, ``Run.address``) or the AAAA answer
+   (NOERROR with no records when there is none). A refusal carries a reason,
+   whose table row gives the response code (``Reason.rcode``).
 
 Every query that passes step 1 is one ``egress`` record of kind ``dns``
 (through the gate, like every other attempt), with ``host`` the name,
@@ -39,12 +36,13 @@ but counted instead of recorded one by one; the counts, like the rate
 limit's, are written every ``summary_interval_s`` as one record each (host
 null, ``reason: limit_exceeded``, ``suppressed: N``, ``limit``: which one).
 
-``read_query``, ``query_name``, ``plan_answer``, ``refused``,
-``unreachable_reason`` and ``RateLimiter`` are pure (time is passed in); the
-question is read and the reply packed here (the layout is fixed, and it is
-the hot path), and dnslib gives only the names of query types. The asyncio
-shell answers from protocol callbacks: no task per query, and no waiting —
-a DNS query never triggers an approval (DESIGN.md "Decision order").
+The pure parts live in the core: the DNS codec (``egressd.proxy.core.dns``)
+reads the question and packs the reply; ``egressd.proxy.core.dnsanswer``
+decides what to answer and prepares each outcome's reply once. Here: the
+sockets, the rate limit (``RateLimiter``, pure: time is passed in), the
+per-run name ledger and the records. The asyncio shell answers from
+protocol callbacks: no task per query, and no waiting — a DNS query never
+triggers an approval (DESIGN.md "Decision order").
 """
 
 from __future__ import annotations
@@ -53,24 +51,19 @@ import asyncio
 import errno
 import logging
 import socket
-import struct
 import time
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
-from typing import NamedTuple
-
-from dnslib import CLASS, QTYPE
 
 from egressd.audit.records import Decision, EgressDecided, EgressKind, new_request_id
 from egressd.names.addresses import IPAddress
-from egressd.names.hosts import HostError, normalise_host
-from egressd.names.shown import shown_name
+from egressd.proxy.core.dns import TCP_LENGTH_PREFIX, DnsQueryError, qtype_text, read_query
+from egressd.proxy.core.dnsanswer import Answers, unreachable_reason
 from egressd.proxy.core.memo import remember
-from egressd.proxy.core.policy import Verdict, decide
-from egressd.proxy.core.reasons import Rcode, Reason
+from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run, RunRegistry, source_address
 from egressd.proxy.net.gate import Gate
 
@@ -103,324 +96,12 @@ MAX_TRACKED_CLIENTS = 4096
 # Replies a TCP client has not read yet, before we stop reading its queries.
 _TCP_WRITE_HIGH_WATER = 64 * 1024
 
-_HEADER = struct.Struct("!HHHHHH")
-# An answer record: owner (a compression pointer), type, class, TTL, RDLENGTH.
-_ANSWER = struct.Struct("!HHHIH")
-_POINTER_TO_QUESTION = 0xC000 | 12  # RFC 1035 §4.1.4: the name right after the header
-_QR = 0x8000
-_OPCODE_MASK = 0x7800
-_RD = 0x0100
-_RA = 0x0080
-_TYPE_A = QTYPE.A
-_TYPE_AAAA = QTYPE.AAAA
 _BIND_ATTEMPTS = 50
-# Outcomes kept per server: a handful in use (A, AAAA, REFUSED, FORMERR and
-# the strict-mode NXDOMAINs); the bound is for a client cycling through types.
-_MAX_OUTCOMES = 1024
 _LIMIT_EXCEEDED = Reason.LIMIT_EXCEEDED.value
 _BAD_REQUEST = Reason.BAD_REQUEST.value
 
 
-# Strict mode: the policy reasons that hold for the rest of a run whatever
-# the port, so no connection to the name can ever be let out — those the
-# reason table answers NXDOMAIN (denylisted, ip_literal, denied_earlier,
-# not_allowlisted). ``port_not_allowed`` is not one (the host is allowed on
-# another port), nor is ASK (a person may still allow it).
-UNREACHABLE: frozenset[Reason] = frozenset(reason for reason in Reason if reason.rcode is Rcode.NXDOMAIN)
-
-
 # --- the pure part ---------------------------------------------------------------
-
-
-class DnsQueryError(Exception):
-    """A packet that is not a query we answer; ``reply`` is what to send (None: drop)."""
-
-    def __init__(self, detail: str, reply: bytes | None, rcode: Rcode | None) -> None:
-        super().__init__(detail)
-        self.reply = reply
-        self.rcode = rcode
-
-
-class Query(NamedTuple):
-    """One decoded question. ``name`` is the normalised host, None when the
-    name is not a well-formed host name; ``shown`` is the name as received,
-    escaped (RFC 1035 §5.1 ``\\DDD``) for the audit log; ``question`` is the
-    question section's bytes as received, which the reply repeats. (read_query
-    builds it from a tuple in this field order.)
-
-    A named tuple rather than a frozen dataclass: one is built per query,
-    and a tuple is the cheapest immutable record to build."""
-
-    ident: int
-    flags: int
-    question: bytes
-    name: str | None
-    labels: tuple[bytes, ...]
-    qtype: int
-    qclass: int
-    shown: str
-
-    @property
-    def qtype_text(self) -> str:
-        return qtype_text(self.qtype)
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """What to answer: the code, the address (if any), and how to record it."""
-
-    rcode: Rcode
-    address: IPAddress | None = None
-    reason: Reason | None = None
-
-    @property
-    def decision(self) -> str:
-        return "allow" if self.address is not None else "deny"
-
-    @property
-    def answer_text(self) -> str:
-        return str(self.address) if self.address is not None else self.rcode.name
-
-
-def refused(reason: Reason) -> Plan:
-    """The answer that refuses a query with ``reason``: the reason's rcode (``Reason.rcode``).
-
-    Raises ValueError for a reason no DNS answer carries.
-    """
-    if reason.rcode is None:
-        raise ValueError(f"no DNS answer says {reason.value}")
-    return Plan(reason.rcode, reason=reason)
-
-
-def header_reply(packet: bytes, rcode: Rcode) -> bytes:
-    """A header-only reply to ``packet`` (at least 12 bytes): its id, opcode and RD, and ``rcode``."""
-    ident, flags = struct.unpack_from("!HH", packet)
-    flags = _QR | (flags & (_OPCODE_MASK | _RD)) | int(rcode)
-    return _HEADER.pack(ident, flags, 0, 0, 0, 0)
-
-
-def _formerr(packet: bytes, detail: str) -> DnsQueryError:
-    return DnsQueryError(detail, header_reply(packet, Rcode.FORMERR), Rcode.FORMERR)
-
-
-def read_query(packet: bytes) -> Query:
-    """Decode a query; DnsQueryError says what to answer when it is not one.
-
-    1. shorter than a header, or a response (QR set) → drop: an answer to an
-       answer could loop between two servers;
-    2. an opcode other than QUERY → NOTIMP;
-    3. not exactly one question, or answer/authority records → FORMERR
-       (RFC 9619: QDCOUNT is one; a query carries no answers);
-    4. the question cannot be decoded (``read_name``: cut short, a label
-       that is not UTF-8, or a compressed name — a pointer there could only
-       point into the header), or the packet ends inside its type or class
-       → FORMERR.
-
-    What follows the question (an EDNS OPT record, say) is not decoded: the
-    answer never depends on it, and nothing of it is kept or sent anywhere.
-    """
-    if packet.__class__ is not bytes:
-        packet = bytes(packet)  # a bytearray (dnslib packs into one) is no cache key
-    if len(packet) < 12:
-        raise DnsQueryError("shorter than a DNS header", None, None)
-    ident, flags, qdcount, ancount, nscount, _arcount = _HEADER.unpack_from(packet)
-    if flags & _QR:
-        raise DnsQueryError("a response, not a query", None, None)
-    if flags & _OPCODE_MASK:
-        raise DnsQueryError("opcode is not QUERY", header_reply(packet, Rcode.NOTIMP), Rcode.NOTIMP)
-    if qdcount != 1 or ancount or nscount:
-        raise _formerr(packet, "not exactly one question")
-    # The name ends at its root label, a zero octet. A name whose labels hold
-    # no zero octet ends at the first one after the header: the question
-    # there (name, type, class) is looked up among those read before. A hit
-    # is a question read before, which reads the same again (only questions
-    # whose name ends at its first zero octet are kept; a packet cut short
-    # gives a shorter key, which matches none). A miss, or a name with a
-    # zero octet inside a label, is read label by label.
-    end = packet.find(0, 12) + 5
-    known = _QUESTIONS.get(packet[12:end]) if end > 4 else None
-    if known is None:
-        known = _read_question(packet)
-    return _new_query(Query, (ident, flags, *known))
-
-
-def _read_question(packet: bytes) -> tuple[bytes, str | None, tuple[bytes, ...], int, int, str]:
-    """(question, host or None, labels, type, class, shown) of the question at offset 12; kept when it can be found."""
-    labels, end = read_name(packet, 12)
-    tail = end + 4
-    if len(packet) < tail:
-        raise _formerr(packet, "undecodable: the packet ends inside the question's type or class")
-    qtype, qclass = _TYPE_CLASS.unpack_from(packet, end)
-    try:
-        host: str | None = query_name(labels)
-    except HostError:
-        host = None
-    question = packet[12:tail]
-    known = (question, host, labels, qtype, qclass, shown_name(labels))
-    # Kept when the fast path can find it (no zero octet inside a label) and
-    # no longer than a name can be (RFC 1035 §3.1: 255 octets), so the cache
-    # holds at most _MAX_QUESTIONS_CACHED × 259 octets of keys.
-    if end - 12 <= 255 and packet.find(0, 12) + 1 == end:
-        remember(_QUESTIONS, question, known, _MAX_QUESTIONS_CACHED)
-    return known
-
-
-def read_name(packet: bytes, offset: int) -> tuple[tuple[bytes, ...], int]:
-    """The labels of the uncompressed name at ``offset``, and the offset after it.
-
-    RFC 1035 §4.1.2 / §3.1: length-prefixed labels up to a zero octet. A
-    length octet with both top bits set is a compression pointer (§4.1.4),
-    which is FORMERR in a question: the only name before it is the header.
-    Other length octets are read as lengths, up to 191 (as dnslib did: a
-    label over 63 octets, or a name over 255, reads, and is no host name, so
-    it is answered FORMERR all the same, with the name in the record); a
-    label must be UTF-8. Raises DnsQueryError (FORMERR) when the packet ends
-    first. Needs ``packet`` to hold a header (its id goes into the error reply).
-    """
-    labels: list[bytes] = []
-    size = len(packet)
-    while True:
-        if offset >= size:
-            raise _formerr(packet, "undecodable: the packet ends inside the question's name")
-        length = packet[offset]
-        if length == 0:
-            return tuple(labels), offset + 1
-        if length >= 0xC0:
-            raise _formerr(packet, "compressed question name")
-        start = offset + 1
-        offset = start + length
-        if offset > size:
-            raise _formerr(packet, "undecodable: the packet ends inside a label of the question's name")
-        label = packet[start:offset]
-        if not label.isascii():
-            try:
-                label.decode()
-            except UnicodeDecodeError:
-                raise _formerr(packet, "undecodable: a label of the question's name is not UTF-8") from None
-        labels.append(label)
-
-
-# Question section (name, type, class) → what read_query makes of it: a pure
-# function of the bytes, and a sandbox asks the same few names again and
-# again. Bounded like the gate's caches: cleared when full.
-_QUESTIONS: dict[bytes, tuple[bytes, str | None, tuple[bytes, ...], int, int, str]] = {}
-_MAX_QUESTIONS_CACHED = 4096
-_TYPE_CLASS = struct.Struct("!HH")
-# Builds a Query from one tuple without NamedTuple's Python-level __new__.
-_new_query = tuple.__new__
-
-
-# The text of the types a sandbox asks for, and dnslib's table for the rest
-# (``TYPEnnn`` for a number it does not know, RFC 3597 §5).
-_QTYPE_TEXT: dict[int, str] = {code: str(text) for code, text in QTYPE.forward.items()}
-
-
-def qtype_text(qtype: int) -> str:
-    """A query type as master-file text: ``A``, ``AAAA``, ``TYPE65280``."""
-    text = _QTYPE_TEXT.get(qtype)
-    return text if text is not None else str(QTYPE[qtype])
-
-
-def query_name(labels: Sequence[bytes]) -> str:
-    """The normalised host a query's labels spell; HostError when they spell none.
-
-    Labels must be ASCII (names on the wire are A-labels) and form a host
-    ``egressd.names.hosts.normalise_host`` accepts: letters, digits, hyphen and
-    underscore, 63 octets a label, 253 characters in all. The root name is
-    not a host.
-    """
-    if not labels:
-        raise HostError("the root name is not a host")
-    parts = []
-    for label in labels:
-        if not label.isascii() or b"." in label:
-            raise HostError("label is not an ASCII host label")
-        parts.append(label.decode("ascii"))
-    return normalise_host(".".join(parts))
-
-
-def plan_answer(
-    query: Query,
-    *,
-    answer4: IPv4Address,
-    answer6: IPv6Address | None,
-    unreachable: Reason | None,
-) -> Plan:
-    """Steps 4-7 of the module docstring, for a query from an attributed client.
-
-    ``unreachable`` is the strict-mode verdict for the name (None: reachable,
-    or strict mode off).
-    """
-    if query.name is None:
-        return refused(Reason.BAD_REQUEST)
-    if query.qclass != CLASS.IN or query.qtype not in (_TYPE_A, _TYPE_AAAA):
-        return Plan(Rcode.REFUSED)
-    if unreachable is not None:
-        return refused(unreachable)
-    if query.qtype == _TYPE_A:
-        return Plan(Rcode.NOERROR, answer4)
-    if answer6 is not None:
-        return Plan(Rcode.NOERROR, answer6)
-    return Plan(Rcode.NOERROR)
-
-
-def unreachable_reason(run: Run, name: str) -> tuple[Reason | None, str | None]:
-    """Strict mode: why no connection to ``name`` can ever leave in this run.
-
-    The policy's verdict for the name on port 443: a DENY whose reason is in
-    ``UNREACHABLE`` (on the denylist, an IP literal no entry names, denied
-    earlier in the run, or not allowlisted with asking off) holds for every
-    port and for the rest of the run. Allowed names, names allowed on other
-    ports, and names a person could still be asked about are reachable.
-    Returns (reason or None, the rule that matched).
-    """
-    decision = decide(run.policy(), name, 443)
-    if decision.verdict is Verdict.DENY and decision.reason in UNREACHABLE:
-        return decision.reason, decision.rule
-    return None, decision.rule
-
-
-def pack_reply(query: Query, plan: Plan, ttl_s: int) -> bytes:
-    """The reply to ``query`` per ``plan`` (RFC 1035 §4.1).
-
-    The header keeps the query's id, opcode and RD, sets QR and RA (we act as
-    the sandbox's recursive resolver) and the response code; the question is
-    repeated byte for byte (so 0x20 case randomisation survives); the answer,
-    if any, is one record whose owner is a pointer to the question's name
-    (§4.1.4), class IN, ``ttl_s``, and the address. Built here rather than
-    with dnslib's packer: the layout is fixed, and it is the hot path.
-    """
-    return PreparedReply(plan, ttl_s).reply(query)
-
-
-class PreparedReply:
-    """A plan with what the server writes for it worked out once: the
-    record's decision, reason and answer text, and the reply's flags and
-    answer record. Immutable by convention; the server keeps one per
-    distinct plan, so a query costs no Plan, no ``str(address)``, no packing
-    of the address."""
-
-    __slots__ = ("plan", "decision", "reason", "answer", "_flags", "_ancount", "_record")
-
-    def __init__(self, plan: Plan, ttl_s: int) -> None:
-        self.plan = plan
-        self.decision = Decision(plan.decision)
-        self.reason = plan.reason.value if plan.reason is not None else None
-        self.answer = plan.answer_text
-        self._flags = _QR | _RA | int(plan.rcode)
-        address = plan.address
-        if address is None:
-            self._ancount, self._record = 0, b""
-        else:
-            rdata = address.packed
-            rtype = _TYPE_A if address.version == 4 else _TYPE_AAAA
-            self._ancount = 1
-            self._record = _ANSWER.pack(_POINTER_TO_QUESTION, rtype, CLASS.IN, ttl_s, len(rdata)) + rdata
-
-    def reply(self, query: Query) -> bytes:
-        """The reply to ``query``: see ``pack_reply``."""
-        flags = self._flags | (query.flags & (_OPCODE_MASK | _RD))
-        return _HEADER.pack(query.ident, flags, 1, self._ancount, 0, 0) + query.question + self._record
 
 
 class RateLimiter:
@@ -518,9 +199,7 @@ class DnsServer:
         self.gate = gate
         self.runs = runs
         self._answer4 = answer4
-        self._answer6 = answer6
         self.strict = strict
-        self._ttl_s = ttl_s
         self.max_names_per_run = max_names_per_run
         self.summary_interval_s = summary_interval_s
         self._monotonic = monotonic
@@ -539,12 +218,7 @@ class DnsServer:
         self._tcp_connections: set[_TcpDns] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._address: tuple[str, int] | None = None
-        # plan_answer is a pure function of (the name is None, class, type,
-        # unreachable, the A answer) and the fixed AAAA answer: its outcomes are
-        # kept, bounded (a run's own address adds a handful).
-        self._outcomes: dict[tuple[bool, int, int, Reason | None, IPv4Address], PreparedReply] = {}
-        self._auth_required = PreparedReply(refused(Reason.AUTH_REQUIRED), ttl_s)
-        self._audit_unavailable = PreparedReply(refused(Reason.AUDIT_UNAVAILABLE), ttl_s)
+        self._answers = Answers(answer6, ttl_s)
 
     # Fixed at construction: the kept outcomes are worked out from them.
     @property
@@ -553,11 +227,11 @@ class DnsServer:
 
     @property
     def answer6(self) -> IPv6Address | None:
-        return self._answer6
+        return self._answers.answer6
 
     @property
     def ttl_s(self) -> int:
-        return self._ttl_s
+        return self._answers.ttl_s
 
     @property
     def address(self) -> tuple[str, int]:
@@ -653,11 +327,11 @@ class DnsServer:
         heard.qtype = qtype_text(query.qtype)
         run = self.runs.attribute(source, None)
         if run is None:
-            outcome = self._auth_required
+            outcome = self._answers.no_run
         else:
             heard.run, heard.command = run, run.command
             if not self.gate.audit.healthy:
-                outcome = self._audit_unavailable
+                outcome = self._answers.no_audit_log
             else:
                 unreachable = None
                 if self.strict and name is not None:
@@ -665,7 +339,7 @@ class DnsServer:
                 # A run on a network of its own reaches egressd there, and only there.
                 own = run.address
                 answer4 = own if isinstance(own, IPv4Address) else self._answer4
-                outcome = self._outcome(query, unreachable, answer4)
+                outcome = self._answers.outcome(query, unreachable, answer4)
         heard.answer = outcome.answer
         if run is None or self._record_in_full(run, host):
             self._record(heard, outcome.decision, outcome.reason)
@@ -703,16 +377,6 @@ class DnsServer:
             extra=extra,
         )
         self.gate.settle(fact, run)
-
-    def _outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address) -> PreparedReply:
-        """``plan_answer`` for ``query``, as a PreparedReply kept for the next query like it."""
-        key = (query.name is None, query.qclass, query.qtype, unreachable, answer4)
-        try:
-            return self._outcomes[key]
-        except KeyError:
-            pass
-        plan = plan_answer(query, answer4=answer4, answer6=self._answer6, unreachable=unreachable)
-        return remember(self._outcomes, key, PreparedReply(plan, self._ttl_s), _MAX_OUTCOMES)
 
     def _record_in_full(self, run: Run, name: str) -> bool:
         """Whether this query gets its own record: its name is one of the run's first N."""
@@ -825,17 +489,18 @@ class _TcpDns(asyncio.Protocol):
         if self._transport is None:
             return
         self._buffer += data
-        while len(self._buffer) >= 2:
-            length = int.from_bytes(self._buffer[:2], "big")
-            if len(self._buffer) < 2 + length:
+        prefix = TCP_LENGTH_PREFIX
+        while len(self._buffer) >= prefix:
+            length = int.from_bytes(self._buffer[:prefix], "big")
+            if len(self._buffer) < prefix + length:
                 break
-            message = bytes(self._buffer[2 : 2 + length])
-            del self._buffer[: 2 + length]
+            message = bytes(self._buffer[prefix : prefix + length])
+            del self._buffer[: prefix + length]
             reply = self._server.handle(message, self._peer, "tcp")
             if self._transport.is_closing():
                 return
             if reply is not None:
-                self._transport.write(len(reply).to_bytes(2, "big") + reply)
+                self._transport.write(len(reply).to_bytes(prefix, "big") + reply)
         self._arm()
 
     def pause_writing(self) -> None:

@@ -55,6 +55,7 @@ from egressd.audit.records import (
 from egressd.names.addresses import IPAddress
 from egressd.names.shown import logged
 from egressd.proxy.core.addresses import OwnEndpoints, forbidden_reason, is_own
+from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.floods import RefusalBudget, Suppressed
 from egressd.proxy.core.memo import remembered
 from egressd.proxy.core.metrics import Metrics
@@ -62,7 +63,7 @@ from egressd.proxy.core.policy import Verdict
 from egressd.proxy.core.reasons import Reason, reason_for
 from egressd.proxy.core.responses import OWN_ENDPOINT_MESSAGE
 from egressd.proxy.core.runs import Run
-from egressd.proxy.net.resolver import ResolveError, Resolver
+from egressd.proxy.net.resolver import Resolver
 
 log = logging.getLogger("egressd.decisions")
 P = TypeVar("P", bound=asyncio.Protocol)

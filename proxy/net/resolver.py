@@ -13,8 +13,9 @@ Two implementations:
   follows CNAME chains only from the asked name, caches answers by TTL and
   coalesces concurrent lookups of one name into one upstream exchange.
 
-``accept_reply``, ``read_answer`` and ``parse_server`` are pure (bytes or text
-in, values out); the asyncio code around them is the thin shell.
+The messages are built and read by the DNS codec, ``egressd.proxy.core.dns``
+(``build_query``, ``accept_reply``, ``read_answer``); ``parse_server`` is pure
+too; the asyncio code around them is the thin shell.
 """
 
 from __future__ import annotations
@@ -30,26 +31,29 @@ from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address, ip_address
 from typing import Protocol
 
-from dnslib import CLASS, QTYPE, RCODE, DNSError, DNSLabel, DNSRecord
+from dnslib import DNSRecord
 
 from egressd.names.addresses import IPAddress
 from egressd.names.authority import AuthorityError, Fault, parse_authority
+from egressd.proxy.core.dns import (
+    TCP_LENGTH_PREFIX,
+    TYPE_A,
+    TYPE_AAAA,
+    Resolution,
+    ResolveError,
+    accept_reply,
+    build_query,
+    qtype_text,
+    read_answer,
+    same_name,
+)
 
-# RFC 1035 §2.3.4: a name is at most 255 octets; a CNAME chain longer than a
-# handful of hops is a misconfiguration or an attack, and each hop is a loop risk.
-_MAX_CNAME_HOPS = 8
 # RFC 2308 §5: NXDOMAIN is cached for min(SOA TTL, SOA MINIMUM); without an SOA
 # we still hold it briefly so a tool retrying in a loop does not hammer upstream.
 _DEFAULT_NEGATIVE_TTL_S = 5
 # A short cap: a name that appears soon after (new deployment) must not stay
 # unreachable for the SOA's hours-long minimum.
 _MAX_NEGATIVE_TTL_S = 60
-# RFC 1035 §4.2.2: a DNS message over TCP is at most 65535 octets (16-bit prefix).
-_TCP_LENGTH_PREFIX = 2
-
-
-class ResolveError(Exception):
-    """The name could not be resolved; the message says why (NXDOMAIN, timeout, ...)."""
 
 
 class Resolver(Protocol):
@@ -107,129 +111,7 @@ class SystemResolver:
 
 
 # ---------------------------------------------------------------------------
-# Pure DNS message handling
-
-
-def _norm(label: DNSLabel | str) -> str:
-    """Compare names the DNS way: case-insensitive (RFC 4343), one trailing dot ignored."""
-    text = str(label).lower()
-    return text[:-1] if text.endswith(".") else text
-
-
-def build_query(host: str, qtype: int, query_id: int) -> DNSRecord:
-    """A recursive (RD) query for ``host``/``qtype`` with the given 16-bit id.
-
-    Raises ``ResolveError`` when the name cannot be encoded (a label over 63
-    octets, RFC 1035 §2.3.4).
-    """
-    if not host or host.endswith("."):
-        raise ResolveError(f"{host!r}: invalid name")
-    try:
-        query = DNSRecord.question(host, QTYPE.get(qtype))
-        query.pack()
-    except (DNSError, UnicodeError, ValueError) as exc:
-        raise ResolveError(f"{host}: invalid name") from exc
-    query.header.id = query_id
-    return query
-
-
-def accept_reply(query: DNSRecord, reply_bytes: bytes) -> DNSRecord | None:
-    """Parse ``reply_bytes`` if it answers ``query``; otherwise None (ignore it, keep waiting).
-
-    A reply is accepted only if it parses, is a response (QR set), carries the
-    query's id and repeats exactly its one question (name, case-insensitive;
-    type; class). Anything else may be a spoofed or stale datagram (RFC 5452
-    §3), so it is dropped rather than treated as an error.
-    """
-    try:
-        reply = DNSRecord.parse(reply_bytes)
-    except DNSError:
-        return None
-    if reply.header.qr != 1 or reply.header.id != query.header.id:
-        return None
-    if len(reply.questions) != 1:
-        return None
-    asked, answered = query.q, reply.q
-    if _norm(answered.qname) != _norm(asked.qname):
-        return None
-    if answered.qtype != asked.qtype or answered.qclass != asked.qclass:
-        return None
-    return reply
-
-
-@dataclass(frozen=True, slots=True)
-class Resolution:
-    """What one reply says about one name and type.
-
-    ``rcode`` is the response code's name ("NOERROR", "NXDOMAIN", ...).
-    ``ttl_s`` is, with addresses, the smallest TTL along the CNAME chain and
-    the address records; without addresses, the RFC 2308 §5 negative TTL taken
-    from an SOA in the authority section, or None when there was none.
-    """
-
-    rcode: str
-    addresses: tuple[IPAddress, ...]
-    ttl_s: int | None
-
-
-def _negative_ttl(reply: DNSRecord) -> int | None:
-    """RFC 2308 §5: the negative TTL is min(SOA record TTL, SOA MINIMUM field)."""
-    ttls = [
-        min(rr.ttl, rr.rdata.times[4])
-        for rr in reply.auth
-        if rr.rtype == QTYPE.SOA and rr.rclass == CLASS.IN
-    ]
-    return min(ttls) if ttls else None
-
-
-def read_answer(reply: DNSRecord, qname: str, qtype: int) -> Resolution:
-    """The addresses of type ``qtype`` that ``reply`` gives for ``qname``.
-
-    1. A non-NOERROR rcode yields no addresses and the SOA negative TTL.
-    2. CNAMEs are followed from ``qname`` only (at most ``_MAX_CNAME_HOPS``,
-       stopping at a loop); the first CNAME per owner counts (RFC 2181 §10.1
-       allows only one).
-    3. A/AAAA records count only if their owner is ``qname`` or a name reached
-       by that chain. Every other record in the answer section is ignored: an
-       unrelated record is the classic cache-poisoning vector (RFC 5452 §6).
-    """
-    rcode = RCODE.get(reply.header.rcode, str(reply.header.rcode))
-    if reply.header.rcode != RCODE.NOERROR:
-        return Resolution(rcode=rcode, addresses=(), ttl_s=_negative_ttl(reply))
-
-    cnames: dict[str, tuple[str, int]] = {}
-    for rr in reply.rr:
-        if rr.rtype == QTYPE.CNAME and rr.rclass == CLASS.IN:
-            cnames.setdefault(_norm(rr.rname), (_norm(rr.rdata.label), rr.ttl))
-
-    name = _norm(qname)
-    chain = {name}
-    ttls: list[int] = []
-    for _ in range(_MAX_CNAME_HOPS):
-        if name not in cnames:
-            break
-        target, ttl = cnames[name]
-        if target in chain:
-            break
-        chain.add(target)
-        ttls.append(ttl)
-        name = target
-
-    addresses: list[IPAddress] = []
-    for rr in reply.rr:
-        if rr.rtype != qtype or rr.rclass != CLASS.IN or _norm(rr.rname) not in chain:
-            continue
-        if qtype == QTYPE.A:
-            addresses.append(IPv4Address(bytes(rr.rdata.data)))
-        elif qtype == QTYPE.AAAA:
-            addresses.append(IPv6Address(bytes(rr.rdata.data)))
-        else:
-            continue
-        ttls.append(rr.ttl)
-
-    if not addresses:
-        return Resolution(rcode=rcode, addresses=(), ttl_s=_negative_ttl(reply))
-    return Resolution(rcode=rcode, addresses=tuple(addresses), ttl_s=min(ttls))
+# Pure: the upstream server's address (the messages are egressd.proxy.core.dns')
 
 
 def parse_server(text: str) -> tuple[str, int]:
@@ -450,8 +332,8 @@ class DnsResolver:
     async def _lookup(self, host: str) -> tuple[IPAddress, ...]:
         """Ask A and AAAA together, combine, cache, and return the addresses."""
         async with asyncio.TaskGroup() as group:
-            ask_a = group.create_task(self._answer(host, QTYPE.A))
-            ask_aaaa = group.create_task(self._answer(host, QTYPE.AAAA))
+            ask_a = group.create_task(self._answer(host, TYPE_A))
+            ask_aaaa = group.create_task(self._answer(host, TYPE_AAAA))
         outcomes = (ask_a.result(), ask_aaaa.result())
         answers = [o for o in outcomes if isinstance(o, Resolution)]
         addresses = tuple(_ordered(a for answer in answers for a in answer.addresses))
@@ -504,7 +386,7 @@ class DnsResolver:
                 return await self._ask_tcp(query)
             return reply
         raise ResolveError(
-            f"{host}: timeout ({QTYPE.get(qtype)} query, {self._attempts} x {self._timeout_s:g} s)"
+            f"{host}: timeout ({qtype_text(qtype)} query, {self._attempts} x {self._timeout_s:g} s)"
         )
 
     async def _ask_udp(self, query: DNSRecord) -> DNSRecord | None:
@@ -538,9 +420,9 @@ class DnsResolver:
             async with asyncio.timeout(self._timeout_s):
                 reader, writer = await asyncio.open_connection(*self._server)
                 try:
-                    writer.write(len(payload).to_bytes(_TCP_LENGTH_PREFIX, "big") + payload)
+                    writer.write(len(payload).to_bytes(TCP_LENGTH_PREFIX, "big") + payload)
                     await writer.drain()
-                    length = int.from_bytes(await reader.readexactly(_TCP_LENGTH_PREFIX), "big")
+                    length = int.from_bytes(await reader.readexactly(TCP_LENGTH_PREFIX), "big")
                     data = await reader.readexactly(length)
                 finally:
                     writer.close()
@@ -550,11 +432,11 @@ class DnsResolver:
                         pass
         except TimeoutError as exc:
             raise ResolveError(
-                f"{_norm(query.q.qname)}: timeout over TCP ({self._timeout_s:g} s)"
+                f"{same_name(query.q.qname)}: timeout over TCP ({self._timeout_s:g} s)"
             ) from exc
         except asyncio.IncompleteReadError as exc:
             raise ResolveError(
-                f"{_norm(query.q.qname)}: malformed reply (TCP stream ended mid-message)"
+                f"{same_name(query.q.qname)}: malformed reply (TCP stream ended mid-message)"
             ) from exc
         except OSError as exc:
             raise ResolveError(
@@ -564,7 +446,7 @@ class DnsResolver:
         if reply is None:
             # Over our own TCP connection there is no off-path spoofing to
             # wait out: a reply that does not match is simply broken.
-            raise ResolveError(f"{_norm(query.q.qname)}: malformed reply over TCP")
+            raise ResolveError(f"{same_name(query.q.qname)}: malformed reply over TCP")
         return reply
 
     def _server_text(self) -> str:

@@ -73,8 +73,10 @@ from dnslib import DNSRecord
 from egressd.names import authority, shown
 from egressd.names.hosts import HostError, normalise_host
 from egressd.proxy.core import clienthello as clienthello_module
-from egressd.proxy.core import http1, runs
+from egressd.proxy.core import dns, dnsanswer, http1, runs
 from egressd.proxy.core.clienthello import ClientHello, ClientHelloError, ClientRecords, parse_client_hello, scan_client
+from egressd.proxy.core.dns import DnsQueryError, read_query
+from egressd.proxy.core.dnsanswer import pack_reply, plan_answer
 from egressd.proxy.core.http1 import (
     BodyKind,
     ChunkedScanner,
@@ -87,8 +89,6 @@ from egressd.proxy.core.http1 import (
 from egressd.proxy.core.policy import RunPolicy, decide
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import RunRegistry, parse_proxy_authorization
-from egressd.proxy.net import dnsserver
-from egressd.proxy.net.dnsserver import DnsQueryError, pack_reply, plan_answer, read_query
 from tests.fakes import hellos
 from tests.fuzz import toy_parser
 
@@ -955,7 +955,7 @@ def _dns_label_edit(buf: bytearray, rng: random.Random) -> bytearray:
 
 
 def _dns_reset() -> None:
-    dnsserver._QUESTIONS.clear()  # the same inputs cover the same lines, whatever ran before
+    dns._QUESTIONS.clear()  # the same inputs cover the same lines, whatever ran before
 
 
 def check_dns(data: bytes) -> None:
@@ -967,7 +967,7 @@ def check_dns(data: bytes) -> None:
         return
     except Exception as exc:  # noqa: BLE001
         raise FuzzFailure("dns", data, f"read_query raised {exc!r}") from exc
-    fresh = (query.ident, query.flags, *dnsserver._read_question(data))
+    fresh = (query.ident, query.flags, *dns._read_question(data))
     if tuple(query) != fresh or tuple(read_query(data)) != fresh or tuple(read_query(bytearray(data))) != fresh:
         raise FuzzFailure("dns", data, "a cached question reads differently from a fresh one")
     if not query.qtype_text:
@@ -1136,7 +1136,7 @@ TARGETS: dict[str, Target] = {
             (_hello_fix_lengths,),
             max_len=8192,
         ),
-        Target("dns", dns_seeds, check_dns, (dnsserver, shown), _DNS_TOKENS, (_dns_label_edit,), 700, _dns_reset),
+        Target("dns", dns_seeds, check_dns, (dns, dnsanswer, shown), _DNS_TOKENS, (_dns_label_edit,), 700, _dns_reset),
         Target(
             "proxy_auth",
             auth_seeds,

@@ -24,9 +24,9 @@ from egressd.approvals.interface import ANSWER_REASONS, Answer
 from egressd.audit.views import EgressSeen
 from egressd.cli.commands.run import refusal_line
 from egressd.proxy.core.clienthello import Alert, tls_alert
+from egressd.proxy.core.dnsanswer import UNREACHABLE, refused
 from egressd.proxy.core.reasons import Rcode, Reason, reason_for, reason_message
 from egressd.proxy.core.responses import tls_refusal
-from egressd.proxy.net.dnsserver import UNREACHABLE, refused
 from tests import REPO
 from tests.conftest import Listener
 from tests.fakes import hellos

@@ -22,22 +22,12 @@ from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.service import StartupError
 from egressd.names.hosts import HostError, normalise_host
 from egressd.names.shown import shown_name
+from egressd.proxy.core.dns import DnsQueryError, header_reply, query_name, read_query
+from egressd.proxy.core.dnsanswer import Plan, pack_reply, plan_answer, unreachable_reason
 from egressd.proxy.core.policy import parse_entry
-from egressd.proxy.core.reasons import Reason
+from egressd.proxy.core.reasons import Rcode, Reason
 from egressd.proxy.core.runs import Run
-from egressd.proxy.net.dnsserver import (
-    DnsQueryError,
-    DnsServer,
-    Plan,
-    RateLimiter,
-    Rcode,
-    header_reply,
-    pack_reply,
-    plan_answer,
-    query_name,
-    read_query,
-    unreachable_reason,
-)
+from egressd.proxy.net.dnsserver import DnsServer, RateLimiter
 from tests.fakes.dns import FakeDns
 from tests.harness import egress
 
@@ -211,16 +201,16 @@ def test_a_name_read_before_reads_the_same_with_another_id_type_and_case() -> No
 
 
 def test_the_questions_kept_are_bounded_in_number_and_size(monkeypatch) -> None:
-    from egressd.proxy.net import dnsserver
+    from egressd.proxy.core import dns
 
-    monkeypatch.setattr(dnsserver, "_QUESTIONS", {})
-    monkeypatch.setattr(dnsserver, "_MAX_QUESTIONS_CACHED", 3)
+    monkeypatch.setattr(dns, "_QUESTIONS", {})
+    monkeypatch.setattr(dns, "_MAX_QUESTIONS_CACHED", 3)
     too_long = raw_query([b"a" * 63] * 5)  # 321 octets of name: read, never kept
-    assert read_query(too_long).name is None and dnsserver._QUESTIONS == {}
+    assert read_query(too_long).name is None and dns._QUESTIONS == {}
     for i in range(7):
         read_query(query(f"n{i}.test"))
-        assert 1 <= len(dnsserver._QUESTIONS) <= 3
-    assert bytes(query("n6.test")[12:]) in dnsserver._QUESTIONS
+        assert 1 <= len(dns._QUESTIONS) <= 3
+    assert bytes(query("n6.test")[12:]) in dns._QUESTIONS
 
 
 def test_query_types_are_named_as_dnslib_names_them() -> None:

@@ -14,15 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from egressd.names.addresses import IPAddress
-from egressd.proxy.net.resolver import (
-    DnsResolver,
-    ResolveError,
-    SystemResolver,
-    accept_reply,
-    build_query,
-    parse_server,
-    read_answer,
-)
+from egressd.proxy.core.dns import ResolveError, accept_reply, build_query, read_answer
+from egressd.proxy.net.resolver import DnsResolver, SystemResolver, parse_server
 from tests.fakes.dns import FakeDns
 
 
