@@ -59,6 +59,10 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
      {"action": "append", "metavar": "ENTRY", "help": "deny a destination; wins over --allow (repeatable)"}),
     ("--preset", "preset",
      {"action": "append", "metavar": "NAME", "help": "add a named allowlist: python, node, github, ... (repeatable)"}),
+    ("--allow-file", "allow_file",
+     {"metavar": "FILE",
+      "help": "an allowlist file (TOML: allow = [...], deny = [...]); its entries apply, and answers "
+      "with scope 'always' are appended to it"}),
     ("--allow-private", "allow_private",
      {"action": "append", "metavar": "CIDR",
       "help": "let allowed names resolve into this private/special range (repeatable)"}),

@@ -59,8 +59,12 @@ class SettingsError(Exception):
 # The settings that hold secrets: each also has a NAME_file setting. Model keys
 # are not settings (``egressd.agent.spec`` reads them from the environment).
 SECRET_SETTINGS = (
-    "control_token", "slack_bot_token", "slack_app_token", "slack_signing_secret",
-    "webhook_secret", "webhook_callback_secret",
+    "control_token",
+    "slack_bot_token",
+    "slack_app_token",
+    "slack_signing_secret",
+    "webhook_secret",
+    "webhook_callback_secret",
 )
 # A token or key is a line; anything much longer is the wrong file.
 MAX_SECRET_BYTES = 64 * 1024
@@ -189,6 +193,9 @@ class Settings(BaseSettings):
     allow: CsvList = Field(default_factory=list, description="allowlist entries")
     deny: CsvList = Field(default_factory=list, description="denylist entries")
     preset: CsvList = Field(default_factory=list, description="named allowlists")
+    allow_file: Path | None = Field(
+        None, description="allowlist file (TOML): its entries apply, and approvals with scope always append to it"
+    )
     allow_private: CsvList = Field(default_factory=list, description="CIDRs exempt from the private-address check")
     ask: bool = Field(True, description="ask an approver about unknown domains (--no-ask: refuse them)")
     require_auth: bool = Field(False, description="no default run: every client needs run credentials")

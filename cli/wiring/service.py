@@ -25,6 +25,7 @@ from egressd.approvals.interface import Approver, ManagedApprover, SetupError
 from egressd.approvals.terminal import TerminalOutput
 from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
 from egressd.audit.records import run_record
+from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.config.settings import Settings, default_state_dir, parse_hostport
 from egressd.names.addresses import IPAddress
@@ -50,18 +51,32 @@ class StartupError(Exception):
 
 
 def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
-    """Allow (with presets expanded) and deny entries; StartupError naming a bad one."""
+    """Allow (with presets and the allow file's entries) and deny entries; StartupError naming a bad one."""
     try:
         preset_texts = [text for name in settings.preset for text in preset_entries(name)]
     except UnknownPreset as exc:
         raise StartupError(f"bad setting preset: {exc}") from None
+    file_allow: tuple[str, ...] = ()
+    file_deny: tuple[str, ...] = ()
+    if settings.allow_file is not None:
+        try:
+            held = read_allow_file(settings.allow_file)
+        except AllowFileError as exc:
+            raise StartupError(f"bad setting allow_file: {exc}") from None
+        file_allow, file_deny = held.allowed, held.deny
     parsed: list[tuple[Entry, ...]] = []
-    for setting, texts in (("allow", [*settings.allow, *preset_texts]), ("deny", settings.deny)):
+    for setting, texts in (
+        ("allow", [*settings.allow, *preset_texts]),
+        ("deny", settings.deny),
+        ("allow_file", [*file_allow, *file_deny]),
+    ):
         try:
             parsed.append(tuple(parse_entry(t) for t in texts))
         except EntryError as exc:
-            raise StartupError(f"bad setting {setting}: {exc}") from None
-    return parsed[0], parsed[1]
+            where = f" ({settings.allow_file})" if setting == "allow_file" else ""
+            raise StartupError(f"bad setting {setting}: {exc}{where}") from None
+    from_file = parsed[2]
+    return parsed[0] + from_file[: len(file_allow)], parsed[1] + from_file[len(file_allow) :]
 
 
 def approver_from_settings(
@@ -123,10 +138,14 @@ def dns_answers(settings: Settings) -> tuple[ipaddress.IPv4Address, ipaddress.IP
                 f"bad setting dns_answer: {answer} is not an IPv4 address (AAAA answers are dns_answer6)"
             )
     else:
-        hosts = {parse_hostport(v, n)[0] for n, v in (
-            ("transparent_tls", settings.transparent_tls),
-            ("transparent_http", settings.transparent_http),
-        ) if v is not None}
+        hosts = {
+            parse_hostport(v, n)[0]
+            for n, v in (
+                ("transparent_tls", settings.transparent_tls),
+                ("transparent_http", settings.transparent_http),
+            )
+            if v is not None
+        }
         if len(hosts) > 1:
             raise StartupError(
                 "bad setting dns_answer: the transparent listeners are on different hosts "
@@ -318,23 +337,17 @@ class EgressService:
         s = self.settings
         assert self.gate is not None and self.runs is not None
         if s.transparent_tls is not None:
-            self.transparent_tls = Listener(
-                gate=self.gate, runs=self.runs, limits=limits, mode=transparent_tls()
-            )
+            self.transparent_tls = Listener(gate=self.gate, runs=self.runs, limits=limits, mode=transparent_tls())
             await self._listen(self.transparent_tls, "transparent_tls", s.transparent_tls)
         if s.transparent_http is not None:
-            self.transparent_http = Listener(
-                gate=self.gate, runs=self.runs, limits=limits, mode=transparent_http()
-            )
+            self.transparent_http = Listener(gate=self.gate, runs=self.runs, limits=limits, mode=transparent_http())
             await self._listen(self.transparent_http, "transparent_http", s.transparent_http)
         if s.dns_listen is not None:
             answer4, answer6 = dns_answers(s)
             self.dns = DnsServer(gate=self.gate, runs=self.runs, answer4=answer4, answer6=answer6, strict=s.dns_strict)
             await self._listen(self.dns, "dns_listen", s.dns_listen)
 
-    async def _listen(
-        self, server: Listener | DnsServer, setting: str, value: str
-    ) -> None:
+    async def _listen(self, server: Listener | DnsServer, setting: str, value: str) -> None:
         host, port = parse_hostport(value, setting)
         try:
             await server.start(host, port)

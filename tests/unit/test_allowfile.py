@@ -1,0 +1,157 @@
+"""Allowlist files (``--allow-file``): reading, appending an *always* answer, and start-up's use of them."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import stat
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from egressd.cli.wiring.service import StartupError, entries_from_settings
+from egressd.config.allowfile import (
+    AllowFileError,
+    Approved,
+    append_approved,
+    read_allow_file,
+    toml_string,
+)
+from egressd.config.settings import load_settings
+
+WRITTEN = """# the operator's own notes survive every append
+allow = ["pypi.org", "*.pythonhosted.org"]  # python
+deny = ["tracker.example"]
+"""
+
+
+def test_a_missing_file_holds_nothing(tmp_path: Path) -> None:
+    held = read_allow_file(tmp_path / "absent.toml")
+    assert (held.allow, held.deny, held.approved) == ((), (), ())
+
+
+def test_allow_deny_and_approved_entries_are_read_in_file_order(tmp_path: Path) -> None:
+    path = tmp_path / "allow.toml"
+    path.write_text(WRITTEN + '\n[[approved]]\nentry = "api.github.com:443"\nat = "2026-12-01T00:00:00Z"\n')
+    held = read_allow_file(path)
+    assert held.allowed == ("pypi.org", "*.pythonhosted.org", "api.github.com:443")
+    assert held.deny == ("tracker.example",)
+    assert held.approved[0].at == "2026-12-01T00:00:00Z"
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ("allow = [", "not TOML"),
+        ('allow = "pypi.org"', "allow must be a list of strings"),
+        ("deny = [1]", "deny must be a list of strings"),
+        ('alow = ["pypi.org"]', "unknown key 'alow'"),
+        ('[[approved]]\nentry = "a.example"\n', "needs entry and at"),
+        ('[[approved]]\nentry = "a.example"\nat = "x"\nscope = "all"\n', "unknown key 'scope'"),
+        ("approved = 3", "[[approved]] tables"),
+    ],
+)
+def test_a_bad_file_is_refused_with_its_name_and_why(tmp_path: Path, text: str, complaint: str) -> None:
+    path = tmp_path / "allow.toml"
+    path.write_text(text)
+    with pytest.raises(AllowFileError) as caught:
+        read_allow_file(path)
+    assert str(path) in str(caught.value) and complaint in str(caught.value)
+
+
+def test_an_append_keeps_the_file_as_written_and_adds_one_table(tmp_path: Path) -> None:
+    path = tmp_path / "allow.toml"
+    path.write_text(WRITTEN.rstrip("\n"))  # no final newline: the table must still start on its own line
+    before = path.read_text()
+    append_approved(path, Approved("api.github.com:443", "2026-12-01T22:10:00Z", "a-1", "alice", "slack", "r-1"))
+    after = path.read_text()
+    assert after.startswith(before)
+    held = read_allow_file(path)
+    assert held.allowed[-1] == "api.github.com:443"
+    assert held.approved == (Approved("api.github.com:443", "2026-12-01T22:10:00Z", "a-1", "alice", "slack", "r-1"),)
+
+
+def test_the_first_append_creates_a_private_file(tmp_path: Path) -> None:
+    path = tmp_path / "new.toml"
+    append_approved(path, Approved("a.example", "2026-12-01T00:00:00Z"))
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_allow_file(path).allowed == ("a.example",)
+
+
+def test_hostile_text_from_an_approver_cannot_add_entries(tmp_path: Path) -> None:
+    # A display name is chosen by whoever answered: it must stay one string, never a new key or table.
+    path = tmp_path / "allow.toml"
+    by = 'mallory"\nallow = ["evil.example"]\n[[approved]]\nentry = "*.evil.example" \x7f \U0001f600 \\'
+    append_approved(path, Approved("a.example", "2026-12-01T00:00:00Z", by=by))
+    held = read_allow_file(path)
+    assert held.allowed == ("a.example",)
+    assert held.approved[0].by == by
+
+
+@pytest.mark.parametrize("text", ["", "plain", 'q"uote', "back\\slash", "tab\tnew\nline\r", "\x00\x1f\x7f", "ü 😀"])
+def test_toml_string_round_trips(text: str) -> None:
+    assert tomllib.loads(f"v = {toml_string(text)}")["v"] == text
+
+
+def test_an_invalid_file_on_disk_is_left_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "allow.toml"
+    path.write_text("allow = [\n")
+    with pytest.raises(AllowFileError, match="not TOML"):
+        append_approved(path, Approved("a.example", "2026-12-01T00:00:00Z"))
+    assert path.read_text() == "allow = [\n"
+
+
+def test_a_symlink_is_not_followed(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_text("")
+    link = tmp_path / "allow.toml"
+    link.symlink_to(target)
+    with pytest.raises(AllowFileError):
+        append_approved(link, Approved("a.example", "2026-12-01T00:00:00Z"))
+    assert target.read_text() == ""
+
+
+def _append_many(path: str, worker: int, count: int) -> None:
+    for n in range(count):
+        append_approved(Path(path), Approved(f"h{worker}-{n}.example", "2026-12-01T00:00:00Z"))
+
+
+def test_concurrent_appends_from_processes_lose_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "allow.toml"
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_append_many, args=(str(path), w, 40)) for w in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    held = read_allow_file(path)
+    assert sorted(held.allowed) == sorted(f"h{w}-{n}.example" for w in range(3) for n in range(40))
+
+
+def test_startup_adds_the_files_entries_to_the_policy(tmp_path: Path) -> None:
+    path = tmp_path / "allow.toml"
+    path.write_text(WRITTEN)
+    append_approved(path, Approved("api.github.com:443", "2026-12-01T00:00:00Z"))
+    settings = load_settings({"allow": ["example.org"], "allow_file": str(path)})
+    allow, deny = entries_from_settings(settings)
+    assert [e.text for e in allow] == ["example.org", "pypi.org", "*.pythonhosted.org", "api.github.com:443"]
+    assert [e.text for e in deny] == ["tracker.example"]
+
+
+def test_a_bad_entry_in_the_file_stops_startup_naming_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "allow.toml"
+    path.write_text('allow = ["*.com"]\n')
+    settings = load_settings({"allow_file": str(path)})
+    with pytest.raises(StartupError) as caught:
+        entries_from_settings(settings)
+    assert "allow_file" in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_an_unreadable_file_stops_startup(tmp_path: Path) -> None:
+    path = tmp_path / "allow.toml"
+    path.write_text("deny = 3\n")
+    os.chmod(path, 0o600)
+    with pytest.raises(StartupError, match="bad setting allow_file: allow file .*deny must be a list"):
+        entries_from_settings(load_settings({"allow_file": str(path)}))
