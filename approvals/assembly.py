@@ -9,7 +9,8 @@ the channel options, ``approval_timeout``, ``max_pending_approvals``,
    could ever answer, so that is a setting error);
 3. otherwise an ``ApprovalBroker`` over the named channels, each checked
    here for what it needs (a webhook secret that is a ``whsec_`` key, a
-   Slack channel and approvers, ...). Whether the Slack tokens work is
+   Slack channel and approvers, ...), with ``allow_file``, where *always*
+   answers go (without one, *always* is not offered). Whether the Slack tokens work is
    checked when the broker starts (``auth.test``).
 
 Any problem is a ``SetupError`` naming the setting. Only ``cli`` calls this;
@@ -122,4 +123,5 @@ def approver_from_settings(
         max_pending_per_run=settings.max_pending_approvals,
         max_requests_per_run=settings.max_approvals_per_run,
         clock=clock,
+        allow_file=settings.allow_file,
     )

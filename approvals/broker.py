@@ -32,8 +32,20 @@ told once (``Channel.abandoned``). A new request for the same key joins it
 (``ApprovalRequest.on_late_answer``): the gate applies an allow or a denial
 to the run, so the run's next request is not asked again.
 
-Allow and deny mean what the gate makes of them (this run only; a denial
-sticks). Fail closed: an exception anywhere here ends in a denial, and an
+Allow and deny mean what the gate makes of them (a denial sticks for the
+run). An allow carries its scope (``ApprovalScope``): ``once`` and ``run``
+are the gate's to apply; for ``always`` the broker appends the request's
+lasting entry (``ApprovalRequest.lasting``, exact ``host:port``) to the
+allowlist file as one ``[[approved]]`` table before the decision is
+recorded, once per approval however many requests wait on it. *always* is
+offered only with an allowlist file (``allow_file``); asked for without
+one it is ``NOT_OFFERED`` and decides nothing. When the request has no
+lasting entry, or the file cannot be appended to, the answer still allows,
+for the run only: one log line and the record's ``scope_error`` say why.
+The append is one small write and fsync under the file's lock, done in the
+event loop: it happens once per person's *always* answer, and doing it
+before the waiters wake means no request for the same host slips in
+between the settlement and the run's allowlist. Fail closed: an exception anywhere here ends in a denial, and an
 allow that cannot be recorded in the audit log becomes one.
 
 The state machine is ``ledger.Ledger`` (pure); this module is its asyncio
@@ -48,10 +60,17 @@ import secrets
 import time
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from egressd.audit.log import AuditError, AuditSink
-from egressd.audit.records import approval_abandoned_record, approval_decided_record, approval_requested_record
+from egressd.audit.records import (
+    approval_abandoned_record,
+    approval_decided_record,
+    approval_requested_record,
+    rfc3339,
+)
+from egressd.config.allowfile import AllowFileError, Approved, append_approved
 
 from .control import control_routes
 from .interface import (
@@ -60,6 +79,7 @@ from .interface import (
     AnswerResult,
     ApprovalOutcome,
     ApprovalRequest,
+    ApprovalScope,
     Channel,
     ChannelUnavailable,
     Choice,
@@ -121,6 +141,7 @@ class ApprovalBroker:
         new_id: Callable[[], str] = new_approval_id,
         start_timeout_s: float = START_TIMEOUT_S,
         settle_timeout_s: float = SETTLE_TIMEOUT_S,
+        allow_file: Path | None = None,
     ) -> None:
         names = [c.name for c in channels]
         if len(set(names)) != len(names):
@@ -133,6 +154,8 @@ class ApprovalBroker:
         self._new_id = new_id
         self._start_timeout_s = start_timeout_s
         self._settle_timeout_s = settle_timeout_s
+        # Where *always* answers are appended (--allow-file); None: *always* is not offered.
+        self.allow_file = allow_file
         self._ledger = Ledger(max_pending_per_run=max_pending_per_run, max_requests_per_run=max_requests_per_run)
         self._held: dict[str, _Held] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -144,6 +167,13 @@ class ApprovalBroker:
     @property
     def max_requests_per_run(self) -> int:
         return self._ledger.max_requests_per_run
+
+    @property
+    def scopes(self) -> tuple[ApprovalScope, ...]:
+        """The scopes every approval offers: *always* only with an allowlist file."""
+        if self.allow_file is None:
+            return (ApprovalScope.ONCE, ApprovalScope.RUN)
+        return (ApprovalScope.ONCE, ApprovalScope.RUN, ApprovalScope.ALWAYS)
 
     @property
     def attached(self) -> tuple[str, ...]:
@@ -247,6 +277,7 @@ class ApprovalBroker:
             channel=settlement.channel,
             by=settlement.by,
             waited_s=loop.time() - started,
+            scope=settlement.scope,
         )
 
     def _join_or_open(self, request: ApprovalRequest) -> _Held | Answer:
@@ -277,6 +308,7 @@ class ApprovalBroker:
             created_at=now,
             expires_at=now + self.timeout_s,
             deadline=loop.time() + self.timeout_s,
+            scopes=self.scopes,
         )
         held = _Held(approval, view, loop.create_future())
         self._held[approval.id] = held
@@ -312,12 +344,38 @@ class ApprovalBroker:
 
     # -- the Answerer -------------------------------------------------------------
 
-    def answer(self, approval_id: str, decision: Choice, *, channel: str, by: str | None) -> Answered:
-        """A person's answer from a channel or the control API; the first one decides."""
-        if not isinstance(approval_id, str) or not isinstance(decision, Choice):
+    def answer(
+        self,
+        approval_id: str,
+        decision: Choice,
+        *,
+        channel: str,
+        by: str | None,
+        scope: ApprovalScope = ApprovalScope.RUN,
+    ) -> Answered:
+        """A person's answer from a channel or the control API; the first one decides.
+
+        An allow whose ``scope`` the approval does not offer (*always* with
+        no allowlist file) is ``NOT_OFFERED``: nothing is decided, the
+        approval stays open.
+        """
+        if not isinstance(approval_id, str) or not isinstance(decision, Choice) or not isinstance(scope, ApprovalScope):
             return Answered(AnswerResult.UNKNOWN)
+        if decision is Choice.ALLOW and self._ledger.get(approval_id) is not None:
+            held = self._held.get(approval_id)
+            if held is None or not held.view.offers(scope):
+                log.warning(
+                    "approval %s: an allow with scope %s from %s refused: not offered%s",
+                    approval_id,
+                    scope.value,
+                    channel,
+                    " (no --allow-file)" if self.allow_file is None else "",
+                )
+                return Answered(AnswerResult.NOT_OFFERED)
         shown_by = bounded(by, MAX_BY_CHARS) if by else None
-        answered = self._ledger.answer(approval_id, decision, channel=channel, by=shown_by, now=self._clock())
+        answered = self._ledger.answer(
+            approval_id, decision, channel=channel, by=shown_by, now=self._clock(), scope=scope
+        )
         if answered.result is AnswerResult.ACCEPTED:
             return Answered(AnswerResult.ACCEPTED, self._settled(approval_id, answered.settlement))
         return answered
@@ -342,6 +400,9 @@ class ApprovalBroker:
         if settlement is None or held is None:
             return settlement
         request = held.view.request
+        if settlement.answer is Answer.ALLOW and settlement.scope is ApprovalScope.ALWAYS:
+            settlement = self._keep(approval_id, request, settlement)
+            self._ledger.amend(approval_id, settlement)
         try:
             self._audit.write(
                 approval_decided_record(
@@ -353,17 +414,22 @@ class ApprovalBroker:
                     by=settlement.by,
                     waited_s=settlement.waited_s,
                     run=request.run_id,
+                    scope=settlement.scope.value if settlement.scope is not None else None,
+                    entry=settlement.entry,
+                    scope_error=settlement.scope_error,
                 )
             )
         except AuditError:
             if settlement.answer is Answer.ALLOW:
                 log.error("approval %s: the allow could not be recorded; denying", approval_id)
-                settlement = replace(settlement, answer=Answer.NO_APPROVER)
+                settlement = replace(settlement, answer=Answer.NO_APPROVER, scope=None)
                 self._ledger.amend(approval_id, settlement)
         held.approval.settlement = settlement
         log.info(
             "%s %s:%d run=%s approval=%s channel=%s by=%s waited=%.1fs",
-            "ALLOWED" if settlement.answer is Answer.ALLOW else "DENIED ",
+            f"ALLOWED ({settlement.scope.value if settlement.scope else 'run'})"
+            if settlement.answer is Answer.ALLOW
+            else "DENIED ",
             held.view.message.host,
             request.port,
             request.run_id,
@@ -378,6 +444,39 @@ class ApprovalBroker:
             self._hand_on(held, settlement)
         return settlement
 
+    def _keep(self, approval_id: str, request: ApprovalRequest, settlement: Settlement) -> Settlement:
+        """An *always* allow: append the request's lasting entry to the allowlist file.
+
+        Returns the settlement as applied: with ``entry`` when it was
+        appended; else scope RUN and ``scope_error`` (the answer is never
+        lost: the request is allowed for the run all the same).
+        """
+        path, entry = self.allow_file, request.lasting
+        if not self._audit.healthy:
+            return settlement  # the allow cannot be recorded and becomes a denial: nothing lasting is written
+        if path is None:
+            error = "no allow file (--allow-file) to append to"
+        elif entry is None:
+            error = f"no lasting entry for this host ({request.lasting_error or 'none'})"
+        else:
+            approved = Approved(
+                entry=entry,
+                at=rfc3339(settlement.at),
+                approval=approval_id,
+                by=settlement.by,
+                channel=settlement.channel,
+                run=request.run_id,
+            )
+            try:
+                append_approved(path, approved)
+            except AllowFileError as exc:
+                error = f"could not append to the allow file: {exc}"
+            else:
+                log.info("approval %s: %s appended to %s (always)", approval_id, entry, path)
+                return replace(settlement, entry=entry)
+        log.error("approval %s: allowed for this run only, not always: %s", approval_id, bounded(error, 300))
+        return replace(settlement, scope=ApprovalScope.RUN, scope_error=error)
+
     def _hand_on(self, held: _Held, settlement: Settlement) -> None:
         """The settlement of an approval nobody waits for any more, to the requests that left."""
         late, held.late = held.late, []
@@ -387,6 +486,7 @@ class ApprovalBroker:
             channel=settlement.channel,
             by=settlement.by,
             waited_s=settlement.waited_s,
+            scope=settlement.scope,
         )
         for callback in late:
             try:

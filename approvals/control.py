@@ -2,12 +2,16 @@
 
 - ``GET /approvals``                 every approval still waiting, oldest first (``abandoned``:
                                      every client waiting for it gave up; an answer still applies to its run)
-- ``POST /approvals/{id}/allow``     answer allow; body optional ``{"by": "who"}`` (default ``cli``)
-- ``POST /approvals/{id}/deny``      answer deny; same body
+- ``POST /approvals/{id}/allow``     answer allow; body optional ``{"by": "who", "scope": "once"|"run"|"always"}``
+                                     (defaults ``cli`` and ``run``)
+- ``POST /approvals/{id}/deny``      answer deny; body optional ``{"by": "who"}`` (a scope is ignored)
 
 Answers go through the ``Answerer`` (the broker) with channel ``control``:
-200 ``{"id", "decision", "by"}`` when it decided, 409 when the approval was
-already settled (the body says how), 404 for an unknown id.
+200 ``{"id", "decision", "by", "scope", "entry"}`` when it decided (``scope``
+as applied, null for a denial; ``entry`` what an *always* answer appended to
+the allowlist file), 409 when the approval was already settled (the body
+says how), 404 for an unknown id, 400 for a scope that is not one of the
+three or not offered (*always* without ``--allow-file``; nothing decided).
 
 Who may see and answer what is the caller's ``Scope``, which the control
 API's token check puts on every request (``request[SCOPE]``; a request
@@ -30,7 +34,7 @@ from aiohttp import web
 
 from egressd.audit.records import rfc3339
 
-from .interface import Answerer, AnswerResult, Choice, PendingApproval, Route
+from .interface import Answerer, AnswerResult, ApprovalScope, Choice, PendingApproval, Route, parse_scope
 from .message import settled_text
 
 CHANNEL = "control"
@@ -76,6 +80,7 @@ def control_routes(answerer: Answerer) -> list[Route]:
     async def decide(request: web.Request, decision: Choice) -> web.Response:
         approval_id = request.match_info["approval_id"]
         by = DEFAULT_BY
+        scope = ApprovalScope.RUN
         raw = await request.content.read(MAX_BODY_BYTES + 1)
         if len(raw) > MAX_BODY_BYTES:
             return _error(413, "body too large")
@@ -90,16 +95,28 @@ def control_routes(answerer: Answerer) -> list[Route]:
             if not isinstance(given, str) or not given.strip():
                 return _error(400, "by must be a non-empty string")
             by = given.strip()
-        scope = request[SCOPE]
-        if scope.run_id is not None:
+            if decision is Choice.ALLOW and "scope" in body:
+                chosen = parse_scope(body["scope"])
+                if chosen is None:
+                    return _error(400, "scope must be once, run or always")
+                scope = chosen
+        reach = request[SCOPE]
+        if reach.run_id is not None:
             # Checked after the body is read, with no await until answer(): nothing is settled in between.
             runs = {a.id: a.request.run_id for a in answerer.pending()}
             if approval_id not in runs:
-                return _error(404, f"no pending approval {approval_id} of run {scope.run_id}")
-            if runs[approval_id] != scope.run_id:
-                return _error(403, f"approval {approval_id} is not of run {scope.run_id}: "
-                                   "this token acts on its own run only")
-        answered = answerer.answer(approval_id, decision, channel=CHANNEL, by=by)
+                return _error(404, f"no pending approval {approval_id} of run {reach.run_id}")
+            if runs[approval_id] != reach.run_id:
+                return _error(
+                    403, f"approval {approval_id} is not of run {reach.run_id}: this token acts on its own run only"
+                )
+        answered = answerer.answer(approval_id, decision, channel=CHANNEL, by=by, scope=scope)
+        if answered.result is AnswerResult.NOT_OFFERED:
+            return _error(
+                400,
+                f"scope {scope.value} is not offered for approval {approval_id}"
+                + (": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""),
+            )
         if answered.result is AnswerResult.UNKNOWN:
             return _error(404, f"no pending approval {approval_id}")
         if answered.result is AnswerResult.SETTLED:
@@ -111,6 +128,9 @@ def control_routes(answerer: Answerer) -> list[Route]:
                 "id": approval_id,
                 "decision": "allow" if settlement is None or settlement.reason is None else "deny",
                 "by": settlement.by if settlement else by,
+                "scope": settlement.scope.value if settlement and settlement.scope else None,
+                "entry": settlement.entry if settlement else None,
+                "scope_error": settlement.scope_error if settlement else None,
             }
         )
 

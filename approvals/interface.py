@@ -67,6 +67,12 @@ class ApprovalRequest:
     command: str | None
     task: str | None
     allowed: tuple[str, ...]
+    # The entry an *always* answer appends to the allowlist file: the exact
+    # ``host:port`` in IDNA form, checked by the asker against the policy's
+    # own parser; None when it has none (``lasting_error`` says why), and an
+    # *always* answer then applies to the run only.
+    lasting: str | None = None
+    lasting_error: str | None = None
     # What the asker wants done with the answer when it comes after the asker
     # stopped waiting (its client gave up): the gate applies it to the run.
     # Called once the approval settles, only when no client waits any more;
@@ -83,10 +89,38 @@ class ApprovalOutcome:
     channel: str | None = None
     by: str | None = None
     waited_s: float = 0.0
+    # How far an allow reaches; None (an approver that knows no scopes) is RUN.
+    scope: ApprovalScope | None = None
 
     @property
     def allowed(self) -> bool:
         return self.answer is Answer.ALLOW
+
+
+class ApprovalScope(enum.Enum):
+    """How far an allow reaches (``Scope`` in ``control`` is a control token's reach, not this).
+
+    ONCE: the request(s) waiting on this approval when it is answered
+    proceed and nothing joins the run, so the next connection asks again;
+    RUN: the host joins the run's allowlist (on that port, 80 and 443) for
+    the rest of the run, the default; ALWAYS: as RUN, and the exact
+    ``host:port`` is appended to the operator's allowlist file
+    (``--allow-file``), offered only when there is one.
+    """
+
+    ONCE = "once"
+    RUN = "run"
+    ALWAYS = "always"
+
+
+def parse_scope(value: object) -> ApprovalScope | None:
+    """A scope from an answer's ``scope`` field (``once|run|always``); None for anything else."""
+    if value.__class__ is not str:
+        return None
+    try:
+        return ApprovalScope(value)
+    except ValueError:
+        return None
 
 
 class Approver(Protocol):
@@ -113,6 +147,7 @@ class AnswerResult(enum.Enum):
     ACCEPTED = "accepted"  # it decided the approval
     SETTLED = "settled"  # the approval was already decided (by someone else, a timeout, shutdown)
     UNKNOWN = "unknown"  # no such approval (a wrong or long-forgotten id)
+    NOT_OFFERED = "not_offered"  # the scope asked for is not offered (always, with no allow file): still open
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +155,11 @@ class Settlement:
     """How one approval ended: the answer, who gave it where, when, after how long.
 
     ``channel`` and ``by`` are None when nobody answered (timeout, no
-    approver, shutdown). ``at`` is epoch seconds.
+    approver, shutdown). ``at`` is epoch seconds. ``scope`` is how far an
+    allow reaches as applied (None for a denial); ``entry`` the line appended
+    to the allowlist file for an *always*; ``scope_error`` why an *always*
+    answer applies to the run only (the entry was refused, or could not be
+    written).
     """
 
     answer: Answer
@@ -128,6 +167,9 @@ class Settlement:
     by: str | None
     at: float
     waited_s: float
+    scope: ApprovalScope | None = None
+    entry: str | None = None
+    scope_error: str | None = None
 
     @property
     def reason(self) -> str | None:
@@ -162,6 +204,11 @@ class PendingApproval:
     expires_at: float
     deadline: float
     abandoned: bool = False
+    # The scopes a person may choose, in the order channels offer them.
+    scopes: tuple[ApprovalScope, ...] = (ApprovalScope.ONCE, ApprovalScope.RUN)
+
+    def offers(self, scope: ApprovalScope) -> bool:
+        return scope in self.scopes
 
     def fields(self) -> dict[str, Any]:
         """The approval as JSON fields: the raw request, the rendered (escaped) message, the expiry.
@@ -180,6 +227,7 @@ class PendingApproval:
             "unrelated": self.message.unrelated,
             "message": self.message.text,
             "expires_at": rfc3339(self.expires_at),
+            "scopes": [scope.value for scope in self.scopes],
         }
 
 
@@ -210,9 +258,19 @@ class Notice:
 class Answerer(Protocol):
     """The broker as channels and the control API see it."""
 
-    def answer(self, approval_id: str, decision: Choice, *, channel: str, by: str | None) -> Answered:
+    def answer(
+        self,
+        approval_id: str,
+        decision: Choice,
+        *,
+        channel: str,
+        by: str | None,
+        scope: ApprovalScope = ApprovalScope.RUN,
+    ) -> Answered:
         """Pass on a person's answer. The first valid answer decides; any
-        later one gets ``SETTLED``. Never raises for a bad id."""
+        later one gets ``SETTLED``; an allow with a scope the approval does
+        not offer gets ``NOT_OFFERED`` and decides nothing. ``scope`` is
+        ignored for a denial. Never raises for a bad id."""
         ...
 
     def pending(self) -> Sequence[PendingApproval]:

@@ -5,7 +5,7 @@ no I/O. The broker is the thin asyncio shell around it.
 
 One approval::
 
-    OPEN ── answer(allow | deny) ─────────▶ SETTLED  ALLOW | DENY
+    OPEN ── answer(allow+scope | deny) ───▶ SETTLED  ALLOW (once|run|always) | DENY
       ├──── every channel failed to deliver ▶ SETTLED  NO_APPROVER
       ├──── expire ─────────────────────────▶ SETTLED  TIMEOUT
       └──── withdraw (shutdown) ────────────▶ SETTLED  SHUTTING_DOWN
@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .interface import Answer, Answered, AnswerResult, ApprovalRequest, Choice, Settlement
+from .interface import Answer, Answered, AnswerResult, ApprovalRequest, ApprovalScope, Choice, Settlement
 
 Key = tuple[str, str, int]
 
@@ -171,16 +171,26 @@ class Ledger:
             return None
         return self._settle(approval, Answer.NO_APPROVER, None, None, now)
 
-    def answer(self, approval_id: str, decision: Choice, *, channel: str, by: str | None, now: float) -> Answered:
-        """A person's answer: the first one decides."""
+    def answer(
+        self,
+        approval_id: str,
+        decision: Choice,
+        *,
+        channel: str,
+        by: str | None,
+        now: float,
+        scope: ApprovalScope = ApprovalScope.RUN,
+    ) -> Answered:
+        """A person's answer: the first one decides. An allow carries its ``scope``; a denial none."""
         approval = self._open.get(approval_id)
         if approval is None:
             settled = self._settled.get(approval_id)
             if settled is not None:
                 return Answered(AnswerResult.SETTLED, settled)
             return Answered(AnswerResult.UNKNOWN)
-        answer = Answer.ALLOW if decision is Choice.ALLOW else Answer.DENY
-        return Answered(AnswerResult.ACCEPTED, self._settle(approval, answer, channel, by, now))
+        if decision is Choice.ALLOW:
+            return Answered(AnswerResult.ACCEPTED, self._settle(approval, Answer.ALLOW, channel, by, now, scope))
+        return Answered(AnswerResult.ACCEPTED, self._settle(approval, Answer.DENY, channel, by, now))
 
     def expire(self, approval_id: str, *, now: float) -> Settlement | None:
         """The deadline passed: TIMEOUT (a delivery reached a person or was still in flight)."""
@@ -205,10 +215,16 @@ class Ledger:
         return self._settled.get(approval_id)
 
     def _settle(
-        self, approval: Approval, answer: Answer, channel: str | None, by: str | None, now: float
+        self,
+        approval: Approval,
+        answer: Answer,
+        channel: str | None,
+        by: str | None,
+        now: float,
+        scope: ApprovalScope | None = None,
     ) -> Settlement:
         settlement = Settlement(
-            answer=answer, channel=channel, by=by, at=now, waited_s=max(0.0, now - approval.opened_at)
+            answer=answer, channel=channel, by=by, at=now, waited_s=max(0.0, now - approval.opened_at), scope=scope
         )
         approval.settlement = settlement
         del self._open[approval.id]

@@ -174,7 +174,7 @@ def shorten(name: str, limit: int, *, keep: str = "", measure: Callable[[str], i
         head += ch
     tail_room = room - measure(head)
     tail = ""
-    for ch in reversed(rest[len(head):]):
+    for ch in reversed(rest[len(head) :]):
         if measure(ch + tail) > tail_room:
             break
         tail = ch + tail
@@ -446,7 +446,10 @@ ABANDONED_TEXT = (
 def settled_text(settlement: Settlement) -> str:
     """One line saying how an approval ended, for people (escaped by the broker already)."""
     if settlement.channel is not None:
-        verb = "allowed" if settlement.reason is None else "denied"
+        verb = "denied"
+        if settlement.reason is None:
+            scope = settlement.scope.value if settlement.scope is not None else "run"
+            verb = "allowed" if scope == "run" else f"allowed ({scope})"
         return f"{verb} by {settlement.by or 'someone'} via {settlement.channel}"
     return {
         Answer.TIMEOUT: "expired (denied)",

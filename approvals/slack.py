@@ -1,5 +1,14 @@
 """The Slack channel: a Block Kit message with Allow and Deny buttons, answered by a click.
 
+The buttons: "Allow once" (this connection only), "Allow for this run",
+"Allow always" (only when egressd has an allowlist file: the exact
+``host:port`` is appended to it) and "Deny"; the scope is the button's
+``action_id``. A click whose scope the approval does not offer (a forged or
+tampered ``egressd_allow_always``) decides nothing: the clicker is told, the
+approval stays open. Who clicked is recorded as ``@Display Name (U…)``, the
+display name read with ``users.info`` (the payload's user name if that
+fails).
+
 Out: ``chat.postMessage`` to ``--slack-channel`` with link unfurling off
 (otherwise Slack itself would fetch the held domain). Nothing the agent
 controls is ever Slack markup: it goes into ``plain_text`` objects (where
@@ -9,8 +18,9 @@ control characters as entities, so no link, mention or ``<!channel>``), and
 each piece is cut to fit Slack's limits with a visible note, so a long or
 escape-heavy command can never make the post fail. Only egressd's own words
 are mrkdwn (``verbatim``: Slack links nothing by itself). After the decision
-the message is replaced (``chat.update``): "Allowed by @who at HH:MM for run
-r-…", or "Expired — denied". When every client waiting for it gave up, the
+the message is replaced (``chat.update``): "Allowed for this run by @who at
+HH:MM for run r-…" (or once, or always with the entry kept), or "Expired —
+denied". When every client waiting for it gave up, the
 message is updated once to say so, its buttons kept (an answer still
 applies to the run's later requests).
 
@@ -74,6 +84,7 @@ from .interface import (
     Answer,
     Answerer,
     AnswerResult,
+    ApprovalScope,
     ChannelError,
     Choice,
     Notice,
@@ -91,9 +102,24 @@ _sdk_log = logging.getLogger("egressd.approvals.slack.sdk")
 _sdk_log.setLevel(logging.INFO)
 
 INTERACTIVITY_PATH = "/approvals/slack"
-ALLOW_ACTION = "egressd_allow"
+ALLOW_ONCE_ACTION = "egressd_allow_once"
+ALLOW_ACTION = "egressd_allow"  # for this run: the button older egressd versions posted
+ALLOW_ALWAYS_ACTION = "egressd_allow_always"
 DENY_ACTION = "egressd_deny"
-_ACTIONS = {ALLOW_ACTION: Choice.ALLOW, DENY_ACTION: Choice.DENY}
+_ACTIONS: dict[str, tuple[Choice, ApprovalScope]] = {
+    ALLOW_ONCE_ACTION: (Choice.ALLOW, ApprovalScope.ONCE),
+    ALLOW_ACTION: (Choice.ALLOW, ApprovalScope.RUN),
+    ALLOW_ALWAYS_ACTION: (Choice.ALLOW, ApprovalScope.ALWAYS),
+    DENY_ACTION: (Choice.DENY, ApprovalScope.RUN),
+}
+# Each offered scope's button: its action and its label (egressd's own words).
+_SCOPE_BUTTONS = {
+    ApprovalScope.ONCE: (ALLOW_ONCE_ACTION, "Allow once"),
+    ApprovalScope.RUN: (ALLOW_ACTION, "Allow for this run"),
+    ApprovalScope.ALWAYS: (ALLOW_ALWAYS_ACTION, "Allow always"),
+}
+# An approver's display name (users.info) is kept this long.
+NAME_CACHE_S = 300.0
 # One Web API call (each retry included) within this, unless the deadline is nearer.
 REQUEST_TIMEOUT_S = 10
 # Slack wants an interactivity response within 3 s.
@@ -256,8 +282,21 @@ def _line_blocks(approval: PendingApproval, *, closing: bool) -> list[dict[str, 
 
 
 def request_blocks(approval: PendingApproval, *, instance: str) -> list[dict[str, Any]]:
-    """The approval message with its Allow and Deny buttons, which name ``instance``."""
+    """The approval message with a button per offered scope and Deny, all naming ``instance``."""
     value = button_value(instance, approval.id)
+    allow_buttons: list[dict[str, Any]] = [
+        {
+            "type": "button",
+            "action_id": action,
+            "text": {"type": "plain_text", "text": label, "emoji": False},
+            "value": value,
+        }
+        for scope, (action, label) in _SCOPE_BUTTONS.items()
+        if approval.offers(scope)
+    ]
+    for button in allow_buttons:
+        if button["action_id"] == ALLOW_ACTION:
+            button["style"] = "primary"  # the default answer, as before
     return [
         *_line_blocks(approval, closing=True),
         {
@@ -271,13 +310,7 @@ def request_blocks(approval: PendingApproval, *, instance: str) -> list[dict[str
             "type": "actions",
             "block_id": f"egressd:{approval.id}",
             "elements": [
-                {
-                    "type": "button",
-                    "action_id": ALLOW_ACTION,
-                    "text": {"type": "plain_text", "text": "Allow (this run only)", "emoji": False},
-                    "style": "primary",
-                    "value": value,
-                },
+                *allow_buttons,
                 {
                     "type": "button",
                     "action_id": DENY_ACTION,
@@ -303,8 +336,18 @@ def outcome_text(approval: PendingApproval, settlement: Settlement) -> str:
     run = _code(approval.request.run_id, 80)
     at = _clock_text(settlement.at)
     if settlement.channel is not None:
-        verb = "Allowed" if settlement.reason is None else "Denied"
-        return f"*{verb}* by {_who(settlement)} at {at} for run {run}"
+        if settlement.reason is not None:
+            return f"*Denied* by {_who(settlement)} at {at} for run {run}"
+        scope = settlement.scope
+        if scope is ApprovalScope.ONCE:
+            verb, after = "Allowed once", " (this connection only: the next one asks again)"
+        elif scope is ApprovalScope.ALWAYS:
+            verb, after = "Allowed always", f": {_code(settlement.entry or '?')} added to the allow file"
+        else:
+            verb, after = "Allowed for this run", ""
+            if settlement.scope_error:
+                after = f" (not always: {_code(settlement.scope_error, 400)})"
+        return f"*{verb}* by {_who(settlement)} at {at} for run {run}{after}"
     if settlement.answer is Answer.TIMEOUT:
         return f"*Expired — denied* at {at} (run {run})"
     return f"*Denied* at {at}: nobody could answer (egressd stopped, or no channel could deliver) (run {run})"
@@ -321,7 +364,10 @@ def settled_blocks(approval: PendingApproval, settlement: Settlement) -> list[di
 
 def _settled_word(settlement: Settlement) -> str:
     if settlement.reason is None:
-        return "allowed"
+        scope = settlement.scope
+        return {ApprovalScope.ONCE: "allowed once", ApprovalScope.ALWAYS: "allowed always"}.get(
+            scope if scope is not None else ApprovalScope.RUN, "allowed for this run"
+        )
     return "expired (denied)" if settlement.answer is Answer.TIMEOUT else "denied"
 
 
@@ -383,6 +429,7 @@ class SlackChannel:
         clock: Callable[[], float] = time.time,
         request_timeout_s: int = REQUEST_TIMEOUT_S,
         group_cache_s: float = GROUP_CACHE_S,
+        name_cache_s: float = NAME_CACHE_S,
         ping_interval_s: float = 5.0,
         retry_backoff_s: float = 0.5,
         instance: str | None = None,
@@ -424,6 +471,8 @@ class SlackChannel:
         self._answerer: Answerer | None = None
         self._posted: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._group_members: dict[str, tuple[float, frozenset[str]]] = {}
+        self._name_cache_s = name_cache_s
+        self._names: OrderedDict[str, tuple[float, str]] = OrderedDict()
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -620,8 +669,8 @@ class SlackChannel:
             value = action.get("value")
             if user_id is None or not isinstance(value, str):
                 return
-            decision = _ACTIONS[action["action_id"]]
-            await self._click(value, decision, user_id, name, channels, stamps, reply_to)
+            decision, scope = _ACTIONS[action["action_id"]]
+            await self._click(value, decision, user_id, name, channels, stamps, reply_to, scope)
             return
 
     async def _click(
@@ -633,6 +682,7 @@ class SlackChannel:
         channels: set[object],
         stamps: set[object],
         reply_to: str,
+        scope: ApprovalScope = ApprovalScope.RUN,
     ) -> None:
         """Steps 1-3 of the module docstring, then the answer."""
         parsed = parse_button_value(value)
@@ -683,9 +733,25 @@ class SlackChannel:
             return
         if self._answerer is None:
             return
+        name = await self._display_name(user_id) or name
+        if self._answerer is None:
+            return
         by = f"@{name} ({user_id})" if name else user_id
-        answered = self._answerer.answer(approval_id, decision, channel=self.name, by=by)
-        if answered.result is not AnswerResult.ACCEPTED:
+        answered = self._answerer.answer(approval_id, decision, channel=self.name, by=by, scope=scope)
+        if answered.result is AnswerResult.NOT_OFFERED:
+            log.warning(
+                "Slack click from %s for %s refused: scope %s is not offered",
+                bounded(user_id, 40),
+                bounded(approval_id, 40),
+                scope.value,
+            )
+            await self._ephemeral(
+                reply_to,
+                user_id,
+                f"Your click did not count: allowing {scope.value} is not offered for this approval "
+                "(egressd has no allow file). The request stays open.",
+            )
+        elif answered.result is not AnswerResult.ACCEPTED:
             how = settled_text(answered.settlement) if answered.settlement else "it is no longer pending"
             await self._ephemeral(reply_to, user_id, f"Too late: this request was already settled ({_code(how)}).")
 
@@ -712,6 +778,41 @@ class SlackChannel:
             return frozenset()  # fail closed: nobody from this group
         self._group_members[group] = (now, members)
         return members
+
+    async def _display_name(self, user_id: str) -> str | None:
+        """The user's Slack display name (``users.info``), or None; kept ``name_cache_s``."""
+        now = self._clock()
+        cached = self._names.get(user_id)
+        if cached is not None and now - cached[0] < self._name_cache_s:
+            return cached[1]
+        if self._web is None:
+            return None
+        try:
+            response = await self._web.users_info(user=user_id)
+        except (SlackApiError, aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.info("cannot read the Slack name of %s: %s", bounded(user_id, 40), exc)
+            return None
+        user = response.get("user")
+        if not isinstance(user, dict):
+            return None
+        profile = user.get("profile")
+        if not isinstance(profile, dict):
+            profile = {}
+        name = next(
+            (
+                text
+                for text in (profile.get("display_name"), profile.get("real_name"), user.get("real_name"))
+                if isinstance(text, str) and text.strip()
+            ),
+            None,
+        )
+        if name is None:
+            return None
+        name = bounded(name.strip(), 80)
+        self._names[user_id] = (now, name)
+        while len(self._names) > REMEMBERED_POSTS:
+            self._names.popitem(last=False)
+        return name
 
     async def _ephemeral(self, channel: str, user: str, text: str) -> None:
         if self._web is None:

@@ -26,8 +26,13 @@ countdown can be redrawn every second without garbling what is typed:
    answer that is neither allow nor deny says so on the input line, and a
    notice (a run stopped asking) waits until the prompt is answered, so
    nothing adds a row under a shown prompt;
-5. ``allow`` allows; ``deny``, ``d``, ``n``, ``no`` and a bare Enter deny;
-   anything else asks again;
+5. the answer is a word and Enter (``read_answer``): ``once`` allows this
+   connection only (the request(s) waiting on the approval), ``allow`` for
+   the rest of the run, ``always`` also appends the exact ``host:port`` to
+   the allowlist file (offered, and accepted, only when there is one);
+   ``deny``, ``d``, ``n``, ``no`` and a bare Enter deny; anything else asks
+   again. Whole words, not single keys: a stray key (or Caps Lock turning
+   ``a`` into ``A``) never allows, and never makes a lasting rule;
 6. an approval settled elsewhere (or expired) is withdrawn with a line
    saying how it ended, and the next one is shown; one whose waiting
    clients all gave up says so on its input line ("client gave up"), still
@@ -58,11 +63,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from egressd.names.shown import TerminalText
+from egressd.names.shown import TerminalText, escape
 
 from .interface import (
     Answerer,
     AnswerResult,
+    ApprovalScope,
     ChannelError,
     ChannelUnavailable,
     Choice,
@@ -99,7 +105,40 @@ MAX_PENDING_OUTPUT = 256 * 1024
 MAX_HELD_OUTPUT = 1024 * 1024
 
 _DENY_WORDS = frozenset({"", "deny", "d", "n", "no"})
-_ALLOW_WORDS = frozenset({"allow"})
+# The word that allows with each scope (step 5); "allow" is the run, today's answer.
+_SCOPE_WORDS = {ApprovalScope.ONCE: "once", ApprovalScope.RUN: "allow", ApprovalScope.ALWAYS: "always"}
+
+
+def answer_words(scopes: Sequence[ApprovalScope]) -> str:
+    """What the input line asks for: ``once, allow or deny``, with ``always`` when it is offered."""
+    words = [_SCOPE_WORDS[scope] for scope in _SCOPE_WORDS if scope in scopes]
+    return ", ".join(words) + " or deny"
+
+
+def read_answer(typed: str, scopes: Sequence[ApprovalScope]) -> tuple[Choice, ApprovalScope | None] | None:
+    """A typed answer (step 5) → (allow with its scope | deny with None); None: not an answer, ask again.
+
+    A scope word that is not offered (``always`` with no allowlist file) is not an answer.
+    """
+    word = typed.strip().lower()
+    if word in _DENY_WORDS:
+        return Choice.DENY, None
+    for scope, allow_word in _SCOPE_WORDS.items():
+        if word == allow_word and scope in scopes:
+            return Choice.ALLOW, scope
+    return None
+
+
+def allowed_text(settlement: Settlement) -> str:
+    """How an accepted allow ended, for the line that closes the prompt (``escape``d where it quotes)."""
+    scope = settlement.scope
+    if scope is ApprovalScope.ONCE:
+        return "allowed for this connection only (the next one asks again)"
+    if scope is ApprovalScope.ALWAYS:
+        return f"allowed always: {escape(settlement.entry or '?')} added to the allow file"
+    if settlement.scope_error:
+        return f"allowed for this run only, not always: {escape(bounded(settlement.scope_error, 200))}"
+    return "allowed for this run"
 
 
 def countdown(seconds: float) -> str:
@@ -259,15 +298,23 @@ def _name_room(approval: PendingApproval, columns: int, share: _Rows) -> int | N
 
 
 def prompt_line(
-    *, domain: str, left: str, more: str, typed: str, columns: int, keep: str | None = None, hint: bool = False
+    *,
+    domain: str,
+    left: str,
+    more: str,
+    typed: str,
+    columns: int,
+    keep: str | None = None,
+    hint: bool = False,
+    words: str = "allow or deny",
 ) -> str:
     """The input line, fitted to ``columns`` (0: not known) so that a redraw never wraps.
 
     A line wider than the terminal would wrap, and each redraw (which clears
     only the line the cursor is on) would leave a copy behind. ``keep`` is
     the end of ``domain`` never cut (its registered domain and port; None:
-    all of it); ``hint`` says that the last answer was neither allow nor deny.
-    In order:
+    all of it); ``hint`` says that the last answer was neither allow nor deny;
+    ``words`` the answers offered (``answer_words``). In order:
 
     1. the whole line, when it fits in all but the last column (a full line
        leaves the cursor waiting to wrap);
@@ -278,7 +325,7 @@ def prompt_line(
 
     A domain that is not ASCII is never shown here: its width is a guess.
     """
-    ask = "type allow or deny" if hint else "allow or deny"
+    ask = f"type {words}" if hint else words
 
     def line(name: str | None, waiting: str) -> str:
         named = f" {name}" if name is not None else ""
@@ -298,7 +345,7 @@ def prompt_line(
     bare = line(None, "")
     if columns_of(bare) <= room:
         return bare
-    return bare[len(bare) - room:] if room > 0 else ""
+    return bare[len(bare) - room :] if room > 0 else ""
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -306,7 +353,7 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         try:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         except BlockingIOError:
             select.select([], [fd], [])
         except OSError:
@@ -347,8 +394,9 @@ class TerminalOutput:
         self._queued = 0
         dropped, self._dropped = self._dropped, {}
         for fd, count in dropped.items():
-            _write_all(fd, f"\n[egressd: {count} bytes of output were dropped while an approval prompt was shown]\n"
-                       .encode())
+            _write_all(
+                fd, f"\n[egressd: {count} bytes of output were dropped while an approval prompt was shown]\n".encode()
+            )
 
     def write(self, fd: int, data: bytes) -> None:
         """Write ``data`` (inert text) to ``fd`` now, or on release when held."""
@@ -358,7 +406,7 @@ class TerminalOutput:
             _write_all(fd, data)
             return
         room = self.max_held - self._queued
-        kept = data if len(data) <= room else data[:max(room, 0)].decode("utf-8", "ignore").encode()
+        kept = data if len(data) <= room else data[: max(room, 0)].decode("utf-8", "ignore").encode()
         if kept:
             self._queue.append((fd, kept))
             self._queued += len(kept)
@@ -579,8 +627,16 @@ class TerminalChannel:
             more = f", client gave up{more}"
         left = self._left(current)
         columns = self._columns()
-        line = prompt_line(domain=current.message.domain, keep=keep_of(current.message), left=left, more=more,
-                           typed=self._typed, columns=columns, hint=self._hint)
+        line = prompt_line(
+            domain=current.message.domain,
+            keep=keep_of(current.message),
+            left=left,
+            more=more,
+            typed=self._typed,
+            columns=columns,
+            hint=self._hint,
+            words=answer_words(current.scopes),
+        )
         self._write(f"{CLEAR_LINE}{line}")
         at = line.rfind(f"[{left} left")
         self._drawn = _Drawn(line, columns, at + 1 if at >= 0 else -1, left)
@@ -600,7 +656,7 @@ class TerminalChannel:
         # ASCII, so its length is the columns to go back (the domain before it may not be).
         back = len(drawn.line) - drawn.at
         self._write(f"{SANE}\x1b[{back}D{left}\x1b[{back - len(left)}C")
-        line = drawn.line[: drawn.at] + left + drawn.line[drawn.at + len(left):]
+        line = drawn.line[: drawn.at] + left + drawn.line[drawn.at + len(left) :]
         self._drawn = _Drawn(line, drawn.columns, drawn.at, left)
 
     def _finish(self, outcome: str) -> None:
@@ -699,19 +755,21 @@ class TerminalChannel:
         current = self._current
         if current is None or self._answerer is None:
             return
-        word = self._typed.strip().lower()
-        if word in _ALLOW_WORDS:
-            decision = Choice.ALLOW
-        elif word in _DENY_WORDS:
-            decision = Choice.DENY
-        else:
+        read = read_answer(self._typed, current.scopes)
+        if read is None:
             self._typed = ""
             self._hint = True  # said on the input line: a line of its own would push the message up
             self._draw_prompt()
             return
-        answered = self._answerer.answer(current.id, decision, channel=self.name, by=self._who)
+        decision, scope = read
+        answered = self._answerer.answer(
+            current.id, decision, channel=self.name, by=self._who, scope=scope or ApprovalScope.RUN
+        )
         if answered.result is AnswerResult.ACCEPTED:
-            self._finish("allowed for this run" if decision is Choice.ALLOW else "denied for this run")
+            if decision is Choice.ALLOW and answered.settlement is not None:
+                self._finish(allowed_text(answered.settlement))
+            else:
+                self._finish("allowed for this run" if decision is Choice.ALLOW else "denied for this run")
         elif answered.settlement is not None:
             self._finish(f"already settled: {settled_text(answered.settlement)}")
         else:

@@ -2,7 +2,9 @@
 
 Out (DESIGN.md, "Channels"): ``POST --webhook-url`` with the approval as JSON
 (``type: approval.requested``, id, run, host, port, command, task, allowed,
-unrelated, message, expires_at, callback_url), signed the Standard Webhooks
+unrelated, message, expires_at, callback_url, then ``scopes``: the scopes an
+allow may choose, ``["once", "run"]`` plus ``"always"`` when egressd has an
+allowlist file), signed the Standard Webhooks
 way with ``--webhook-secret``. Retried with exponential backoff (and the same
 ``webhook-id``, re-signed with a fresh timestamp) on network errors, 5xx, 408,
 425 and 429, until the approval expires; any other 4xx means the receiver
@@ -11,12 +13,17 @@ refuses: delivery failed.
 Back, either way:
 
 - at once: a 2xx response whose JSON body is ``{"decision": "allow"|"deny"}``
-  (optionally ``"by"``); any other 2xx means "delivered, the answer comes
-  later";
+  (optionally ``"by"`` and ``"scope"``); any other 2xx means "delivered, the
+  answer comes later";
 - later: ``POST {--public-url}/approvals/webhook`` with ``{"id", "decision",
-  "by"}``, signed with ``--webhook-callback-secret`` (a separate key) and a
+  "by", "scope"}``, signed with ``--webhook-callback-secret`` (a separate key) and a
   fresh ``webhook-id``. Unsigned, badly signed, stale and replayed callbacks
-  are refused (401/409) and logged. The route answers POST only: nothing is
+  are refused (401/409) and logged.
+
+``scope`` is ``once|run|always`` (missing or null: ``run``); any other value
+is no answer (400 on the callback), and one the approval does not offer
+(``always`` without ``--allow-file``) decides nothing (422 on the callback;
+logged and ignored in a response): the approval stays open. The route answers POST only: nothing is
   decided by a GET (link previewers open links).
 
 When every client waiting for an approval gave up, one best-effort
@@ -55,6 +62,7 @@ from egressd.config.settings import protected_url
 from .interface import (
     Answerer,
     AnswerResult,
+    ApprovalScope,
     ChannelError,
     Choice,
     Notice,
@@ -62,6 +70,7 @@ from .interface import (
     Route,
     Settlement,
     SetupError,
+    parse_scope,
 )
 from .message import ABANDONED_TEXT, bounded
 from .signing import ReplayGuard, VerifyError, signed_headers, verify
@@ -88,7 +97,9 @@ def new_message_id() -> str:
 
 def request_payload(approval: PendingApproval, callback_url: str | None) -> dict[str, Any]:
     """The ``approval.requested`` body (DESIGN.md): raw values, plus the rendered, escaped message."""
-    return {"type": "approval.requested", **approval.fields(), "callback_url": callback_url}
+    payload = {"type": "approval.requested", **approval.fields(), "callback_url": callback_url}
+    payload["scopes"] = payload.pop("scopes")  # after the design's keys: the scopes an answer may choose
+    return payload
 
 
 def settled_payload(approval: PendingApproval, settlement: Settlement) -> dict[str, Any]:
@@ -101,6 +112,8 @@ def settled_payload(approval: PendingApproval, settlement: Settlement) -> dict[s
         "channel": settlement.channel,
         "by": settlement.by,
         "at": rfc3339(settlement.at),
+        "scope": settlement.scope.value if settlement.scope is not None else None,
+        "entry": settlement.entry,
     }
 
 
@@ -120,8 +133,13 @@ def abandoned_payload(approval: PendingApproval, at: float) -> dict[str, Any]:
     }
 
 
-def parse_answer(body: bytes) -> tuple[Choice, str | None] | None:
-    """``{"decision": "allow"|"deny", "by"?: str}`` → (decision, by); None when the body holds no answer."""
+def parse_answer(body: bytes) -> tuple[Choice, str | None, ApprovalScope] | None:
+    """``{"decision": "allow"|"deny", "by"?: str, "scope"?: "once"|"run"|"always"}`` → (decision, by, scope).
+
+    None when the body holds no answer, or a scope that is not one of the
+    three (garbage never decides anything); a missing or null scope is
+    ``run``; a denial's scope is not looked at.
+    """
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -132,8 +150,14 @@ def parse_answer(body: bytes) -> tuple[Choice, str | None] | None:
         decision = Choice(data.get("decision"))
     except ValueError:
         return None
+    scope = ApprovalScope.RUN
+    if decision is Choice.ALLOW and data.get("scope") is not None:
+        parsed = parse_scope(data["scope"])
+        if parsed is None:
+            return None
+        scope = parsed
     by = data.get("by")
-    return decision, by if isinstance(by, str) and by.strip() else None
+    return decision, by if isinstance(by, str) and by.strip() else None, scope
 
 
 class WebhookChannel:
@@ -258,9 +282,15 @@ class WebhookChannel:
                 approval.id,
             )
             return
-        decision, by = answer
-        answered = self._answerer.answer(approval.id, decision, channel=self.name, by=by or "webhook")
-        if answered.result is not AnswerResult.ACCEPTED:
+        decision, by, scope = answer
+        answered = self._answerer.answer(approval.id, decision, channel=self.name, by=by or "webhook", scope=scope)
+        if answered.result is AnswerResult.NOT_OFFERED:
+            log.warning(
+                "approval %s: the webhook's answer asked for scope %s, which is not offered; it stays open",
+                approval.id,
+                scope.value,
+            )
+        elif answered.result is not AnswerResult.ACCEPTED:
             log.info("approval %s: the webhook's answer came too late (%s)", approval.id, answered.result.value)
 
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
@@ -318,14 +348,32 @@ class WebhookChannel:
             data = None
         answer = parse_answer(body)
         if not isinstance(data, dict) or not isinstance(data.get("id"), str) or answer is None:
-            return web.json_response({"error": 'expected {"id", "decision": "allow"|"deny", "by"}'}, status=400)
+            return web.json_response(
+                {"error": 'expected {"id", "decision": "allow"|"deny", "by", "scope"?: "once"|"run"|"always"}'},
+                status=400,
+            )
         if self._answerer is None:
             return web.json_response({"error": "not started"}, status=503)
-        decision, by = answer
-        answered = self._answerer.answer(data["id"], decision, channel=self.name, by=by or "webhook")
+        decision, by, scope = answer
+        answered = self._answerer.answer(data["id"], decision, channel=self.name, by=by or "webhook", scope=scope)
+        if answered.result is AnswerResult.NOT_OFFERED:
+            log.warning(
+                "webhook callback from %s for %s refused: scope %s is not offered",
+                peer,
+                bounded(data["id"], 80),
+                scope.value,
+            )
+            return web.json_response({"error": f"scope {scope.value} is not offered for this approval"}, status=422)
         if answered.result is AnswerResult.UNKNOWN:
             return web.json_response({"error": "no such pending approval"}, status=404)
         if answered.result is AnswerResult.SETTLED:
             log.warning("webhook callback from %s for %s refused: already settled", peer, bounded(data["id"], 80))
             return web.json_response({"error": "already settled"}, status=409)
-        return web.json_response({"id": data["id"], "decision": decision.value})
+        settlement = answered.settlement
+        return web.json_response(
+            {
+                "id": data["id"],
+                "decision": decision.value,
+                "scope": settlement.scope.value if settlement is not None and settlement.scope is not None else None,
+            }
+        )

@@ -520,6 +520,10 @@ class ApprovalSettled:
     ``approval_timeout``, ...); ``channel`` and ``by`` are None when nobody
     answered. ``run`` is not in the design's field list but lets
     ``egressd audit --run`` keep the answer next to its request.
+    After the design's fields: ``scope``, how far an allow reaches as
+    applied (``once|run|always``; None for a denial); ``entry``, the line an
+    *always* answer appended to the allowlist file; ``scope_error``, why an
+    *always* answer was applied to the run only.
     """
 
     id: str  # the design's field name, shadowing the builtin
@@ -530,6 +534,9 @@ class ApprovalSettled:
     by: str | None
     waited_s: float | None
     run: str | None = None
+    scope: str | None = None
+    entry: str | None = None
+    scope_error: str | None = None
 
     def __post_init__(self) -> None:
         if self.decision.__class__ is not Decision:
@@ -547,6 +554,9 @@ class ApprovalSettled:
             "channel": _plain(self.channel),
             "by": self.by,
             "waited_s": _seconds(self.waited_s, "waited_s"),
+            "scope": _plain(self.scope),
+            "entry": _plain(self.entry),
+            "scope_error": _plain(self.scope_error),
         }
 
 
@@ -602,6 +612,9 @@ def approval_decided_record(
     by: str | None,
     waited_s: float | None,
     run: str | None = None,
+    scope: str | None = None,
+    entry: str | None = None,
+    scope_error: str | None = None,
 ) -> dict[str, object]:
     """The ``approval.decided`` record of an ``ApprovalSettled`` built from these fields (``RecordError``)."""
     return ApprovalSettled(
@@ -613,6 +626,9 @@ def approval_decided_record(
         by=by,
         waited_s=waited_s,
         run=run,
+        scope=scope,
+        entry=entry,
+        scope_error=scope_error,
     ).record()
 
 

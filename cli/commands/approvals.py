@@ -6,8 +6,9 @@ file the running egressd wrote (``service.token_path``). The token goes only
 to an endpoint we can trust (``controltoken``: a unix socket or loopback TCP
 socket of ours, checked through the kernel before a byte is sent), and the
 token file is read only if it is ours alone. Exit status: 0 done; 1 the
-approval is unknown or already settled (stderr says how); 2 egressd could not
-be reached, was not trusted with the token, or refused it.
+approval is unknown or already settled, or the scope asked for is not
+offered (stderr says how); 2 egressd could not be reached, was not trusted
+with the token, or refused it.
 """
 
 from __future__ import annotations
@@ -104,11 +105,14 @@ async def _main(args: argparse.Namespace, settings: Settings, token: str) -> int
         status, data = await _call(settings, token, "GET", "/approvals")
     else:
         by = args.by or getpass.getuser()
-        status, data = await _call(settings, token, "POST", f"/approvals/{args.approval_id}/{action}", {"by": by})
+        body: dict[str, Any] = {"by": by}
+        if action == "allow":
+            body["scope"] = getattr(args, "scope", None) or "run"
+        status, data = await _call(settings, token, "POST", f"/approvals/{args.approval_id}/{action}", body)
     error = data.get("error") if isinstance(data, dict) else None
     if status == 401:
         raise CommandError("the control API refused the token (--control-token, or the token file of this egressd)")
-    if status in (404, 409):
+    if status in (400, 404, 409):
         print(f"egressd: {escape(str(error or status))}", file=sys.stderr)
         return 1
     if status != 200 or not isinstance(data, dict):
@@ -120,9 +124,22 @@ async def _main(args: argparse.Namespace, settings: Settings, token: str) -> int
         else:
             _print_pending(approvals)
     else:
-        verb = "allowed (this run only)" if data.get("decision") == "allow" else "denied"
+        verb = "denied"
+        if data.get("decision") == "allow":
+            verb = _ALLOWED.get(str(data.get("scope")), "allowed (this run only)")
+            if data.get("scope") == "always" and data.get("entry"):
+                verb += f": {escape(str(data['entry']))} appended to the allow file"
+            if data.get("scope_error"):
+                print(f"egressd: not kept always: {escape(str(data['scope_error']))}", file=sys.stderr)
         print(f"{escape(str(data.get('id')))}: {verb} by {escape(str(data.get('by')))}")
     return 0
+
+
+_ALLOWED = {
+    "once": "allowed (this connection only)",
+    "run": "allowed (this run only)",
+    "always": "allowed (always)",
+}
 
 
 def run_approvals(args: argparse.Namespace, settings: Settings) -> int:

@@ -37,6 +37,7 @@ __all__ = [
     "Verdict",
     "approval_ports",
     "decide",
+    "lasting_entry",
     "parse_entry",
 ]
 
@@ -188,10 +189,24 @@ def parse_entry(text: str) -> Entry:
         raise EntryError(f"entry {text!r}: a wildcard cannot cover an IP address")
     if covers_suffix:
         raise EntryError(
-            f"entry {text!r}: {host!r} is a public suffix, so the wildcard would cover "
-            "domains owned by anyone"
+            f"entry {text!r}: {host!r} is a public suffix, so the wildcard would cover domains owned by anyone"
         )
     return Entry(text=text, host=host, wildcard=wildcard, ports=ports, address=address)
+
+
+def lasting_entry(host: str, port: int) -> str:
+    """The allowlist entry an *always* answer keeps for ``host`` (normalised, IDNA) on ``port``.
+
+    Never broader than what was asked: the exact host with its port
+    (``host:port``; an IP address in brackets), no wildcard invented, so it
+    never crosses a public suffix. Raises EntryError when ``parse_entry``
+    refuses it or reads it as anything but that one host on that one port.
+    """
+    text = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    entry = parse_entry(text)
+    if entry.wildcard or entry.host != host or entry.ports != frozenset({port}):
+        raise EntryError(f"entry {text!r} would not name exactly {host!r} on port {port}")
+    return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,12 @@ decide the same way:
 1. the audit log must be writable (else refuse: nothing happens unrecorded);
 2. ``policy.decide`` — the design's decision order, pure;
 3. ASK → the ``Approver``; an exception there is a denial (fail closed);
-   an allow joins the run's allowlist, a denial sticks for the run (its
-   registered domain too), a run past its approval requests stops asking;
+   an allow joins the run's allowlist unless its scope is ``once`` (then
+   only the requests that waited on that approval go through, and the
+   run's next connection to the host asks again), a denial sticks for the
+   run (its registered domain too), a run past its approval requests stops asking;
+   the request carries the entry an ``always`` answer would keep
+   (``policy.lasting_entry``: exact ``host:port``), which the broker appends;
    an answer that comes after the client gave up applies to the run alike
    (the approver calls ``_late_answer``);
 4. allowed → resolve (an IP literal is its own address); every address is
@@ -41,7 +45,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, TypeVar
 
-from egressd.approvals.interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest, Approver
+from egressd.approvals.interface import (
+    ANSWER_REASONS,
+    Answer,
+    ApprovalOutcome,
+    ApprovalRequest,
+    ApprovalScope,
+    Approver,
+)
 from egressd.audit.log import AuditError, AuditSink
 from egressd.audit.records import (
     ApprovalSummary,
@@ -59,7 +70,7 @@ from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.floods import RefusalBudget, Suppressed
 from egressd.proxy.core.memo import remembered
 from egressd.proxy.core.metrics import Metrics
-from egressd.proxy.core.policy import Verdict
+from egressd.proxy.core.policy import EntryError, Verdict, lasting_entry
 from egressd.proxy.core.reasons import Reason, reason_for
 from egressd.proxy.core.responses import OWN_ENDPOINT_MESSAGE
 from egressd.proxy.core.runs import Run
@@ -328,11 +339,18 @@ class Gate:
             if run.ended:
                 # Allowed after its run ended (the sandbox is gone): its credentials are void.
                 return Admission(Reason.AUTH_REQUIRED, host, port)
-            run.approve(host, port)
+            if outcome.scope is not ApprovalScope.ONCE:
+                run.approve(host, port)
             attempt.rule = "approved"
         return await self._resolve(attempt, host, port, decision.address)
 
     async def _ask(self, run: Run, host: str, port: int) -> ApprovalOutcome:
+        lasting: str | None = None
+        lasting_error: str | None = None
+        try:
+            lasting = lasting_entry(host, port)
+        except EntryError as exc:
+            lasting_error = str(exc)
         request = ApprovalRequest(
             run_id=run.id,
             host=host,
@@ -340,6 +358,8 @@ class Gate:
             command=run.command,
             task=run.task,
             allowed=run.allowed_texts(),
+            lasting=lasting,
+            lasting_error=lasting_error,
             on_late_answer=lambda outcome: self._late_answer(run, host, port, outcome),
         )
         self.metrics.held_requests += 1
@@ -358,10 +378,11 @@ class Gate:
     def _late_answer(run: Run, host: str, port: int, outcome: ApprovalOutcome) -> None:
         """An answer that came after every client waiting for it gave up still applies to the run.
 
-        Allow → the host joins the run's allowlist (not for an ended run);
+        Allow → the host joins the run's allowlist (not for an ended run, and
+        not for scope ``once``: it covered only the requests that waited);
         deny → the denial sticks; a timeout or shutdown applies nothing.
         """
-        if outcome.answer is Answer.ALLOW and not run.ended:
+        if outcome.answer is Answer.ALLOW and outcome.scope is not ApprovalScope.ONCE and not run.ended:
             run.approve(host, port)
         elif outcome.answer is Answer.DENY:
             run.deny_host(host)

@@ -11,7 +11,8 @@ Usage::
 Web API (``POST``/``GET {api_url}<method>``, token in ``Authorization``):
 ``auth.test``, ``apps.connections.open`` (answers with the websocket URL),
 ``chat.postMessage``, ``chat.update``, ``chat.postEphemeral``,
-``usergroups.users.list``. Every call is recorded in ``calls`` as
+``usergroups.users.list``, ``users.info`` (``names``: user id → display
+name; a user not named there has none). Every call is recorded in ``calls`` as
 (method, arguments). Knobs: ``rate_limit`` (the next N calls get HTTP 429
 with ``Retry-After: 0``), ``down`` (every chat.* call fails with HTTP 503),
 ``groups`` (user-group id → member ids).
@@ -161,6 +162,7 @@ class FakeSlack:
         self.rate_limited = 0
         self.down = False
         self.groups: dict[str, list[str]] = {}
+        self.names: dict[str, str] = {}
         self.acks: list[str] = []
         self.rejected: list[tuple[str, list[str]]] = []
         self.sockets: list[web.WebSocketResponse] = []
@@ -241,6 +243,20 @@ class FakeSlack:
             if group not in self.groups:
                 return web.json_response({"ok": False, "error": "no_such_subteam"})
             return web.json_response({"ok": True, "users": self.groups[group]})
+        if method == "users.info":
+            user = args.get("user", "")
+            display = self.names.get(user, "")
+            return web.json_response(
+                {
+                    "ok": True,
+                    "user": {
+                        "id": user,
+                        "name": user.lower(),
+                        "real_name": "",
+                        "profile": {"display_name": display, "real_name": ""},
+                    },
+                }
+            )
         return web.json_response({"ok": False, "error": "unknown_method"}, status=404)
 
     # -- Socket Mode ----------------------------------------------------------------------
