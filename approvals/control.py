@@ -7,11 +7,13 @@
 - ``POST /approvals/{id}/deny``      answer deny; body optional ``{"by": "who"}`` (a scope is ignored)
 
 Answers go through the ``Answerer`` (the broker) with channel ``control``:
-200 ``{"id", "decision", "by", "scope", "entry"}`` when it decided (``scope``
-as applied, null for a denial; ``entry`` what an *always* answer appended to
-the allowlist file), 409 when the approval was already settled (the body
-says how), 404 for an unknown id, 400 for a scope that is not one of the
-three or not offered (*always* without ``--allow-file``; nothing decided).
+200 ``{"id", "decision", "by", "scope", "entry", "scope_error"}`` when it
+decided (``scope`` as applied, null for a denial; ``entry`` what an *always*
+answer appended to the allowlist file; ``scope_error`` why an *always* was
+applied to the run only), 409 when the approval was already settled (the
+body says how), 404 for an unknown id, 400 for a scope that is not one of
+the three or not offered (*always* without ``--allow-file``; nothing is
+decided).
 
 Who may see and answer what is the caller's ``Scope``, which the control
 API's token check puts on every request (``request[SCOPE]``; a request
@@ -107,16 +109,12 @@ def control_routes(answerer: Answerer) -> list[Route]:
             if approval_id not in runs:
                 return _error(404, f"no pending approval {approval_id} of run {reach.run_id}")
             if runs[approval_id] != reach.run_id:
-                return _error(
-                    403, f"approval {approval_id} is not of run {reach.run_id}: this token acts on its own run only"
-                )
+                return _error(403, f"approval {approval_id} is not of run {reach.run_id}: "
+                                   "this token acts on its own run only")
         answered = answerer.answer(approval_id, decision, channel=CHANNEL, by=by, scope=scope)
         if answered.result is AnswerResult.NOT_OFFERED:
-            return _error(
-                400,
-                f"scope {scope.value} is not offered for approval {approval_id}"
-                + (": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""),
-            )
+            why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
+            return _error(400, f"scope {scope.value} is not offered for approval {approval_id}{why}")
         if answered.result is AnswerResult.UNKNOWN:
             return _error(404, f"no pending approval {approval_id}")
         if answered.result is AnswerResult.SETTLED:

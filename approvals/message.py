@@ -174,7 +174,7 @@ def shorten(name: str, limit: int, *, keep: str = "", measure: Callable[[str], i
         head += ch
     tail_room = room - measure(head)
     tail = ""
-    for ch in reversed(rest[len(head) :]):
+    for ch in reversed(rest[len(head):]):
         if measure(ch + tail) > tail_room:
             break
         tail = ch + tail

@@ -344,9 +344,9 @@ def outcome_text(approval: PendingApproval, settlement: Settlement) -> str:
         elif scope is ApprovalScope.ALWAYS:
             verb, after = "Allowed always", f": {_code(settlement.entry or '?')} added to the allow file"
         else:
-            verb, after = "Allowed for this run", ""
+            verb, after = "Allowed", " (this run only)"
             if settlement.scope_error:
-                after = f" (not always: {_code(settlement.scope_error, 400)})"
+                after = f" (this run only, not always: {_code(settlement.scope_error, 400)})"
         return f"*{verb}* by {_who(settlement)} at {at} for run {run}{after}"
     if settlement.answer is Answer.TIMEOUT:
         return f"*Expired — denied* at {at} (run {run})"

@@ -26,10 +26,11 @@ countdown can be redrawn every second without garbling what is typed:
    answer that is neither allow nor deny says so on the input line, and a
    notice (a run stopped asking) waits until the prompt is answered, so
    nothing adds a row under a shown prompt;
-5. the answer is a word and Enter (``read_answer``): ``once`` allows this
+5. the answer is a word and Enter (``read_answer``), named on a line of
+   its own above the input line (``choices``): ``once`` allows this
    connection only (the request(s) waiting on the approval), ``allow`` for
    the rest of the run, ``always`` also appends the exact ``host:port`` to
-   the allowlist file (offered, and accepted, only when there is one);
+   the allowlist file (offered, and taken, only when there is one);
    ``deny``, ``d``, ``n``, ``no`` and a bare Enter deny; anything else asks
    again. Whole words, not single keys: a stray key (or Caps Lock turning
    ``a`` into ``A``) never allows, and never makes a lasting rule;
@@ -105,24 +106,30 @@ MAX_PENDING_OUTPUT = 256 * 1024
 MAX_HELD_OUTPUT = 1024 * 1024
 
 _DENY_WORDS = frozenset({"", "deny", "d", "n", "no"})
-# The word that allows with each scope (step 5); "allow" is the run, today's answer.
+# The word that allows with each scope (step 5); "allow" is the run, the answer it always was.
 _SCOPE_WORDS = {ApprovalScope.ONCE: "once", ApprovalScope.RUN: "allow", ApprovalScope.ALWAYS: "always"}
+# What each of them does, as the choices line says it.
+_SCOPE_MEANINGS = {
+    ApprovalScope.ONCE: "this connection only",
+    ApprovalScope.RUN: "this run",
+    ApprovalScope.ALWAYS: "added to the allow file",
+}
 
 
-def answer_words(scopes: Sequence[ApprovalScope]) -> str:
-    """What the input line asks for: ``once, allow or deny``, with ``always`` when it is offered."""
-    words = [_SCOPE_WORDS[scope] for scope in _SCOPE_WORDS if scope in scopes]
-    return ", ".join(words) + " or deny"
+def choices(scopes: Sequence[ApprovalScope]) -> str:
+    """The line above the input line naming every answer (step 5); the message's own lines stay the design's."""
+    offered = [f"{_SCOPE_WORDS[scope]} ({_SCOPE_MEANINGS[scope]})" for scope in _SCOPE_WORDS if scope in scopes]
+    return "Answer " + ", ".join(offered) + " or deny."
 
 
-def read_answer(typed: str, scopes: Sequence[ApprovalScope]) -> tuple[Choice, ApprovalScope | None] | None:
-    """A typed answer (step 5) → (allow with its scope | deny with None); None: not an answer, ask again.
+def read_answer(typed: str, scopes: Sequence[ApprovalScope]) -> tuple[Choice, ApprovalScope] | None:
+    """A typed answer (step 5) → (allow, its scope) or (deny, RUN); None: not an answer, ask again.
 
     A scope word that is not offered (``always`` with no allowlist file) is not an answer.
     """
     word = typed.strip().lower()
     if word in _DENY_WORDS:
-        return Choice.DENY, None
+        return Choice.DENY, ApprovalScope.RUN
     for scope, allow_word in _SCOPE_WORDS.items():
         if word == allow_word and scope in scopes:
             return Choice.ALLOW, scope
@@ -130,14 +137,14 @@ def read_answer(typed: str, scopes: Sequence[ApprovalScope]) -> tuple[Choice, Ap
 
 
 def allowed_text(settlement: Settlement) -> str:
-    """How an accepted allow ended, for the line that closes the prompt (``escape``d where it quotes)."""
+    """How an accepted allow ended, for the line that closes the prompt (what it quotes escaped)."""
     scope = settlement.scope
     if scope is ApprovalScope.ONCE:
         return "allowed for this connection only (the next one asks again)"
     if scope is ApprovalScope.ALWAYS:
         return f"allowed always: {escape(settlement.entry or '?')} added to the allow file"
     if settlement.scope_error:
-        return f"allowed for this run only, not always: {escape(bounded(settlement.scope_error, 200))}"
+        return f"allowed for this run only, not always: {bounded(settlement.scope_error, 200)}"
     return "allowed for this run"
 
 
@@ -203,9 +210,9 @@ class _Rows:
 def fit(approval: PendingApproval, *, columns: int, rows: int) -> ApprovalMessage:
     """The approval's message as a terminal of ``columns`` × ``rows`` shows it (0: size not known).
 
-    Drawn below a line break and the ``header``, with the input line under
-    it, the whole fits the screen, so no part of it scrolls away while the
-    prompt is up. In order:
+    Drawn below a line break and the ``header``, with the ``choices`` line
+    and the input line under it, the whole fits the screen, so no part of it
+    scrolls away while the prompt is up. In order:
 
     1. the message as every channel shows it, when it fits;
     2. else rendered again (``message.render``, the same template and rule)
@@ -223,7 +230,8 @@ def fit(approval: PendingApproval, *, columns: int, rows: int) -> ApprovalMessag
     message = approval.message
     if columns <= 0 or rows <= 0:
         return message
-    budget = rows - 2 - rows_of(header(approval), columns)  # the line break, the header, the input line
+    # The line break, the header, the choices line and the input line.
+    budget = rows - 2 - rows_of(header(approval), columns) - rows_of(choices(approval.scopes), columns)
     if _rows(message, columns, warning=False) <= budget:
         return message
     lines = dict(message.lines)
@@ -298,23 +306,15 @@ def _name_room(approval: PendingApproval, columns: int, share: _Rows) -> int | N
 
 
 def prompt_line(
-    *,
-    domain: str,
-    left: str,
-    more: str,
-    typed: str,
-    columns: int,
-    keep: str | None = None,
-    hint: bool = False,
-    words: str = "allow or deny",
+    *, domain: str, left: str, more: str, typed: str, columns: int, keep: str | None = None, hint: bool = False
 ) -> str:
     """The input line, fitted to ``columns`` (0: not known) so that a redraw never wraps.
 
     A line wider than the terminal would wrap, and each redraw (which clears
     only the line the cursor is on) would leave a copy behind. ``keep`` is
     the end of ``domain`` never cut (its registered domain and port; None:
-    all of it); ``hint`` says that the last answer was neither allow nor deny;
-    ``words`` the answers offered (``answer_words``). In order:
+    all of it); ``hint`` says that the last answer was neither allow nor deny.
+    In order:
 
     1. the whole line, when it fits in all but the last column (a full line
        leaves the cursor waiting to wrap);
@@ -325,7 +325,7 @@ def prompt_line(
 
     A domain that is not ASCII is never shown here: its width is a guess.
     """
-    ask = f"type {words}" if hint else words
+    ask = "type allow or deny" if hint else "allow or deny"
 
     def line(name: str | None, waiting: str) -> str:
         named = f" {name}" if name is not None else ""
@@ -345,7 +345,7 @@ def prompt_line(
     bare = line(None, "")
     if columns_of(bare) <= room:
         return bare
-    return bare[len(bare) - room :] if room > 0 else ""
+    return bare[len(bare) - room:] if room > 0 else ""
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -353,7 +353,7 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         try:
-            view = view[os.write(fd, view) :]
+            view = view[os.write(fd, view):]
         except BlockingIOError:
             select.select([], [fd], [])
         except OSError:
@@ -394,9 +394,8 @@ class TerminalOutput:
         self._queued = 0
         dropped, self._dropped = self._dropped, {}
         for fd, count in dropped.items():
-            _write_all(
-                fd, f"\n[egressd: {count} bytes of output were dropped while an approval prompt was shown]\n".encode()
-            )
+            _write_all(fd, f"\n[egressd: {count} bytes of output were dropped while an approval prompt was shown]\n"
+                       .encode())
 
     def write(self, fd: int, data: bytes) -> None:
         """Write ``data`` (inert text) to ``fd`` now, or on release when held."""
@@ -406,7 +405,7 @@ class TerminalOutput:
             _write_all(fd, data)
             return
         room = self.max_held - self._queued
-        kept = data if len(data) <= room else data[: max(room, 0)].decode("utf-8", "ignore").encode()
+        kept = data if len(data) <= room else data[:max(room, 0)].decode("utf-8", "ignore").encode()
         if kept:
             self._queue.append((fd, kept))
             self._queued += len(kept)
@@ -599,6 +598,7 @@ class TerminalChannel:
                 out.append(f"{WARN}{text}{RESET}\r\n")
             else:
                 out.append(f"{text}\r\n")
+        out.append(f"{choices(self._current.scopes)}\r\n")
         self._write("".join(out))
         self._draw_prompt()
         self._schedule_tick()
@@ -627,16 +627,8 @@ class TerminalChannel:
             more = f", client gave up{more}"
         left = self._left(current)
         columns = self._columns()
-        line = prompt_line(
-            domain=current.message.domain,
-            keep=keep_of(current.message),
-            left=left,
-            more=more,
-            typed=self._typed,
-            columns=columns,
-            hint=self._hint,
-            words=answer_words(current.scopes),
-        )
+        line = prompt_line(domain=current.message.domain, keep=keep_of(current.message), left=left, more=more,
+                           typed=self._typed, columns=columns, hint=self._hint)
         self._write(f"{CLEAR_LINE}{line}")
         at = line.rfind(f"[{left} left")
         self._drawn = _Drawn(line, columns, at + 1 if at >= 0 else -1, left)
@@ -656,7 +648,7 @@ class TerminalChannel:
         # ASCII, so its length is the columns to go back (the domain before it may not be).
         back = len(drawn.line) - drawn.at
         self._write(f"{SANE}\x1b[{back}D{left}\x1b[{back - len(left)}C")
-        line = drawn.line[: drawn.at] + left + drawn.line[drawn.at + len(left) :]
+        line = drawn.line[: drawn.at] + left + drawn.line[drawn.at + len(left):]
         self._drawn = _Drawn(line, drawn.columns, drawn.at, left)
 
     def _finish(self, outcome: str) -> None:
@@ -762,9 +754,7 @@ class TerminalChannel:
             self._draw_prompt()
             return
         decision, scope = read
-        answered = self._answerer.answer(
-            current.id, decision, channel=self.name, by=self._who, scope=scope or ApprovalScope.RUN
-        )
+        answered = self._answerer.answer(current.id, decision, channel=self.name, by=self._who, scope=scope)
         if answered.result is AnswerResult.ACCEPTED:
             if decision is Choice.ALLOW and answered.settlement is not None:
                 self._finish(allowed_text(answered.settlement))

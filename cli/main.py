@@ -38,15 +38,9 @@ def _visible(name: str) -> str:
 def _secret_file_flags() -> list[tuple[str, str, dict[str, Any]]]:
     """``--NAME-file FILE`` for each secret setting: the secret kept off the command line."""
     return [
-        (
-            "--" + name.replace("_", "-") + "-file",
-            f"{name}_file",
-            {
-                "metavar": "FILE",
-                "help": f"read {name} from FILE: a regular file of yours (or root's) "
-                "that no one else may read or write (mode 600)",
-            },
-        )
+        ("--" + name.replace("_", "-") + "-file", f"{name}_file",
+         {"metavar": "FILE", "help": f"read {name} from FILE: a regular file of yours (or root's) "
+          "that no one else may read or write (mode 600)"})
         for name in SECRET_SETTINGS
     ]
 
@@ -55,269 +49,103 @@ def _secret_file_flags() -> list[tuple[str, str, dict[str, Any]]]:
 _COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--listen", "listen", {"metavar": "HOST:PORT", "help": "HTTP proxy address (default 127.0.0.1:3128)"}),
     ("--control", "control", {"metavar": "HOST:PORT|unix:PATH", "help": "control API (default 127.0.0.1:3129)"}),
-    (
-        "--control-token",
-        "control_token",
-        {
-            "metavar": "TOKEN",
-            "help": f"control API bearer token (default: generated and written to a file) {_visible('control_token')}",
-        },
-    ),
-    (
-        "--allow",
-        "allow",
-        {
-            "action": "append",
-            "metavar": "ENTRY",
-            "help": "allow a destination: example.com, *.example.com, host:PORT, host:* (repeatable)",
-        },
-    ),
-    (
-        "--deny",
-        "deny",
-        {"action": "append", "metavar": "ENTRY", "help": "deny a destination; wins over --allow (repeatable)"},
-    ),
-    (
-        "--preset",
-        "preset",
-        {
-            "action": "append",
-            "metavar": "NAME",
-            "help": "add a named allowlist: python, node, github, ... (repeatable)",
-        },
-    ),
-    (
-        "--allow-file",
-        "allow_file",
-        {
-            "metavar": "FILE",
-            "help": "an allowlist file (TOML: allow = [...], deny = [...]); its entries apply, and answers "
-            "with scope 'always' are appended to it",
-        },
-    ),
-    (
-        "--allow-private",
-        "allow_private",
-        {
-            "action": "append",
-            "metavar": "CIDR",
-            "help": "let allowed names resolve into this private/special range (repeatable)",
-        },
-    ),
-    (
-        "--approver",
-        "approver",
-        {
-            "action": "append",
-            "choices": ["terminal", "slack", "webhook", "deny"],
-            "help": "who answers requests for unknown domains (repeatable)",
-        },
-    ),
-    (
-        "--approval-timeout",
-        "approval_timeout",
-        {"type": float, "metavar": "SECONDS", "help": "how long a request is held for an answer (default 600)"},
-    ),
-    (
-        "--max-pending-approvals",
-        "max_pending_approvals",
-        {
-            "type": int,
-            "metavar": "N",
-            "help": "approvals one run may have waiting; past it: too_many_pending (default 5)",
-        },
-    ),
-    (
-        "--max-approvals-per-run",
-        "max_approvals_per_run",
-        {
-            "type": int,
-            "metavar": "N",
-            "help": "approval requests one run may make; past it the run stops asking: not_allowlisted (default 20)",
-        },
-    ),
-    (
-        "--webhook-url",
-        "webhook_url",
-        {"metavar": "URL", "help": "webhook approver: where approval requests are POSTed"},
-    ),
-    (
-        "--webhook-secret",
-        "webhook_secret",
-        {"metavar": "WHSEC", "help": f"webhook approver: whsec_ key signing the requests {_visible('webhook_secret')}"},
-    ),
-    (
-        "--webhook-callback-secret",
-        "webhook_callback_secret",
-        {
-            "metavar": "WHSEC",
-            "help": "webhook approver: a separate whsec_ key the callback must be signed with "
-            + _visible("webhook_callback_secret"),
-        },
-    ),
-    (
-        "--public-url",
-        "public_url",
-        {
-            "metavar": "URL",
-            "help": "base URL under which the control server is reachable (webhook callback, Slack interactivity)",
-        },
-    ),
-    (
-        "--slack-bot-token",
-        "slack_bot_token",
-        {"metavar": "XOXB", "help": f"Slack approver: bot token {_visible('slack_bot_token')}"},
-    ),
-    (
-        "--slack-app-token",
-        "slack_app_token",
-        {
-            "metavar": "XAPP",
-            "help": "Slack approver: app-level token for Socket Mode (no public URL needed) "
-            + _visible("slack_app_token"),
-        },
-    ),
-    (
-        "--slack-signing-secret",
-        "slack_signing_secret",
-        {
-            "metavar": "SECRET",
-            "help": "Slack approver: signing secret for the HTTP interactivity endpoint "
-            + _visible("slack_signing_secret"),
-        },
-    ),
-    (
-        "--slack-channel",
-        "slack_channel",
-        {"metavar": "CHANNEL_ID", "help": "Slack approver: the channel id approval messages go to"},
-    ),
-    (
-        "--slack-approvers",
-        "slack_approvers",
-        {
-            "action": "append",
-            "metavar": "ID",
-            "help": "Slack approver: a user id (U…) or user-group id (S…) who may answer (repeatable)",
-        },
-    ),
-    (
-        "--slack-api-url",
-        "slack_api_url",
-        {"metavar": "URL", "help": "Slack Web API base URL (default https://slack.com/api/)"},
-    ),
-    (
-        "--upstream-dns",
-        "upstream_dns",
-        {"metavar": "HOST:PORT", "help": "DNS server egressd asks (default: the system resolver)"},
-    ),
-    (
-        "--dns-listen",
-        "dns_listen",
-        {"metavar": "HOST:PORT", "help": "sandbox-facing DNS server, UDP and TCP (default: off)"},
-    ),
-    (
-        "--dns-answer",
-        "dns_answer",
-        {
-            "metavar": "ADDRESS",
-            "help": "IPv4 address every A query is answered with (default: the transparent listeners' host)",
-        },
-    ),
-    (
-        "--dns-answer6",
-        "dns_answer6",
-        {"metavar": "ADDRESS", "help": "IPv6 address AAAA queries are answered with (default: an empty answer)"},
-    ),
-    (
-        "--dns-strict",
-        "dns_strict",
-        {"action": "store_const", "const": True, "help": "answer NXDOMAIN for names the run could never reach"},
-    ),
-    (
-        "--transparent-tls",
-        "transparent_tls",
-        {
-            "metavar": "HOST:PORT",
-            "help": "transparent TLS listener: the SNI decides, destination port 443 (default: off)",
-        },
-    ),
-    (
-        "--transparent-http",
-        "transparent_http",
-        {
-            "metavar": "HOST:PORT",
-            "help": "transparent HTTP listener: the Host header decides, destination port 80 (default: off)",
-        },
-    ),
-    (
-        "--audit-log",
-        "audit_log",
-        {"metavar": "PATH", "help": "audit log file (default ~/.local/state/egressd/audit.jsonl)"},
-    ),
-    (
-        "--audit-max-bytes",
-        "audit_max_bytes",
-        {
-            "type": int,
-            "metavar": "N",
-            "help": "rotate the audit log before it would pass N bytes (default 0: never; SIGUSR1 reopens it)",
-        },
-    ),
-    (
-        "--audit-keep",
-        "audit_keep",
-        {"type": int, "metavar": "N", "help": "rotated audit logs kept, PATH.1 ... PATH.N (default 5)"},
-    ),
-    (
-        "--max-head-bytes",
-        "max_head_bytes",
-        {"type": int, "metavar": "N", "help": "largest request head (default 65536)"},
-    ),
-    (
-        "--head-timeout-s",
-        "head_timeout_s",
-        {"type": float, "metavar": "S", "help": "time to send a request head (default 10)"},
-    ),
-    (
-        "--connect-timeout-s",
-        "connect_timeout_s",
-        {"type": float, "metavar": "S", "help": "time to connect upstream (default 10)"},
-    ),
-    (
-        "--idle-timeout-s",
-        "idle_timeout_s",
-        {"type": float, "metavar": "S", "help": "idle tunnel lifetime (default 300)"},
-    ),
-    (
-        "--max-connections",
-        "max_connections",
-        {"type": int, "metavar": "N", "help": "open client connections overall (default 10000)"},
-    ),
-    (
-        "--max-connections-per-run",
-        "max_connections_per_run",
-        {"type": int, "metavar": "N", "help": "open client connections per run (default 1000)"},
-    ),
-    (
-        "--max-refusal-records",
-        "max_refusal_records",
-        {
-            "type": int,
-            "metavar": "N",
-            "help": "refusal records per run per interval; past it they are counted in one egress.suppressed "
-            "record per interval (default 50)",
-        },
-    ),
-    (
-        "--refusal-interval-s",
-        "refusal_interval_s",
-        {"type": float, "metavar": "S", "help": "the interval of --max-refusal-records (default 10)"},
-    ),
-    (
-        "--log-level",
-        "log_level",
-        {"choices": ["debug", "info", "warning", "error"], "help": "stderr log level (default info)"},
-    ),
+    ("--control-token", "control_token",
+     {"metavar": "TOKEN",
+      "help": f"control API bearer token (default: generated and written to a file) {_visible('control_token')}"}),
+    ("--allow", "allow",
+     {"action": "append", "metavar": "ENTRY",
+      "help": "allow a destination: example.com, *.example.com, host:PORT, host:* (repeatable)"}),
+    ("--deny", "deny",
+     {"action": "append", "metavar": "ENTRY", "help": "deny a destination; wins over --allow (repeatable)"}),
+    ("--preset", "preset",
+     {"action": "append", "metavar": "NAME", "help": "add a named allowlist: python, node, github, ... (repeatable)"}),
+    ("--allow-file", "allow_file",
+     {"metavar": "FILE",
+      "help": "an allowlist file (TOML: allow = [...], deny = [...]); its entries apply, and answers "
+      "with scope 'always' are appended to it"}),
+    ("--allow-private", "allow_private",
+     {"action": "append", "metavar": "CIDR",
+      "help": "let allowed names resolve into this private/special range (repeatable)"}),
+    ("--approver", "approver",
+     {"action": "append", "choices": ["terminal", "slack", "webhook", "deny"],
+      "help": "who answers requests for unknown domains (repeatable)"}),
+    ("--approval-timeout", "approval_timeout",
+     {"type": float, "metavar": "SECONDS", "help": "how long a request is held for an answer (default 600)"}),
+    ("--max-pending-approvals", "max_pending_approvals",
+     {"type": int, "metavar": "N",
+      "help": "approvals one run may have waiting; past it: too_many_pending (default 5)"}),
+    ("--max-approvals-per-run", "max_approvals_per_run",
+     {"type": int, "metavar": "N",
+      "help": "approval requests one run may make; past it the run stops asking: not_allowlisted (default 20)"}),
+    ("--webhook-url", "webhook_url",
+     {"metavar": "URL", "help": "webhook approver: where approval requests are POSTed"}),
+    ("--webhook-secret", "webhook_secret",
+     {"metavar": "WHSEC", "help": f"webhook approver: whsec_ key signing the requests {_visible('webhook_secret')}"}),
+    ("--webhook-callback-secret", "webhook_callback_secret",
+     {"metavar": "WHSEC", "help": "webhook approver: a separate whsec_ key the callback must be signed with "
+      + _visible("webhook_callback_secret")}),
+    ("--public-url", "public_url",
+     {"metavar": "URL",
+      "help": "base URL under which the control server is reachable (webhook callback, Slack interactivity)"}),
+    ("--slack-bot-token", "slack_bot_token",
+     {"metavar": "XOXB", "help": f"Slack approver: bot token {_visible('slack_bot_token')}"}),
+    ("--slack-app-token", "slack_app_token",
+     {"metavar": "XAPP", "help": "Slack approver: app-level token for Socket Mode (no public URL needed) "
+      + _visible("slack_app_token")}),
+    ("--slack-signing-secret", "slack_signing_secret",
+     {"metavar": "SECRET", "help": "Slack approver: signing secret for the HTTP interactivity endpoint "
+      + _visible("slack_signing_secret")}),
+    ("--slack-channel", "slack_channel",
+     {"metavar": "CHANNEL_ID", "help": "Slack approver: the channel id approval messages go to"}),
+    ("--slack-approvers", "slack_approvers",
+     {"action": "append", "metavar": "ID",
+      "help": "Slack approver: a user id (U…) or user-group id (S…) who may answer (repeatable)"}),
+    ("--slack-api-url", "slack_api_url",
+     {"metavar": "URL", "help": "Slack Web API base URL (default https://slack.com/api/)"}),
+    ("--upstream-dns", "upstream_dns",
+     {"metavar": "HOST:PORT", "help": "DNS server egressd asks (default: the system resolver)"}),
+    ("--dns-listen", "dns_listen",
+     {"metavar": "HOST:PORT", "help": "sandbox-facing DNS server, UDP and TCP (default: off)"}),
+    ("--dns-answer", "dns_answer",
+     {"metavar": "ADDRESS",
+      "help": "IPv4 address every A query is answered with (default: the transparent listeners' host)"}),
+    ("--dns-answer6", "dns_answer6",
+     {"metavar": "ADDRESS", "help": "IPv6 address AAAA queries are answered with (default: an empty answer)"}),
+    ("--dns-strict", "dns_strict",
+     {"action": "store_const", "const": True, "help": "answer NXDOMAIN for names the run could never reach"}),
+    ("--transparent-tls", "transparent_tls",
+     {"metavar": "HOST:PORT",
+      "help": "transparent TLS listener: the SNI decides, destination port 443 (default: off)"}),
+    ("--transparent-http", "transparent_http",
+     {"metavar": "HOST:PORT",
+      "help": "transparent HTTP listener: the Host header decides, destination port 80 (default: off)"}),
+    ("--audit-log", "audit_log",
+     {"metavar": "PATH", "help": "audit log file (default ~/.local/state/egressd/audit.jsonl)"}),
+    ("--audit-max-bytes", "audit_max_bytes",
+     {"type": int, "metavar": "N",
+      "help": "rotate the audit log before it would pass N bytes (default 0: never; SIGUSR1 reopens it)"}),
+    ("--audit-keep", "audit_keep",
+     {"type": int, "metavar": "N", "help": "rotated audit logs kept, PATH.1 ... PATH.N (default 5)"}),
+    ("--max-head-bytes", "max_head_bytes",
+     {"type": int, "metavar": "N", "help": "largest request head (default 65536)"}),
+    ("--head-timeout-s", "head_timeout_s",
+     {"type": float, "metavar": "S", "help": "time to send a request head (default 10)"}),
+    ("--connect-timeout-s", "connect_timeout_s",
+     {"type": float, "metavar": "S", "help": "time to connect upstream (default 10)"}),
+    ("--idle-timeout-s", "idle_timeout_s",
+     {"type": float, "metavar": "S", "help": "idle tunnel lifetime (default 300)"}),
+    ("--max-connections", "max_connections",
+     {"type": int, "metavar": "N", "help": "open client connections overall (default 10000)"}),
+    ("--max-connections-per-run", "max_connections_per_run",
+     {"type": int, "metavar": "N", "help": "open client connections per run (default 1000)"}),
+    ("--max-refusal-records", "max_refusal_records",
+     {"type": int, "metavar": "N",
+      "help": "refusal records per run per interval; past it they are counted in one egress.suppressed "
+      "record per interval (default 50)"}),
+    ("--refusal-interval-s", "refusal_interval_s",
+     {"type": float, "metavar": "S", "help": "the interval of --max-refusal-records (default 10)"}),
+    ("--log-level", "log_level",
+     {"choices": ["debug", "info", "warning", "error"], "help": "stderr log level (default info)"}),
     *_secret_file_flags(),
 ]
 
@@ -326,22 +154,10 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="TOML config file (also EGRESSD_CONFIG)")
     for flag, dest, kwargs in _COMMON:
         parser.add_argument(flag, dest=dest, default=None, **kwargs)
-    parser.add_argument(
-        "--no-ask",
-        dest="ask",
-        action="store_const",
-        const=False,
-        default=None,
-        help="refuse unknown domains without asking anyone (not_allowlisted)",
-    )
-    parser.add_argument(
-        "--require-auth",
-        dest="require_auth",
-        action="store_const",
-        const=True,
-        default=None,
-        help="no default run: every client needs run credentials",
-    )
+    parser.add_argument("--no-ask", dest="ask", action="store_const", const=False, default=None,
+                        help="refuse unknown domains without asking anyone (not_allowlisted)")
+    parser.add_argument("--require-auth", dest="require_auth", action="store_const", const=True, default=None,
+                        help="no default run: every client needs run credentials")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -362,6 +178,7 @@ def _setup_logging(level: str) -> None:
         datefmt="%Y-%m-%dT%H:%M:%S",
         stream=sys.stderr,
     )
+
 
 
 async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
@@ -387,10 +204,7 @@ async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
     host, port = service.proxy_address
     logging.getLogger("egressd").info(
         "serving: proxy %s:%d, control %s, audit log %s, %s",
-        host,
-        port,
-        service.control_address,
-        settings.audit_path,
+        host, port, service.control_address, settings.audit_path,
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
     )
     try:
@@ -484,19 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"egressd {ver}")
     sub = parser.add_subparsers(dest="subcommand", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser(
-        "serve",
-        help="run the proxy and control API in the foreground",
-        description="Run the proxy and its control API in the foreground until SIGINT/SIGTERM.",
-    )
+    serve = sub.add_parser("serve", help="run the proxy and control API in the foreground",
+                           description="Run the proxy and its control API in the foreground until SIGINT/SIGTERM.")
     _add_common(serve)
     serve.set_defaults(func=cmd_serve)
 
-    audit = sub.add_parser(
-        "audit",
-        help="read and filter the audit log",
-        description="Print the audit log as a table (or JSON Lines), filtered; --follow keeps printing new records.",
-    )
+    audit = sub.add_parser("audit", help="read and filter the audit log",
+                           description="Print the audit log as a table (or JSON Lines), filtered; "
+                           "--follow keeps printing new records.")
     audit.add_argument("--config", metavar="FILE", help="TOML config file (for audit_log)")
     audit.add_argument("--audit-log", dest="audit_log", default=None, metavar="PATH", help="the log to read")
     audit.add_argument("--run", metavar="ID", help="only this run")
@@ -508,21 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
     audit.set_defaults(func=cmd_audit)
     audit_sub = audit.add_subparsers(dest="audit_action", metavar="ACTION")
     verify = audit_sub.add_parser(
-        "verify",
-        help="check the audit log's hash chain",
+        "verify", help="check the audit log's hash chain",
         description="Check that every record's prev is the SHA-256 of the line before it, across the files "
         "given oldest first (default: the log and its rotated files PATH.N ... PATH.1 PATH); name the first "
-        "record edited, removed or inserted, or a truncated tail. Exit 0 if intact, 1 if not, 2 if unreadable.",
-    )
+        "record edited, removed or inserted, or a truncated tail. Exit 0 if intact, 1 if not, 2 if unreadable.")
     # SUPPRESS: given after `verify` these count too; given before, the audit parser's value stays.
     verify.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML config file (for audit_log)")
-    verify.add_argument(
-        "--audit-log",
-        dest="audit_log",
-        default=argparse.SUPPRESS,
-        metavar="PATH",
-        help="the log whose chain to check, with its rotated files",
-    )
+    verify.add_argument("--audit-log", dest="audit_log", default=argparse.SUPPRESS, metavar="PATH",
+                        help="the log whose chain to check, with its rotated files")
     verify.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first")
     verify.set_defaults(func=cmd_audit_verify)
 
@@ -551,12 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_approval_commands(sub)
 
-    doctor = sub.add_parser(
-        "doctor",
-        help="say which sandbox backends and features work here, and why not",
-        description="Try each feature egressd run needs (bubblewrap, network namespaces, nftables, "
-        "seccomp, cgroups, Docker) and report what works; exit 1 if a required one does not.",
-    )
+    doctor = sub.add_parser("doctor", help="say which sandbox backends and features work here, and why not",
+                            description="Try each feature egressd run needs (bubblewrap, network namespaces, nftables, "
+                            "seccomp, cgroups, Docker) and report what works; exit 1 if a required one does not.")
     doctor.add_argument("--clean", action="store_true", help="first remove leftovers of runs whose egressd died")
     doctor.set_defaults(func=cmd_doctor_checks)
     return parser
@@ -564,61 +363,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_approval_commands(sub: Any) -> None:
     """``egressd pending``, ``allow ID``, ``deny ID``: answer through a running egressd's control API."""
-    pending = sub.add_parser(
-        "pending",
-        help="list the approvals waiting for an answer",
-        description="List the requests a running egressd holds for an answer, oldest first.",
-    )
-    allow = sub.add_parser(
-        "allow",
-        help="allow a held request (--scope once|run|always; default run)",
-        description="Allow the held request APPROVAL_ID: with --scope run (the default) its "
-        "domain joins the run's allowlist until the run ends; once: only the request(s) held "
-        "on it go through; always: as run, and HOST:PORT is appended to the allow file "
-        "(only when egressd runs with --allow-file).",
-    )
-    deny = sub.add_parser(
-        "deny",
-        help="deny a held request (sticks for the run)",
-        description="Deny the held request APPROVAL_ID; the domain stays denied for the rest of the run.",
-    )
+    pending = sub.add_parser("pending", help="list the approvals waiting for an answer",
+                             description="List the requests a running egressd holds for an answer, oldest first.")
+    allow = sub.add_parser("allow", help="allow a held request (--scope once|run|always; default run)",
+                           description="Allow the held request APPROVAL_ID: with --scope run (the default) its "
+                           "domain joins the run's allowlist until the run ends; once: only the request(s) held "
+                           "on it go through; always: as run, and HOST:PORT is appended to the allow file "
+                           "(only when egressd runs with --allow-file).")
+    deny = sub.add_parser("deny", help="deny a held request (sticks for the run)",
+                          description="Deny the held request APPROVAL_ID; the domain stays denied "
+                          "for the rest of the run.")
     for parser, action in ((pending, "pending"), (allow, "allow"), (deny, "deny")):
         parser.add_argument("--config", metavar="FILE", help="TOML config file (for control and control_token)")
-        parser.add_argument(
-            "--control",
-            dest="control",
-            default=None,
-            metavar="HOST:PORT|unix:PATH",
-            help="the running egressd's control API (default 127.0.0.1:3129)",
-        )
-        parser.add_argument(
-            "--control-token",
-            dest="control_token",
-            default=None,
-            metavar="TOKEN",
-            help=f"bearer token (default: the token file egressd wrote) {_visible('control_token')}",
-        )
-        parser.add_argument(
-            "--control-token-file",
-            dest="control_token_file",
-            default=None,
-            metavar="FILE",
-            help="read the bearer token from FILE: a regular file of yours (or root's) "
-            "that no one else may read or write (mode 600)",
-        )
+        parser.add_argument("--control", dest="control", default=None, metavar="HOST:PORT|unix:PATH",
+                            help="the running egressd's control API (default 127.0.0.1:3129)")
+        parser.add_argument("--control-token", dest="control_token", default=None, metavar="TOKEN",
+                            help=f"bearer token (default: the token file egressd wrote) {_visible('control_token')}")
+        parser.add_argument("--control-token-file", dest="control_token_file", default=None, metavar="FILE",
+                            help="read the bearer token from FILE: a regular file of yours (or root's) "
+                            "that no one else may read or write (mode 600)")
         if action == "pending":
             parser.add_argument("--json", action="store_true", help="print the approvals as JSON")
         else:
             parser.add_argument("approval_id", metavar="APPROVAL_ID", help="the id `egressd pending` shows (a-…)")
             parser.add_argument("--by", metavar="NAME", help="who answers, for the audit log (default: your user name)")
         if action == "allow":
-            parser.add_argument(
-                "--scope",
-                choices=["once", "run", "always"],
-                default="run",
-                help="once: this connection only; run: the rest of the run (default); "
-                "always: also appended to egressd's --allow-file",
-            )
+            parser.add_argument("--scope", choices=["once", "run", "always"], default="run",
+                                help="once: this connection only; run: the rest of the run (default); "
+                                "always: also appended to egressd's --allow-file")
         parser.set_defaults(func=cmd_approvals, approval_action=action)
 
 

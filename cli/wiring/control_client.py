@@ -76,10 +76,7 @@ class ControlClient:
         """(status, the JSON body or None): any status; ``ControlError`` only when egressd could not be asked."""
         try:
             async with self._http.request(
-                method,
-                self.url + path,
-                json=body,
-                headers={"Authorization": f"Bearer {self._token}"},
+                method, self.url + path, json=body, headers={"Authorization": f"Bearer {self._token}"},
                 allow_redirects=False,  # the token goes to the endpoint checked, and nowhere it points to
             ) as resp:
                 text = await resp.text()

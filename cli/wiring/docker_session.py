@@ -115,33 +115,17 @@ MAX_AUDIT_BYTES = 256 * 1024 * 1024
 # allowlist goes in POST /runs) or fixed by the session (listeners, control).
 # The settings the sidecar does not take from ours; every other one is passed on, so a
 # new setting reaches the sidecar without anyone remembering to list it here.
-SIDECAR_OWN = frozenset(
-    {
-        # its listeners and control API: fixed to the run's networks (``sidecar_environment``)
-        "listen",
-        "control",
-        "dns_listen",
-        "dns_answer",
-        "dns_answer6",
-        "transparent_tls",
-        "transparent_http",
-        "require_auth",
-        "control_token",
-        "control_token_file",
-        # the run's policy: registered with the run through the control API, not egressd-wide
-        "allow",
-        "deny",
-        "preset",
-        "ask",
-        # its audit log: in its volume, appended to ours when the run ends
-        "audit_log",
-        "audit_max_bytes",
-        "audit_keep",
-    }
-)
+SIDECAR_OWN = frozenset({
+    # its listeners and control API: fixed to the run's networks (``sidecar_environment``)
+    "listen", "control", "dns_listen", "dns_answer", "dns_answer6", "transparent_tls", "transparent_http",
+    "require_auth", "control_token", "control_token_file",
+    # the run's policy: registered with the run through the control API, not egressd-wide
+    "allow", "deny", "preset", "ask",
+    # its audit log: in its volume, appended to ours when the run ends
+    "audit_log", "audit_max_bytes", "audit_keep",
+})
 PASSTHROUGH = tuple(
-    name
-    for name in Settings.model_fields
+    name for name in Settings.model_fields
     if name not in SIDECAR_OWN and not name.endswith("_file")  # a *_file secret arrives as its value
 )
 
@@ -284,12 +268,7 @@ class TerminalRelay:
     # -- the Answerer the prompt answers through ------------------------------------------
 
     def answer(
-        self,
-        approval_id: str,
-        decision: Choice,
-        *,
-        channel: str,
-        by: str | None,
+        self, approval_id: str, decision: Choice, *, channel: str, by: str | None,
         scope: ApprovalScope = ApprovalScope.RUN,
     ) -> Answered:
         pending = self._pending.get(approval_id)
@@ -351,9 +330,8 @@ class TerminalRelay:
         expires = _epoch(payload.get("expires_at"), now + 600)
         approval = PendingApproval(
             id=approval_id,
-            request=ApprovalRequest(
-                run_id=str(payload.get("run")), host=host, port=port, command=command, task=task, allowed=allowed
-            ),
+            request=ApprovalRequest(run_id=str(payload.get("run")), host=host, port=port, command=command,
+                                    task=task, allowed=allowed),
             message=render(host=host, port=port, command=command, task=task, allowed=allowed),
             created_at=now,
             expires_at=expires,
@@ -370,15 +348,10 @@ class TerminalRelay:
         reasons = {reason: answer for answer, reason in ANSWER_REASONS.items()}
         answer = Answer.ALLOW if payload.get("reason") is None else reasons.get(str(payload["reason"]), Answer.DENY)
         at = _epoch(payload.get("at"), now)
-        settlement = Settlement(
-            answer=answer,
-            channel=payload.get("channel"),
-            by=payload.get("by"),
-            at=at,
-            waited_s=max(0.0, at - approval.created_at),
-            scope=parse_scope(payload.get("scope")),
-            entry=payload.get("entry") if isinstance(payload.get("entry"), str) else None,
-        )
+        entry = payload.get("entry")
+        settlement = Settlement(answer=answer, channel=payload.get("channel"), by=payload.get("by"), at=at,
+                                waited_s=max(0.0, at - approval.created_at), scope=parse_scope(payload.get("scope")),
+                                entry=entry if isinstance(entry, str) else None)
         await self.terminal.settle(approval, settlement)
 
 
@@ -391,9 +364,8 @@ def _connect_token(settings: Settings) -> str:
     except TokenFileError as exc:
         raise SessionError(f"--connect: {exc}") from None
     except OSError as exc:
-        raise SessionError(
-            f"--connect needs the control token: give --control-token or write it to {path} ({exc.strerror})"
-        ) from None
+        raise SessionError(f"--connect needs the control token: give --control-token or write it to {path} "
+                           f"({exc.strerror})") from None
 
 
 @dataclass(frozen=True)
@@ -502,33 +474,19 @@ class DockerSession(SessionBase[_SessionBox]):
         await clean_leftovers(self.engine)
         for image in (self.image,) + (() if self.connect else (self.egressd_image,)):
             if not await self.engine.image_exists(image):
-                raise SessionError(
-                    f"the image {image} is not on this Docker Engine: build it "
-                    "(bash docker/build.sh, or docker build -f docker/Dockerfile ...) or name another"
-                )
+                raise SessionError(f"the image {image} is not on this Docker Engine: build it "
+                                   "(bash docker/build.sh, or docker build -f docker/Dockerfile ...) or name another")
         runtime = "runsc" if "runsc" in await self.engine.runtimes() else None
         if self.connect:
             network, address, dns = await self._join_running_egressd()
         else:
             network, address, dns = await self._start_sidecar()
         assert self.control is not None and self.run_id is not None
-        self._box = _SessionBox(
-            self,
-            DockerSandbox(
-                engine=self.engine,
-                network=network,
-                address=address,
-                dns=dns,
-                image=self.image,
-                workdir=self.workdir,
-                proxy_url=self._proxy_url,
-                labels=self.resources_labels("command"),
-                extra_env=self.extra_env,
-                term=self.term,
-                runtime=runtime,
-                machine=machine,
-            ),
-        )
+        self._box = _SessionBox(self, DockerSandbox(
+            engine=self.engine, network=network, address=address, dns=dns, image=self.image,
+            workdir=self.workdir, proxy_url=self._proxy_url, labels=self.resources_labels("command"),
+            extra_env=self.extra_env, term=self.term, runtime=runtime, machine=machine,
+        ))
         stack.push_async_callback(self._box.sandbox.destroy)
         poller = asyncio.ensure_future(self._poll_forever())
 
@@ -559,12 +517,10 @@ class DockerSession(SessionBase[_SessionBox]):
         p = net.plan
         token = new_control_token()
         settings = await self._with_terminal_relay(str(p.outgoing.network_address + 1))
-        env = sidecar_environment(
-            settings, egressd_ip=str(p.egressd_ip), control_ip=str(p.egressd_outgoing_ip), token=token
-        )
-        sidecar = await start_egressd(
-            net, image=self.egressd_image, env=env, secrets=sidecar_secrets(settings, token=token)
-        )
+        env = sidecar_environment(settings, egressd_ip=str(p.egressd_ip), control_ip=str(p.egressd_outgoing_ip),
+                                  token=token)
+        sidecar = await start_egressd(net, image=self.egressd_image, env=env,
+                                      secrets=sidecar_secrets(settings, token=token))
         self.egressd_container = sidecar.id
         self._stack.push_async_callback(self._save_audit)
         await self._register(sidecar.control_url, token, p.sandbox_ip)
@@ -575,24 +531,17 @@ class DockerSession(SessionBase[_SessionBox]):
         if "terminal" not in self.settings.approver:
             return self.settings
         if "webhook" in self.settings.approver:
-            raise SessionError(
-                "with --backend docker the terminal approver is relayed over egressd's webhook "
-                "channel, so --approver terminal and --approver webhook cannot both be given"
-            )
+            raise SessionError("with --backend docker the terminal approver is relayed over egressd's webhook "
+                               "channel, so --approver terminal and --approver webhook cannot both be given")
         relay = TerminalRelay(address=gateway, tty_path=self.tty_path, output=self.terminal_output)
         if not await relay.start():
             return self.settings  # no terminal: the channel is not attached, as with bubblewrap
         self.relay = relay
         self._stack.push_async_callback(relay.close)
         approvers = [a for a in self.settings.approver if a != "terminal"] + ["webhook"]
-        return self.settings.model_copy(
-            update={
-                "approver": approvers,
-                "webhook_url": relay.url,
-                "webhook_secret": SecretStr(relay.secret),
-                "unsafe_webhook_http": True,
-            }
-        )
+        return self.settings.model_copy(update={"approver": approvers, "webhook_url": relay.url,
+                                                "webhook_secret": SecretStr(relay.secret),
+                                                "unsafe_webhook_http": True})
 
     async def _join_running_egressd(self) -> tuple[str, str, str]:
         """``--connect``: a network of the run's own, with that egressd's container attached to it.
@@ -614,18 +563,12 @@ class DockerSession(SessionBase[_SessionBox]):
         found = await self.engine.containers_serving(url.host or "", url.port or 0)
         if len(found) != 1:
             why = "no container" if not found else f"{len(found)} containers"
-            raise SessionError(
-                f"{why} of this Docker Engine serve{'s' if not found else ''} {self.connect}: "
-                "--connect needs egressd's own container, its control port published"
-            )
+            raise SessionError(f"{why} of this Docker Engine serve{'s' if not found else ''} {self.connect}: "
+                               "--connect needs egressd's own container, its control port published")
         runs = await control.call("GET", "/runs")
         bound = [ipaddress.ip_network(a) for r in (runs or {}).get("runs") or [] for a in r.get("sources") or []]
-        net = await SharedEgressdNetwork.create(
-            self.engine,
-            pool=self.net_range,
-            labels=self.labels,
-            avoid=[b for b in bound if isinstance(b, ipaddress.IPv4Network)],
-        )
+        net = await SharedEgressdNetwork.create(self.engine, pool=self.net_range, labels=self.labels,
+                                                avoid=[b for b in bound if isinstance(b, ipaddress.IPv4Network)])
         self.resources = net
         self._stack.push_async_callback(net.destroy)
         if net.note:
@@ -636,10 +579,8 @@ class DockerSession(SessionBase[_SessionBox]):
         if URL(self._proxy_url).host != str(p.egressd_ip):
             # An egressd that predates runs with networks of their own ignores "address":
             # its proxy and DNS would name an address this network has no way to.
-            raise SessionError(
-                f"egressd at {self.connect} cannot serve a run on a network of its own "
-                "(it ignored the run's address): upgrade it"
-            )
+            raise SessionError(f"egressd at {self.connect} cannot serve a run on a network of its own "
+                               "(it ignored the run's address): upgrade it")
         return p.internal_name, str(p.sandbox_ip), str(p.egressd_ip)
 
     async def _register(self, control_url: str, token: str, address: ipaddress.IPv4Address) -> None:
@@ -659,12 +600,8 @@ class DockerSession(SessionBase[_SessionBox]):
         """
         s = self.settings
         body: dict[str, Any] = {
-            "task": self.task,
-            "allow": list(s.allow),
-            "deny": list(s.deny),
-            "preset": list(s.preset),
-            "ask": s.ask,
-            "sources": [str(address)],
+            "task": self.task, "allow": list(s.allow), "deny": list(s.deny), "preset": list(s.preset),
+            "ask": s.ask, "sources": [str(address)],
         }
         if egressd is not None:
             body["address"] = str(egressd)

@@ -288,21 +288,11 @@ class SandboxSession(SessionBase[BwrapSandbox]):
         loop.add_signal_handler(signal.SIGUSR1, self.service.reopen_audit)
         stack.callback(loop.remove_signal_handler, signal.SIGUSR1)
         assert self.service.runs is not None and self.service.gate is not None
-        run = self.service.runs.create(
-            task=self.task, allow=allow, deny=deny, ask=self.settings.ask, sources=[self.network.plan.sandbox_ip]
-        )
+        run = self.service.runs.create(task=self.task, allow=allow, deny=deny, ask=self.settings.ask,
+                                       sources=[self.network.plan.sandbox_ip])
         self.run = run
-        self._audit(
-            run_record(
-                "run.start",
-                ts=time.time(),
-                run=run.id,
-                task=self.task,
-                allow=[e.text for e in allow],
-                deny=[e.text for e in deny],
-                sources=[str(self.network.plan.sandbox_ip)],
-            )
-        )
+        self._audit(run_record("run.start", ts=time.time(), run=run.id, task=self.task, allow=[e.text for e in allow],
+                               deny=[e.text for e in deny], sources=[str(self.network.plan.sandbox_ip)]))
         stack.callback(self._end_run)
         try:
             self._box = BwrapSandbox(

@@ -382,7 +382,11 @@ class Resolution:
 
 def _negative_ttl(reply: DNSRecord) -> int | None:
     """RFC 2308 §5: the negative TTL is min(SOA record TTL, SOA MINIMUM field)."""
-    ttls = [min(rr.ttl, rr.rdata.times[4]) for rr in reply.auth if rr.rtype == QTYPE.SOA and rr.rclass == CLASS.IN]
+    ttls = [
+        min(rr.ttl, rr.rdata.times[4])
+        for rr in reply.auth
+        if rr.rtype == QTYPE.SOA and rr.rclass == CLASS.IN
+    ]
     return min(ttls) if ttls else None
 
 

@@ -130,7 +130,9 @@ class ResponseHead(_Fields):
     headers: list[tuple[str, str]]
 
 
-def parse_request_head(buf: bytes | bytearray | memoryview, max_bytes: int) -> tuple[RequestHead, int] | None:
+def parse_request_head(
+    buf: bytes | bytearray | memoryview, max_bytes: int
+) -> tuple[RequestHead, int] | None:
     """Parse the request head at the start of ``buf``.
 
     Returns ``(head, consumed)`` once the head and its empty line are in
@@ -166,7 +168,9 @@ def parse_request_head(buf: bytes | bytearray | memoryview, max_bytes: int) -> t
     return head, consumed
 
 
-def parse_response_head(buf: bytes | bytearray | memoryview, max_bytes: int) -> tuple[ResponseHead, int] | None:
+def parse_response_head(
+    buf: bytes | bytearray | memoryview, max_bytes: int
+) -> tuple[ResponseHead, int] | None:
     """Parse the response head at the start of ``buf``.
 
     The same contract as ``parse_request_head``, except that every error is
@@ -190,7 +194,9 @@ def parse_response_head(buf: bytes | bytearray | memoryview, max_bytes: int) -> 
     return head, consumed
 
 
-def _split_head(buf: bytes | bytearray | memoryview, max_bytes: int, faults: _Faults) -> tuple[list[str], int] | None:
+def _split_head(
+    buf: bytes | bytearray | memoryview, max_bytes: int, faults: _Faults
+) -> tuple[list[str], int] | None:
     """The lines of the head at the start of ``buf``, and the bytes it spans.
 
     Lines are ISO-8859-1 text, a line's CR kept at its end; the start line
@@ -260,7 +266,10 @@ def _fields(lines: list[str], faults: _Faults) -> tuple[list[tuple[str, str]], l
     """
     # A CR can only be the line's last byte, so stripping it with the OWS is exact.
     headers = [
-        (name, value.strip(" \t\r")) for line in lines[1:] for name, colon, value in (line.partition(":"),) if colon
+        (name, value.strip(" \t\r"))
+        for line in lines[1:]
+        for name, colon, value in (line.partition(":"),)
+        if colon
     ]
     if len(headers) != len(lines) - 1:
         raise HttpError(faults.malformed, "header line without a colon")
@@ -402,7 +411,9 @@ def _connection_options(headers: list[tuple[str, str]]) -> set[str]:
     return options
 
 
-def _forward_fields(headers: list[tuple[str, str]], drop: frozenset[str], drop_egress: bool) -> list[str]:
+def _forward_fields(
+    headers: list[tuple[str, str]], drop: frozenset[str], drop_egress: bool
+) -> list[str]:
     """Field lines to send on, without hop-by-hop fields and with one Content-Length."""
     drop = drop | (_connection_options(headers) - _FRAMING_FIELDS)
     lines: list[str] = []
@@ -455,7 +466,9 @@ def forward_response_head(head: ResponseHead, client_keep_alive: bool) -> bytes:
     """
     lines = [f"HTTP/1.1 {head.status} {head.reason}\r\n"]
     lines += _forward_fields(head.headers, _HOP_BY_HOP, drop_egress=True)
-    lines.append("Connection: keep-alive\r\n\r\n" if client_keep_alive else "Connection: close\r\n\r\n")
+    lines.append(
+        "Connection: keep-alive\r\n\r\n" if client_keep_alive else "Connection: close\r\n\r\n"
+    )
     return "".join(lines).encode("latin-1")
 
 
@@ -513,7 +526,11 @@ def _framing(head: RequestHead | ResponseHead, faults: _Faults) -> tuple[BodyKin
         if len(values) != 1:
             raise HttpError(faults.malformed, "conflicting Content-Length values")
         (value,) = values
-        if not 0 < len(value) <= _MAX_CONTENT_LENGTH_DIGITS or not value.isascii() or not value.isdigit():
+        if (
+            not 0 < len(value) <= _MAX_CONTENT_LENGTH_DIGITS
+            or not value.isascii()
+            or not value.isdigit()
+        ):
             raise HttpError(faults.malformed, "invalid Content-Length")
         return BodyKind.LENGTH, int(value)
     return BodyKind.NONE, 0

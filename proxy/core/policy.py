@@ -189,7 +189,8 @@ def parse_entry(text: str) -> Entry:
         raise EntryError(f"entry {text!r}: a wildcard cannot cover an IP address")
     if covers_suffix:
         raise EntryError(
-            f"entry {text!r}: {host!r} is a public suffix, so the wildcard would cover domains owned by anyone"
+            f"entry {text!r}: {host!r} is a public suffix, so the wildcard would cover "
+            "domains owned by anyone"
         )
     return Entry(text=text, host=host, wildcard=wildcard, ports=ports, address=address)
 

@@ -311,9 +311,8 @@ class DnsServer:
         except KeyError:
             pass
         address = source_address(text)
-        return remember(
-            self._sources, text, (address, str(address) if address is not None else None), MAX_TRACKED_CLIENTS
-        )
+        return remember(self._sources, text, (address, str(address) if address is not None else None),
+                        MAX_TRACKED_CLIENTS)
 
     def _answer(self, packet: bytes, source: IPAddress | None, heard: _Heard) -> bytes | None:
         try:

@@ -99,7 +99,9 @@ class SystemResolver:
             raise ResolveError(f"{host}: {exc.strerror}") from exc
         except UnicodeError as exc:
             raise ResolveError(f"{host}: invalid name") from exc
-        addresses = [ip_address(info[4][0]) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)]
+        addresses = [
+            ip_address(info[4][0]) for info in infos if info[0] in (socket.AF_INET, socket.AF_INET6)
+        ]
         if not addresses:
             raise ResolveError(f"{host}: no addresses")
         return _ordered(addresses)
@@ -153,7 +155,9 @@ def _check_host(text: str, host: str) -> str:
         try:
             return str(IPv6Address(host))
         except ValueError as exc:
-            raise ValueError(f"DNS server {text!r}: not an IPv6 address; write [IPv6]:PORT to give a port") from exc
+            raise ValueError(
+                f"DNS server {text!r}: not an IPv6 address; write [IPv6]:PORT to give a port"
+            ) from exc
     if not host:
         raise ValueError(f"DNS server {text!r}: missing host")
     if re.fullmatch(r"[0-9.]+", host):
@@ -177,7 +181,9 @@ class _UdpExchange(asyncio.DatagramProtocol):
         self._query = query
         # The result is a value, never a future exception, so a reply that
         # arrives after the caller gave up leaves no "exception never retrieved".
-        self.outcome: asyncio.Future[DNSRecord | OSError] = asyncio.get_running_loop().create_future()
+        self.outcome: asyncio.Future[DNSRecord | OSError] = (
+            asyncio.get_running_loop().create_future()
+        )
 
     def datagram_received(self, data: bytes, addr: tuple[str | int, ...]) -> None:
         if self.outcome.done():
@@ -194,7 +200,9 @@ class _UdpExchange(asyncio.DatagramProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         if not self.outcome.done():
-            self.outcome.set_result(exc if isinstance(exc, OSError) else ConnectionError("UDP socket closed"))
+            self.outcome.set_result(
+                exc if isinstance(exc, OSError) else ConnectionError("UDP socket closed")
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -311,7 +319,9 @@ class DnsResolver:
             return None
         return entry
 
-    def _store(self, host: str, ttl_s: float, addresses: tuple[IPAddress, ...], error: str | None) -> None:
+    def _store(
+        self, host: str, ttl_s: float, addresses: tuple[IPAddress, ...], error: str | None
+    ) -> None:
         if ttl_s <= 0 or self._max_cache_entries == 0:
             return
         self._cache.pop(host, None)
@@ -327,7 +337,11 @@ class DnsResolver:
         outcomes = (ask_a.result(), ask_aaaa.result())
         answers = [o for o in outcomes if isinstance(o, Resolution)]
         addresses = tuple(_ordered(a for answer in answers for a in answer.addresses))
-        failed = [o for o in outcomes if isinstance(o, ResolveError) or o.rcode not in ("NOERROR", "NXDOMAIN")]
+        failed = [
+            o
+            for o in outcomes
+            if isinstance(o, ResolveError) or o.rcode not in ("NOERROR", "NXDOMAIN")
+        ]
 
         if addresses:
             ttl = min(a.ttl_s for a in answers if a.addresses and a.ttl_s is not None)
@@ -371,7 +385,9 @@ class DnsResolver:
                 # RFC 1035 §4.2.1: a truncated UDP reply means "ask again over TCP".
                 return await self._ask_tcp(query)
             return reply
-        raise ResolveError(f"{host}: timeout ({qtype_text(qtype)} query, {self._attempts} x {self._timeout_s:g} s)")
+        raise ResolveError(
+            f"{host}: timeout ({qtype_text(qtype)} query, {self._attempts} x {self._timeout_s:g} s)"
+        )
 
     async def _ask_udp(self, query: DNSRecord) -> DNSRecord | None:
         """One UDP exchange; None on timeout. Mismatching datagrams are ignored meanwhile."""
@@ -392,7 +408,9 @@ class DnsResolver:
             if transport is not None:
                 transport.close()
         if isinstance(outcome, OSError):
-            raise ResolveError(f"upstream DNS {self._server_text()} unreachable: {outcome}") from outcome
+            raise ResolveError(
+                f"upstream DNS {self._server_text()} unreachable: {outcome}"
+            ) from outcome
         return outcome
 
     async def _ask_tcp(self, query: DNSRecord) -> DNSRecord:
@@ -413,11 +431,17 @@ class DnsResolver:
                     except OSError:
                         pass
         except TimeoutError as exc:
-            raise ResolveError(f"{same_name(query.q.qname)}: timeout over TCP ({self._timeout_s:g} s)") from exc
+            raise ResolveError(
+                f"{same_name(query.q.qname)}: timeout over TCP ({self._timeout_s:g} s)"
+            ) from exc
         except asyncio.IncompleteReadError as exc:
-            raise ResolveError(f"{same_name(query.q.qname)}: malformed reply (TCP stream ended mid-message)") from exc
+            raise ResolveError(
+                f"{same_name(query.q.qname)}: malformed reply (TCP stream ended mid-message)"
+            ) from exc
         except OSError as exc:
-            raise ResolveError(f"upstream DNS {self._server_text()} unreachable over TCP: {exc}") from exc
+            raise ResolveError(
+                f"upstream DNS {self._server_text()} unreachable over TCP: {exc}"
+            ) from exc
         reply = accept_reply(query, data)
         if reply is None:
             # Over our own TCP connection there is no off-path spoofing to

@@ -95,19 +95,8 @@ class Peer(asyncio.Protocol):
     """One TCP connection (client or upstream) with a read buffer."""
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
-    __slots__ = (
-        "transport",
-        "buf",
-        "eof",
-        "closed",
-        "_on_connect",
-        "_read_waiter",
-        "_write_waiter",
-        "_write_paused",
-        "_read_paused",
-        "relay",
-        "_on_gone",
-    )
+    __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
+                 "_write_paused", "_read_paused", "relay", "_on_gone")
 
     def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
         self.transport: asyncio.Transport | None = None

@@ -57,37 +57,14 @@ class ClientCheck(Protocol):
 class Tunnel:
     """A running relay between ``client`` and ``upstream``; ``on_end(tunnel)`` runs once when it ends."""
 
-    __slots__ = (
-        "client",
-        "upstream",
-        "bytes_up",
-        "bytes_down",
-        "_client_eof",
-        "_upstream_eof",
-        "ended",
-        "_on_end",
-        "_timer",
-        "_idle_timeout_s",
-        "_last",
-        "_loop",
-        "error",
-        "idle_expired",
-        "_check",
-        "_check_timeout_s",
-        "_check_timer",
-    )
+    __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_client_eof", "_upstream_eof", "ended",
+                 "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired",
+                 "_check", "_check_timeout_s", "_check_timer")
 
-    def __init__(
-        self,
-        client: Peer,
-        upstream: Peer,
-        *,
-        idle_timeout_s: float,
-        on_end: Callable[[Tunnel], None] | None = None,
-        check: ClientCheck | None = None,
-        check_timeout_s: float = 0.0,
-        loop: asyncio.AbstractEventLoop | None = None,
-    ) -> None:
+    def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
+                 on_end: Callable[[Tunnel], None] | None = None,
+                 check: ClientCheck | None = None, check_timeout_s: float = 0.0,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.client = client
         self.upstream = upstream
         self.bytes_up = 0

@@ -124,7 +124,9 @@ class FakeDns:
     context manager, or call ``start`` and ``close``.
     """
 
-    def __init__(self, records: Mapping[str, Sequence[str] | str] | None = None, *, ttl: int = 60) -> None:
+    def __init__(
+        self, records: Mapping[str, Sequence[str] | str] | None = None, *, ttl: int = 60
+    ) -> None:
         self._ttl = ttl
         self._names: dict[str, _Entry] = {}
         for name, value in (records or {}).items():
@@ -168,7 +170,9 @@ class FakeDns:
         """Bind UDP on an ephemeral port, then TCP on the same port (retrying if taken)."""
         loop = asyncio.get_running_loop()
         for _ in range(_BIND_ATTEMPTS):
-            udp, _protocol = await loop.create_datagram_endpoint(lambda: _UdpServer(self), local_addr=(_HOST, 0))
+            udp, _protocol = await loop.create_datagram_endpoint(
+                lambda: _UdpServer(self), local_addr=(_HOST, 0)
+            )
             port: int = udp.get_extra_info("sockname")[1]
             try:
                 self._tcp = await loop.create_server(lambda: _TcpConnection(self), _HOST, port)

@@ -213,8 +213,7 @@ async def host_listeners(addresses: list[str]) -> AsyncIterator[HostListeners]:
             port = server.sockets[0].getsockname()[1]
             listeners._closers.append(server)
             transport, _ = await loop.create_datagram_endpoint(
-                lambda: _Datagrams(listeners), local_addr=(address, port)
-            )
+                lambda: _Datagrams(listeners), local_addr=(address, port))
             listeners._closers.append(transport)
             listeners.ports[address] = port
         yield listeners
@@ -256,11 +255,9 @@ async def leftovers(engine: DockerEngine, label: str, *, owner_pid: int | None =
     def mine(labels: Mapping[str, str] | None) -> bool:
         return owner_pid is None or f":{owner_pid}:" in (labels or {}).get(LABEL_OWNER, "")
 
-    return (
-        [f"container {c['Id'][:12]}" for c in containers if mine(c.get("Labels"))]
-        + [f"network {n['Name']}" for n in networks if mine(n.get("Labels"))]
-        + [f"volume {v['Name']}" for v in volumes if mine(v.get("Labels"))]
-    )
+    return ([f"container {c['Id'][:12]}" for c in containers if mine(c.get("Labels"))]
+            + [f"network {n['Name']}" for n in networks if mine(n.get("Labels"))]
+            + [f"volume {v['Name']}" for v in volumes if mine(v.get("Labels"))])
 
 
 # Run inside the sandbox: every way out we can think of, as JSON results.
