@@ -403,7 +403,10 @@ async def test_pending_allow_and_deny_through_the_control_api(make_egressd: Make
     assert (await control(svc, "POST", "/approvals/a-nope/allow"))[0] == 404
     assert (await control(svc, "POST", f"/approvals/{pending['id']}/allow", body=["x"]))[0] == 400
     status, answer = await control(svc, "POST", f"/approvals/{pending['id']}/allow", body={"by": "carol"})
-    assert (status, answer) == (200, {"id": pending["id"], "decision": "allow", "by": "carol"})
+    assert (status, answer) == (
+        200,
+        {"id": pending["id"], "decision": "allow", "by": "carol", "scope": "run", "entry": None, "scope_error": None},
+    )
     status, answer = await control(svc, "POST", f"/approvals/{pending['id']}/deny")
     assert status == 409 and "already settled: allowed by carol via control" in answer["error"]
     status, _, _, _, writer = await held

@@ -402,6 +402,9 @@ async def test_every_step_is_in_the_audit_log() -> None:
         "channel": "fake",
         "by": "alice",
         "waited_s": 12.5,
+        "scope": None,
+        "entry": None,
+        "scope_error": None,
     }
     await broker.close()
 

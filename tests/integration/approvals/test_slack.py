@@ -18,6 +18,7 @@ from egressd.approvals.interface import Answer, ApprovalRequest, PendingApproval
 from egressd.approvals.message import render
 from egressd.approvals.slack import (
     ALLOW_ACTION,
+    ALLOW_ONCE_ACTION,
     DENY_ACTION,
     INTERACTIVITY_PATH,
     SlackChannel,
@@ -81,6 +82,7 @@ def test_the_request_message_has_the_content_and_allow_and_deny_buttons() -> Non
     assert "Allowed domains: pypi.org" in shown and any(t.startswith(":warning: *Unrelated:") for t in shown)
     [actions] = [b for b in blocks if b["type"] == "actions"]
     assert [(e["action_id"], e["value"], e.get("style")) for e in actions["elements"]] == [
+        (ALLOW_ONCE_ACTION, "egressd-test:a-test", None),
         (ALLOW_ACTION, "egressd-test:a-test", "primary"),
         (DENY_ACTION, "egressd-test:a-test", "danger"),
     ]

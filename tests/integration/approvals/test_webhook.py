@@ -176,7 +176,7 @@ async def test_an_answer_later_comes_through_the_signed_callback(hook: Callable[
     assert not held.done()
     approval_id = receiver.requests[0].payload["id"]
     status, body, _ = await receiver.callback(approval_id, "deny", by="bob")
-    assert (status, body) == (200, {"id": approval_id, "decision": "deny"})
+    assert (status, body) == (200, {"id": approval_id, "decision": "deny", "scope": None})
     outcome = await asyncio.wait_for(held, 5)
     assert outcome.answer is Answer.DENY and outcome.by == "bob" and outcome.channel == "webhook"
 
