@@ -34,6 +34,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -41,13 +42,22 @@ import pytest
 
 from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.control import Scope
-from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Channel, Choice, SetupError
+from egressd.approvals.interface import (
+    Answer,
+    ApprovalOutcome,
+    ApprovalRequest,
+    ApprovalScope,
+    Channel,
+    Choice,
+    SetupError,
+)
 from egressd.approvals.message import UNRELATED, is_invisible, render
 from egressd.approvals.signing import parse_secret
-from egressd.approvals.slack import SlackChannel
+from egressd.approvals.slack import ALLOW_ALWAYS_ACTION, SlackChannel
 from egressd.approvals.terminal import BOLD, CLEAR_LINE, RESET, SANE, WARN, TerminalChannel
 from egressd.approvals.webhook import WebhookChannel
 from egressd.audit.log import MemoryAuditSink
+from egressd.config.allowfile import read_allow_file
 from egressd.cli.wiring.control_client import ControlClient
 from tests.fakes.control import control_server
 from tests.fakes.slack import FakeSlack, block_actions
@@ -184,9 +194,11 @@ class Driver:
         self.stack = stack
         self.tmp_path = tmp_path
         self.audit = MemoryAuditSink()
+        # Where *always* answers go (--allow-file); None: *always* is not offered. Set before ``start``.
+        self.allow_file: Path | None = None
 
     async def broker(self, channels: Sequence[Channel], timeout_s: float) -> ApprovalBroker:
-        broker = ApprovalBroker(list(channels), audit=self.audit, timeout_s=timeout_s)
+        broker = ApprovalBroker(list(channels), audit=self.audit, timeout_s=timeout_s, allow_file=self.allow_file)
         self.stack.push_async_callback(broker.close)
         await broker.start()
         return broker
@@ -223,6 +235,15 @@ class Driver:
 
     async def answer_foreign(self, own_id: str, other_id: str, choice: Choice) -> bool | None:
         """Answer ``other_id`` (another run's) through what the channel gave for ``own_id``."""
+        raise NotImplementedError
+
+    async def offered(self, approval_id: str) -> set[str]:
+        """The scopes the channel offers a person for this shown approval (``once``, ``run``, ``always``)."""
+        raise NotImplementedError
+
+    async def answer_scoped(self, approval_id: str, scope: ApprovalScope) -> bool | None:
+        """Allow with ``scope``, the way the channel lets one ask for it, also when it does not offer it
+        (a tampered button, a hand-written callback); True when it counted, False when refused."""
         raise NotImplementedError
 
 
@@ -280,6 +301,22 @@ class TerminalDriver(Driver):
         await wait_until(lambda: "\r\n" in self.pty.output[mark:])
         said = terminal_text(self.pty.output[mark:]).split("\n")[0]
         return said.endswith("for this run")  # else "already settled: …" or "no longer pending"
+
+    async def offered(self, approval_id: str) -> set[str]:
+        [line] = [ln for ln in (await self.shown(approval_id)).split("\n") if ln.startswith("Answer ")]
+        words = {"once": "once", "allow": "run", "always": "always"}
+        return {scope for word, scope in words.items() if re.search(rf"\b{word} \(", line)}
+
+    async def answer_scoped(self, approval_id: str, scope: ApprovalScope) -> bool | None:
+        word = {ApprovalScope.ONCE: "once", ApprovalScope.RUN: "allow", ApprovalScope.ALWAYS: "always"}[scope]
+        assert self._on_screen(approval_id)
+        mark = len(self.pty.output)
+        self.pty.type(word + "\r")
+        await wait_until(lambda: "\r\n" in self.pty.output[mark:] or "type allow or deny" in self.pty.output[mark:])
+        if "\r\n" not in self.pty.output[mark:]:
+            return False  # not an answer here: the prompt asks again
+        said = terminal_text(self.pty.output[mark:]).split("\n")[0]  # the input line redrawn, then how it ended
+        return said.endswith(("for this run", "the next one asks again)", "added to the allow file"))
 
     async def withdrawn(self, approval_id: str) -> str:
         header = f"egressd: approval {approval_id} "
@@ -410,6 +447,31 @@ class SlackDriver(Driver):
     async def answer_unknown(self, pending_id: str, choice: Choice) -> bool | None:
         return await self._interact(pending_id, self._naming(pending_id, UNKNOWN_ID, choice))
 
+    _SCOPE_ACTIONS: ClassVar[dict[str, str]] = {
+        "egressd_allow_once": "once",
+        "egressd_allow": "run",
+        "egressd_allow_always": "always",
+    }
+
+    async def offered(self, approval_id: str) -> set[str]:
+        await self.shown(approval_id)
+        post = self._post(approval_id)
+        assert post is not None
+        ids = {e["action_id"] for b in _json(post["blocks"]) if b["type"] == "actions" for e in b["elements"]}
+        return {scope for action, scope in self._SCOPE_ACTIONS.items() if action in ids}
+
+    async def answer_scoped(self, approval_id: str, scope: ApprovalScope) -> bool | None:
+        post = self._post(approval_id)
+        assert post is not None
+        suffix = {ApprovalScope.ONCE: "once", ApprovalScope.RUN: "allow", ApprovalScope.ALWAYS: "always"}[scope]
+        if scope.value in await self.offered(approval_id):
+            payload = block_actions(post, suffix, user=ALICE, username="alice")
+        else:
+            # No such button: the click is tampered into one (the Allow button's action id rewritten).
+            payload = block_actions(post, "allow", user=ALICE, username="alice")
+            payload["actions"][0]["action_id"] = ALLOW_ALWAYS_ACTION
+        return await self._interact(approval_id, payload)
+
     async def answer_foreign(self, own_id: str, other_id: str, choice: Choice) -> bool | None:
         return await self._interact(own_id, self._naming(own_id, other_id, choice))
 
@@ -488,6 +550,18 @@ class WebhookDriver(Driver):
     async def answer_unknown(self, pending_id: str, choice: Choice) -> bool | None:
         return await self.answer(UNKNOWN_ID, choice)
 
+    async def offered(self, approval_id: str) -> set[str]:
+        await self.shown(approval_id)
+        payload = self._delivery(approval_id)
+        assert payload is not None
+        return set(payload["scopes"])
+
+    async def answer_scoped(self, approval_id: str, scope: ApprovalScope) -> bool | None:
+        url = next(r.payload["callback_url"] for r in self.receiver.requests)
+        status, _, _ = await self.receiver.callback(approval_id, "allow", by="bob", url=url, scope=scope.value)
+        assert status in (200, 422), status
+        return status == 200
+
 
 class ControlDriver(Driver):
     channel = "control"
@@ -555,6 +629,17 @@ class ControlDriver(Driver):
         own = await self._listed(own_id)
         assert own is not None
         return await self._decide(other_id, choice, f"{own['run']}-token")
+
+    async def offered(self, approval_id: str) -> set[str]:
+        listed = await poll(lambda: self._listed(approval_id))
+        return set(listed["scopes"])
+
+    async def answer_scoped(self, approval_id: str, scope: ApprovalScope) -> bool | None:
+        status, body = await self._call(
+            "POST", f"/approvals/{approval_id}/allow", body={"by": "carol", "scope": scope.value}
+        )
+        assert status in (200, 400), (status, body)
+        return status == 200
 
 
 class NobodyDriver(ControlDriver):
@@ -768,3 +853,56 @@ async def test_an_answer_decides_its_own_approval_never_another_runs(driver: Dri
     await driver.shown(two_id)
     assert await driver.answer(two_id, Choice.DENY) is True
     assert (await asyncio.wait_for(two, 5)).answer is Answer.DENY
+
+
+# -- scopes: once, run, always ---------------------------------------------------------------
+
+# The request as the gate asks it: with the entry an *always* answer keeps.
+LASTING = replace(request(), lasting="evil.example:443")
+
+
+@drivers(lambda d: d.attached)
+@pytest.mark.parametrize("scope", list(ApprovalScope))
+async def test_every_channel_offers_every_scope_and_the_one_chosen_is_applied_and_recorded(
+    driver: Driver, scope: ApprovalScope
+) -> None:
+    driver.allow_file = driver.tmp_path / "allow.toml"
+    broker = await driver.start(timeout_s=30)
+    held = await hold(driver, broker, LASTING)
+    assert held is not None
+    waiting, approval_id = held
+    assert await driver.offered(approval_id) == {"once", "run", "always"}
+    assert await driver.answer_scoped(approval_id, scope) is True
+    outcome = await asyncio.wait_for(waiting, 5)
+    assert (outcome.answer, outcome.scope, outcome.channel, outcome.by) == (
+        Answer.ALLOW, scope, driver.channel, driver.by
+    )  # fmt: skip
+    [record] = decided(driver.audit)
+    always = scope is ApprovalScope.ALWAYS
+    assert (record["decision"], record["scope"], record["entry"], record["scope_error"]) == (
+        "allow", scope.value, "evil.example:443" if always else None, None
+    )  # fmt: skip
+    if always:
+        [kept] = read_allow_file(driver.allow_file).approved
+        assert (kept.entry, kept.approval, kept.by, kept.channel, kept.run) == (
+            "evil.example:443", approval_id, driver.by, driver.channel, "r-1"
+        )  # fmt: skip
+    else:
+        assert not driver.allow_file.exists()
+
+
+@drivers(lambda d: d.attached)
+async def test_without_an_allow_file_always_is_not_offered_and_asking_for_it_decides_nothing(driver: Driver) -> None:
+    broker = await driver.start(timeout_s=30)
+    held = await hold(driver, broker, LASTING)
+    assert held is not None
+    waiting, approval_id = held
+    assert await driver.offered(approval_id) == {"once", "run"}
+    assert await driver.answer_scoped(approval_id, ApprovalScope.ALWAYS) is False
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and [a.id for a in broker.pending()] == [approval_id]
+    assert decided(driver.audit) == []
+    assert await driver.answer_scoped(approval_id, ApprovalScope.RUN) is True
+    outcome = await asyncio.wait_for(waiting, 5)
+    assert (outcome.answer, outcome.scope) == (Answer.ALLOW, ApprovalScope.RUN)
+    assert [r["scope"] for r in decided(driver.audit)] == ["run"]

@@ -58,6 +58,8 @@ class WebhookReceiver:
         self.callback_key = callback_key
         self.mode = mode
         self.decision = decision
+        # The scope an immediate answer asks for (None: no "scope" field, so "run").
+        self.scope: str | None = None
         self.fail_first = 0
         self.received: list[Received] = []
         self._runner: web.AppRunner | None = None
@@ -105,7 +107,10 @@ class WebhookReceiver:
         if payload.get("type") == "approval.settled":
             return web.json_response({})
         if self.mode == "now":
-            return web.json_response({"decision": self.decision, "by": "hook-bot"})
+            answer = {"decision": self.decision, "by": "hook-bot"}
+            if self.scope is not None:
+                answer["scope"] = self.scope
+            return web.json_response(answer)
         if self.mode == "refuse":
             return web.Response(status=403)
         if self.mode == "garbage":
@@ -126,10 +131,17 @@ class WebhookReceiver:
         signed: bool = True,
         body: bytes | None = None,
         url: str | None = None,
+        scope: object = None,
     ) -> tuple[int, dict[str, Any], dict[str, str]]:
-        """POST an answer to the approval's callback_url; returns (status, JSON body, headers sent)."""
+        """POST an answer to the approval's callback_url; returns (status, JSON body, headers sent).
+
+        ``scope`` (anything JSON, garbage included) goes in the answer's ``scope`` field unless None.
+        """
         target = url or next(r.payload["callback_url"] for r in self.requests if r.payload["id"] == approval_id)
-        data = body if body is not None else json.dumps({"id": approval_id, "decision": decision, "by": by}).encode()
+        answer: dict[str, Any] = {"id": approval_id, "decision": decision, "by": by}
+        if scope is not None:
+            answer["scope"] = scope
+        data = body if body is not None else json.dumps(answer).encode()
         msg_id = msg_id or "msg_" + secrets.token_hex(8)
         timestamp = int(time.time()) if timestamp is None else timestamp
         headers = {"content-type": "application/json"}
