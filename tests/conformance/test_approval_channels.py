@@ -57,8 +57,8 @@ from egressd.approvals.slack import ALLOW_ALWAYS_ACTION, SlackChannel
 from egressd.approvals.terminal import BOLD, CLEAR_LINE, RESET, SANE, WARN, TerminalChannel
 from egressd.approvals.webhook import WebhookChannel
 from egressd.audit.log import MemoryAuditSink
-from egressd.config.allowfile import read_allow_file
 from egressd.cli.wiring.control_client import ControlClient
+from egressd.config.allowfile import read_allow_file
 from tests.fakes.control import control_server
 from tests.fakes.slack import FakeSlack, block_actions
 from tests.fakes.terminal import Pty
