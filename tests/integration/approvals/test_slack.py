@@ -7,6 +7,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,18 @@ import pytest
 
 from egressd.approvals.assembly import approver_from_settings
 from egressd.approvals.broker import ApprovalBroker
-from egressd.approvals.interface import Answer, ApprovalRequest, PendingApproval, Settlement, SetupError
+from egressd.approvals.interface import (
+    Answer,
+    ApprovalRequest,
+    ApprovalScope,
+    PendingApproval,
+    Settlement,
+    SetupError,
+)
 from egressd.approvals.message import render
 from egressd.approvals.slack import (
     ALLOW_ACTION,
+    ALLOW_ALWAYS_ACTION,
     ALLOW_ONCE_ACTION,
     DENY_ACTION,
     INTERACTIVITY_PATH,
@@ -27,6 +36,7 @@ from egressd.approvals.slack import (
     settled_blocks,
 )
 from egressd.audit.log import MemoryAuditSink
+from egressd.config.allowfile import read_allow_file
 from egressd.config.settings import load_settings
 from egressd.names.shown import escape_mrkdwn
 from tests.conftest import Listener
@@ -126,13 +136,14 @@ async def slack_broker(fake_slack: FakeSlack) -> AsyncIterator[Callable[..., Any
         kwargs.setdefault("app_token", fake_slack.app_token)
         kwargs.setdefault("approvers", [ALICE])
         kwargs.setdefault("retry_backoff_s", 0.01)
+        allow_file = kwargs.pop("allow_file", None)
         channel = SlackChannel(
             bot_token=kwargs.pop("bot_token", fake_slack.bot_token),
             channel=CHANNEL,
             api_url=fake_slack.api_url,
             **kwargs,
         )
-        broker = ApprovalBroker([channel, *others], audit=MemoryAuditSink(), timeout_s=timeout_s)
+        broker = ApprovalBroker([channel, *others], audit=MemoryAuditSink(), timeout_s=timeout_s, allow_file=allow_file)
         brokers.append(broker)
         await broker.start()
         return broker
@@ -355,3 +366,56 @@ def test_a_slack_channel_missing_what_it_needs_stops_start_up(
 def test_deny_cannot_be_combined_with_channels(tmp_path: Path) -> None:
     with pytest.raises(SetupError, match="deny answers every request at once, so terminal could never answer"):
         approver_from_settings(_settings(tmp_path, approver=["deny", "terminal"]), audit=MemoryAuditSink())
+
+
+# -- scopes ------------------------------------------------------------------------------------
+
+
+def test_with_an_allow_file_the_message_offers_once_run_always_and_deny() -> None:
+    approval = replace(pending(), scopes=(ApprovalScope.ONCE, ApprovalScope.RUN, ApprovalScope.ALWAYS))
+    [actions] = [b for b in request_blocks(approval, instance="egressd-test") if b["type"] == "actions"]
+    assert [(e["action_id"], e["text"]["text"]) for e in actions["elements"]] == [
+        (ALLOW_ONCE_ACTION, "Allow once"),
+        (ALLOW_ACTION, "Allow for this run"),
+        (ALLOW_ALWAYS_ACTION, "Allow always"),
+        (DENY_ACTION, "Deny"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("scope", "entry", "error", "expected"),
+    [
+        (ApprovalScope.ONCE, None, None, "*Allowed once* by <@U0ALICE>"),
+        (ApprovalScope.RUN, None, None, "*Allowed* by <@U0ALICE>"),
+        (ApprovalScope.ALWAYS, "evil.example:443", None, "`evil.example:443` added to the allow file"),
+        (ApprovalScope.RUN, None, "could not append", "this run only, not always: `could not append`"),
+    ],
+)
+def test_the_outcome_line_says_the_scope_chosen(
+    scope: ApprovalScope, entry: str | None, error: str | None, expected: str
+) -> None:
+    settlement = Settlement(
+        Answer.ALLOW, "slack", "@Alice (U0ALICE)", 1_700_000_060, 60, scope=scope, entry=entry, scope_error=error
+    )
+    assert expected in outcome_text(pending(), settlement)
+
+
+async def test_allow_always_records_the_approvers_slack_id_and_display_name_and_updates_the_message(
+    fake_slack: FakeSlack, slack_broker: Callable[..., Any], tmp_path: Path
+) -> None:
+    fake_slack.names[ALICE] = "Alice Liddell"
+    path = tmp_path / "allow.toml"
+    broker = await slack_broker(allow_file=path)
+    held = asyncio.create_task(broker.ask(replace(request(), lasting="evil.example:443")))
+    await wait_until(lambda: fake_slack.posted)
+    await fake_slack.click(fake_slack.posted[0], "always", user=ALICE, username="alice")
+    outcome = await asyncio.wait_for(held, 5)
+    assert (outcome.scope, outcome.by) == (ApprovalScope.ALWAYS, "@Alice Liddell (U0ALICE)")
+    assert fake_slack.called("users.info")[0]["user"] == ALICE
+    [kept] = read_allow_file(path).approved
+    assert (kept.entry, kept.by, kept.channel) == ("evil.example:443", "@Alice Liddell (U0ALICE)", "slack")
+    await wait_until(lambda: fake_slack.called("chat.update"))
+    [update] = fake_slack.called("chat.update")
+    text = json.dumps(update["blocks"])
+    assert "*Allowed always* by <@U0ALICE>" in text and "`evil.example:443` added to the allow file" in text
+    assert update["text"].endswith(": allowed always")
