@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-from egressd.audit.records import egress_end_record, egress_record
+from egressd.audit.records import EgressDecided, EgressEnded
 from egressd.audit.views import EgressSeen, Refusal, refusals
 
 
 def _record(**fields: object) -> dict[str, object]:
     base: dict[str, object] = dict(
-        id="q-1", ts=0.0, run="r-1", kind="connect", client="10.0.0.2:5000", host="evil.test", port=443,
-        address=None, decision="deny", reason="not_allowlisted", rule=None, approval=None, command="curl",
-        bytes_up=0, bytes_down=0, duration_s=0.0,
+        id="q-1",
+        ts=0.0,
+        run="r-1",
+        kind="connect",
+        client="10.0.0.2:5000",
+        host="evil.test",
+        port=443,
+        address=None,
+        decision="deny",
+        reason="not_allowlisted",
+        rule=None,
+        approval=None,
+        command="curl",
+        bytes_up=0,
+        bytes_down=0,
+        duration_s=0.0,
     )
-    return egress_record(**(base | fields))  # type: ignore[arg-type]
+    return EgressDecided(**(base | fields)).record()  # type: ignore[arg-type]
 
 
 def test_a_written_refusal_reads_back_as_one() -> None:
@@ -36,8 +49,8 @@ def test_an_approval_is_seen_and_missing_fields_are_none() -> None:
     bare = EgressSeen.of({})
     assert bare == EgressSeen("egress", None, None, None, None, None, approved=False)
     assert bare.target == "None"  # as the runners printed a record without a host before
-    ended = egress_end_record(
+    ended = EgressEnded(
         id="q-1", ts=0.0, run="r-1", address=None, bytes_up=0, bytes_down=0, duration_s=0.0, end="closed"
-    )
+    ).record()
     end = EgressSeen.of(ended)
     assert end.event == "egress.end" and not end.denied

@@ -20,7 +20,7 @@ import pytest
 
 from egressd.audit.log import JsonlAuditSink
 from egressd.audit.query import ChainLine, ChainReport, verify_chain, verify_files
-from egressd.audit.records import RecordError, egress_record, run_record
+from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind, RecordError, run_record
 from tests.harness import free_port, wait_serve_ports_in
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
@@ -41,9 +41,7 @@ def _lines(path: Path) -> list[bytes]:
 
 
 def _verify(*files: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [EGRESSD, "audit", "verify", *map(str, files)], capture_output=True, text=True, timeout=30
-    )
+    return subprocess.run([EGRESSD, "audit", "verify", *map(str, files)], capture_output=True, text=True, timeout=30)
 
 
 def _rewrite(path: Path, lines: list[bytes]) -> None:
@@ -183,10 +181,21 @@ def test_sigusr1_reopens_the_log_after_logrotate_moved_it_and_the_chain_continue
     stderr = tmp_path / "serve.stderr"
     with stderr.open("wb") as err:
         proc = subprocess.Popen(
-            [EGRESSD, "serve", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
-             # Only names outside the allowlist are asked for, denied before any lookup: nothing dials this port.
-             "--upstream-dns", f"127.0.0.1:{free_port()}", "--audit-log", str(log)],
-            env=env, stderr=err,
+            [
+                EGRESSD,
+                "serve",
+                "--listen",
+                "127.0.0.1:0",
+                "--control",
+                "127.0.0.1:0",
+                # Only names outside the allowlist are asked for, denied before any lookup: nothing dials this port.
+                "--upstream-dns",
+                f"127.0.0.1:{free_port()}",
+                "--audit-log",
+                str(log),
+            ],
+            env=env,
+            stderr=err,
         )
     try:
         port = wait_serve_ports_in(stderr, proc)["proxy"]  # the port it bound, read from its report
@@ -314,8 +323,31 @@ def test_no_record_builder_lets_a_caller_set_prev() -> None:
     with pytest.raises(RecordError, match="prev"):
         run_record("run.start", ts=0.0, run="r", prev="0" * 64)
     with pytest.raises(RecordError, match="prev"):
-        egress_record(
-            id="q", ts=0.0, run="r", kind="connect", client=None, host="h", port=1, address=None,
-            decision="deny", reason="denied", rule=None, approval=None, command=None,
-            bytes_up=None, bytes_down=None, duration_s=None, prev="0" * 64,
-        )
+        EgressDecided(
+            id="q",
+            ts=0.0,
+            run="r",
+            kind=EgressKind.CONNECT,
+            client=None,
+            host="h",
+            port=1,
+            address=None,
+            decision=Decision.DENY,
+            reason="denied",
+            rule=None,
+            approval=None,
+            command=None,
+            extra={"prev": "0" * 64},
+        ).record()
+    with pytest.raises(RecordError, match="prev"):
+        EgressEnded(
+            id="q",
+            ts=0.0,
+            run="r",
+            address=None,
+            bytes_up=0,
+            bytes_down=0,
+            duration_s=0.0,
+            end="closed",
+            extra={"prev": "0" * 64},
+        ).record()

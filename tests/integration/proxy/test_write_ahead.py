@@ -28,7 +28,7 @@ import pytest
 
 from egressd.audit.log import AuditError, JsonlAuditSink
 from egressd.audit.query import join_ends, verify_files
-from egressd.audit.records import egress_end_record, egress_record
+from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind
 from tests.fakes import hellos
 from tests.harness import (
     IN_CI,
@@ -287,11 +287,25 @@ async def test_kill_9_leaves_a_valid_log_that_holds_every_dialled_connection(tmp
 
 
 def _record(n: int) -> dict[str, object]:
-    return egress_record(
-        id=f"q-{n:016x}", ts=1.0, run="r", kind="connect", client="127.0.0.1:1", host="origin.test", port=443,
-        address=ORIGIN, decision="allow", reason=None, rule="origin.test", approval=None, command=None,
-        bytes_up=None, bytes_down=None, duration_s=None,
-    )  # fmt: skip
+    return EgressDecided(
+        id=f"q-{n:016x}", ts=1.0, run="r", kind=EgressKind.CONNECT, client="127.0.0.1:1", host="origin.test",
+        port=443, address=ORIGIN, decision=Decision.ALLOW, reason=None, rule="origin.test", approval=None, command=None,
+    ).record()  # fmt: skip
+
+
+def _end(
+    *,
+    id: str,
+    ts: float,
+    run: str,
+    address: str | None,
+    bytes_up: int,
+    bytes_down: int,
+    duration_s: float,
+    end: str,
+    **extra: object,
+) -> dict[str, object]:
+    return EgressEnded(id, ts, run, address, bytes_up, bytes_down, duration_s, end, extra or None).record()  # fmt: skip
 
 
 def _count_writes(monkeypatch: pytest.MonkeyPatch, fd: int) -> list[int]:
@@ -312,8 +326,8 @@ async def test_final_records_of_one_loop_turn_go_out_in_one_write(tmp_path: Path
     with JsonlAuditSink(log) as sink:
         writes = _count_writes(monkeypatch, sink._fd)
         for n in range(50):
-            sink.write(egress_end_record(id=f"q-{n}", ts=1.0, run="r", address=None, bytes_up=0, bytes_down=0,
-                                         duration_s=0.0, end="closed"))  # fmt: skip
+            sink.write(_end(id=f"q-{n}", ts=1.0, run="r", address=None, bytes_up=0, bytes_down=0,
+                            duration_s=0.0, end="closed"))  # fmt: skip
         assert writes == [] and not log.read_bytes()  # queued until the turn ends
         await asyncio.sleep(0)
         await asyncio.sleep(0)
@@ -329,8 +343,8 @@ async def test_a_record_ahead_of_a_dial_goes_out_at_once_with_what_was_queued_be
     with JsonlAuditSink(log) as sink:
         writes = _count_writes(monkeypatch, sink._fd)
         for n in range(3):
-            sink.write(egress_end_record(id=f"q-{n}", ts=1.0, run="r", address=None, bytes_up=0, bytes_down=0,
-                                         duration_s=0.0, end="closed"))  # fmt: skip
+            sink.write(_end(id=f"q-{n}", ts=1.0, run="r", address=None, bytes_up=0, bytes_down=0,
+                            duration_s=0.0, end="closed"))  # fmt: skip
         sink.write_ahead(_record(7))
         assert len(writes) == 1 and [r["id"] for r in file_records(log)] == ["q-0", "q-1", "q-2", _record(7)["id"]]
         await asyncio.sleep(0)
@@ -379,14 +393,14 @@ def test_written_at_once_outside_an_event_loop(tmp_path: Path) -> None:
 def test_join_folds_the_end_into_its_connection_and_keeps_the_rest() -> None:
     ahead = _record(1)
     refused = {**_record(2), "decision": "deny", "reason": "not_allowlisted"}
-    end = egress_end_record(id="q-0000000000000001", ts=2.0, run="r", address=ORIGIN, bytes_up=5, bytes_down=7,
-                            duration_s=1.5, end="closed", status=200)  # fmt: skip
+    end = _end(id="q-0000000000000001", ts=2.0, run="r", address=ORIGIN, bytes_up=5, bytes_down=7,
+               duration_s=1.5, end="closed", status=200)  # fmt: skip
     still_open = _record(3)
     cut = _record(4)
-    cut_end = egress_end_record(id="q-0000000000000004", ts=2.0, run="r", address=ORIGIN, bytes_up=0,
-                                bytes_down=0, duration_s=0.1, end="sni_mismatch")  # fmt: skip
-    orphan = egress_end_record(id="q-00000000000000ff", ts=2.0, run="r", address=None, bytes_up=0, bytes_down=0,
-                               duration_s=0.1, end="closed")  # fmt: skip
+    cut_end = _end(id="q-0000000000000004", ts=2.0, run="r", address=ORIGIN, bytes_up=0,
+                   bytes_down=0, duration_s=0.1, end="sni_mismatch")  # fmt: skip
+    orphan = _end(id="q-00000000000000ff", ts=2.0, run="r", address=None, bytes_up=0, bytes_down=0,
+                  duration_s=0.1, end="closed")  # fmt: skip
     joined = join_ends([orphan, ahead, refused, still_open, end, cut, cut_end])
     assert [r["event"] for r in joined] == ["egress.end", "egress", "egress", "egress", "egress"]
     one, two, three, four = joined[1:]
@@ -414,8 +428,8 @@ def test_egressd_audit_filters_the_joined_line(tmp_path: Path) -> None:
     log = tmp_path / "audit.jsonl"
     with JsonlAuditSink(log) as sink:
         sink.write(_record(1))
-        sink.write(egress_end_record(id="q-0000000000000001", ts=2.0, run="r", address=ORIGIN, bytes_up=0,
-                                     bytes_down=0, duration_s=0.1, end="sni_mismatch"))  # fmt: skip
+        sink.write(_end(id="q-0000000000000001", ts=2.0, run="r", address=ORIGIN, bytes_up=0,
+                        bytes_down=0, duration_s=0.1, end="sni_mismatch"))  # fmt: skip
     shown = subprocess.run(
         [EGRESSD, "audit", "--audit-log", str(log), "--json", "--decision", "deny", "--host", "origin.test"],
         env=_env(tmp_path), capture_output=True, text=True, timeout=30, check=True,
@@ -431,8 +445,8 @@ def test_egressd_audit_reads_the_rotated_files_too_and_joins_across_them(tmp_pat
         sink.write(_record(1))
         sink.write(_record(2))
         sink.write(_record(3))  # rotates: 1 and 2 are now in audit.jsonl.1
-        sink.write(egress_end_record(id="q-0000000000000001", ts=2.0, run="r", address=ORIGIN, bytes_up=3,
-                                     bytes_down=4, duration_s=0.1, end="closed"))  # fmt: skip
+        sink.write(_end(id="q-0000000000000001", ts=2.0, run="r", address=ORIGIN, bytes_up=3,
+                        bytes_down=4, duration_s=0.1, end="closed"))  # fmt: skip
     assert (tmp_path / "audit.jsonl.1").exists()
     shown = subprocess.run(
         [EGRESSD, "audit", "--audit-log", str(log), "--json"], env=_env(tmp_path),
