@@ -30,13 +30,14 @@ from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.service import EgressService
 from egressd.config.allowfile import read_allow_file
 from egressd.config.settings import load_settings
-from tests.conftest import Listener
+from tests.conftest import Listener, MakeEgressd
 from tests.fakes.control import control_server
 from tests.fakes.dns import FakeDns
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import ORIGIN_RANGE, connect_via, egress, listening_socket, wait_until
 from tests.integration.approvals.test_approvals_e2e import control, echo_through, records
 from tests.integration.approvals.test_broker import RecordingChannel
+from tests.integration.proxy.test_abandoned import give_up, recording_egressd
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 TOKEN = "test-token"
@@ -357,3 +358,30 @@ async def test_hostile_callbacks_asking_for_scopes_decide_nothing(tmp_path: Path
             await wait_until(lambda: receiver.settled)
             assert receiver.settled[0].payload["scope"] == "once"
         await broker.close()
+
+
+# -- an answer after the client gave up ---------------------------------------------------------
+
+
+async def test_once_given_after_the_client_gave_up_applies_nothing_to_the_run(
+    make_egressd: MakeEgressd, echo_origin: Listener
+) -> None:
+    svc, channel, broker = await recording_egressd(make_egressd)
+    target = f"origin.test:{echo_origin.port}"
+    await give_up(svc, target, lambda: channel.delivered)
+    await wait_until(lambda: channel.abandonments)
+    first = channel.delivered[0].id
+    broker.answer(first, Choice.ALLOW, channel="fake", by="alice", scope=ApprovalScope.ONCE)
+    # The connection it covered is gone; the run's next one is asked about again.
+    again = asyncio.create_task(connect_via(svc, target))
+    await wait_until(lambda: len(channel.delivered) == 2)
+    assert channel.delivered[1].id != first
+    broker.answer(channel.delivered[1].id, Choice.ALLOW, channel="fake", by="alice", scope=ApprovalScope.RUN)
+    status, _, _, reader, writer = await again
+    assert status == 200 and await echo_through(reader, writer) == b"ping"
+    # That one was for the run: the next is not asked about.
+    status, _, _, reader, writer = await connect_via(svc, target)
+    assert status == 200 and await echo_through(reader, writer) == b"ping"
+    assert len(channel.delivered) == 2
+    assert [r["scope"] for r in records(svc, "approval.decided")] == ["once", "run"]
+    await broker.close()
