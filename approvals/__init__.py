@@ -7,7 +7,9 @@ The proxy holds a request it may not decide alone and calls
 A request flows:  gate → ``ApprovalBroker.ask`` → (``ledger`` opens an
 approval, ``message`` renders it once) → every ``Channel.deliver`` at once
 → a person answers through a channel or the control API →
-``Answerer.answer`` → the ledger settles it → the waiting requests wake →
+``Answerer.answer`` (allow with a scope: ``once``, ``run`` or ``always``)
+→ the ledger settles it (an *always* appends ``host:port`` to the
+allowlist file, ``--allow-file``) → the waiting requests wake →
 every channel that showed it is told (``Channel.settle``). When every
 waiting request's client gave up first, the approval stays open, every
 channel is told once (``Channel.abandoned``), and its answer is handed to

@@ -96,7 +96,7 @@ def _print_pending(approvals: list[dict[str, Any]]) -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     for row in rows:
         print("  ".join(cell.ljust(widths[i]) for i, cell in enumerate(row[:4])) + "  " + row[4])
-    print("\nanswer with: egressd allow ID   or   egressd deny ID")
+    print("\nanswer with: egressd allow ID [--scope once|run|always]   or   egressd deny ID")
 
 
 async def _main(args: argparse.Namespace, settings: Settings, token: str) -> int:
