@@ -158,11 +158,15 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="refuse unknown domains without asking anyone (not_allowlisted)")
     parser.add_argument("--require-auth", dest="require_auth", action="store_const", const=True, default=None,
                         help="no default run: every client needs run credentials")
+    parser.add_argument("--learn", dest="learn", action="store_const", const=True, default=None,
+                        help="learn mode, for building an allowlist: nothing is held or refused for not being "
+                        "allowlisted; each such attempt goes out and is recorded with \"learned\" (deny entries, "
+                        "IP literals and private addresses are still refused). Then: egressd audit suggest")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The settings from the flags, environment and config file; then the secret variables are dropped."""
-    fields = {dest for _, dest, _ in _COMMON} | {"ask", "require_auth"}
+    fields = {dest for _, dest, _ in _COMMON} | {"ask", "require_auth", "learn"}
     settings = load_settings({k: getattr(args, k) for k in fields}, args.config)
     # Read once, kept in ``settings``: whatever we start from now on (ip, nft, nsenter,
     # a shell of the user's) does not inherit them.

@@ -40,7 +40,7 @@ from egressd.sandbox.network import DEFAULT_RANGE
 from ..wiring.control_client import ControlError
 from ..wiring.controltoken import UntrustedEndpoint, check_url
 from ..wiring.docker_session import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerSession, copy_out
-from ..wiring.service import StartupError, token_path
+from ..wiring.service import StartupError, learn_notice, token_path
 from ..wiring.session import SandboxSession, Session, SessionError
 
 
@@ -95,7 +95,12 @@ def open_session(args: argparse.Namespace, settings: Settings, **common: Any) ->
             check_url(args.connect)  # before anything starts; ControlClient checks each connection again
         except UntrustedEndpoint as exc:
             raise SettingsError(f"bad argument: --connect: not sending the control token there: {exc}") from None
+    if args.connect and settings.learn:
+        # Learn mode is the deciding egressd's: a run registered with another one gets that one's mode.
+        raise SettingsError("bad argument: --learn with --connect: start the egressd you connect to with --learn")
     if args.backend == "docker":
+        if settings.learn:  # the sidecar's own stderr is not this terminal
+            print(learn_notice(None), file=sys.stderr, flush=True)
         net_range = DEFAULT_DOCKER_RANGE if args.net_range == DEFAULT_RANGE else args.net_range
         return DockerSession(settings, image=args.image, egressd_image=args.egressd_image, connect=args.connect,
                              net_range=net_range, **common)
