@@ -259,6 +259,13 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     return run_verify(args, settings)
 
 
+def cmd_audit_suggest(args: argparse.Namespace) -> int:
+    from .commands.audit import run_suggest
+
+    settings = _settings(args)
+    return run_suggest(args, settings)
+
+
 def cmd_run_sandbox(args: argparse.Namespace) -> int:
     from .commands.run import cmd_run
 
@@ -331,6 +338,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the log whose chain to check, with its rotated files")
     verify.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first")
     verify.set_defaults(func=cmd_audit_verify)
+    suggest = audit_sub.add_parser(
+        "suggest", help="turn what a run did into allowlist entries (TOML for --allow-file)",
+        description="Read the audit records of one run (default: the last one started) and print the allowlist "
+        "that would have let it do what it did, as TOML for --allow-file: every host it reached (allowed by a rule, "
+        "an approval or --learn), HOST:PORT for ports other than 80 and 443, and *.DOMAIN for 3 or more names under "
+        "one registered domain (never across a public suffix). IP addresses and hosts that were refused (deny "
+        "entries, private addresses, denials) are never suggested: a closing comment lists them. Review the "
+        "output before you use it. Exit 0, 1 if there is no audit log, 2 for an unknown run or an unreadable file.",
+        epilog="example: egressd serve --learn ...; then egressd audit suggest > allow.toml; "
+        "egressd serve --allow-file allow.toml")
+    suggest.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML config file (for audit_log)")
+    suggest.add_argument("--audit-log", dest="audit_log", default=argparse.SUPPRESS, metavar="PATH",
+                         help="the log to read, with its rotated files")
+    suggest.add_argument("--run", dest="suggest_run", metavar="ID",
+                         help="the run whose records to use (default: the last run started in the records)")
+    suggest.add_argument("--include-dns", action="store_true",
+                         help="count names the sandbox only looked up (DNS answers), not only those it connected to")
+    suggest.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first (default: the audit log)")
+    suggest.set_defaults(func=cmd_audit_suggest)
 
     run = sub.add_parser(
         "run",
@@ -397,7 +423,7 @@ def _audit_settings_fields(args: argparse.Namespace) -> None:
     for _, dest, _ in _COMMON:
         if not hasattr(args, dest):
             setattr(args, dest, None)
-    for dest in ("ask", "require_auth"):
+    for dest in ("ask", "require_auth", "learn"):
         if not hasattr(args, dest):
             setattr(args, dest, None)
 
