@@ -222,7 +222,7 @@ def _entries(ports: Mapping[str, set[int]]) -> tuple[tuple[tuple[str, str | None
         if used & _WEB_PORTS and host not in grouped:
             rows.append(((_order(host), 1, host, 0), host, None))
         for port in sorted(used - _WEB_PORTS):
-            rows.append(((_order(host), 2, host, port), f"{host}:{port}", None))
+            rows.append(((_order(host), 1, host, port), f"{host}:{port}", None))
     rows.sort(key=lambda row: row[0])
     # Only what the policy would accept is printed (a name the log holds but no entry can say is left out).
     kept = tuple((text, note) for _, text, note in rows if _entry(text) is not None)
