@@ -26,8 +26,9 @@ Entries: a host used on 80 or 443 is ``host``; another port is
 ``host:PORT``. Three or more names under one registered domain (names
 below it, used on 80 or 443) become ``*.domain`` — a registered domain is
 never a public suffix, and the wildcard is made only for the names the
-policy's ``Entry.reaches`` lets it reach (no public suffix between); the apex, if used itself, stays an entry of its own (a wildcard does not
-cover it).
+policy's ``Entry.reaches`` lets it reach (no public suffix between); the
+apex, if used itself, stays an entry of its own (a wildcard does not cover
+it). Only entries ``policy.parse_entry`` accepts are printed.
 """
 
 from __future__ import annotations
