@@ -133,8 +133,10 @@ def run_suggest(args: argparse.Namespace, settings: Settings) -> int:
     else:
         files = log_files(settings.audit_path)
         if not files[-1].exists():
-            print(f"egressd: no audit log at {files[-1]} (nothing recorded yet, or --audit-log names another file)",
-                  file=sys.stderr)
+            print(
+                f"egressd: no audit log at {files[-1]} (nothing recorded yet, or --audit-log names another file)",
+                file=sys.stderr,
+            )
             return 1
     bad: list[int] = []
     records: list[dict[str, object]] = []
