@@ -122,12 +122,14 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 
 def refusal_line(seen: EgressSeen) -> str | None:
-    """The line that tells of one refusal of the run (None: the record is no refusal)."""
-    if not seen.denied:
-        return None
-    reason = seen.reason or ""
+    """The line that tells of one refusal of the run, or of an attempt learn mode let through instead (else None)."""
     target = logged(seen.target)
     kind = " (dns)" if seen.kind == "dns" else ""
+    if not seen.denied:
+        if seen.learned is None:
+            return None
+        return f"egressd: learned {target}{kind} (let through by --learn: {reason_message(seen.learned)})\n"
+    reason = seen.reason or ""
     return f"egressd: blocked {target}{kind} ({reason_message(reason)})\n"
 
 
@@ -136,7 +138,7 @@ def _on_tty(stream: TextIO | None) -> bool:
 
 
 def refusal_printer(output: TerminalOutput) -> Callable[[EgressSeen], None]:
-    """Print each refusal of the run to stderr as it happens (on a terminal, not across a prompt)."""
+    """Print each refusal of the run, and each attempt --learn let through, to stderr as it happens."""
 
     def tell(seen: EgressSeen) -> None:
         line = refusal_line(seen)

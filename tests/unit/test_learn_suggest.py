@@ -231,3 +231,14 @@ def test_a_hostile_host_in_the_log_cannot_add_an_entry(hostile: str) -> None:
         parse_entry(entry)
     assert "evil.example" not in parsed["allow"] and "fine.example" in parsed["allow"]
     assert all(line.startswith(("#", "allow", "  ", "]")) for line in text.splitlines())
+
+
+def test_egressd_run_tells_of_each_attempt_learn_mode_let_through() -> None:
+    from egressd.audit.views import EgressSeen
+    from egressd.cli.commands.run import refusal_line
+
+    learned = _egress("new.example", learned="not_allowlisted")
+    assert refusal_line(EgressSeen.of(learned)) == (
+        "egressd: learned new.example:443 (let through by --learn: not on the allowlist)\n"
+    )
+    assert refusal_line(EgressSeen.of(_egress("ok.example"))) is None
