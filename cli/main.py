@@ -207,9 +207,10 @@ async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
     run = service.default_run
     host, port = service.proxy_address
     logging.getLogger("egressd").info(
-        "serving: proxy %s:%d, control %s, audit log %s, %s",
+        "serving: proxy %s:%d, control %s, audit log %s, %s%s",
         host, port, service.control_address, settings.audit_path,
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
+        " (LEARN MODE: not enforced; deny entries, IP literals and private addresses are)" if settings.learn else "",
     )
     try:
         await stop.wait()
