@@ -158,11 +158,15 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="refuse unknown domains without asking anyone (not_allowlisted)")
     parser.add_argument("--require-auth", dest="require_auth", action="store_const", const=True, default=None,
                         help="no default run: every client needs run credentials")
+    parser.add_argument("--learn", dest="learn", action="store_const", const=True, default=None,
+                        help="learn mode, for building an allowlist: nothing is held or refused for not being "
+                        "allowlisted; each such attempt goes out and is recorded with \"learned\" (deny entries, "
+                        "IP literals and private addresses are still refused). Then: egressd audit suggest")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The settings from the flags, environment and config file; then the secret variables are dropped."""
-    fields = {dest for _, dest, _ in _COMMON} | {"ask", "require_auth"}
+    fields = {dest for _, dest, _ in _COMMON} | {"ask", "require_auth", "learn"}
     settings = load_settings({k: getattr(args, k) for k in fields}, args.config)
     # Read once, kept in ``settings``: whatever we start from now on (ip, nft, nsenter,
     # a shell of the user's) does not inherit them.
@@ -203,9 +207,10 @@ async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
     run = service.default_run
     host, port = service.proxy_address
     logging.getLogger("egressd").info(
-        "serving: proxy %s:%d, control %s, audit log %s, %s",
+        "serving: proxy %s:%d, control %s, audit log %s, %s%s",
         host, port, service.control_address, settings.audit_path,
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
+        " (LEARN MODE: not enforced; deny entries, IP literals and private addresses are)" if settings.learn else "",
     )
     try:
         await stop.wait()
@@ -253,6 +258,13 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
 
     settings = _settings(args)
     return run_verify(args, settings)
+
+
+def cmd_audit_suggest(args: argparse.Namespace) -> int:
+    from .commands.audit import run_suggest
+
+    settings = _settings(args)
+    return run_suggest(args, settings)
 
 
 def cmd_run_sandbox(args: argparse.Namespace) -> int:
@@ -327,6 +339,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the log whose chain to check, with its rotated files")
     verify.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first")
     verify.set_defaults(func=cmd_audit_verify)
+    suggest = audit_sub.add_parser(
+        "suggest", help="turn what a run did into allowlist entries (TOML for --allow-file)",
+        description="Read the audit records of one run (default: the last one started) and print the allowlist "
+        "that would have let it do what it did, as TOML for --allow-file: every host it reached (allowed by a rule, "
+        "an approval or --learn), HOST:PORT for ports other than 80 and 443, and *.DOMAIN for 3 or more names under "
+        "one registered domain (never across a public suffix). IP addresses and hosts that were refused (deny "
+        "entries, private addresses, denials) are never suggested: a closing comment lists them. Review the "
+        "output before you use it. Exit 0, 1 if there is no audit log, 2 for an unknown run or an unreadable file.",
+        epilog="example: egressd serve --learn ...; then egressd audit suggest > allow.toml; "
+        "egressd serve --allow-file allow.toml")
+    suggest.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML config file (for audit_log)")
+    suggest.add_argument("--audit-log", dest="audit_log", default=argparse.SUPPRESS, metavar="PATH",
+                         help="the log to read, with its rotated files")
+    suggest.add_argument("--run", dest="suggest_run", metavar="ID",
+                         help="the run whose records to use (default: the last run started in the records)")
+    suggest.add_argument("--include-dns", action="store_true",
+                         help="count names the sandbox only looked up (DNS answers), not only those it connected to")
+    suggest.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first (default: the audit log)")
+    suggest.set_defaults(func=cmd_audit_suggest)
 
     run = sub.add_parser(
         "run",
@@ -393,7 +424,7 @@ def _audit_settings_fields(args: argparse.Namespace) -> None:
     for _, dest, _ in _COMMON:
         if not hasattr(args, dest):
             setattr(args, dest, None)
-    for dest in ("ask", "require_auth"):
+    for dest in ("ask", "require_auth", "learn"):
         if not hasattr(args, dest):
             setattr(args, dest, None)
 

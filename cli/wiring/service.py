@@ -13,6 +13,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -44,6 +45,21 @@ from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, pa
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
 
 log = logging.getLogger("egressd")
+
+
+# Learn mode lets out what the allowlist would refuse: the terminal is reminded this often (DESIGN.md: "loudly").
+LEARN_NOTICE_INTERVAL_S = 60.0
+
+
+def learn_notice(learned: int | None) -> str:
+    """The learn-mode warning: at start (``learned`` None), then with the count of attempts learned so far."""
+    if learned is None:
+        return (
+            "egressd: LEARN MODE: egress is NOT restricted by the allowlist: what it would refuse or hold goes out "
+            "and is recorded as learned (deny entries, IP literals and private addresses are still refused); "
+            "turn what a run did into an allowlist with `egressd audit suggest`"
+        )
+    return f"egressd: LEARN MODE: egress is NOT restricted by the allowlist; {learned} attempts learned so far"
 
 
 class StartupError(Exception):
@@ -208,6 +224,8 @@ class EgressService:
         self.control_token = ""
         self.control_address: str = ""
         self._bound: dict[str, int] = {}  # listener setting → the port it got
+        self._learn_notices: asyncio.Task[None] | None = None  # learn mode's reminder, owned and cancelled here
+        self.learn_notice_interval_s = LEARN_NOTICE_INTERVAL_S
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> EgressService:
@@ -302,9 +320,15 @@ class EgressService:
         default = None
         if not s.require_auth:
             default = Run(
-                id=DEFAULT_RUN_ID, token=secrets.token_urlsafe(24), task=None, allow=allow, deny=deny, ask=s.ask
+                id=DEFAULT_RUN_ID,
+                token=secrets.token_urlsafe(24),
+                task=None,
+                allow=allow,
+                deny=deny,
+                ask=s.ask,
+                learn=s.learn,
             )
-        self.runs = RunRegistry(default=default)
+        self.runs = RunRegistry(default=default, learn=s.learn)
 
         limits = ListenerLimits(
             max_head_bytes=s.max_head_bytes,
@@ -329,8 +353,19 @@ class EgressService:
                     run=default.id,
                     allow=[e.text for e in allow],
                     deny=[e.text for e in deny],
+                    **({"learn": True} if s.learn else {}),
                 )
             )
+        if s.learn:  # said once everything started: a failed start prints only its one error line
+            print(learn_notice(None), file=sys.stderr, flush=True)
+            self._learn_notices = asyncio.get_running_loop().create_task(self._remind_learning())
+
+    async def _remind_learning(self) -> None:
+        """Learn mode: say on stderr, every ``learn_notice_interval_s``, that egress is open (until close)."""
+        while True:
+            await asyncio.sleep(self.learn_notice_interval_s)
+            learned = self.gate.metrics.learned if self.gate is not None else 0
+            print(learn_notice(learned), file=sys.stderr, flush=True)
 
     async def _start_transparent(self, limits: ListenerLimits) -> None:
         """The transparent SNI and Host listeners and the DNS server, each when its setting is given."""
@@ -419,6 +454,11 @@ class EgressService:
     async def close(self, grace_s: float | None = None) -> None:
         """Stop accepting, let tunnels finish within the grace period, flush the log."""
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        if self._learn_notices is not None:
+            self._learn_notices.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._learn_notices
+            self._learn_notices = None
         if self._approvals is not None:
             # Nobody can answer once egressd stops: held requests are denied now, not after the grace.
             await self._approvals.close()

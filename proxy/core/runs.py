@@ -68,6 +68,8 @@ class Run:
     allow: tuple[Entry, ...]
     deny: tuple[Entry, ...]
     ask: bool = True
+    # Learn mode (--learn): what the allowlist alone would refuse is let through and recorded as ``learned``.
+    learn: bool = False
     sources: frozenset[IPAddress] = frozenset()
     # egressd's address on the run's own network (None: the configured listeners' and DNS answer).
     address: IPAddress | None = None
@@ -96,6 +98,7 @@ class Run:
                 approved=dict(self.approved),
                 denied=frozenset(self.denied),
                 ask=self.ask,
+                learn=self.learn,
             )
         return self._policy
 
@@ -116,7 +119,8 @@ class Run:
 
     def _decide(self, host: str, port: int) -> PolicyDecision:
         decision = decide(self.policy(), host, port)
-        if decision.verdict is Verdict.ASK and self.denied and _site(decision.host) in self.denied:
+        asks = decision.verdict is Verdict.ASK or decision.learned is Reason.NOT_ALLOWLISTED
+        if asks and self.denied and _site(decision.host) in self.denied:
             return PolicyDecision.deny(decision.host, port, Reason.DENIED_EARLIER)
         return decision
 
@@ -186,6 +190,7 @@ class Run:
             "approved": sorted(self.approved),
             "denied": sorted(self.denied),
             "ask": self.ask,
+            "learn": self.learn,
             "sources": sorted(str(a) for a in self.sources),
             "address": str(self.address) if self.address is not None else None,
             "command": self.command,
@@ -255,12 +260,16 @@ NOT_WAITING = contextlib.nullcontext()
 
 
 class RunRegistry:
-    """All live runs, by id and by bound source address."""
+    """All live runs, by id and by bound source address.
 
-    def __init__(self, *, default: Run | None = None) -> None:
+    ``learn``: learn mode is egressd-wide (--learn), so every run created here has it.
+    """
+
+    def __init__(self, *, default: Run | None = None, learn: bool = False) -> None:
         self._runs: dict[str, Run] = {}
         self._by_source: dict[IPAddress, Run] = {}
         self.default = default
+        self.learn = learn
         if default is not None:
             self._runs[default.id] = default
 
@@ -304,6 +313,7 @@ class RunRegistry:
             allow=tuple(allow),
             deny=tuple(deny),
             ask=ask,
+            learn=self.learn,
             sources=sources,
             address=address,
         )

@@ -230,6 +230,7 @@ async def create_run(request: web.Request) -> web.Response:
             deny=[e.text for e in deny],
             sources=[str(s) for s in sources],
             **({"address": str(address)} if address is not None else {}),
+            **({"learn": True} if run.learn else {}),
         ),
     )
     host, port = request.app[PROXY_ADDRESS]
