@@ -18,6 +18,7 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -26,7 +27,7 @@ from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, lo
 from .commands.agent import add_agent_arguments
 from .commands.run import add_run_arguments
 from .wiring.loop import run_async
-from .wiring.service import EgressService, StartupError
+from .wiring.service import EgressService, ReloadError, StartupError
 
 
 def _visible(name: str) -> str:
@@ -162,13 +163,31 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The settings from the flags, environment and config file; then the secret variables are dropped."""
+    return _settings_and_reader(args)[0]
+
+
+def _settings_and_reader(args: argparse.Namespace) -> tuple[Settings, Callable[[], Settings]]:
+    """``_settings``, and how to read them again later (``serve`` on SIGHUP) from the same sources.
+
+    The same flags, the same config file (``--config`` or ``EGRESSD_CONFIG``) and
+    environment; the secret variables, dropped from our environment now, are
+    kept in the reader and given to it as the environment would.
+    """
     fields = {dest for _, dest, _ in _COMMON} | {"ask", "require_auth"}
-    settings = load_settings({k: getattr(args, k) for k in fields}, args.config)
+    cli_values = {k: getattr(args, k) for k in fields}
+    settings = load_settings(cli_values, args.config)
+    secrets = {name.lower().removeprefix("egressd_"): os.environ[name] for name in secret_variables(os.environ)}
     # Read once, kept in ``settings``: whatever we start from now on (ip, nft, nsenter,
     # a shell of the user's) does not inherit them.
     for name in secret_variables(os.environ):
         del os.environ[name]
-    return settings
+
+    def read_again() -> Settings:
+        # Init values outrank the config file, as the environment they came from did; flags still win.
+        given = {k: v for k, v in cli_values.items() if v is not None}
+        return load_settings({**secrets, **given}, args.config)
+
+    return settings, read_again
 
 
 def _setup_logging(level: str) -> None:
@@ -181,7 +200,21 @@ def _setup_logging(level: str) -> None:
 
 
 
-async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
+def _reload(service: EgressService, read: Callable[[], Settings]) -> None:
+    """SIGHUP: read the settings again and hand them to the service; a bad one is refused, the old policy kept."""
+    try:
+        settings = read()
+    except SettingsError as exc:
+        service.refuse_reload(str(exc))
+        return
+    except Exception as exc:  # a signal handler is a task boundary: refused, recorded, egressd carries on
+        service.refuse_reload(f"cannot read the settings: {exc}")
+        return
+    with contextlib.suppress(ReloadError):  # logged and recorded by the service
+        service.reload(settings)
+
+
+async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable[[], Settings]) -> int:
     service = EgressService(settings)
     await service.start()
     # Said once started: a setting egressd refuses is the one line a bad start prints.
@@ -191,6 +224,7 @@ async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, service.reopen_audit)  # logrotate's postrotate
+    loop.add_signal_handler(signal.SIGHUP, _reload, service, read)  # re-read the config and allow files
     # The ports actually bound (port 0 in a setting gets one from the kernel); "serving:" comes last,
     # so whoever waits for it has seen every listener's address.
     sandbox_facing = [
@@ -235,10 +269,10 @@ def raise_open_file_limit() -> tuple[int, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    settings, read = _settings_and_reader(args)
     _setup_logging(settings.log_level)
     open_files = raise_open_file_limit()
-    return run_async(lambda: _serve(settings, open_files))
+    return run_async(lambda: _serve(settings, open_files, read))
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
