@@ -25,6 +25,7 @@ from typing import Any
 from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, load_settings, secret_variables
 
 from .commands.agent import add_agent_arguments
+from .commands.policy import add_policy_arguments
 from .commands.run import add_run_arguments
 from .wiring.loop import run_async
 from .wiring.service import EgressService, ReloadError, StartupError
@@ -299,6 +300,12 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
     return cmd_run(args, settings)
 
 
+def cmd_policy(args: argparse.Namespace) -> int:
+    from .commands.policy import run_policy
+
+    return run_policy(args, _settings(args))
+
+
 def cmd_approvals(args: argparse.Namespace) -> int:
     from .commands.approvals import run_approvals
 
@@ -387,12 +394,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_approval_commands(sub)
 
+    policy = sub.add_parser(
+        "policy", help="show or change a live run's allow and deny entries",
+        description="Add and remove entries of a run of a running egressd (PATCH /runs/RUN_ID, with the global "
+        "control token); they apply to the run's next request. Without a change, show the run's entries.")
+    _add_control_arguments(policy)
+    add_policy_arguments(policy)
+    policy.set_defaults(func=cmd_policy)
+
     doctor = sub.add_parser("doctor", help="say which sandbox backends and features work here, and why not",
                             description="Try each feature egressd run needs (bubblewrap, network namespaces, nftables, "
                             "seccomp, cgroups, Docker) and report what works; exit 1 if a required one does not.")
     doctor.add_argument("--clean", action="store_true", help="first remove leftovers of runs whose egressd died")
     doctor.set_defaults(func=cmd_doctor_checks)
     return parser
+
+
+def _add_control_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a command that asks a running egressd finds its control API and token."""
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (for control and control_token)")
+    parser.add_argument("--control", dest="control", default=None, metavar="HOST:PORT|unix:PATH",
+                        help="the running egressd's control API (default 127.0.0.1:3129)")
+    parser.add_argument("--control-token", dest="control_token", default=None, metavar="TOKEN",
+                        help=f"bearer token (default: the token file egressd wrote) {_visible('control_token')}")
+    parser.add_argument("--control-token-file", dest="control_token_file", default=None, metavar="FILE",
+                        help="read the bearer token from FILE: a regular file of yours (or root's) "
+                        "that no one else may read or write (mode 600)")
 
 
 def _add_approval_commands(sub: Any) -> None:
@@ -406,14 +433,7 @@ def _add_approval_commands(sub: Any) -> None:
                           description="Deny the held request APPROVAL_ID; the domain stays denied "
                           "for the rest of the run.")
     for parser, action in ((pending, "pending"), (allow, "allow"), (deny, "deny")):
-        parser.add_argument("--config", metavar="FILE", help="TOML config file (for control and control_token)")
-        parser.add_argument("--control", dest="control", default=None, metavar="HOST:PORT|unix:PATH",
-                            help="the running egressd's control API (default 127.0.0.1:3129)")
-        parser.add_argument("--control-token", dest="control_token", default=None, metavar="TOKEN",
-                            help=f"bearer token (default: the token file egressd wrote) {_visible('control_token')}")
-        parser.add_argument("--control-token-file", dest="control_token_file", default=None, metavar="FILE",
-                            help="read the bearer token from FILE: a regular file of yours (or root's) "
-                            "that no one else may read or write (mode 600)")
+        _add_control_arguments(parser)
         if action == "pending":
             parser.add_argument("--json", action="store_true", help="print the approvals as JSON")
         else:

@@ -8,9 +8,12 @@ must do: apply to the next request at once, and leave an open tunnel alone.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +25,7 @@ from egressd.config.settings import Settings, load_settings
 from tests.harness import connect_via, wait_until
 
 GLOBAL = "test-token"
+EGRESSD = str(Path(sys.executable).with_name("egressd"))
 
 
 async def call(svc: Any, method: str, path: str, token: str | None, body: Any = None) -> tuple[int, Any]:
@@ -246,3 +250,37 @@ async def test_a_bad_patch_is_a_400_naming_it_and_applies_nothing(make_egressd, 
 async def test_patching_an_unknown_run_is_a_404(make_egressd) -> None:
     svc = await make_egressd()
     assert (await call(svc, "PATCH", "/runs/r-nope", GLOBAL, {"allow": {"add": ["a.test"]}}))[0] == 404
+
+
+async def egressd_policy(svc: Any, token: str, *args: str) -> tuple[int, str, str]:
+    """``egressd policy ARGS`` against ``svc``, as a user runs it (the token from the environment)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    env["EGRESSD_CONTROL_TOKEN"] = token
+    control = svc.control_address.removeprefix("http://")
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "policy", *args, "--control", control, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_egressd_policy_changes_a_live_run_with_the_global_token_only(make_egressd, echo_origin) -> None:
+    target = f"origin.test:{echo_origin.port}"
+    svc = await make_egressd(require_auth=True, ask=False)
+    status, created = await call(svc, "POST", "/runs", GLOBAL, {"allow": ["other.test"], "ask": False})
+    code, out, err = await egressd_policy(svc, created["control_token"], created["id"], "--allow", target)
+    assert code == 2 and "global control token" in err
+    assert await status_of(svc, target, proxy_auth(created)) == 403
+    code, out, err = await egressd_policy(
+        svc, GLOBAL, created["id"], "--allow", target, "--remove-allow", "other.test", "--deny", "x.test"
+    )
+    assert code == 0, err
+    assert f"allow:        {target}\n" in out and "deny:         x.test\n" in out
+    assert await status_of(svc, target, proxy_auth(created)) == 200
+    code, out, err = await egressd_policy(svc, GLOBAL, created["id"], "--allow", "*.com")
+    assert code == 1 and "*.com" in err
+    code, out, err = await egressd_policy(svc, GLOBAL, created["id"])
+    assert code == 0 and target in out
+    assert len(records(svc, "run.changed")) == 1
