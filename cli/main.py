@@ -18,15 +18,17 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, load_settings, secret_variables
 
 from .commands.agent import add_agent_arguments
+from .commands.policy import add_policy_arguments
 from .commands.run import add_run_arguments
 from .wiring.loop import run_async
-from .wiring.service import EgressService, StartupError
+from .wiring.service import EgressService, ReloadError, StartupError
 
 
 def _visible(name: str) -> str:
@@ -166,13 +168,31 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The settings from the flags, environment and config file; then the secret variables are dropped."""
+    return _settings_and_reader(args)[0]
+
+
+def _settings_and_reader(args: argparse.Namespace) -> tuple[Settings, Callable[[], Settings]]:
+    """``_settings``, and how to read them again later (``serve`` on SIGHUP) from the same sources.
+
+    The same flags, the same config file (``--config`` or ``EGRESSD_CONFIG``) and
+    environment; the secret variables, dropped from our environment now, are
+    kept in the reader and given to it as the environment would.
+    """
     fields = {dest for _, dest, _ in _COMMON} | {"ask", "require_auth", "learn"}
-    settings = load_settings({k: getattr(args, k) for k in fields}, args.config)
+    cli_values = {k: getattr(args, k) for k in fields}
+    settings = load_settings(cli_values, args.config)
+    secrets = {name.lower().removeprefix("egressd_"): os.environ[name] for name in secret_variables(os.environ)}
     # Read once, kept in ``settings``: whatever we start from now on (ip, nft, nsenter,
     # a shell of the user's) does not inherit them.
     for name in secret_variables(os.environ):
         del os.environ[name]
-    return settings
+
+    def read_again() -> Settings:
+        # Init values outrank the config file, as the environment they came from did; flags still win.
+        given = {k: v for k, v in cli_values.items() if v is not None}
+        return load_settings({**secrets, **given}, args.config)
+
+    return settings, read_again
 
 
 def _setup_logging(level: str) -> None:
@@ -185,7 +205,21 @@ def _setup_logging(level: str) -> None:
 
 
 
-async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
+def _reload(service: EgressService, read: Callable[[], Settings]) -> None:
+    """SIGHUP: read the settings again and hand them to the service; a bad one is refused, the old policy kept."""
+    try:
+        settings = read()
+    except SettingsError as exc:
+        service.refuse_reload(str(exc))
+        return
+    except Exception as exc:  # a signal handler is a task boundary: refused, recorded, egressd carries on
+        service.refuse_reload(f"cannot read the settings: {exc}")
+        return
+    with contextlib.suppress(ReloadError):  # logged and recorded by the service
+        service.reload(settings)
+
+
+async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable[[], Settings]) -> int:
     service = EgressService(settings)
     await service.start()
     # Said once started: a setting egressd refuses is the one line a bad start prints.
@@ -195,6 +229,7 @@ async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, service.reopen_audit)  # logrotate's postrotate
+    loop.add_signal_handler(signal.SIGHUP, _reload, service, read)  # re-read the config and allow files
     # The ports actually bound (port 0 in a setting gets one from the kernel); "serving:" comes last,
     # so whoever waits for it has seen every listener's address.
     sandbox_facing = [
@@ -240,10 +275,10 @@ def raise_open_file_limit() -> tuple[int, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    settings, read = _settings_and_reader(args)
     _setup_logging(settings.log_level)
     open_files = raise_open_file_limit()
-    return run_async(lambda: _serve(settings, open_files))
+    return run_async(lambda: _serve(settings, open_files, read))
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -275,6 +310,12 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level if args.log_level else "warning")
     return cmd_run(args, settings)
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    from .commands.policy import run_policy
+
+    return run_policy(args, _settings(args))
 
 
 def cmd_approvals(args: argparse.Namespace) -> int:
@@ -384,12 +425,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_approval_commands(sub)
 
+    policy = sub.add_parser(
+        "policy", help="show or change a live run's allow and deny entries",
+        description="Add and remove entries of a run of a running egressd (PATCH /runs/RUN_ID, with the global "
+        "control token); they apply to the run's next request. Without a change, show the run's entries.")
+    _add_control_arguments(policy)
+    add_policy_arguments(policy)
+    policy.set_defaults(func=cmd_policy)
+
     doctor = sub.add_parser("doctor", help="say which sandbox backends and features work here, and why not",
                             description="Try each feature egressd run needs (bubblewrap, network namespaces, nftables, "
                             "seccomp, cgroups, Docker) and report what works; exit 1 if a required one does not.")
     doctor.add_argument("--clean", action="store_true", help="first remove leftovers of runs whose egressd died")
     doctor.set_defaults(func=cmd_doctor_checks)
     return parser
+
+
+def _add_control_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a command that asks a running egressd finds its control API and token."""
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (for control and control_token)")
+    parser.add_argument("--control", dest="control", default=None, metavar="HOST:PORT|unix:PATH",
+                        help="the running egressd's control API (default 127.0.0.1:3129)")
+    parser.add_argument("--control-token", dest="control_token", default=None, metavar="TOKEN",
+                        help=f"bearer token (default: the token file egressd wrote) {_visible('control_token')}")
+    parser.add_argument("--control-token-file", dest="control_token_file", default=None, metavar="FILE",
+                        help="read the bearer token from FILE: a regular file of yours (or root's) "
+                        "that no one else may read or write (mode 600)")
 
 
 def _add_approval_commands(sub: Any) -> None:
@@ -403,14 +464,7 @@ def _add_approval_commands(sub: Any) -> None:
                           description="Deny the held request APPROVAL_ID; the domain stays denied "
                           "for the rest of the run.")
     for parser, action in ((pending, "pending"), (allow, "allow"), (deny, "deny")):
-        parser.add_argument("--config", metavar="FILE", help="TOML config file (for control and control_token)")
-        parser.add_argument("--control", dest="control", default=None, metavar="HOST:PORT|unix:PATH",
-                            help="the running egressd's control API (default 127.0.0.1:3129)")
-        parser.add_argument("--control-token", dest="control_token", default=None, metavar="TOKEN",
-                            help=f"bearer token (default: the token file egressd wrote) {_visible('control_token')}")
-        parser.add_argument("--control-token-file", dest="control_token_file", default=None, metavar="FILE",
-                            help="read the bearer token from FILE: a regular file of yours (or root's) "
-                            "that no one else may read or write (mode 600)")
+        _add_control_arguments(parser)
         if action == "pending":
             parser.add_argument("--json", action="store_true", help="print the approvals as JSON")
         else:

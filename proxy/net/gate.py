@@ -245,6 +245,11 @@ class Gate:
         self.refusals = refusals
         self._refusals_timer: asyncio.TimerHandle | None = None
 
+    def set_allow_private(self, allow_private: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> None:
+        """New ``allow_private`` ranges (a reload): addresses are checked against them from the next dial on."""
+        self.allow_private = tuple(allow_private)
+        self._address_ok.clear()  # remembered under the old ranges
+
     def begin(self, kind: EgressKind, client: str | None, port: int | None = None) -> Seen:
         """A new attempt's identity: what the listener learns next goes into new ``Seen`` values."""
         return Seen(id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic(), port=port)
