@@ -54,6 +54,8 @@ __all__ = [
     "ENDS",
     "EGRESS_KINDS",
     "EGRESS_SUPPRESSED",
+    "POLICY_RELOADED",
+    "RUN_CHANGED",
     "RUN_END",
     "RUN_START",
     "RecordError",
@@ -62,6 +64,8 @@ __all__ = [
     "approval_requested_record",
     "new_request_id",
     "rfc3339",
+    "policy_reloaded_record",
+    "run_changed_record",
     "run_record",
     "suppressed_record",
 ]
@@ -76,6 +80,9 @@ APPROVAL_DECIDED = "approval.decided"
 # (it stays answerable; an answer still applies to the run).
 APPROVAL_ABANDONED = "approval.abandoned"
 EGRESS_SUPPRESSED = "egress.suppressed"
+# Not in the design's list: live policy changes (SIGHUP, PATCH /runs/ID).
+POLICY_RELOADED = "policy.reloaded"
+RUN_CHANGED = "run.changed"
 
 # The design fixes these keys and their order; every egress record carries
 # all of them, null when not applicable, so readers never need .get().
@@ -370,6 +377,73 @@ def run_record(event: str, *, ts: float, run: str, **fields: object) -> dict[str
     record: dict[str, object] = {"event": event, "ts": rfc3339(ts), "run": run}
     record.update(_scrub_mapping(fields))
     return record
+
+
+def _entry_lists(value: Mapping[str, Sequence[str]] | None) -> dict[str, list[str]]:
+    """``{"allow": [...], "deny": [...]}``, both keys always present; RecordError for another key."""
+    value = value or {}
+    strange = sorted(set(value) - {"allow", "deny"})
+    if strange:
+        raise RecordError(f"entry lists are allow and deny, not {', '.join(strange)}")
+    return {key: [str(text) for text in value.get(key, ())] for key in ("allow", "deny")}
+
+
+def policy_reloaded_record(
+    *,
+    ts: float,
+    ok: bool,
+    added: Mapping[str, Sequence[str]] | None = None,
+    removed: Mapping[str, Sequence[str]] | None = None,
+    changed: Sequence[str] | None = None,
+    needs_restart: Sequence[str] | None = None,
+    error: str | None = None,
+) -> dict[str, object]:
+    """Build the ``policy.reloaded`` record: ``egressd serve`` re-read its config and allow file (SIGHUP).
+
+    Fields, in this order: ``event``, ``ts``, ``ok``; ``added`` and
+    ``removed``, each ``{"allow": [...], "deny": [...]}``, the configured
+    entries (command line, environment, config file, presets, allow file)
+    that the reload added or removed; ``changed``, the other live settings
+    whose value changed (``allow_private``, ``ask``); ``needs_restart``, the
+    settings that changed but apply only at start-up (kept as they were);
+    ``error``, why the reload was refused. ``ok`` true: ``error`` is null.
+    ``ok`` false (nothing was applied): ``error`` says why, and ``added``,
+    ``removed``, ``changed`` and ``needs_restart`` are null.
+    """
+    if ok == (error is not None):
+        raise RecordError("a policy.reloaded record has an error exactly when it is not ok")
+    return {
+        "event": POLICY_RELOADED,
+        "ts": rfc3339(ts),
+        "ok": ok,
+        "added": _entry_lists(added) if ok else None,
+        "removed": _entry_lists(removed) if ok else None,
+        "changed": [str(name) for name in changed or ()] if ok else None,
+        "needs_restart": [str(name) for name in needs_restart or ()] if ok else None,
+        "error": error,
+    }
+
+
+def run_changed_record(
+    *,
+    ts: float,
+    run: str,
+    added: Mapping[str, Sequence[str]] | None = None,
+    removed: Mapping[str, Sequence[str]] | None = None,
+) -> dict[str, object]:
+    """Build the ``run.changed`` record: a live run's entries edited through ``PATCH /runs/ID``.
+
+    Fields, in this order: ``event``, ``ts``, ``run``, ``added`` and
+    ``removed``, each ``{"allow": [...], "deny": [...]}`` (the entries as
+    given; an entry the run already had is not in ``added``).
+    """
+    return {
+        "event": RUN_CHANGED,
+        "ts": rfc3339(ts),
+        "run": run,
+        "added": _entry_lists(added),
+        "removed": _entry_lists(removed),
+    }
 
 
 def suppressed_record(

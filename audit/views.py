@@ -35,7 +35,8 @@ class EgressSeen:
     """What a runner reads of one egress record (an ``egress`` record joined with its end, or alone).
 
     Fields a record lacks are None; ``event`` is ``egress`` when the record
-    names none; ``approved`` says the record carries an approval.
+    names none; ``approved`` says the record carries an approval;
+    ``learned`` is the refusal learn mode let through (``--learn``), if any.
     """
 
     event: str
@@ -45,6 +46,7 @@ class EgressSeen:
     decision: str | None
     reason: str | None
     approved: bool
+    learned: str | None = None
 
     @classmethod
     def of(cls, record: Mapping[str, object]) -> EgressSeen:
@@ -57,6 +59,7 @@ class EgressSeen:
             decision=_text(get("decision")),
             reason=_text(get("reason")),
             approved=bool(get("approval")),
+            learned=_text(get("learned")),
         )
 
     @property

@@ -18,15 +18,17 @@ import os
 import resource
 import signal
 import sys
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, load_settings, secret_variables
 
 from .commands.agent import add_agent_arguments
+from .commands.policy import add_policy_arguments
 from .commands.run import add_run_arguments
 from .wiring.loop import run_async
-from .wiring.service import EgressService, StartupError
+from .wiring.service import EgressService, ReloadError, StartupError
 
 
 def _visible(name: str) -> str:
@@ -158,17 +160,39 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
                         help="refuse unknown domains without asking anyone (not_allowlisted)")
     parser.add_argument("--require-auth", dest="require_auth", action="store_const", const=True, default=None,
                         help="no default run: every client needs run credentials")
+    parser.add_argument("--learn", dest="learn", action="store_const", const=True, default=None,
+                        help="learn mode, for building an allowlist: nothing is held or refused for not being "
+                        "allowlisted; each such attempt goes out and is recorded with \"learned\" (deny entries, "
+                        "IP literals and private addresses are still refused). Then: egressd audit suggest")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The settings from the flags, environment and config file; then the secret variables are dropped."""
-    fields = {dest for _, dest, _ in _COMMON} | {"ask", "require_auth"}
-    settings = load_settings({k: getattr(args, k) for k in fields}, args.config)
+    return _settings_and_reader(args)[0]
+
+
+def _settings_and_reader(args: argparse.Namespace) -> tuple[Settings, Callable[[], Settings]]:
+    """``_settings``, and how to read them again later (``serve`` on SIGHUP) from the same sources.
+
+    The same flags, the same config file (``--config`` or ``EGRESSD_CONFIG``) and
+    environment; the secret variables, dropped from our environment now, are
+    kept in the reader and given to it as the environment would.
+    """
+    fields = {dest for _, dest, _ in _COMMON} | {"ask", "require_auth", "learn"}
+    cli_values = {k: getattr(args, k) for k in fields}
+    settings = load_settings(cli_values, args.config)
+    secrets = {name.lower().removeprefix("egressd_"): os.environ[name] for name in secret_variables(os.environ)}
     # Read once, kept in ``settings``: whatever we start from now on (ip, nft, nsenter,
     # a shell of the user's) does not inherit them.
     for name in secret_variables(os.environ):
         del os.environ[name]
-    return settings
+
+    def read_again() -> Settings:
+        # Init values outrank the config file, as the environment they came from did; flags still win.
+        given = {k: v for k, v in cli_values.items() if v is not None}
+        return load_settings({**secrets, **given}, args.config)
+
+    return settings, read_again
 
 
 def _setup_logging(level: str) -> None:
@@ -181,7 +205,21 @@ def _setup_logging(level: str) -> None:
 
 
 
-async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
+def _reload(service: EgressService, read: Callable[[], Settings]) -> None:
+    """SIGHUP: read the settings again and hand them to the service; a bad one is refused, the old policy kept."""
+    try:
+        settings = read()
+    except SettingsError as exc:
+        service.refuse_reload(str(exc))
+        return
+    except Exception as exc:  # a signal handler is a task boundary: refused, recorded, egressd carries on
+        service.refuse_reload(f"cannot read the settings: {exc}")
+        return
+    with contextlib.suppress(ReloadError):  # logged and recorded by the service
+        service.reload(settings)
+
+
+async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable[[], Settings]) -> int:
     service = EgressService(settings)
     await service.start()
     # Said once started: a setting egressd refuses is the one line a bad start prints.
@@ -191,6 +229,7 @@ async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, service.reopen_audit)  # logrotate's postrotate
+    loop.add_signal_handler(signal.SIGHUP, _reload, service, read)  # re-read the config and allow files
     # The ports actually bound (port 0 in a setting gets one from the kernel); "serving:" comes last,
     # so whoever waits for it has seen every listener's address.
     sandbox_facing = [
@@ -203,9 +242,10 @@ async def _serve(settings: Settings, open_files: tuple[int, int]) -> int:
     run = service.default_run
     host, port = service.proxy_address
     logging.getLogger("egressd").info(
-        "serving: proxy %s:%d, control %s, audit log %s, %s",
+        "serving: proxy %s:%d, control %s, audit log %s, %s%s",
         host, port, service.control_address, settings.audit_path,
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
+        " (LEARN MODE: not enforced; deny entries, IP literals and private addresses are)" if settings.learn else "",
     )
     try:
         await stop.wait()
@@ -235,10 +275,10 @@ def raise_open_file_limit() -> tuple[int, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings = _settings(args)
+    settings, read = _settings_and_reader(args)
     _setup_logging(settings.log_level)
     open_files = raise_open_file_limit()
-    return run_async(lambda: _serve(settings, open_files))
+    return run_async(lambda: _serve(settings, open_files, read))
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -255,6 +295,13 @@ def cmd_audit_verify(args: argparse.Namespace) -> int:
     return run_verify(args, settings)
 
 
+def cmd_audit_suggest(args: argparse.Namespace) -> int:
+    from .commands.audit import run_suggest
+
+    settings = _settings(args)
+    return run_suggest(args, settings)
+
+
 def cmd_run_sandbox(args: argparse.Namespace) -> int:
     from .commands.run import cmd_run
 
@@ -263,6 +310,12 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
     settings = _settings(args)
     _setup_logging(settings.log_level if args.log_level else "warning")
     return cmd_run(args, settings)
+
+
+def cmd_policy(args: argparse.Namespace) -> int:
+    from .commands.policy import run_policy
+
+    return run_policy(args, _settings(args))
 
 
 def cmd_approvals(args: argparse.Namespace) -> int:
@@ -327,6 +380,25 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the log whose chain to check, with its rotated files")
     verify.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first")
     verify.set_defaults(func=cmd_audit_verify)
+    suggest = audit_sub.add_parser(
+        "suggest", help="turn what a run did into allowlist entries (TOML for --allow-file)",
+        description="Read the audit records of one run (default: the last one started) and print the allowlist "
+        "that would have let it do what it did, as TOML for --allow-file: every host it reached (allowed by a rule, "
+        "an approval or --learn), HOST:PORT for ports other than 80 and 443, and *.DOMAIN for 3 or more names under "
+        "one registered domain (never across a public suffix). IP addresses and hosts that were refused (deny "
+        "entries, private addresses, denials) are never suggested: a closing comment lists them. Review the "
+        "output before you use it. Exit 0, 1 if there is no audit log, 2 for an unknown run or an unreadable file.",
+        epilog="example: egressd serve --learn ...; then egressd audit suggest > allow.toml; "
+        "egressd serve --allow-file allow.toml")
+    suggest.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML config file (for audit_log)")
+    suggest.add_argument("--audit-log", dest="audit_log", default=argparse.SUPPRESS, metavar="PATH",
+                         help="the log to read, with its rotated files")
+    suggest.add_argument("--run", dest="suggest_run", metavar="ID",
+                         help="the run whose records to use (default: the last run started in the records)")
+    suggest.add_argument("--include-dns", action="store_true",
+                         help="count names the sandbox only looked up (DNS answers), not only those it connected to")
+    suggest.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first (default: the audit log)")
+    suggest.set_defaults(func=cmd_audit_suggest)
 
     run = sub.add_parser(
         "run",
@@ -353,12 +425,32 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_approval_commands(sub)
 
+    policy = sub.add_parser(
+        "policy", help="show or change a live run's allow and deny entries",
+        description="Add and remove entries of a run of a running egressd (PATCH /runs/RUN_ID, with the global "
+        "control token); they apply to the run's next request. Without a change, show the run's entries.")
+    _add_control_arguments(policy)
+    add_policy_arguments(policy)
+    policy.set_defaults(func=cmd_policy)
+
     doctor = sub.add_parser("doctor", help="say which sandbox backends and features work here, and why not",
                             description="Try each feature egressd run needs (bubblewrap, network namespaces, nftables, "
                             "seccomp, cgroups, Docker) and report what works; exit 1 if a required one does not.")
     doctor.add_argument("--clean", action="store_true", help="first remove leftovers of runs whose egressd died")
     doctor.set_defaults(func=cmd_doctor_checks)
     return parser
+
+
+def _add_control_arguments(parser: argparse.ArgumentParser) -> None:
+    """How a command that asks a running egressd finds its control API and token."""
+    parser.add_argument("--config", metavar="FILE", help="TOML config file (for control and control_token)")
+    parser.add_argument("--control", dest="control", default=None, metavar="HOST:PORT|unix:PATH",
+                        help="the running egressd's control API (default 127.0.0.1:3129)")
+    parser.add_argument("--control-token", dest="control_token", default=None, metavar="TOKEN",
+                        help=f"bearer token (default: the token file egressd wrote) {_visible('control_token')}")
+    parser.add_argument("--control-token-file", dest="control_token_file", default=None, metavar="FILE",
+                        help="read the bearer token from FILE: a regular file of yours (or root's) "
+                        "that no one else may read or write (mode 600)")
 
 
 def _add_approval_commands(sub: Any) -> None:
@@ -374,14 +466,7 @@ def _add_approval_commands(sub: Any) -> None:
                           description="Deny the held request APPROVAL_ID; the domain stays denied "
                           "for the rest of the run.")
     for parser, action in ((pending, "pending"), (allow, "allow"), (deny, "deny")):
-        parser.add_argument("--config", metavar="FILE", help="TOML config file (for control and control_token)")
-        parser.add_argument("--control", dest="control", default=None, metavar="HOST:PORT|unix:PATH",
-                            help="the running egressd's control API (default 127.0.0.1:3129)")
-        parser.add_argument("--control-token", dest="control_token", default=None, metavar="TOKEN",
-                            help=f"bearer token (default: the token file egressd wrote) {_visible('control_token')}")
-        parser.add_argument("--control-token-file", dest="control_token_file", default=None, metavar="FILE",
-                            help="read the bearer token from FILE: a regular file of yours (or root's) "
-                            "that no one else may read or write (mode 600)")
+        _add_control_arguments(parser)
         if action == "pending":
             parser.add_argument("--json", action="store_true", help="print the approvals as JSON")
         else:
@@ -399,7 +484,7 @@ def _audit_settings_fields(args: argparse.Namespace) -> None:
     for _, dest, _ in _COMMON:
         if not hasattr(args, dest):
             setattr(args, dest, None)
-    for dest in ("ask", "require_auth"):
+    for dest in ("ask", "require_auth", "learn"):
         if not hasattr(args, dest):
             setattr(args, dest, None)
 

@@ -199,6 +199,11 @@ class Settings(BaseSettings):
     allow_private: CsvList = Field(default_factory=list, description="CIDRs exempt from the private-address check")
     ask: bool = Field(True, description="ask an approver about unknown domains (--no-ask: refuse them)")
     require_auth: bool = Field(False, description="no default run: every client needs run credentials")
+    learn: bool = Field(
+        False,
+        description="learn mode: let through what the allowlist would refuse or hold, recording it as `learned` "
+        "(deny entries, IP literals, private addresses and every other check still refuse)",
+    )
 
     # Approvals (the config file may also group these under an [approvals] table).
     approver: Annotated[list[Approver], NoDecode] = Field(

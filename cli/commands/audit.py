@@ -1,4 +1,5 @@
-"""``egressd audit``: print the audit log, filtered, as a table or JSON Lines; ``audit verify``: check its chain."""
+"""``egressd audit``: print the audit log, filtered, as a table or JSON Lines; ``audit verify``: check its chain;
+``audit suggest``: allowlist entries from what a run did (``egressd.audit.suggest``)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from egressd.audit.query import (
     format_table,
     join_ends,
     parse_since,
+    read_records,
     read_records_from,
     verify_files,
 )
 from egressd.config.settings import Settings, SettingsError
+from egressd.proxy.core.suggest import SuggestError, render, suggest
 
 
 def _printer(as_json: bool) -> Callable[[Iterable[Mapping[str, object]]], None]:
@@ -120,4 +123,35 @@ def run_verify(args: argparse.Namespace, settings: Settings) -> int:
         print(f"audit chain NOT intact: {report.problem} ({report.records} records verified before it)")
         return 1
     print(f"audit chain intact: {report.records} records in {len(files)} file(s)")
+    return 0
+
+
+def run_suggest(args: argparse.Namespace, settings: Settings) -> int:
+    """Print the allowlist a run's records suggest, as TOML: 0 done, 1 no audit log, 2 unknown run or bad file."""
+    if args.files:
+        files = [Path(name) for name in args.files]
+    else:
+        files = log_files(settings.audit_path)
+        if not files[-1].exists():
+            print(
+                f"egressd: no audit log at {files[-1]} (nothing recorded yet, or --audit-log names another file)",
+                file=sys.stderr,
+            )
+            return 1
+    bad: list[int] = []
+    records: list[dict[str, object]] = []
+    for path in files:
+        try:
+            records += read_records(path, AuditFilter(), on_bad_line=lambda off, why: bad.append(off))
+        except OSError as exc:
+            print(f"egressd: cannot read {exc.filename or path}: {exc.strerror}", file=sys.stderr)
+            return 2
+    if bad:
+        print(f"egressd: skipped {len(bad)} unreadable line(s)", file=sys.stderr)
+    try:
+        suggestion = suggest(records, args.suggest_run or args.run, include_dns=args.include_dns)
+    except SuggestError as exc:
+        print(f"egressd: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render(suggestion))
     return 0

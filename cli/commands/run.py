@@ -40,7 +40,7 @@ from egressd.sandbox.network import DEFAULT_RANGE
 from ..wiring.control_client import ControlError
 from ..wiring.controltoken import UntrustedEndpoint, check_url
 from ..wiring.docker_session import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerSession, copy_out
-from ..wiring.service import StartupError, token_path
+from ..wiring.service import StartupError, learn_notice, token_path
 from ..wiring.session import SandboxSession, Session, SessionError
 
 
@@ -95,7 +95,12 @@ def open_session(args: argparse.Namespace, settings: Settings, **common: Any) ->
             check_url(args.connect)  # before anything starts; ControlClient checks each connection again
         except UntrustedEndpoint as exc:
             raise SettingsError(f"bad argument: --connect: not sending the control token there: {exc}") from None
+    if args.connect and settings.learn:
+        # Learn mode is the deciding egressd's: a run registered with another one gets that one's mode.
+        raise SettingsError("bad argument: --learn with --connect: start the egressd you connect to with --learn")
     if args.backend == "docker":
+        if settings.learn:  # the sidecar's own stderr is not this terminal
+            print(learn_notice(None), file=sys.stderr, flush=True)
         net_range = DEFAULT_DOCKER_RANGE if args.net_range == DEFAULT_RANGE else args.net_range
         return DockerSession(settings, image=args.image, egressd_image=args.egressd_image, connect=args.connect,
                              net_range=net_range, **common)
@@ -117,12 +122,14 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 
 def refusal_line(seen: EgressSeen) -> str | None:
-    """The line that tells of one refusal of the run (None: the record is no refusal)."""
-    if not seen.denied:
-        return None
-    reason = seen.reason or ""
+    """The line that tells of one refusal of the run, or of an attempt learn mode let through instead (else None)."""
     target = logged(seen.target)
     kind = " (dns)" if seen.kind == "dns" else ""
+    if not seen.denied:
+        if seen.learned is None:
+            return None
+        return f"egressd: learned {target}{kind} (let through by --learn: {reason_message(seen.learned)})\n"
+    reason = seen.reason or ""
     return f"egressd: blocked {target}{kind} ({reason_message(reason)})\n"
 
 
@@ -131,7 +138,7 @@ def _on_tty(stream: TextIO | None) -> bool:
 
 
 def refusal_printer(output: TerminalOutput) -> Callable[[EgressSeen], None]:
-    """Print each refusal of the run to stderr as it happens (on a terminal, not across a prompt)."""
+    """Print each refusal of the run, and each attempt --learn let through, to stderr as it happens."""
 
     def tell(seen: EgressSeen) -> None:
         line = refusal_line(seen)

@@ -3,6 +3,12 @@
 ``egressd serve`` runs one in the foreground; ``egressd run`` and the tests
 embed one in their own event loop. Start-up either completes or raises
 ``StartupError`` with one message and leaves nothing running behind it.
+
+``EgressService.reload`` applies new settings to a running instance
+(``egressd serve`` on SIGHUP): the policy settings (``LIVE_SETTINGS``, and
+what the allow file holds) take effect for new requests, every other
+setting keeps its start-up value until a restart, and settings that do not
+make a valid policy change nothing at all.
 """
 
 from __future__ import annotations
@@ -13,8 +19,10 @@ import ipaddress
 import logging
 import os
 import secrets
+import sys
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -24,7 +32,7 @@ from egressd.approvals.assembly import approver_from_settings as _approvals_from
 from egressd.approvals.interface import Approver, ManagedApprover, SetupError
 from egressd.approvals.terminal import TerminalOutput
 from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
-from egressd.audit.records import run_record
+from egressd.audit.records import policy_reloaded_record, run_record
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.config.settings import Settings, default_state_dir, parse_hostport
@@ -34,7 +42,7 @@ from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, ListenerLimits, transparent_http, transparent_tls
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
-from egressd.proxy.core.runs import DEFAULT_RUN_ID, Run, RunRegistry, new_control_token
+from egressd.proxy.core.runs import DEFAULT_RUN_ID, EntryChange, Run, RunRegistry, entry_diff, new_control_token
 from egressd.proxy.net.control import PUBLIC_PATHS, build_app
 from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.gate import Gate
@@ -46,8 +54,43 @@ from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_direct
 log = logging.getLogger("egressd")
 
 
+# Learn mode lets out what the allowlist would refuse: the terminal is reminded this often (DESIGN.md: "loudly").
+LEARN_NOTICE_INTERVAL_S = 60.0
+
+
+def learn_notice(learned: int | None) -> str:
+    """The learn-mode warning: at start (``learned`` None), then with the count of attempts learned so far."""
+    if learned is None:
+        return (
+            "egressd: LEARN MODE: egress is NOT restricted by the allowlist: what it would refuse or hold goes out "
+            "and is recorded as learned (deny entries, IP literals and private addresses are still refused); "
+            "turn what a run did into an allowlist with `egressd audit suggest`"
+        )
+    return f"egressd: LEARN MODE: egress is NOT restricted by the allowlist; {learned} attempts learned so far"
+
+
 class StartupError(Exception):
     """egressd cannot start as configured; the message says which setting and why."""
+
+
+class ReloadError(Exception):
+    """New settings were refused as a whole; the old policy is in force. The message names the setting or file."""
+
+
+# The settings a reload applies: the policy. ``allow_file`` is not among them: its
+# contents are re-read on every reload, but its path is where *always* answers are
+# appended, fixed at start-up like every other setting.
+LIVE_SETTINGS = frozenset({"allow", "deny", "preset", "allow_private", "ask"})
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyReload:
+    """What a reload changed: configured entries added and removed, other live settings changed, and the
+    settings that changed but need a restart (kept as they were)."""
+
+    entries: EntryChange
+    changed: tuple[str, ...]
+    needs_restart: tuple[str, ...]
 
 
 def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
@@ -77,6 +120,19 @@ def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[
             raise StartupError(f"bad setting {setting}: {exc}{where}") from None
     from_file = parsed[2]
     return parsed[0] + from_file[: len(file_allow)], parsed[1] + from_file[len(file_allow) :]
+
+
+def _describe_change(entries: EntryChange, changed: tuple[str, ...]) -> str:
+    """One line for the log: ``allow +a.com -b.com; deny +c.com; allow_private changed``, or ``no change``."""
+    parts = []
+    for kind, added, removed in (
+        ("allow", entries.allow_added, entries.allow_removed),
+        ("deny", entries.deny_added, entries.deny_removed),
+    ):
+        if added or removed:
+            parts.append(" ".join([kind, *(f"+{t}" for t in added), *(f"-{t}" for t in removed)]))
+    parts += [f"{name} changed" for name in changed]
+    return "; ".join(parts) or "no change"
 
 
 def approver_from_settings(
@@ -208,6 +264,11 @@ class EgressService:
         self.control_token = ""
         self.control_address: str = ""
         self._bound: dict[str, int] = {}  # listener setting → the port it got
+        self._learn_notices: asyncio.Task[None] | None = None  # learn mode's reminder, owned and cancelled here
+        self.learn_notice_interval_s = LEARN_NOTICE_INTERVAL_S
+        # The configured entries (settings, presets, allow file), as the last start or reload read them.
+        self._allow: tuple[Entry, ...] = ()
+        self._deny: tuple[Entry, ...] = ()
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> EgressService:
@@ -249,6 +310,80 @@ class EgressService:
         if self._own_audit is not None:
             self._own_audit.reopen()
 
+    def reload(self, settings: Settings) -> PolicyReload:
+        """Apply ``settings``' policy to the running instance, for new requests; ReloadError changes nothing.
+
+        1. The configured entries are read as at start-up (settings, presets,
+           the allow file, each entry parsed); anything wrong → ReloadError
+           naming the setting or file, the ``policy.reloaded`` record says
+           why, and the old policy stays whole.
+        2. The default run's entries become the configured ones (an edit by
+           ``PATCH /runs/default`` lasts until here) and its ``ask`` follows
+           the setting when the setting changed; runs created through the
+           control API keep their own entries, and the configured deny
+           entries replace their ``global_deny``; ``allow_private`` applies
+           to every run's next dial.
+        3. Any other setting that changed is logged as needing a restart and
+           kept as it was: the running listeners, channels, audit log and
+           limits are those of the start.
+
+        Approvals and denials made during a run stay, open connections are
+        not decided again. Logs one line and writes one ``policy.reloaded``
+        record either way.
+        """
+        assert self.gate is not None and self.runs is not None
+        old = self.settings
+        try:
+            # The allow file read is the one named at start (a new path needs a restart).
+            allow, deny = entries_from_settings(settings.model_copy(update={"allow_file": old.allow_file}))
+        except StartupError as exc:
+            self.refuse_reload(str(exc))
+            raise ReloadError(str(exc)) from None
+        needs_restart = tuple(
+            name
+            for name in type(old).model_fields
+            if name not in LIVE_SETTINGS and getattr(settings, name) != getattr(old, name)
+        )
+        changed = tuple(name for name in ("allow_private", "ask") if getattr(settings, name) != getattr(old, name))
+        allow_added, allow_removed = entry_diff(self._allow, allow)
+        deny_added, deny_removed = entry_diff(self._deny, deny)
+        entries = EntryChange(allow_added, allow_removed, deny_added, deny_removed)
+
+        # Everything is checked: from here on nothing can fail half-way.
+        self._allow, self._deny = allow, deny
+        default = self.runs.default
+        if default is not None:
+            if "ask" in changed:
+                default.ask = settings.ask
+            default.set_entries(allow, deny)  # also forgets the decisions made under the old ``ask``
+        self.runs.set_global_deny(deny)
+        if "allow_private" in changed:
+            self.gate.set_allow_private(settings.allow_private_networks)
+        self.settings = old.model_copy(update={name: getattr(settings, name) for name in LIVE_SETTINGS})
+
+        if needs_restart:
+            log.warning(
+                "reload: %s changed but only apply at start-up (needs a restart); kept as they were",
+                ", ".join(needs_restart),
+            )
+        log.info("policy reloaded: %s", _describe_change(entries, changed))
+        self._write_run_record(
+            policy_reloaded_record(
+                ts=time.time(),
+                ok=True,
+                added=entries.added,
+                removed=entries.removed,
+                changed=changed,
+                needs_restart=needs_restart,
+            )
+        )
+        return PolicyReload(entries, changed, needs_restart)
+
+    def refuse_reload(self, error: str) -> None:
+        """A reload was refused (``error`` names the setting or file): one log line, one record; nothing changes."""
+        log.error("reload refused, the old policy stays in force: %s", error)
+        self._write_run_record(policy_reloaded_record(ts=time.time(), ok=False, error=error))
+
     async def start(self) -> None:
         try:
             await self._start()
@@ -259,6 +394,7 @@ class EgressService:
     async def _start(self) -> None:
         s = self.settings
         allow, deny = entries_from_settings(s)
+        self._allow, self._deny = allow, deny
 
         audit = self._audit
         if audit is None:
@@ -302,9 +438,16 @@ class EgressService:
         default = None
         if not s.require_auth:
             default = Run(
-                id=DEFAULT_RUN_ID, token=secrets.token_urlsafe(24), task=None, allow=allow, deny=deny, ask=s.ask
+                id=DEFAULT_RUN_ID,
+                token=secrets.token_urlsafe(24),
+                task=None,
+                allow=allow,
+                deny=deny,
+                ask=s.ask,
+                learn=s.learn,
             )
-        self.runs = RunRegistry(default=default)
+        # The operator's deny entries apply to the runs created through the control API too.
+        self.runs = RunRegistry(default=default, learn=s.learn, global_deny=deny)
 
         limits = ListenerLimits(
             max_head_bytes=s.max_head_bytes,
@@ -329,8 +472,19 @@ class EgressService:
                     run=default.id,
                     allow=[e.text for e in allow],
                     deny=[e.text for e in deny],
+                    **({"learn": True} if s.learn else {}),
                 )
             )
+        if s.learn:  # said once everything started: a failed start prints only its one error line
+            print(learn_notice(None), file=sys.stderr, flush=True)
+            self._learn_notices = asyncio.get_running_loop().create_task(self._remind_learning())
+
+    async def _remind_learning(self) -> None:
+        """Learn mode: say on stderr, every ``learn_notice_interval_s``, that egress is open (until close)."""
+        while True:
+            await asyncio.sleep(self.learn_notice_interval_s)
+            learned = self.gate.metrics.learned if self.gate is not None else 0
+            print(learn_notice(learned), file=sys.stderr, flush=True)
 
     async def _start_transparent(self, limits: ListenerLimits) -> None:
         """The transparent SNI and Host listeners and the DNS server, each when its setting is given."""
@@ -419,6 +573,11 @@ class EgressService:
     async def close(self, grace_s: float | None = None) -> None:
         """Stop accepting, let tunnels finish within the grace period, flush the log."""
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
+        if self._learn_notices is not None:
+            self._learn_notices.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._learn_notices
+            self._learn_notices = None
         if self._approvals is not None:
             # Nobody can answer once egressd stops: held requests are denied now, not after the grace.
             await self._approvals.close()

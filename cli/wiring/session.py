@@ -292,7 +292,8 @@ class SandboxSession(SessionBase[BwrapSandbox]):
                                        sources=[self.network.plan.sandbox_ip])
         self.run = run
         self._audit(run_record("run.start", ts=time.time(), run=run.id, task=self.task, allow=[e.text for e in allow],
-                               deny=[e.text for e in deny], sources=[str(self.network.plan.sandbox_ip)]))
+                               deny=[e.text for e in deny], sources=[str(self.network.plan.sandbox_ip)],
+                               **({"learn": True} if run.learn else {})))
         stack.callback(self._end_run)
         try:
             self._box = BwrapSandbox(

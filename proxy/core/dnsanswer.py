@@ -23,7 +23,7 @@ plan with the record's fields and the reply's bytes worked out once, and
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from ipaddress import IPv4Address, IPv6Address
 
 from egressd.audit.records import Decision
@@ -109,7 +109,7 @@ def plan_answer(
     return Plan(Rcode.NOERROR)
 
 
-def unreachable_reason(run: Run, name: str) -> tuple[Reason | None, str | None]:
+def unreachable_reason(run: Run, name: str) -> tuple[Reason | None, str | None, Reason | None]:
     """Strict mode: why no connection to ``name`` can ever leave in this run.
 
     The policy's verdict for the name on port 443: a DENY whose reason is in
@@ -117,12 +117,20 @@ def unreachable_reason(run: Run, name: str) -> tuple[Reason | None, str | None]:
     earlier in the run, or not allowlisted with asking off) holds for every
     port and for the rest of the run. Allowed names, names allowed on other
     ports, and names a person could still be asked about are reachable.
-    Returns (reason or None, the rule that matched).
+    Returns (reason or None, the rule that matched, learned): in learn mode
+    a name the allowlist alone would have made unreachable is answered, and
+    ``learned`` is the reason it would have been refused with (else None).
     """
-    decision = decide(run.policy(), name, 443)
+    policy = run.policy()
+    decision = decide(policy, name, 443)
     if decision.verdict is Verdict.DENY and decision.reason in UNREACHABLE:
-        return decision.reason, decision.rule
-    return None, decision.rule
+        return decision.reason, decision.rule, None
+    if decision.learned is not None:
+        # Learn mode: would this name have been refused without it? (Not if a person could have been asked.)
+        would = decide(replace(policy, learn=False), name, 443)
+        if would.verdict is Verdict.DENY and would.reason in UNREACHABLE:
+            return None, None, would.reason
+    return None, decision.rule, None
 
 
 def pack_reply(query: Query, plan: Plan, ttl_s: int) -> bytes:

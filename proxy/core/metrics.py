@@ -22,6 +22,8 @@ class Metrics:
     bytes_down: int = 0
     decisions: Counter[tuple[str, str]] = field(default_factory=Counter)  # (decision, reason)
     held_requests: int = 0
+    # Learn mode: attempts let through that the allowlist alone would have refused or held.
+    learned: int = 0
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
 
@@ -55,6 +57,9 @@ class Metrics:
         for (decision, reason), n in sorted(self.decisions.items()):
             lines.append(f'egressd_decisions_total{{decision="{decision}",reason="{reason}"}} {n}')
         lines += [
+            "# HELP egressd_learned_total Attempts learn mode let through that the allowlist would have refused.",
+            "# TYPE egressd_learned_total counter",
+            f"egressd_learned_total {self.learned}",
             "# HELP egressd_held_requests Requests held waiting for an approval now.",
             "# TYPE egressd_held_requests gauge",
             f"egressd_held_requests {self.held_requests}",

@@ -7,6 +7,13 @@ ASK (the caller holds the request and asks an approver; the outcomes of asking
 — no_approver, too_many_pending, denied, approval_timeout — and the address
 check — private_address — are decided by the caller).
 
+Learn mode (``RunPolicy.learn``, DESIGN.md ``--learn``) is decided here too,
+once for every listener: what the allowlist alone would refuse or hold
+(``port_not_allowed``, ``not_allowlisted``, ASK) is ALLOWed with no rule and
+``learned`` set to the reason it would have had; everything else (deny
+entries, IP literals, a bad request, a host denied earlier, and the callers'
+address check) is decided exactly as without it.
+
 Pure: no I/O.
 """
 
@@ -62,7 +69,10 @@ class PolicyDecision:
     ``host`` is the normalised host (the raw text when it could not be
     normalised); ``reason`` is set exactly when the verdict is DENY; ``rule``
     is the text of the entry that matched, ``"approved"`` for a destination
-    approved during the run, or None. ``address`` is the host's IP address
+    approved during the run, or None. ``learned`` is set only on an ALLOW in
+    learn mode: the reason the request would have been refused with
+    (``not_allowlisted`` also for one that would have been held and asked
+    about); its ``rule`` is None. ``address`` is the host's IP address
     when it is an IP literal and the verdict is not DENY (what to dial, from
     the parse that decided: the host is parsed once); it is a function of
     ``host``, so it takes no part in comparisons.
@@ -74,10 +84,13 @@ class PolicyDecision:
     reason: Reason | None = None
     rule: str | None = None
     address: IPAddress | None = field(default=None, compare=False)
+    learned: Reason | None = None
 
     def __post_init__(self) -> None:
         if (self.reason is not None) != (self.verdict is Verdict.DENY):
             raise ValueError("a PolicyDecision has a reason exactly when it denies")
+        if self.learned is not None and (self.verdict is not Verdict.ALLOW or self.rule is not None):
+            raise ValueError("only a learn-mode ALLOW, with no rule, says what it would have been")
 
     @classmethod
     def allow(cls, host: str, port: int, rule: str, address: IPAddress | None = None) -> PolicyDecision:
@@ -86,6 +99,11 @@ class PolicyDecision:
     @classmethod
     def deny(cls, host: str, port: int, reason: Reason, rule: str | None = None) -> PolicyDecision:
         return cls(Verdict.DENY, host, port, reason, rule)
+
+    @classmethod
+    def learn(cls, host: str, port: int, would: Reason, address: IPAddress | None = None) -> PolicyDecision:
+        """Learn mode: allowed with no rule, recording the refusal ``would`` it would have been."""
+        return cls(Verdict.ALLOW, host, port, None, None, address, would)
 
     @classmethod
     def ask(cls, host: str, port: int, address: IPAddress | None = None) -> PolicyDecision:
@@ -216,7 +234,8 @@ class RunPolicy:
 
     ``approved`` maps a normalised host to the ports approved for it during
     the run (see ``approval_ports``); ``denied`` holds normalised hosts denied
-    during the run; ``ask`` is False when asking is switched off (--no-ask).
+    during the run; ``ask`` is False when asking is switched off (--no-ask);
+    ``learn`` is learn mode (--learn: see the module docstring).
     """
 
     allow: tuple[Entry, ...] = ()
@@ -224,6 +243,7 @@ class RunPolicy:
     approved: Mapping[str, frozenset[int]] = field(default_factory=dict)
     denied: frozenset[str] = frozenset()
     ask: bool = True
+    learn: bool = False
 
 
 def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
@@ -243,6 +263,9 @@ def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
        port_not_allowed (rule: the first matching entry; never asked);
     6. the host was denied earlier in this run → DENY denied_earlier;
     7. asking is off → DENY not_allowlisted; otherwise → ASK.
+
+    In learn mode steps 5 and 7 ALLOW instead, with no rule and ``learned``
+    set to ``port_not_allowed`` or ``not_allowlisted`` (for ASK too).
     """
     try:
         parsed = parse_host(host)
@@ -263,9 +286,13 @@ def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
     if port in policy.approved.get(name, frozenset()):
         return PolicyDecision.allow(name, port, APPROVED_RULE, address)
     if matching:
+        if policy.learn:
+            return PolicyDecision.learn(name, port, Reason.PORT_NOT_ALLOWED, address)
         return PolicyDecision.deny(name, port, Reason.PORT_NOT_ALLOWED, matching[0].text)
     if name in policy.denied:
         return PolicyDecision.deny(name, port, Reason.DENIED_EARLIER)
+    if policy.learn:
+        return PolicyDecision.learn(name, port, Reason.NOT_ALLOWLISTED, address)
     if not policy.ask:
         return PolicyDecision.deny(name, port, Reason.NOT_ALLOWLISTED)
     return PolicyDecision.ask(name, port, address)

@@ -18,6 +18,14 @@ Attribution order (``RunRegistry.attribute``):
 3. the default run, when there is one (``egressd serve`` without
    ``--require-auth``);
 4. nothing: the caller refuses with ``auth_required``.
+
+Entries change while a run lives (``egressd serve`` on SIGHUP, ``PATCH
+/runs/ID``): ``Run.set_entries``, ``Run.change_entries`` and the registry's
+``global_deny`` replace the values ``decide`` reads and forget the decisions
+remembered under the old ones, so the change applies to the next request.
+A connection already decided is not decided again; approvals and denials
+made during the run stay. An entry's identity is what it matches
+(``entry_key``), so ``Example.com`` removes ``example.com``.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import hmac
 import ipaddress
 import secrets
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +63,63 @@ def new_control_token() -> str:
 
 
 class RunError(Exception):
-    """A run could not be created or found (unknown id, address already bound)."""
+    """A run could not be created or found (unknown id, address already bound), or changed as asked."""
+
+
+def entry_key(entry: Entry) -> tuple[object, ...]:
+    """What an entry matches, without its spelling: two entries with one key allow or deny the same."""
+    return (entry.host, entry.wildcard, entry.ports, entry.address)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryChange:
+    """Entries added and removed, as their texts (a reload's or a ``PATCH /runs/ID``'s)."""
+
+    allow_added: tuple[str, ...] = ()
+    allow_removed: tuple[str, ...] = ()
+    deny_added: tuple[str, ...] = ()
+    deny_removed: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.allow_added or self.allow_removed or self.deny_added or self.deny_removed)
+
+    @property
+    def added(self) -> dict[str, list[str]]:
+        return {"allow": list(self.allow_added), "deny": list(self.deny_added)}
+
+    @property
+    def removed(self) -> dict[str, list[str]]:
+        return {"allow": list(self.allow_removed), "deny": list(self.deny_removed)}
+
+
+def entry_diff(old: Sequence[Entry], new: Sequence[Entry]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(added, removed): the texts of ``new``'s entries no entry of ``old`` matches as, and the reverse."""
+    old_keys = {entry_key(e) for e in old}
+    new_keys = {entry_key(e) for e in new}
+    added = tuple(dict.fromkeys(e.text for e in new if entry_key(e) not in old_keys))
+    removed = tuple(dict.fromkeys(e.text for e in old if entry_key(e) not in new_keys))
+    return added, removed
+
+
+def _edited(
+    entries: tuple[Entry, ...], add: Sequence[Entry], remove: Sequence[Entry], what: str
+) -> tuple[tuple[Entry, ...], tuple[str, ...], tuple[str, ...]]:
+    """``entries`` without ``remove`` and with ``add`` (removals first); RunError for a removal not there."""
+    present = {entry_key(e) for e in entries}
+    for entry in remove:
+        if entry_key(entry) not in present:
+            raise RunError(f"{what}: {entry.text!r} is not an entry of this run")
+    gone = {entry_key(e) for e in remove}
+    removed = tuple(e.text for e in entries if entry_key(e) in gone)
+    kept = [e for e in entries if entry_key(e) not in gone]
+    added: list[str] = []
+    keys = {entry_key(e) for e in kept}
+    for entry in add:
+        if entry_key(entry) not in keys:  # already there: nothing to add
+            kept.append(entry)
+            keys.add(entry_key(entry))
+            added.append(entry.text)
+    return tuple(kept), tuple(added), removed
 
 
 @dataclass(eq=False)
@@ -68,6 +132,8 @@ class Run:
     allow: tuple[Entry, ...]
     deny: tuple[Entry, ...]
     ask: bool = True
+    # Learn mode (--learn): what the allowlist alone would refuse is let through and recorded as ``learned``.
+    learn: bool = False
     sources: frozenset[IPAddress] = frozenset()
     # egressd's address on the run's own network (None: the configured listeners' and DNS answer).
     address: IPAddress | None = None
@@ -83,19 +149,23 @@ class Run:
     ended: bool = False
     # The run's own bearer token on the control API (``RunRegistry.by_control_token``); never shown.
     control_token: str = field(default="", repr=False)
+    # The operator's deny entries (``serve``'s --deny and its allow file's), applied to a run
+    # created through the control API on top of its own; the registry keeps them current.
+    global_deny: tuple[Entry, ...] = ()
     _policy: RunPolicy | None = None
     # decide() is pure, so its answers for this policy are kept until the policy changes.
     _decisions: dict[tuple[str, int], PolicyDecision] = field(default_factory=dict)
 
     def policy(self) -> RunPolicy:
-        """The pure decision input; rebuilt only after an approval or denial."""
+        """The pure decision input; rebuilt only after an approval, a denial or an entry change."""
         if self._policy is None:
             self._policy = RunPolicy(
                 allow=self.allow,
-                deny=self.deny,
+                deny=self.deny + self.global_deny,
                 approved=dict(self.approved),
                 denied=frozenset(self.denied),
                 ask=self.ask,
+                learn=self.learn,
             )
         return self._policy
 
@@ -116,7 +186,8 @@ class Run:
 
     def _decide(self, host: str, port: int) -> PolicyDecision:
         decision = decide(self.policy(), host, port)
-        if decision.verdict is Verdict.ASK and self.denied and _site(decision.host) in self.denied:
+        asks = decision.verdict is Verdict.ASK or decision.learned is Reason.NOT_ALLOWLISTED
+        if asks and self.denied and _site(decision.host) in self.denied:
             return PolicyDecision.deny(decision.host, port, Reason.DENIED_EARLIER)
         return decision
 
@@ -143,6 +214,37 @@ class Run:
         """The run made as many approval requests as it may: new domains are ``not_allowlisted``."""
         self.ask = False
         self._changed()
+
+    def set_entries(self, allow: Sequence[Entry], deny: Sequence[Entry]) -> None:
+        """Replace the run's own entries (a reload of the default run); approvals and denials stay."""
+        self.allow, self.deny = tuple(allow), tuple(deny)
+        self._changed()
+
+    def set_global_deny(self, deny: Sequence[Entry]) -> None:
+        self.global_deny = tuple(deny)
+        self._changed()
+
+    def change_entries(
+        self,
+        *,
+        allow_add: Sequence[Entry] = (),
+        allow_remove: Sequence[Entry] = (),
+        deny_add: Sequence[Entry] = (),
+        deny_remove: Sequence[Entry] = (),
+    ) -> EntryChange:
+        """Add and remove the run's own entries, removals first; all of it or, on RunError, nothing.
+
+        Removing an entry the run does not have is an error (a mistyped
+        removal must not pass for a narrowed policy), and so is removing one
+        of ``global_deny`` (the operator's, not the run's); adding one it
+        already has changes nothing and is not reported as added.
+        """
+        allow, allow_added, allow_removed = _edited(self.allow, allow_add, allow_remove, "allow.remove")
+        deny, deny_added, deny_removed = _edited(self.deny, deny_add, deny_remove, "deny.remove")
+        change = EntryChange(allow_added, allow_removed, deny_added, deny_removed)
+        if change:
+            self.set_entries(allow, deny)
+        return change
 
     def _changed(self) -> None:
         self._policy = None
@@ -183,9 +285,11 @@ class Run:
             "task": self.task,
             "allow": [e.text for e in self.allow],
             "deny": [e.text for e in self.deny],
+            "global_deny": [e.text for e in self.global_deny],
             "approved": sorted(self.approved),
             "denied": sorted(self.denied),
             "ask": self.ask,
+            "learn": self.learn,
             "sources": sorted(str(a) for a in self.sources),
             "address": str(self.address) if self.address is not None else None,
             "command": self.command,
@@ -255,12 +359,18 @@ NOT_WAITING = contextlib.nullcontext()
 
 
 class RunRegistry:
-    """All live runs, by id and by bound source address."""
+    """All live runs, by id and by bound source address.
 
-    def __init__(self, *, default: Run | None = None) -> None:
+    ``learn``: learn mode is egressd-wide (--learn), so every run created here has it.
+    """
+
+    def __init__(self, *, default: Run | None = None, learn: bool = False, global_deny: Sequence[Entry] = ()) -> None:
         self._runs: dict[str, Run] = {}
         self._by_source: dict[IPAddress, Run] = {}
         self.default = default
+        self.learn = learn
+        # Applied to every run but the default one, whose own deny entries are these already.
+        self.global_deny = tuple(global_deny)
         if default is not None:
             self._runs[default.id] = default
 
@@ -304,13 +414,22 @@ class RunRegistry:
             allow=tuple(allow),
             deny=tuple(deny),
             ask=ask,
+            learn=self.learn,
             sources=sources,
             address=address,
+            global_deny=self.global_deny,
         )
         self._runs[run.id] = run
         for source in sources:
             self._by_source[source] = run
         return run
+
+    def set_global_deny(self, deny: Sequence[Entry]) -> None:
+        """The operator's deny entries changed: every run but the default one applies them from its next request."""
+        self.global_deny = tuple(deny)
+        for run in self._runs.values():
+            if run is not self.default:
+                run.set_global_deny(self.global_deny)
 
     def end(self, run_id: str) -> Run:
         run = self._runs.pop(run_id, None)

@@ -32,6 +32,14 @@ Routes (JSON unless said otherwise):
                                        proxy URL names and its DNS answers with (the proxy must
                                        listen on every address, or on that one)
 - ``GET /runs/{id}``                   one run
+- ``PATCH /runs/{id}``                 ``{"allow": {"add": [...], "remove": [...]}, "deny": {"add": [...],
+                                       "remove": [...]}}`` (each part optional; global token only: a
+                                       run never widens its own policy) → the run as ``GET`` shows it;
+                                       removals first, then additions, for the run's next request;
+                                       a bad entry, or the removal of an entry the run does not have
+                                       (its ``global_deny`` is the operator's), is a 400 naming it and
+                                       nothing is applied; adding an entry it has changes nothing.
+                                       Recorded as ``run.changed`` (also when nothing changed)
 - ``PUT /runs/{id}/command``           ``{"command": str|null}``: what the run executes now
 - ``GET /runs/{id}/events?cursor=N``   egress records after cursor N → ``{"events", "cursor"}``
 - ``DELETE /runs/{id}``                end the run
@@ -56,7 +64,7 @@ from aiohttp import web
 
 from egressd.approvals.control import RUN_SCOPED_ROUTES, SCOPE, Scope
 from egressd.audit.log import AuditError
-from egressd.audit.records import run_record
+from egressd.audit.records import run_changed_record, run_record
 from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.proxy.core.addresses import forbidden_reason
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
@@ -230,6 +238,7 @@ async def create_run(request: web.Request) -> web.Response:
             deny=[e.text for e in deny],
             sources=[str(s) for s in sources],
             **({"address": str(address)} if address is not None else {}),
+            **({"learn": True} if run.learn else {}),
         ),
     )
     host, port = request.app[PROXY_ADDRESS]
@@ -283,6 +292,32 @@ async def get_run(request: web.Request) -> web.Response:
     return web.json_response(_run(request).describe())
 
 
+async def change_run(request: web.Request) -> web.Response:
+    """``PATCH /runs/{id}``: add and remove the run's own entries, all or nothing."""
+    run = _run(request)
+    body = await _body(request)
+    strange = sorted(set(body) - {"allow", "deny"})
+    if strange:
+        raise json_error(400, f"unknown key {strange[0]!r}: allow and deny only")
+    edits: dict[str, tuple[Entry, ...]] = {}
+    for kind in ("allow", "deny"):
+        part = body.get(kind) or {}
+        if not isinstance(part, dict):
+            raise json_error(400, f'{kind} must be an object: {{"add": [...], "remove": [...]}}')
+        strange = sorted(set(part) - {"add", "remove"})
+        if strange:
+            raise json_error(400, f"{kind}: unknown key {strange[0]!r}: add and remove only")
+        for action in ("add", "remove"):
+            edits[f"{kind}_{action}"] = parse_entries(part.get(action), f"{kind}.{action}")
+    try:
+        change = run.change_entries(**edits)
+    except RunError as exc:
+        raise json_error(400, str(exc)) from None
+    # Recorded even when it changed nothing: whoever holds the global token tried to.
+    _write_audit(request, run_changed_record(ts=time.time(), run=run.id, added=change.added, removed=change.removed))
+    return web.json_response(run.describe())
+
+
 async def set_command(request: web.Request) -> web.Response:
     run = _run(request)
     command = (await _body(request)).get("command")
@@ -326,6 +361,7 @@ def build_app(*, gate: Gate, runs: RunRegistry, proxy_address: tuple[str, int], 
     app.router.add_get("/runs", list_runs)
     app.router.add_post("/runs", create_run)
     app.router.add_get("/runs/{run_id}", get_run)
+    app.router.add_patch("/runs/{run_id}", change_run)
     app.router.add_put("/runs/{run_id}/command", set_command)
     app.router.add_get("/runs/{run_id}/events", run_events)
     app.router.add_delete("/runs/{run_id}", end_run)

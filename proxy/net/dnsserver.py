@@ -20,7 +20,8 @@ How one query is answered (``DnsServer.handle``), in order:
 4. otherwise what ``egressd.proxy.core.dnsanswer.plan_answer`` says: FORMERR
    for a name that is no host, REFUSED for a class or type other than IN A
    and AAAA, NXDOMAIN in strict mode for a name the run could never reach
-   (``unreachable_reason``), else the A answer (for a run on a network of its
+   (``unreachable_reason``; in learn mode one the allowlist alone made
+   unreachable is answered, its record saying ``learned``), else the A answer (for a run on a network of its
    own, egressd's IPv4 address there, ``Run.address``) or the AAAA answer
    (NOERROR with no records when there is none). A refusal carries a reason,
    whose table row gives the response code (``Reason.rcode``).
@@ -173,6 +174,8 @@ class _Heard:
     run: Run | None = None
     command: str | None = None
     rule: str | None = None
+    # Learn mode: the refusal strict mode would have answered instead (the record's ``learned``).
+    learned: str | None = None
     detail: str | None = None
     answer: str | None = None
     recorded: bool = False
@@ -335,7 +338,10 @@ class DnsServer:
             else:
                 unreachable = None
                 if self.strict and name is not None:
-                    unreachable, heard.rule = unreachable_reason(run, name)
+                    unreachable, heard.rule, learned = unreachable_reason(run, name)
+                    if learned is not None:
+                        heard.learned = learned.value
+                        self.gate.metrics.learned += 1
                 # A run on a network of its own reaches egressd there, and only there.
                 own = run.address
                 answer4 = own if isinstance(own, IPv4Address) else self._answer4
@@ -354,6 +360,8 @@ class DnsServer:
         heard.recorded = True
         run = heard.run
         extra: dict[str, object] = {"qtype": heard.qtype, "answer": heard.answer, "transport": heard.transport}
+        if heard.learned is not None:
+            extra = {"learned": heard.learned, **extra}
         if heard.detail is not None:
             extra["detail"] = heard.detail
         duration_s = self.gate.monotonic() - heard.started

@@ -5,7 +5,9 @@ goes through ``Gate.admit`` and, when admitted, ``Gate.dial``, so they all
 decide the same way:
 
 1. the audit log must be writable (else refuse: nothing happens unrecorded);
-2. ``policy.decide`` — the design's decision order, pure;
+2. ``policy.decide`` — the design's decision order, pure (learn mode
+   included: what the allowlist alone would refuse or hold comes back
+   ALLOW with ``learned``, which every record of the attempt carries);
 3. ASK → the ``Approver``; an exception there is a denial (fail closed);
    an allow joins the run's allowlist unless its scope is ``once`` (then
    only the requests that waited on that approval go through, and the
@@ -162,6 +164,8 @@ class Attempt:
     reason: str | None = None
     rule: str | None = None
     approval: ApprovalSummary | None = None
+    # Learn mode: the reason code the policy would have refused this with (its records' ``learned``).
+    learned: str | None = None
     command: str | None = None
     bytes_up: int = 0
     bytes_down: int = 0
@@ -252,6 +256,11 @@ class Gate:
         self.refusals = refusals
         self._refusals_timer: asyncio.TimerHandle | None = None
 
+    def set_allow_private(self, allow_private: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> None:
+        """New ``allow_private`` ranges (a reload): addresses are checked against them from the next dial on."""
+        self.allow_private = tuple(allow_private)
+        self._address_ok.clear()  # remembered under the old ranges
+
     def begin(self, kind: EgressKind, client: str | None, port: int | None = None) -> Seen:
         """A new attempt's identity: what the listener learns next goes into new ``Seen`` values."""
         return Seen(id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic(), port=port)
@@ -323,6 +332,9 @@ class Gate:
         decision = run.decide(host, port)
         host = decision.host
         attempt.rule = decision.rule
+        if decision.learned is not None:
+            attempt.learned = decision.learned.value
+            self.metrics.learned += 1
         if decision.verdict is Verdict.DENY:
             return Admission(decision.reason, host, port)
         if decision.verdict is Verdict.ASK:
@@ -569,7 +581,10 @@ class Gate:
         """The attempt's ``egress`` fact: final (``duration_s`` given: bytes, duration, extras) or written ahead."""
         run = attempt.run
         final = duration_s is not None
-        extra = attempt.extra
+        extra: Mapping[str, object] | None = attempt.extra if final else None
+        if attempt.learned is not None:
+            # Written ahead too: an allowed connection's one egress record must say it was let through by learn mode.
+            extra = {"learned": attempt.learned, **(extra or {})}
         return EgressDecided(
             id=attempt.id,
             ts=attempt.ts,
@@ -587,7 +602,7 @@ class Gate:
             bytes_up=attempt.bytes_up if final else None,
             bytes_down=attempt.bytes_down if final else None,
             duration_s=duration_s,
-            extra=dict(extra) if final and extra else None,
+            extra=dict(extra) if extra else None,
         )
 
     def _write(
@@ -680,7 +695,9 @@ class Gate:
         run_id = attempt.run.id if attempt.run else "-"
         target = f"{admission.host}:{admission.port}"
         target = logged(target)  # a hostile host must not repaint the operator's terminal
-        if admission.allowed:
+        if admission.allowed and attempt.learned is not None:
+            log.info("ALLOW %s %s run=%s learned=%s", attempt.kind, target, run_id, attempt.learned)
+        elif admission.allowed:
             log.info("ALLOW %s %s run=%s rule=%s", attempt.kind, target, run_id, attempt.rule)
         else:
             log.info("DENY  %s %s run=%s reason=%s", attempt.kind, target, run_id, attempt.reason)

@@ -67,6 +67,8 @@ def _fenced_blocks(text: str, languages: tuple[str, ...]) -> list[str]:
 # --- config examples -------------------------------------------------------------------------
 
 
+# The first line of a TOML example that is an allowlist file, checked as one.
+ALLOW_FILE_MARK = "# an allowlist file"
 TOML_BLOCKS = [(_rel(path), block) for path in DOCS for block in _fenced_blocks(_text(path), ("toml",))]
 
 
@@ -75,6 +77,10 @@ def test_every_toml_example_is_a_valid_config(tmp_path: Path, where: str, block:
     config = tmp_path / "egressd.toml"
     # A block indented under a list item is indented as a whole.
     config.write_text("\n".join(line.strip() for line in block.splitlines()) + "\n")
+    if block.startswith(ALLOW_FILE_MARK):  # an allowlist file (--allow-file), not a config file
+        settings = load_settings({"allow_file": str(config)})
+        assert entries_from_settings(settings)[0], "an allow file example that allows nothing"
+        return
     settings = load_settings({}, config)
     entries_from_settings(settings)  # entries and presets are valid too
 

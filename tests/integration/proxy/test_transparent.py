@@ -819,3 +819,43 @@ async def test_a_tool_that_ignores_proxy_settings_in_a_sandbox_still_meets_the_p
     dns_answers = {r["answer"] for r in egress_records if r["kind"] == "dns" and r["qtype"] == "A"}
     assert dns_answers == {resolved}
     assert leak_web.connections == 0 and not dns.asked("leak.test")
+
+
+# --- learn mode (--learn) on the transparent listeners ----------------------------------------
+
+
+async def test_learn_mode_lets_an_unlisted_name_through_the_sni_listener_and_records_it(
+    transparent, tls_origin, pki, leak_web, dns: FakeDns
+) -> None:
+    svc = await transparent(learn=True, ask=False, deny=["other.test"])
+    status, _, body = await tls_get(svc, "origin.test", pki.client_context(), "/learnt")
+    assert status == 200 and body == b"hello from tls origin origin.test /learnt"
+    await wait_until(lambda: egress(svc))
+    record = last(svc, "tls")
+    assert (record["decision"], record["rule"], record["learned"]) == ("allow", None, "not_allowlisted")
+    # A deny entry and a private address are still refused, and nothing reaches LEAK.
+    assert await tls_refused(svc, "other.test", pki.client_context()) == "TLSV1_ALERT_ACCESS_DENIED"
+    await tls_refused(svc, "leak.test", pki.client_context())
+    await wait_until(lambda: len([r for r in egress(svc) if r["kind"] == "tls"]) == 3)
+    refused = [(r["host"], r["reason"]) for r in egress(svc) if r["kind"] == "tls"][1:]
+    assert refused == [("other.test", "denylisted"), ("leak.test", "private_address")]
+    assert leak_web.connections == 0 and tls_origin.snis == ["origin.test"] and not dns.asked("other.test")
+
+
+async def test_learn_mode_lets_an_unlisted_host_through_the_host_listener_and_still_refuses_a_private_one(
+    transparent, http80, leak_web, dns: FakeDns
+) -> None:
+    svc = await transparent(learn=True, ask=False)
+    reader, writer = await asyncio.open_connection(*svc.transparent_http.address)
+    writer.write(b"GET /one HTTP/1.1\r\nHost: origin.test\r\n\r\n")
+    assert (await read_response(reader))[0] == 200
+    writer.write(b"GET /two HTTP/1.1\r\nHost: leak.test\r\n\r\n")
+    status, headers, _ = await read_response(reader)
+    writer.close()
+    assert (status, headers["x-egress-reason"]) == (403, "private_address")
+    assert [r["path"] for r in http80] == ["/one"] and leak_web.connections == 0
+    await wait_until(lambda: len(egress(svc)) == 2)
+    assert [(r["decision"], r["learned"]) for r in egress(svc)] == [
+        ("allow", "not_allowlisted"),
+        ("deny", "not_allowlisted"),
+    ]
