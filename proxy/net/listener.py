@@ -69,13 +69,16 @@ class Listener:
 
     def _accepted(self, client: Peer) -> None:
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
-        task = asyncio.get_running_loop().create_task(self._serve(client))
+        task = asyncio.get_running_loop().create_task(_SERVE[self.mode.reads](self, client))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, client: Peer) -> None:
-        # Counted open here, when its task runs, not at the accept: the cap compares the tasks under way.
-        await _SERVE[self.mode.reads](self, Held(self, client))
+    def hold(self, client: Peer) -> Held:
+        """What ``client``'s connection holds, counted open from now: called first by its task.
+
+        Counted when the task runs, not at the accept, so the cap compares the tasks under way.
+        """
+        return Held(self, client)
 
     async def close(self, grace_s: float = 0.0) -> None:
         """Stop accepting, give open connections ``grace_s`` to finish, then end them."""
@@ -154,8 +157,9 @@ class Held:
         pass
 
     def __exit__(self, *exc: object) -> None:
-        if self._tunnel is None:
-            self._release_slot()
+        if self._tunnel is None and (run := self._run) is not None:  # the slot, released (inlined: every request)
+            self._run = None
+            run.open_connections -= 1
 
     def done(self, attempt: Attempt) -> None:
         """The request is over: record ``attempt`` (unless its tunnel will)."""
