@@ -33,8 +33,6 @@ from egressd.proxy.net.stream import Peer
 from egressd.proxy.net.transparent import serve_tls
 from egressd.proxy.net.tunnel import ClientCheck, Tunnel
 
-_SERVE = {Reads.HTTP: serve_http, Reads.TLS: serve_tls}
-
 
 class Listener:
     """Accepts clients on one listening socket and serves each in a task until it is spliced or closed.
@@ -69,7 +67,8 @@ class Listener:
 
     def _accepted(self, client: Peer) -> None:
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
-        task = asyncio.get_running_loop().create_task(_SERVE[self.mode.reads](self, client))
+        serve = serve_tls if self.mode.reads is Reads.TLS else serve_http  # `is`: an Enum's hash is a Python call
+        task = asyncio.get_running_loop().create_task(serve(self, client))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -107,16 +106,6 @@ class Listener:
         if self._cutting and attempt.opened:
             attempt.ends(SHUTDOWN_END)
         self.gate.finish(attempt)
-
-    def spliced(self, tunnel: Tunnel) -> None:
-        """A tunnel now relays one of this listener's connections (``close`` ends it)."""
-        self._tunnels.add(tunnel)
-
-    def unspliced(self, tunnel: Tunnel) -> None:
-        """That tunnel ended."""
-        self._tunnels.discard(tunnel)
-        if not self._tunnels and self._all_ended is not None:
-            self._all_ended.set()
 
 
 class Held:
@@ -189,12 +178,15 @@ class Held:
             check=check,
             check_timeout_s=limits.head_timeout_s,
         )
-        self.listener.spliced(tunnel)
+        self.listener._tunnels.add(tunnel)  # the listener's close() ends it (same module: no call per tunnel)
         tunnel.start()
 
     def _tunnel_ended(self, tunnel: Tunnel) -> None:
         """Everything the spliced connection's coroutine would have done when it finished."""
-        self.listener.unspliced(tunnel)
+        listener = self.listener
+        listener._tunnels.discard(tunnel)
+        if not listener._tunnels and listener._all_ended is not None:
+            listener._all_ended.set()  # the last tunnel close() waited for
         attempt = self.attempt
         assert isinstance(attempt, Attempt)
         attempt.bytes_up += tunnel.bytes_up
