@@ -280,6 +280,12 @@ class EgressDecided(NamedTuple):
         shadow a field or set ``prev``.
         """
         reason, approval, extra = self.reason, self.approval, self.extra
+        try:
+            kind, decision = _KIND_TEXT[self.kind], _DECISION_TEXT[self.decision]
+        except (KeyError, TypeError):
+            raise RecordError(
+                f"kind and decision must be EgressKind and Decision, not {self.kind!r}, {self.decision!r}"
+            ) from None
         if extra and not _EGRESS_RESERVED.isdisjoint(extra):
             clash = sorted(set(extra) & _EGRESS_RESERVED)
             raise RecordError(f"extra fields shadow egress fields: {', '.join(clash)}")
@@ -288,12 +294,12 @@ class EgressDecided(NamedTuple):
             "id": self.id,
             "ts": rfc3339(self.ts),
             "run": self.run,
-            "kind": _text(_KIND_TEXT, self.kind, "kind"),
+            "kind": kind,
             "client": self.client,
             "host": _strip_host(self.host),
             "port": self.port,
             "address": self.address,
-            "decision": _text(_DECISION_TEXT, self.decision, "decision"),
+            "decision": decision,
             "reason": reason if reason.__class__ is str else _plain(reason),
             "rule": self.rule,
             "approval": (
@@ -648,15 +654,6 @@ def _approval(approval: Mapping[str, object]) -> dict[str, object]:
     if isinstance(waited, float) and math.isfinite(waited):
         summary["waited_s"] = round(waited, 6)
     return summary
-
-
-def _text(texts: Mapping[object, str], value: object, name: str) -> str:
-    # A member, or a plain string equal to one (a StrEnum member hashes and compares as its value).
-    try:
-        return texts[value]
-    except (KeyError, TypeError):
-        allowed = ", ".join(sorted(texts.values()))
-        raise RecordError(f"{name} must be one of {allowed}, not {value!r}") from None
 
 
 def _member(value: object, allowed: frozenset[str], name: str) -> str:

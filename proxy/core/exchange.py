@@ -73,22 +73,20 @@ CLOSED_IN_HEAD: Final = "connection closed inside a message head"
 class LengthBody:
     """A body of exactly ``left`` more bytes (Content-Length)."""
 
-    __slots__ = ("left",)
+    __slots__ = ("left", "done")
     # Feeding never fails: bytes may be passed on as they arrive, from the transport's callbacks.
     passes_on = True
     ends_at_close = False
 
     def __init__(self, length: int) -> None:
         self.left = length
-
-    @property
-    def done(self) -> bool:
-        return not self.left
+        self.done = not length  # kept up to date by feed: read once per chunk relayed
 
     def feed(self, data: bytes | bytearray | memoryview) -> int:
         """How many leading bytes of ``data`` belong to the body."""
         n = min(self.left, len(data))
         self.left -= n
+        self.done = not self.left
         return n
 
 
@@ -119,6 +117,7 @@ Framer = LengthBody | ChunkedBody | UntilClose
 
 
 def _framer(kind: BodyKind, length: int, error_status: int) -> Framer | None:
+    # Callers test for the two common kinds (no body, a length) inline: one call less per message.
     if kind is BodyKind.LENGTH:
         return LengthBody(length)
     if kind is BodyKind.CHUNKED:
@@ -126,6 +125,10 @@ def _framer(kind: BodyKind, length: int, error_status: int) -> Framer | None:
     if kind is BodyKind.UNTIL_CLOSE:
         return UntilClose()
     return None
+
+
+_NO_BODY: Final = BodyKind.NONE
+_LENGTH: Final = BodyKind.LENGTH
 
 
 class State(enum.Enum):
@@ -141,6 +144,14 @@ class State(enum.Enum):
 
 class ExchangeError(RuntimeError):
     """A call out of turn: the caller's bug, never a peer's."""
+
+
+# The states the methods check on every request, as module constants (each check is inline: no call).
+_IDLE: Final = State.IDLE
+_DECIDING: Final = State.DECIDING
+_SENDING: Final = State.SENDING
+_WAITING: Final = State.WAITING
+_RELAYING: Final = State.RELAYING
 
 
 class Exchange:
@@ -171,9 +182,8 @@ class Exchange:
         self.keep_client = False
         self.keep_upstream = False
 
-    def _expect(self, state: State) -> None:
-        if self.state is not state:
-            raise ExchangeError(f"{self.state.value}, not {state.value}")
+    def _out_of_turn(self, state: State) -> ExchangeError:
+        return ExchangeError(f"{self.state.value}, not {state.value}")
 
     # -- the client's side -------------------------------------------------------
 
@@ -184,7 +194,8 @@ class Exchange:
         the connection, and a head cut short is HttpError(400). Malformed or
         ambiguous heads are HttpError (400, 431, 501, 505).
         """
-        self._expect(State.IDLE)
+        if self.state is not _IDLE:
+            raise self._out_of_turn(_IDLE)
         parsed = parse_request_head(buf, self.max_head_bytes) if buf else None
         if parsed is None:
             if closed:
@@ -193,7 +204,7 @@ class Exchange:
                 self.state = State.CLOSED
             return None, 0
         self.request = parsed[0]
-        self.state = State.DECIDING
+        self.state = _DECIDING
         return parsed
 
     def forward(self, destination: Destination) -> bytes:
@@ -203,17 +214,19 @@ class Exchange:
         ``request_body`` (None: the request has no body). An ``Expect:
         100-continue`` is answered here and not forwarded.
         """
-        self._expect(State.DECIDING)
+        if self.state is not _DECIDING:
+            raise self._out_of_turn(_DECIDING)
         head = self.request
         assert head is not None
-        if any(value.lower() == "100-continue" for value in head.get_all("Expect")):
+        expects = head.get_all("Expect")
+        if expects and any(value.lower() == "100-continue" for value in expects):
             head.headers = [(k, v) for k, v in head.headers if k.lower() != "expect"]
             self.interim = CONTINUE
         else:
             self.interim = b""
         kind, length = request_body_kind(head)
-        self.request_body = _framer(kind, length, 400)
-        self.state = State.SENDING if self.request_body is not None else State.WAITING
+        body = self.request_body = None if kind is _NO_BODY else _framer(kind, length, 400)
+        self.state = _SENDING if body is not None else _WAITING
         return forward_request_head(head, destination)
 
     # -- the upstream's side ---------------------------------------------------
@@ -228,11 +241,11 @@ class Exchange:
         Sets ``response_out`` (the head for the client), ``response_body``,
         ``keep_client`` and ``keep_upstream``.
         """
-        if self.state is not State.WAITING:
+        if self.state is not _WAITING:
             body = self.request_body
-            if self.state is not State.SENDING or body is None or not body.done:
-                self._expect(State.WAITING)
-            self.state = State.WAITING  # the request body is through
+            if self.state is not _SENDING or body is None or not body.done:
+                raise self._out_of_turn(_WAITING)
+            self.state = _WAITING  # the request body is through
         used = 0
         while True:
             rest = buf[used:] if used else buf
@@ -251,17 +264,18 @@ class Exchange:
         keep_client = request.keep_alive and kind is not BodyKind.UNTIL_CLOSE
         self.response = response
         self.response_out = forward_response_head(response, keep_client)
-        self.response_body = _framer(kind, length, 502)
+        self.response_body = LengthBody(length) if kind is _LENGTH else _framer(kind, length, 502)
         self.keep_client = keep_client
         self.keep_upstream = keep_client and response.keep_alive and response.status != 101
-        self.state = State.RELAYING
+        self.state = _RELAYING
         return response, used
 
     def finish(self) -> bool:
         """The response is through: True when the client connection may carry another request."""
-        self._expect(State.RELAYING)
+        if self.state is not _RELAYING:
+            raise self._out_of_turn(_RELAYING)
         keep = self.keep_client
-        self.state = State.IDLE if keep else State.CLOSED
+        self.state = _IDLE if keep else State.CLOSED
         self.request = self.response = None
         self.request_body = self.response_body = None
         return keep

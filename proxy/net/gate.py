@@ -82,6 +82,8 @@ log = logging.getLogger("egressd.decisions")
 P = TypeVar("P", bound=asyncio.Protocol)
 
 # The refusal each failed answer becomes: the approvals package names its code.
+# A record's plain decision text (``.value`` is a descriptor: a Python call per connection).
+_DECISION_TEXT: dict[Decision, str] = {decision: decision.value for decision in Decision}
 _ANSWER_REASONS: dict[Answer, Reason] = {answer: reason_for(code) for answer, code in ANSWER_REASONS.items()}
 
 
@@ -538,7 +540,7 @@ class Gate:
         event, ts = record["event"], record["ts"]
         record.update(written)
         record["event"], record["ts"] = event, ts
-        record["decision"], record["reason"] = attempt.decision.value, attempt.reason
+        record["decision"], record["reason"] = _DECISION_TEXT[attempt.decision], attempt.reason
         if not attempt.decided:
             self.metrics.decided(attempt.decision, attempt.reason, duration_s)
         self.metrics.bytes_up += attempt.bytes_up
@@ -694,7 +696,8 @@ class Gate:
             return
         run_id = attempt.run.id if attempt.run else "-"
         target = f"{admission.host}:{admission.port}"
-        target = logged(target)  # a hostile host must not repaint the operator's terminal
+        if not target.isprintable():
+            target = logged(target)  # a hostile host must not repaint the operator's terminal
         if admission.allowed and attempt.learned is not None:
             log.info("ALLOW %s %s run=%s learned=%s", attempt.kind, target, run_id, attempt.learned)
         elif admission.allowed:

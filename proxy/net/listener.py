@@ -33,8 +33,6 @@ from egressd.proxy.net.stream import Peer
 from egressd.proxy.net.transparent import serve_tls
 from egressd.proxy.net.tunnel import ClientCheck, Tunnel
 
-_SERVE = {Reads.HTTP: serve_http, Reads.TLS: serve_tls}
-
 
 class Listener:
     """Accepts clients on one listening socket and serves each in a task until it is spliced or closed.
@@ -69,13 +67,17 @@ class Listener:
 
     def _accepted(self, client: Peer) -> None:
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
-        task = asyncio.get_running_loop().create_task(self._serve(client))
+        serve = serve_tls if self.mode.reads is Reads.TLS else serve_http  # `is`: an Enum's hash is a Python call
+        task = asyncio.get_running_loop().create_task(serve(self, client))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, client: Peer) -> None:
-        # Counted open here, when its task runs, not at the accept: the cap compares the tasks under way.
-        await _SERVE[self.mode.reads](self, Held(self, client))
+    def hold(self, client: Peer) -> Held:
+        """What ``client``'s connection holds, counted open from now: called first by its task.
+
+        Counted when the task runs, not at the accept, so the cap compares the tasks under way.
+        """
+        return Held(self, client)
 
     async def close(self, grace_s: float = 0.0) -> None:
         """Stop accepting, give open connections ``grace_s`` to finish, then end them."""
@@ -104,16 +106,6 @@ class Listener:
         if self._cutting and attempt.opened:
             attempt.ends(SHUTDOWN_END)
         self.gate.finish(attempt)
-
-    def spliced(self, tunnel: Tunnel) -> None:
-        """A tunnel now relays one of this listener's connections (``close`` ends it)."""
-        self._tunnels.add(tunnel)
-
-    def unspliced(self, tunnel: Tunnel) -> None:
-        """That tunnel ended."""
-        self._tunnels.discard(tunnel)
-        if not self._tunnels and self._all_ended is not None:
-            self._all_ended.set()
 
 
 class Held:
@@ -154,8 +146,9 @@ class Held:
         pass
 
     def __exit__(self, *exc: object) -> None:
-        if self._tunnel is None:
-            self._release_slot()
+        if self._tunnel is None and (run := self._run) is not None:  # the slot, released (inlined: every request)
+            self._run = None
+            run.open_connections -= 1
 
     def done(self, attempt: Attempt) -> None:
         """The request is over: record ``attempt`` (unless its tunnel will)."""
@@ -185,12 +178,15 @@ class Held:
             check=check,
             check_timeout_s=limits.head_timeout_s,
         )
-        self.listener.spliced(tunnel)
+        self.listener._tunnels.add(tunnel)  # the listener's close() ends it (same module: no call per tunnel)
         tunnel.start()
 
     def _tunnel_ended(self, tunnel: Tunnel) -> None:
         """Everything the spliced connection's coroutine would have done when it finished."""
-        self.listener.unspliced(tunnel)
+        listener = self.listener
+        listener._tunnels.discard(tunnel)
+        if not listener._tunnels and listener._all_ended is not None:
+            listener._all_ended.set()  # the last tunnel close() waited for
         attempt = self.attempt
         assert isinstance(attempt, Attempt)
         attempt.bytes_up += tunnel.bytes_up

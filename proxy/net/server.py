@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Coroutine
 from typing import TYPE_CHECKING
 
 from egressd.audit.records import EgressKind
@@ -59,9 +60,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("egressd.proxy")
 
 
-async def serve_http(listener: Listener, held: Held) -> None:
-    """Serve one client connection of an HTTP mode, request after request, then release it."""
-    await _HttpConnection(listener, held).serve()
+def serve_http(listener: Listener, client: Peer) -> Coroutine[object, object, None]:
+    """Serve one client connection of an HTTP mode, request after request, then release it.
+
+    Returns the connection's coroutine, not a coroutine awaiting it: a layer
+    the event loop would resume on every read of every request.
+    """
+    return _HttpConnection(listener, client).serve()
 
 
 class _HttpConnection:
@@ -69,16 +74,18 @@ class _HttpConnection:
 
     __slots__ = ("listener", "gate", "limits", "mode", "held", "client")
 
-    def __init__(self, listener: Listener, held: Held) -> None:
+    held: Held
+
+    def __init__(self, listener: Listener, client: Peer) -> None:
         self.listener = listener
         self.gate = listener.gate
         self.limits = listener.limits
         self.mode = listener.mode
-        self.held = held
-        self.client = held.client
+        self.client = client
 
     async def serve(self) -> None:
         client = self.client
+        self.held = self.listener.hold(client)  # counted open when its task runs, not at the accept
         peer = client.peername or ("", 0)
         client_text = f"{peer[0]}:{peer[1]}"
         source = source_address(peer[0])

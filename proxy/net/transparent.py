@@ -69,13 +69,13 @@ class _Refused(Exception):
         self.refusal = refusal
 
 
-async def serve_tls(listener: Listener, held: Held) -> None:
+async def serve_tls(listener: Listener, client: Peer) -> None:
     """Serve one client connection of the SNI mode, then release it (unless a tunnel has it).
 
     Until the gate starts deciding, what is known is a ``Seen`` (``held.attempt``): a
     refusal then is recorded whole, once (``Gate.refuse``); after, the gate's ``Attempt``.
     """
-    client = held.client
+    held = listener.hold(client)  # counted open when its task runs, not at the accept
     gate = listener.gate
     limits = listener.limits
     reads = listener.mode.reads
