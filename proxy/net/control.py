@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -63,6 +64,7 @@ from typing import Any
 from aiohttp import web
 
 from egressd.approvals.control import RUN_SCOPED_ROUTES, SCOPE, Scope
+from egressd.approvals.web import CONTROL_VIEW, ControlView
 from egressd.audit.log import AuditError
 from egressd.audit.records import run_changed_record, run_record
 from egressd.config.presets import UnknownPreset, preset_entries
@@ -80,14 +82,17 @@ TOKEN = web.AppKey("token", str)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # The routes a run's own token may use; those naming a run (``{run_id}``) only for its run.
-_RUN_ROUTES = frozenset(
-    {
-        ("GET", "/runs/{run_id}"),
-        ("PUT", "/runs/{run_id}/command"),
-        ("GET", "/runs/{run_id}/events"),
-        ("DELETE", "/runs/{run_id}"),
-    }
-) | RUN_SCOPED_ROUTES
+_RUN_ROUTES = (
+    frozenset(
+        {
+            ("GET", "/runs/{run_id}"),
+            ("PUT", "/runs/{run_id}/command"),
+            ("GET", "/runs/{run_id}/events"),
+            ("DELETE", "/runs/{run_id}"),
+        }
+    )
+    | RUN_SCOPED_ROUTES
+)
 
 
 def json_error(status: int, message: str) -> web.HTTPException:
@@ -102,18 +107,24 @@ def json_error(status: int, message: str) -> web.HTTPException:
     return classes[status](text=json.dumps({"error": message}), content_type="application/json")
 
 
+def token_scope(app: web.Application, given: str) -> Scope | None:
+    """What a token may act on: every run (the global token), a live run's own, or None (no token of ours)."""
+    if not given:
+        return None
+    if hmac.compare_digest(given.encode(), app[TOKEN].encode()):
+        return Scope(run_id=None)
+    run = app[RUNS].by_control_token(given)
+    return Scope(run_id=run.id) if run is not None else None
+
+
 def _scope(request: web.Request) -> Scope:
     """Who the bearer token says the caller is: the global token, a live run's own token, or 401."""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     given = given.strip()
-    if scheme.lower() != "bearer" or not given:
+    scope = token_scope(request.app, given) if scheme.lower() == "bearer" else None
+    if scope is None:
         raise json_error(401, "missing or wrong bearer token")
-    if hmac.compare_digest(given.encode(), request.app[TOKEN].encode()):
-        return Scope(run_id=None)
-    run = request.app[RUNS].by_control_token(given)
-    if run is None:
-        raise json_error(401, "missing or wrong bearer token")
-    return Scope(run_id=run.id)
+    return scope
 
 
 def _check_run_route(request: web.Request, scope: Scope) -> None:
@@ -125,12 +136,14 @@ def _check_run_route(request: web.Request, scope: Scope) -> None:
     resource = request.match_info.route.resource
     pattern = resource.canonical if resource is not None else None
     if (request.method, pattern) not in _RUN_ROUTES:
-        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only: "
-                              f"{request.method} {request.path} needs the global control token")
+        raise json_error(
+            403,
+            f"a run's control token acts on its own run ({scope.run_id}) only: "
+            f"{request.method} {request.path} needs the global control token",
+        )
     named = request.match_info.get("run_id")
     if named is not None and named != scope.run_id:
-        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only, "
-                              f"not on run {named}")
+        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only, not on run {named}")
 
 
 @web.middleware
@@ -280,11 +293,17 @@ def _run_address(
         listening = None  # a name (localhost): never one of a run's own network
     every = listening is not None and listening.is_unspecified and listening.version in (address.version, 6)
     if not (every or listening == address):
-        raise json_error(409, f"the proxy listens on {proxy_host} only, not on {address}: a run on a network "
-                              "of its own needs egressd listening on every address of its container (0.0.0.0)")
+        raise json_error(
+            409,
+            f"the proxy listens on {proxy_host} only, not on {address}: a run on a network "
+            "of its own needs egressd listening on every address of its container (0.0.0.0)",
+        )
     if forbidden_reason(address, allow_private) is None:
-        raise json_error(409, f"egressd would dial {address}, its own address on the run's network: "
-                              "allow_private must not cover egressd's networks")
+        raise json_error(
+            409,
+            f"egressd would dial {address}, its own address on the run's network: "
+            "allow_private must not cover egressd's networks",
+        )
     return address
 
 
@@ -365,4 +384,20 @@ def build_app(*, gate: Gate, runs: RunRegistry, proxy_address: tuple[str, int], 
     app.router.add_put("/runs/{run_id}/command", set_command)
     app.router.add_get("/runs/{run_id}/events", run_events)
     app.router.add_delete("/runs/{run_id}", end_run)
+    # What the approvals page (``--approver web``) reads: sign-in, runs, egress records.
+    app[CONTROL_VIEW] = ControlView(
+        sign_in=lambda given: token_scope(app, given),
+        runs=lambda: [run.describe() for run in runs],
+        recent=lambda n: recent_events(runs, n),
+        observers=gate.observers,
+    )
     return app
+
+
+def recent_events(runs: RunRegistry, n: int) -> list[dict[str, Any]]:
+    """The last ``n`` egress records of every live run together, oldest first (from their event windows)."""
+    picked: list[dict[str, Any]] = []
+    for run in runs:
+        picked.extend(record for _, record in itertools.islice(reversed(run.events), n))
+    picked.sort(key=lambda record: record.get("ts") or 0.0)
+    return picked[-n:]
