@@ -207,7 +207,8 @@ class Settings(BaseSettings):
 
     # Approvals (the config file may also group these under an [approvals] table).
     approver: Annotated[list[Approver], NoDecode] = Field(
-        default_factory=list, description="who answers unknown domains: terminal, slack, webhook, web (the approvals page), deny (repeatable)"
+        default_factory=list,
+        description="who answers unknown domains: terminal, slack, webhook, web (approvals page), deny (repeatable)",
     )
     approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
     max_pending_approvals: int = Field(

@@ -82,17 +82,14 @@ TOKEN = web.AppKey("token", str)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 # The routes a run's own token may use; those naming a run (``{run_id}``) only for its run.
-_RUN_ROUTES = (
-    frozenset(
-        {
-            ("GET", "/runs/{run_id}"),
-            ("PUT", "/runs/{run_id}/command"),
-            ("GET", "/runs/{run_id}/events"),
-            ("DELETE", "/runs/{run_id}"),
-        }
-    )
-    | RUN_SCOPED_ROUTES
-)
+_RUN_ROUTES = frozenset(
+    {
+        ("GET", "/runs/{run_id}"),
+        ("PUT", "/runs/{run_id}/command"),
+        ("GET", "/runs/{run_id}/events"),
+        ("DELETE", "/runs/{run_id}"),
+    }
+) | RUN_SCOPED_ROUTES
 
 
 def json_error(status: int, message: str) -> web.HTTPException:
@@ -136,14 +133,12 @@ def _check_run_route(request: web.Request, scope: Scope) -> None:
     resource = request.match_info.route.resource
     pattern = resource.canonical if resource is not None else None
     if (request.method, pattern) not in _RUN_ROUTES:
-        raise json_error(
-            403,
-            f"a run's control token acts on its own run ({scope.run_id}) only: "
-            f"{request.method} {request.path} needs the global control token",
-        )
+        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only: "
+                              f"{request.method} {request.path} needs the global control token")
     named = request.match_info.get("run_id")
     if named is not None and named != scope.run_id:
-        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only, not on run {named}")
+        raise json_error(403, f"a run's control token acts on its own run ({scope.run_id}) only, "
+                              f"not on run {named}")
 
 
 @web.middleware
@@ -293,17 +288,11 @@ def _run_address(
         listening = None  # a name (localhost): never one of a run's own network
     every = listening is not None and listening.is_unspecified and listening.version in (address.version, 6)
     if not (every or listening == address):
-        raise json_error(
-            409,
-            f"the proxy listens on {proxy_host} only, not on {address}: a run on a network "
-            "of its own needs egressd listening on every address of its container (0.0.0.0)",
-        )
+        raise json_error(409, f"the proxy listens on {proxy_host} only, not on {address}: a run on a network "
+                              "of its own needs egressd listening on every address of its container (0.0.0.0)")
     if forbidden_reason(address, allow_private) is None:
-        raise json_error(
-            409,
-            f"egressd would dial {address}, its own address on the run's network: "
-            "allow_private must not cover egressd's networks",
-        )
+        raise json_error(409, f"egressd would dial {address}, its own address on the run's network: "
+                              "allow_private must not cover egressd's networks")
     return address
 
 

@@ -46,7 +46,7 @@ class Clock:
 
 @pytest.fixture
 async def page_egressd(make_egressd: MakeEgressd) -> AsyncIterator[Callable[..., Any]]:
-    """``await page_egressd(...)``: an egressd answering through the page; ``svc.web_clock`` moves its sessions' time."""
+    """``await page_egressd(...)``: an egressd answering through the page; ``svc.web_clock`` moves sessions' time."""
     brokers: list[ApprovalBroker] = []
 
     async def make(*, grace_s: float = 30.0, timeout_s: float = 30.0, **values: Any) -> EgressService:
