@@ -144,7 +144,7 @@ CONTROL_VIEW = web.AppKey("web_control_view", ControlView)
 
 
 def _static(name: str) -> bytes:
-    return resources.files("egressd.approvals").joinpath("static", name).read_bytes()
+    return resources.files("egressd.approvals").joinpath("web-static", name).read_bytes()
 
 
 @dataclass(eq=False, slots=True)
