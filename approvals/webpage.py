@@ -290,9 +290,15 @@ def tail_row(record: Mapping[str, Any]) -> dict[str, Any]:
     return row
 
 
+# The fields of a run (``GET /runs``) the page shows: its allowlist and what was approved or refused in it.
+RUN_FIELDS = tuple("id task command allow deny approved denied learn".split())
+# Its lists, in the order of the table's columns (Allowed, Approved, Denied, Deny entries).
+LIST_COLUMNS = tuple("allow approved denied deny".split())
+
+
 def run_row(run: Mapping[str, Any]) -> dict[str, Any]:
-    """A run as the page shows it (from ``GET /runs``): its allowlist and what was approved or denied."""
-    return {name: run.get(name) for name in ("id", "task", "command", "allow", "deny", "approved", "denied", "learn")}
+    """A run as the page shows it."""
+    return {name: run.get(name) for name in RUN_FIELDS}
 
 
 def countdown(seconds_left: float) -> str:
@@ -347,9 +353,9 @@ def runs_html(runs: Sequence[Mapping[str, Any]]) -> str:
         return '<p class="none">No run is live.</p>'
     rows = "".join(
         f'<tr data-run="{esc(r["id"])}"><td>{esc(r["id"])}</td><td>{esc(r.get("task") or "")}</td>'
-        f"<td>{esc(r.get('command') or '')}</td><td>{_entries(r.get('allow'))}</td>"
-        f"<td>{_entries(r.get('approved'))}</td><td>{_entries(r.get('denied'))}</td>"
-        f"<td>{_entries(r.get('deny'))}</td></tr>"
+        f"<td>{esc(r.get('command') or '')}</td>"
+        + "".join(f"<td>{_entries(r.get(name))}</td>" for name in LIST_COLUMNS)
+        + "</tr>"
         for r in runs
     )
     return (

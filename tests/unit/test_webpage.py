@@ -145,6 +145,9 @@ def test_approval_html_escapes_every_text_from_the_sandbox() -> None:
 def test_runs_and_the_tail_escape_what_they_show() -> None:
     runs = runs_html([{"id": "<r>", "task": "<t>", "command": "<c>", "allow": ["<a>"], "approved": [], "denied": []}])
     assert "<r>" not in runs and "<t>" not in runs and "&lt;c&gt;" in runs and "&lt;a&gt;" in runs
+    lists = runs_html([{"id": "r", "allow": ["A1"], "approved": ["P1"], "denied": ["D1"], "deny": ["X1"]}])
+    at = [lists.index(f"<code>{v}</code>") for v in ("A1", "P1", "D1", "X1")]
+    assert at == sorted(at)  # the columns' order: Allowed, Approved, Denied, Deny entries
     row = tail_row({"ts": 0.5, "run": "r", "host": "<h>.test", "decision": "deny", "reason": "denied", "port": 443})
     assert row["ts"] == "1970-01-01T00:00:00.500000Z"
     assert "&lt;h&gt;.test" in tail_html([row]) and "<h>" not in tail_html([row])
