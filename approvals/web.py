@@ -108,6 +108,8 @@ STREAM_QUEUE = 1024
 TAIL_BACKLOG = 100
 # Streams open at once, all sessions together.
 MAX_STREAMS = 32
+# What a page is told of an approval that stopped waiting without this channel being told how.
+NO_LONGER_WAITING = "no longer waiting (answered elsewhere, or expired)"
 # Sign-in and answer forms are a few short fields.
 MAX_FORM_BYTES = 8192
 
@@ -278,7 +280,7 @@ class WebChannel:
                 try:
                     response = await handler(request)
                 except web.HTTPException as exc:
-                    response = exc
+                    response = self._html(exc.status, exc.reason, exc.text or exc.reason)
             if not response.prepared:
                 response.headers.update(SECURITY_HEADERS)
             return response
@@ -321,7 +323,12 @@ class WebChannel:
     async def _form(self, request: web.Request) -> dict[str, str] | None:
         if request.content_length is not None and request.content_length > MAX_FORM_BYTES:
             return None
-        raw = await request.content.read(MAX_FORM_BYTES + 1)
+        raw = b""
+        while len(raw) <= MAX_FORM_BYTES:  # read() gives what has arrived: one chunk at a time
+            chunk = await request.content.read(MAX_FORM_BYTES + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
         if len(raw) > MAX_FORM_BYTES:
             return None
         try:
@@ -473,9 +480,11 @@ class WebChannel:
         try:
             await response.write(f"retry: {RETRY_MS}\n\n".encode())
             answerer = self._answerer
+            shown: set[str] = set()  # the approvals this page shows as waiting
             for approval in answerer.pending() if answerer else ():
                 if scope.covers(approval.request.run_id):
                     await response.write(_frame("approval", approval_event(approval)))
+                    shown.add(approval.id)
             runs = bound.runs(scope)
             await response.write(_frame("runs", runs))
             await response.write(_frame("ready", {}))
@@ -494,7 +503,17 @@ class WebChannel:
                 event, data = item
                 if event:
                     await response.write(_frame(event, data))
+                    if event == "approval":
+                        shown.add(data["id"])
+                    elif event == "settled":
+                        shown.discard(data["id"])
                     continue
+                # Settled where this channel was not told (it could not deliver when it was asked):
+                # gone from the pending list, so marked on the page all the same.
+                waiting = {a.id for a in answerer.pending()} if answerer else set()
+                for gone in sorted(shown - waiting):
+                    shown.discard(gone)
+                    await response.write(_frame("settled", {"id": gone, "text": NO_LONGER_WAITING}))
                 now_runs = bound.runs(scope)
                 if now_runs != runs:
                     runs = now_runs

@@ -16,7 +16,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 
 from egressd.approvals.broker import ApprovalBroker
+from egressd.approvals.interface import Channel, Choice
 from egressd.approvals.web import CSP, WebChannel
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.service import EgressService
@@ -31,6 +32,7 @@ from egressd.config.settings import load_settings
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes.dns import FakeDns
 from tests.harness import ORIGIN_RANGE, connect_via, egress, have, require, wait_until
+from tests.integration.approvals.test_broker import RecordingChannel
 from tests.integration.approvals.webclient import TOKEN, EventReader, PageClient
 
 HOSTILE_COMMAND = 'curl x <script>alert(1)</script> "><img src=x onerror=alert(2)>'
@@ -54,11 +56,18 @@ async def page_egressd(make_egressd: MakeEgressd) -> AsyncIterator[Callable[...,
     """``await page_egressd(...)``: an egressd answering through the page; ``svc.web_clock`` moves sessions' time."""
     brokers: list[ApprovalBroker] = []
 
-    async def make(*, grace_s: float = 30.0, timeout_s: float = 30.0, **values: Any) -> EgressService:
+    async def make(
+        *,
+        grace_s: float = 30.0,
+        timeout_s: float = 30.0,
+        public_url: str | None = None,
+        others: Sequence[Channel] = (),
+        **values: Any,
+    ) -> EgressService:
         sink = MemoryAuditSink()
         clock = Clock()
-        channel = WebChannel(clock=clock, presence_grace_s=grace_s, keepalive_s=0.2)
-        broker = ApprovalBroker([channel], audit=sink, timeout_s=timeout_s)
+        channel = WebChannel(clock=clock, presence_grace_s=grace_s, keepalive_s=0.2, public_url=public_url)
+        broker = ApprovalBroker([channel, *others], audit=sink, timeout_s=timeout_s)
         await broker.start()
         brokers.append(broker)
         svc = await make_egressd(approver=broker, audit=sink, **values)
@@ -281,6 +290,43 @@ async def test_the_event_stream_delivers_a_new_approval_and_its_settlement(
             rows = [data for event, data in stream.seen if event == "egress"] or [await stream.until("egress")]
             row = rows[0]
             assert row["host"] == "origin.test" and row["decision"] == "deny" and row["run"] == "default"
+
+
+async def test_an_approval_held_by_another_channel_shows_and_is_marked_when_settled_there(
+    page_egressd: Callable[..., Any], echo_origin: Listener
+) -> None:
+    terminal = RecordingChannel("terminal")
+    svc = await page_egressd(grace_s=0.0, others=[terminal])
+    task = await held(svc, f"origin.test:{echo_origin.port}")  # nobody has the page open: the terminal holds it
+    await wait_until(lambda: terminal.delivered)
+    async with PageClient(svc.control_address) as page:
+        await page.sign_in()
+        async with page.http.get(page.base + "/web/events") as resp:
+            stream = EventReader(resp)
+            shown = await stream.until("approval")  # the page shows every waiting approval of its scope
+            assert shown["id"] == terminal.delivered[0].id
+            await stream.until("ready")
+            terminal.answer(Choice.ALLOW, by="bob")
+            settled = await stream.until("settled")
+            assert settled["id"] == shown["id"] and "no longer waiting" in settled["text"]
+    status, _, _, _, writer = await task
+    writer.close()
+    assert status == 200 and decided(svc)[0]["channel"] == "terminal"
+
+
+async def test_behind_an_https_public_url_the_cookie_is_secure_and_the_origin_is_https(
+    page_egressd: Callable[..., Any],
+) -> None:
+    svc = await page_egressd(public_url="https://egressd.example.test/")
+    host = {"Host": "egressd.example.test"}
+    async with PageClient(svc.control_address) as page:
+        status, _, _ = await page.post("/web/signin", {"token": TOKEN}, headers=host)
+        assert status == 403  # the Origin a browser there sends is https://egressd.example.test
+        status, headers, _ = await page.post(
+            "/web/signin", {"token": TOKEN}, headers=host, origin="https://egressd.example.test"
+        )
+        assert status == 303
+        assert "secure" in {part.strip().lower() for part in headers["Set-Cookie"].split(";")}
 
 
 async def test_nobody_with_the_page_open_means_no_approver(
