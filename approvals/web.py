@@ -485,6 +485,10 @@ class WebChannel:
                 if scope.covers(approval.request.run_id):
                     await response.write(_frame("approval", approval_event(approval)))
                     shown.add(approval.id)
+            # The latest records again: one written between the page's first view and this stream is not lost
+            # (the page shows each record once, by its id).
+            for row in bound.recent(scope, TAIL_BACKLOG):
+                await response.write(_frame("egress", row))
             runs = bound.runs(scope)
             await response.write(_frame("runs", runs))
             await response.write(_frame("ready", {}))

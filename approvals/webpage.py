@@ -283,8 +283,8 @@ TAIL_FIELDS = ("ts", "run", "kind", "host", "port", "decision", "reason")
 
 
 def tail_row(record: Mapping[str, Any]) -> dict[str, Any]:
-    """An egress record as a row of the live tail (``ts`` as RFC 3339)."""
-    row = {name: record.get(name) for name in TAIL_FIELDS}
+    """An egress record as a row of the live tail (``ts`` as RFC 3339; ``id``, the record's, to show it once)."""
+    row = {name: record.get(name) for name in ("id", *TAIL_FIELDS)}
     ts = row["ts"]
     row["ts"] = rfc3339(ts) if isinstance(ts, int | float) else ts
     return row
@@ -366,7 +366,7 @@ def runs_html(runs: Sequence[Mapping[str, Any]]) -> str:
 
 def tail_html(rows: Sequence[Mapping[str, Any]]) -> str:
     return "".join(
-        f'<tr class="{esc(r.get("decision") or "")}">'
+        f'<tr class="{esc(r.get("decision") or "")}" data-id="{esc(r.get("id") or "")}">'
         + "".join(f'<td class="{name}">{esc("" if r.get(name) is None else r.get(name))}</td>' for name in TAIL_FIELDS)
         + "</tr>"
         for r in rows

@@ -115,7 +115,11 @@
   }
 
   function addEgress(r) {
+    // A stream starts with the latest records, some of which the page may show already.
+    const id = String(r.id || "");
+    if (id && Array.from(tail.rows).some(function (row) { return row.dataset.id === id; })) return;
     const row = el("tr", r.decision || "");
+    row.dataset.id = id;
     for (const name of FIELDS) row.appendChild(el("td", name, r[name] === null || r[name] === undefined ? "" : r[name]));
     row.hidden = !shows(row);
     tail.appendChild(row);
