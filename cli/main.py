@@ -69,7 +69,7 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
      {"action": "append", "metavar": "CIDR",
       "help": "let allowed names resolve into this private/special range (repeatable)"}),
     ("--approver", "approver",
-     {"action": "append", "choices": ["terminal", "slack", "webhook", "deny"],
+     {"action": "append", "choices": ["terminal", "slack", "webhook", "web", "deny"],
       "help": "who answers requests for unknown domains (repeatable)"}),
     ("--approval-timeout", "approval_timeout",
      {"type": float, "metavar": "SECONDS", "help": "how long a request is held for an answer (default 600)"}),

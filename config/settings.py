@@ -45,7 +45,7 @@ from pydantic_settings import (
 from egressd.names.addresses import unmapped
 from egressd.names.authority import AuthorityError, Colons, parse_authority
 
-Approver = Literal["terminal", "slack", "webhook", "deny"]
+Approver = Literal["terminal", "slack", "webhook", "web", "deny"]
 
 # Lists read from the environment are comma-separated (EGRESSD_ALLOW=a.com,b.org),
 # not JSON: NoDecode stops pydantic-settings from json-decoding them first.
@@ -207,7 +207,8 @@ class Settings(BaseSettings):
 
     # Approvals (the config file may also group these under an [approvals] table).
     approver: Annotated[list[Approver], NoDecode] = Field(
-        default_factory=list, description="who answers unknown domains: terminal, slack, webhook, deny (repeatable)"
+        default_factory=list,
+        description="who answers unknown domains: terminal, slack, webhook, web (approvals page), deny (repeatable)",
     )
     approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
     max_pending_approvals: int = Field(

@@ -562,6 +562,11 @@ class EgressService:
                 self._listening("control", bound_port)
                 shown = f"[{host}]" if ":" in host else host
                 self.control_address = f"http://{shown}:{bound_port}"
+                if "web" in s.approver:
+                    log.info(
+                        "approvals page: %s/web/ (sign in with the control token)",
+                        (s.public_url or self.control_address).rstrip("/"),
+                    )
         except OSError as exc:
             raise StartupError(f"bad setting control: cannot listen on {s.control}: {exc.strerror}") from None
 
