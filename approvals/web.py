@@ -70,10 +70,22 @@ from aiohttp import web
 from egressd.audit.records import rfc3339
 
 from .control import Scope
-from .interface import Answerer, AnswerResult, ChannelError, Choice, Notice, PendingApproval, Route, Settlement
+from .interface import (
+    Answerer,
+    AnswerResult,
+    ApprovalScope,
+    ChannelError,
+    Choice,
+    Notice,
+    PendingApproval,
+    Route,
+    Settlement,
+    parse_scope,
+)
 from .message import ABANDONED_TEXT, settled_text
 from .webpage import (
     COOKIE,
+    DECISIONS,
     MAX_NAME_CHARS,
     PREFIX,
     Session,
@@ -425,9 +437,11 @@ class WebChannel:
         if session is None or form is None or not self._origin_ok(request) or not self._csrf_ok(session, form):
             return self._html(403, "Refused", "An answer needs this page's session and its CSRF token.")
         approval_id = form.get("id", "")
-        choice = {"allow": Choice.ALLOW, "deny": Choice.DENY}.get(form.get("decision", ""))
-        if choice is None or not approval_id:
-            return self._html(400, "Bad answer", "An answer names an approval and allow or deny.")
+        decided = DECISIONS.get(form.get("decision", ""))
+        if decided is None or not approval_id:
+            return self._html(400, "Bad answer", "An answer names an approval and once, allow, always or deny.")
+        choice = Choice.ALLOW if decided[0] else Choice.DENY
+        scope = parse_scope(decided[1]) or ApprovalScope.RUN
         answerer = self._answerer
         if answerer is None:
             return self._html(503, "Not ready", "The approvals page is not started.")
@@ -439,8 +453,11 @@ class WebChannel:
             if approval_id not in runs:
                 session.flash = f"No pending approval {approval_id}."
                 return _redirect(f"{PREFIX}/")
-        answered = answerer.answer(approval_id, choice, channel=CHANNEL, by=session.name)
-        if answered.result is AnswerResult.ACCEPTED:
+        answered = answerer.answer(approval_id, choice, channel=CHANNEL, by=session.name, scope=scope)
+        if answered.result is AnswerResult.NOT_OFFERED:
+            why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
+            session.flash = f"Not answered: {scope.value} is not offered for {approval_id}{why}."
+        elif answered.result is AnswerResult.ACCEPTED:
             session.flash = f"{choice.value.capitalize()}ed {approval_id}."
             if answered.settlement is not None:
                 session.flash = f"Approval {approval_id}: {settled_text(answered.settlement)}."

@@ -275,7 +275,30 @@ def approval_event(approval: PendingApproval) -> dict[str, Any]:
         "lines": [[kind, text] for kind, text in approval.message.lines],
         "expires_at": approval.expires_at,
         "abandoned": approval.abandoned,
+        "scopes": [scope.value for scope in approval.scopes],
     }
+
+
+# The answer buttons, in order: the ``decision`` value each posts, and its label. An allow's
+# value is its scope (``allow`` is this run's); ``always`` is shown only when it is offered.
+ANSWERS: tuple[tuple[str, str], ...] = (
+    ("once", "Allow once"),
+    ("allow", "Allow for this run"),
+    ("always", "Allow always"),
+    ("deny", "Deny"),
+)
+# What each button's value asks for: (allow?, the scope it names).
+DECISIONS: dict[str, tuple[bool, str | None]] = {
+    "once": (True, "once"),
+    "allow": (True, "run"),
+    "always": (True, "always"),
+    "deny": (False, None),
+}
+
+
+def offered_answers(scopes: Sequence[str]) -> list[tuple[str, str]]:
+    """The buttons an approval offering ``scopes`` shows (Deny always)."""
+    return [(value, label) for value, label in ANSWERS if (DECISIONS[value][1] or "run") in scopes or value == "deny"]
 
 
 # The fields of an egress record the tail shows.
@@ -309,19 +332,21 @@ def countdown(seconds_left: float) -> str:
     return f"expires in {left // 60}:{left % 60:02d}"
 
 
-def answer_form(approval_id: str, csrf: str) -> str:
-    """The Allow and Deny buttons: one POST form, the CSRF token and the id hidden.
+def answer_form(approval_id: str, csrf: str, scopes: Sequence[str] = ("once", "run")) -> str:
+    """The answer buttons (``ANSWERS``, those ``scopes`` offers) in one POST form, with the CSRF token and the id.
 
-    A ``scope`` choice (once / run / always) belongs here, the one place,
-    as a field of this form (and of ``buildForm`` in app.js).
+    ``buildForm`` in app.js builds the same form for an approval that arrives live.
     """
+    buttons = "".join(
+        f'<button type="submit" name="decision" value="{value}" class="{"deny" if value == "deny" else "allow"}">'
+        f"{label}</button>"
+        for value, label in offered_answers(scopes)
+    )
     return (
         f'<form class="answer" method="post" action="{PREFIX}/answer">'
         f'<input type="hidden" name="csrf" value="{esc(csrf)}">'
         f'<input type="hidden" name="id" value="{esc(approval_id)}">'
-        '<button type="submit" name="decision" value="allow" class="allow">Allow</button>'
-        '<button type="submit" name="decision" value="deny" class="deny">Deny</button>'
-        "</form>"
+        f"{buttons}</form>"
     )
 
 
@@ -336,7 +361,7 @@ def approval_html(event: Mapping[str, Any], csrf: str, now: float) -> str:
         f'<div class="message">{lines}</div>'
         f'<p class="countdown" data-expires="{event["expires_at"]:.3f}">{countdown(event["expires_at"] - now)}</p>'
         f'<p class="state">{esc(state)}</p>'
-        f"{answer_form(str(event['id']), csrf)}"
+        f"{answer_form(str(event['id']), csrf, event.get('scopes', ('once', 'run')))}"
         "</li>"
     )
 

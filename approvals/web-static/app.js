@@ -44,14 +44,23 @@
   }
 
   // The Allow and Deny form; a scope choice belongs here too (as in webpage.answer_form).
-  function buildForm(id) {
+  // The answer buttons, as webpage.ANSWERS: the value each posts, its label, the scope it needs offered.
+  const ANSWERS = [
+    ["once", "Allow once", "once"],
+    ["allow", "Allow for this run", "run"],
+    ["always", "Allow always", "always"],
+    ["deny", "Deny", null],
+  ];
+
+  function buildForm(id, scopes) {
     const form = el("form", "answer");
     form.method = "post";
     form.action = "/web/answer";
     form.appendChild(hidden("csrf", csrf));
     form.appendChild(hidden("id", id));
-    for (const [value, label] of [["allow", "Allow"], ["deny", "Deny"]]) {
-      const button = el("button", value, label);
+    for (const [value, label, scope] of ANSWERS) {
+      if (scope !== null && !(scopes || ["once", "run"]).includes(scope)) continue;
+      const button = el("button", value === "deny" ? "deny" : "allow", label);
       button.type = "submit";
       button.name = "decision";
       button.value = value;
@@ -83,7 +92,7 @@
     countdown.dataset.expires = String(a.expires_at);
     li.appendChild(countdown);
     li.appendChild(el("p", "state", a.abandoned ? "The client gave up waiting; an answer still applies to the run." : ""));
-    li.appendChild(buildForm(a.id));
+    li.appendChild(buildForm(a.id, a.scopes));
     list.appendChild(li);
     updateNothing();
   }

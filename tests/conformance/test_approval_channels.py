@@ -63,6 +63,7 @@ from egressd.approvals.slack import ALLOW_ALWAYS_ACTION, SlackChannel
 from egressd.approvals.terminal import BOLD, CLEAR_LINE, RESET, SANE, WARN, TerminalChannel
 from egressd.approvals.web import ControlView, WebChannel
 from egressd.approvals.webhook import WebhookChannel
+from egressd.approvals.webpage import DECISIONS
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.control_client import ControlClient
 from egressd.config.allowfile import read_allow_file
@@ -646,8 +647,8 @@ class PageDriver(Driver):
         assert tags <= self.OWN_TAGS | {"ul"}, tags
         assert not [ch for ch in body if ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0], body
 
-    async def _post(self, page: PageClient, approval_id: str, choice: Choice) -> bool:
-        status, _, _ = await page.answer(approval_id, choice.value)
+    async def _post(self, page: PageClient, approval_id: str, choice: Choice | str) -> bool:
+        status, _, _ = await page.answer(approval_id, choice if isinstance(choice, str) else choice.value)
         if status != 303:
             assert status == 403, status
             return False
@@ -658,6 +659,18 @@ class PageDriver(Driver):
 
     async def answer(self, approval_id: str, choice: Choice) -> bool | None:
         return await self._post(self.page, approval_id, choice)
+
+    async def offered(self, approval_id: str) -> set[str]:
+        await self.shown(approval_id)
+        card = re.search(rf'<li class="approval" id="approval-{re.escape(approval_id)}".*?</li>', self.html, re.S)
+        assert card is not None
+        values = re.findall(r'<button type="submit" name="decision" value="([a-z]+)"', card.group(0))
+        return {scope for allows, scope in map(DECISIONS.__getitem__, values) if allows and scope}
+
+    async def answer_scoped(self, approval_id: str, scope: ApprovalScope) -> bool | None:
+        # The button's value, posted also when the page did not show that button (a hand-made form).
+        value = next(v for v, (allows, s) in DECISIONS.items() if allows and s == scope.value)
+        return await self._post(self.page, approval_id, value)
 
     async def withdrawn(self, approval_id: str) -> str:
         await wait_until(lambda: self._event("settled", approval_id) is not None)

@@ -587,7 +587,7 @@ async def test_the_page_in_chromium_shows_a_hostile_request_as_text_and_allows_i
     assert shown["countdown"].startswith("expires in ")
     assert await run(no_alert, browser)
 
-    await run(lambda: browser.find_element(By.CSS_SELECTOR, f"#approval-{approval_id} button.allow").click())
+    await run(lambda: browser.find_element(By.CSS_SELECTOR, f"#approval-{approval_id} button[value='allow']").click())
     status, _, _, reader, writer = await asyncio.wait_for(task, STEP_S)
     assert status == 200
     writer.write(b"ping")
