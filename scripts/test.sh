@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     need=()
-    # chromium and its driver: the approvals page in a real browser (tests/integration/approvals/test_web_browser.py).
+    # chromium and its driver: the approvals page in a real browser (tests/integration/approvals/test_web.py).
     for pkg_bin in bubblewrap:bwrap nftables:nft iproute2:ip curl:curl dnsutils:dig chromium:chromium chromium-driver:chromedriver; do
         command -v "${pkg_bin#*:}" >/dev/null || need+=("${pkg_bin%%:*}")
     done
