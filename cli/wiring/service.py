@@ -492,7 +492,7 @@ class EgressService:
             print(learn_notice(learned), file=sys.stderr, flush=True)
 
     async def _start_transparent(self, limits: ListenerLimits) -> None:
-        """The transparent SNI and Host listeners, the SOCKS5 listener and the DNS server, each when its setting is given."""
+        """The transparent SNI and Host listeners, the SOCKS5 listener and the DNS server, each when set."""
         s = self.settings
         assert self.gate is not None and self.runs is not None
         if s.transparent_tls is not None:
