@@ -254,7 +254,9 @@ async def _serve_request(
 def _bound(upstream: Peer) -> tuple[IPAddress | None, int]:
     """The upstream connection's local address and port (RFC 1928 §6 BND.ADDR, BND.PORT)."""
     name = upstream.transport.get_extra_info("sockname") if upstream.transport is not None else None
+    if not isinstance(name, tuple) or len(name) < 2:
+        return None, 0
     try:
         return ipaddress.ip_address(name[0]), int(name[1])
-    except (TypeError, ValueError, IndexError):
+    except (TypeError, ValueError):
         return None, 0
