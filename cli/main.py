@@ -121,6 +121,10 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--transparent-http", "transparent_http",
      {"metavar": "HOST:PORT",
       "help": "transparent HTTP listener: the Host header decides, destination port 80 (default: off)"}),
+    ("--socks", "socks",
+     {"metavar": "HOST:PORT",
+      "help": "SOCKS5 listener: CONNECT under the same policy, username/password a run's id and token "
+      "(default: off)"}),
     ("--audit-log", "audit_log",
      {"metavar": "PATH", "help": "audit log file (default ~/.local/state/egressd/audit.jsonl)"}),
     ("--audit-max-bytes", "audit_max_bytes",
@@ -234,7 +238,12 @@ async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable
     # so whoever waits for it has seen every listener's address.
     sandbox_facing = [
         f"{name} {server.address[0]}:{server.address[1]}"
-        for name, server in (("dns", service.dns), ("tls", service.transparent_tls), ("http", service.transparent_http))
+        for name, server in (
+            ("dns", service.dns),
+            ("tls", service.transparent_tls),
+            ("http", service.transparent_http),
+            ("socks", service.socks),
+        )
         if server is not None
     ]
     if sandbox_facing:

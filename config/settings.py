@@ -271,6 +271,9 @@ class Settings(BaseSettings):
     dns_strict: bool = Field(False, description="NXDOMAIN for names the run could never reach")
     transparent_tls: str | None = Field(None, description="SNI listener HOST:PORT (destination port 443)")
     transparent_http: str | None = Field(None, description="Host-header listener HOST:PORT (destination port 80)")
+    socks: str | None = Field(
+        None, description="SOCKS5 listener HOST:PORT (CONNECT; username/password: a run's id and token)"
+    )
 
     # Resolution.
     upstream_dns: str | None = Field(
@@ -327,7 +330,7 @@ class Settings(BaseSettings):
             return [part.strip() for v in value for part in v.split(",") if part.strip()]
         return value
 
-    @field_validator("listen", "dns_listen", "transparent_tls", "transparent_http")
+    @field_validator("listen", "dns_listen", "transparent_tls", "transparent_http", "socks")
     @classmethod
     def _check_hostport(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None:
