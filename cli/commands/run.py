@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from egressd.approvals.terminal import TerminalOutput
+from egressd.audit.log import STDOUT
 from egressd.audit.views import EgressSeen
 from egressd.config.settings import Settings, SettingsError
 from egressd.names.shown import logged
@@ -215,6 +216,11 @@ def check_private_files(args: argparse.Namespace, settings: Settings) -> None:
        control socket and token file (made in the temporary directory, with
        bubblewrap), and the token file ``--connect`` reads.
     """
+    if str(settings.audit_path) == STDOUT:
+        raise SettingsError(
+            "bad setting audit_log: - (standard output) is for egressd serve; run and agent print the command's "
+            "output there: name a file"
+        )
     files = [("audit_log", settings.audit_path, "audit log")]
     if getattr(args, "transcript", None):
         files.insert(0, ("transcript", Path(args.transcript), "transcript"))
