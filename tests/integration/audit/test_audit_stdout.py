@@ -160,3 +160,30 @@ def test_audit_and_run_refuse_dash_with_one_line(tmp_path: Path) -> None:
         assert result.stdout == ""
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and "bad setting audit_log: -" in lines[0], (argv, result.stderr)
+
+
+_SINK_SCRIPT = """
+import os, sys
+from egressd.audit.log import JsonlAuditSink
+sink = JsonlAuditSink("-", fsync=True, max_bytes=10, keep=1)  # a pipe: no fsync, never rotated
+print("a stray print", flush=True)
+os.write(1, b"a stray write to fd 1\\n")
+sink.write({"event": "one"})
+sink.reopen()  # nothing to reopen
+sink.write({"event": "two"})
+os.system("echo a child output")
+sink.close()
+"""
+
+
+def test_the_sink_owns_stdout_and_everything_else_goes_to_stderr(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", _SINK_SCRIPT], capture_output=True, timeout=60, cwd=tmp_path, env=_env(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines(keepends=True)
+    assert [json.loads(line)["event"] for line in lines] == ["one", "two"]
+    assert json.loads(lines[1])["prev"] == hashlib.sha256(lines[0]).hexdigest()
+    for stray in (b"a stray print", b"a stray write to fd 1", b"a child output"):
+        assert stray in result.stderr
+    assert list(tmp_path.iterdir()) == []  # no file named "-" made, nothing rotated
