@@ -277,9 +277,7 @@ class Settings(BaseSettings):
     )
 
     # Audit.
-    audit_log: Path | None = Field(
-        None, description="JSON Lines file; default: STATE_DIR/audit.jsonl; `-`: standard output (serve only)"
-    )
+    audit_log: Path | None = Field(None, description="JSON Lines file; default: STATE_DIR/audit.jsonl")
     audit_fsync: bool = Field(False, description="fsync after every record (slower, survives power loss)")
     # Off by default: the log is evidence, and egressd deletes none of it unless told to. Operators who
     # rotate with logrotate keep this off and send SIGUSR1 after the move (rotating twice would drop files).
