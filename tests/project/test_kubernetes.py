@@ -270,7 +270,8 @@ def netns() -> Iterator[str]:
     require(os.geteuid() == 0, "the fence tests need root (a network namespace of their own, nftables)")
     for tool in ("ip", "nft"):
         require(shutil.which(tool) is not None, f"{tool} is not installed")
-    name = f"egd-kube{uuid.uuid4().hex[:8]}"
+    # Not egd-*: that prefix is the sandbox's, whose leftover cleaning (in any egressd run) removes such namespaces.
+    name = f"kubefence-{uuid.uuid4().hex[:8]}"
     subprocess.run(["ip", "netns", "add", name], check=True, timeout=30)
     try:
         yield name
@@ -412,5 +413,6 @@ def test_the_fence_redirects_the_agent_to_egressd_and_drops_everything_else(netn
     assert cases["egressd_loopback_443"] == {"result": "connected", "landed": "elsewhere"}
     assert cases["egressd_control"] == {"result": "connected", "landed": "control"}
     # Not one packet left by the namespace's other interface.
-    sent = _in(netns, "cat", "/sys/class/net/outside/statistics/tx_packets")
-    assert sent.stdout.strip() == "0", sent.stdout
+    shown = _in(netns, "ip", "-s", "-j", "link", "show", "outside")
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)[0]["stats64"]["tx"]["packets"] == 0, shown.stdout
