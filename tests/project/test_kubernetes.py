@@ -24,6 +24,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from collections.abc import Iterator
@@ -35,7 +36,7 @@ import yaml
 
 from egressd.config.settings import Settings, read_config_file
 from tests import REPO
-from tests.harness import require
+from tests.harness import require, wait_serve_ports
 
 DEPLOY = REPO / "deploy" / "kubernetes"
 # The Kubernetes schema the manifests are validated against, from those kubernetes-validate
@@ -415,4 +416,116 @@ def test_the_fence_redirects_the_agent_to_egressd_and_drops_everything_else(netn
     # Not one packet left by the namespace's other interface.
     shown = _in(netns, "ip", "-s", "-j", "link", "show", "outside")
     assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)[0]["stats64"]["tx"]["packets"] == 0, shown.stdout
+
+
+# The pod's network, whole: the fence, and egressd run with the ConfigMap's own settings as
+# its uid, in one namespace; the agent's uid tries its ways out. Nothing is allowlisted for it
+# here, so every attempt must end at egressd, refused, and be on egressd's stdout.
+_AGENT = textwrap.dedent(
+    """
+    import json, socket, struct
+
+    def dns(name):
+        query = struct.pack(">HHHHHH", 0x1234, 0x0100, 1, 0, 0, 0)
+        query += b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\\0" + struct.pack(">HH", 1, 1)
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        s.settimeout(5)
+        s.sendto(query, ("192.0.2.53", 53))
+        reply, peer = s.recvfrom(512)
+        return {"peer": f"{peer[0]}:{peer[1]}", "answer": socket.inet_ntoa(reply[-4:])}
+
+    def http(host, port, request):
+        try:
+            s = socket.create_connection((host, port), timeout=5)
+            s.sendall(request)
+            return s.recv(4096).decode(errors="replace")
+        except OSError as exc:
+            return f"error {exc.errno}"
+
+    CONNECT = b"CONNECT blocked.example:443 HTTP/1.1\\r\\nHost: blocked.example:443\\r\\n\\r\\n"
+    print(json.dumps({
+        "dns": dns("blocked.example"),
+        "transparent_http": http("192.0.2.80", 80, b"GET / HTTP/1.1\\r\\nHost: blocked.example\\r\\n\\r\\n"),
+        "proxy": http("127.0.0.1", 3128, CONNECT),
+        "control": http("127.0.0.1", 3129, b"GET /health HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\n\\r\\n"),
+    }))
+    """
+)
+
+
+def test_the_pod_network_with_egressd_as_configured_refuses_and_records(netns: str) -> None:
+    require(shutil.which("setpriv") is not None, "setpriv is not installed (util-linux)")
+    egressd = BIN / "egressd"
+    runs = subprocess.run(
+        ["setpriv", f"--reuid={EGRESSD_UID}", f"--regid={EGRESSD_UID}", "--clear-groups", str(egressd), "--help"],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    require(runs.returncode == 0, f"uid {EGRESSD_UID} cannot run {egressd} from this checkout")
+    for argv in (
+        ["sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"],
+        ["ip", "link", "set", "lo", "up"],
+        ["ip", "link", "add", "outside", "type", "veth", "peer", "name", "outside-peer"],
+        ["ip", "addr", "add", "192.0.2.1/24", "dev", "outside"],
+        ["ip", "link", "set", "outside", "up"],
+        ["ip", "link", "set", "outside-peer", "up"],
+    ):
+        done = _in(netns, *argv)
+        assert done.returncode == 0, (argv, done.stderr)
+    applied = _in(netns, "nft", "-f", "-", stdin=_fence())
+    assert applied.returncode == 0, applied.stderr
+    # egressd's files, as the pod has them: readable by its uid (pytest's tmp_path is not).
+    home = Path(tempfile.mkdtemp(prefix="egressd-kube-"))
+    try:
+        home.chmod(0o755)
+        token = home / "control_token"
+        token.write_text("t" * 64)
+        token.chmod(0o400)
+        os.chown(token, EGRESSD_UID, EGRESSD_UID)
+        config = home / "egressd.toml"
+        config.write_text(
+            _load("configmap.yaml")["data"]["egressd.toml"].replace("/run/secrets/egressd/control_token", str(token))
+        )
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(home),
+            "XDG_STATE_HOME": str(home / "state"),
+        }
+        serve = subprocess.Popen(
+            ["ip", "netns", "exec", netns, "setpriv", f"--reuid={EGRESSD_UID}", f"--regid={EGRESSD_UID}",
+             "--clear-groups", str(egressd), "serve", "--config", str(config), "--audit-log", "-"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        )  # fmt: skip
+        try:
+            ports = wait_serve_ports(serve)
+            assert ports["proxy"] == 3128 and ports["tls"] == 10443 and ports["dns"] == 10053
+            agent = subprocess.run(
+                ["ip", "netns", "exec", netns, "setpriv", "--reuid=1000", "--regid=1000", "--clear-groups",
+                 sys.executable, "-I", "-c", _AGENT],
+                capture_output=True, text=True, timeout=60, env=env,
+            )  # fmt: skip
+            assert agent.returncode == 0, agent.stderr
+            seen = json.loads(agent.stdout)
+        finally:
+            serve.terminate()
+            out, err = serve.communicate(timeout=30)
+    finally:
+        shutil.rmtree(home)
+    # DNS to any server is egressd's: every name answered with 127.0.0.1, from where it was asked.
+    assert seen["dns"] == {"peer": "192.0.2.53:53", "answer": "127.0.0.1"}
+    # Port 80 to anywhere lands on the transparent listener: refused, no one to ask.
+    assert seen["transparent_http"].startswith("HTTP/1.1 403"), seen
+    assert "X-Egress-Reason: no_approver" in seen["transparent_http"]
+    assert seen["proxy"].startswith("HTTP/1.1 403") and "X-Egress-Reason: no_approver" in seen["proxy"]
+    # The control API is egressd's alone.
+    assert seen["control"].startswith("error"), seen
+    records = [json.loads(line) for line in out.splitlines()]  # stdout: records and nothing else
+    egress = [(r["kind"], r["host"], r["decision"]) for r in records if r.get("event") == "egress"]
+    assert sorted(egress) == [
+        ("connect", "blocked.example", "deny"),
+        ("dns", "blocked.example", "allow"),  # answered with egressd's address
+        ("http", "blocked.example", "deny"),
+    ], (egress, err.decode(errors="replace"))
+    assert b"DENY  http blocked.example:80" in err  # the log lines went to stderr
+    shown = _in(netns, "ip", "-s", "-j", "link", "show", "outside")
     assert json.loads(shown.stdout)[0]["stats64"]["tx"]["packets"] == 0, shown.stdout
