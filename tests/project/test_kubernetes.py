@@ -13,6 +13,10 @@
    fresh network namespace and attacked from the agent's uid: redirected
    where it must be, refused everywhere else, and not one packet out of the
    namespace's only other interface.
+5. The pod's network whole: the fence and ``egressd serve`` with the
+   ConfigMap's settings, as egressd's uid, in one namespace; the agent's
+   uid asks DNS anywhere, dials port 80 anywhere, the proxy and the control
+   API: answered by egressd, refused, recorded on its stdout.
 """
 
 from __future__ import annotations
