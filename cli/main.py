@@ -126,7 +126,8 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
       "help": "SOCKS5 listener: CONNECT under the same policy, username/password a run's id and token "
       "(default: off)"}),
     ("--audit-log", "audit_log",
-     {"metavar": "PATH", "help": "audit log file (default ~/.local/state/egressd/audit.jsonl)"}),
+     {"metavar": "PATH",
+      "help": "audit log file (default ~/.local/state/egressd/audit.jsonl); - : standard output (serve only)"}),
     ("--audit-max-bytes", "audit_max_bytes",
      {"type": int, "metavar": "N",
       "help": "rotate the audit log before it would pass N bytes (default 0: never; SIGUSR1 reopens it)"}),
@@ -252,7 +253,8 @@ async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable
     host, port = service.proxy_address
     logging.getLogger("egressd").info(
         "serving: proxy %s:%d, control %s, audit log %s, %s%s",
-        host, port, service.control_address, settings.audit_path,
+        host, port, service.control_address,
+        "standard output" if str(settings.audit_path) == "-" else settings.audit_path,
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
         " (LEARN MODE: not enforced; deny entries, IP literals and private addresses are)" if settings.learn else "",
     )
