@@ -70,7 +70,8 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
       "help": "let allowed names resolve into this private/special range (repeatable)"}),
     ("--approver", "approver",
      {"action": "append", "choices": ["terminal", "slack", "webhook", "web", "deny"],
-      "help": "who answers requests for unknown domains (repeatable)"}),
+      "help": "who answers requests for unknown domains (repeatable; default: the terminal when a person "
+      "is at it, and for serve its approvals page too; none otherwise)"}),
     ("--approval-timeout", "approval_timeout",
      {"type": float, "metavar": "SECONDS", "help": "how long a request is held for an answer (default 600)"}),
     ("--max-pending-approvals", "max_pending_approvals",
@@ -200,6 +201,36 @@ def _settings_and_reader(args: argparse.Namespace) -> tuple[Settings, Callable[[
     return settings, read_again
 
 
+def person_at_terminal() -> bool:
+    """A person is at egressd's terminal: stdin and stderr are a terminal, and ours (``/dev/tty`` opens).
+
+    stderr too, so a program that starts egressd with its stderr in a file
+    or a pipe (a test, a service) is not taken for a person.
+    """
+    if not (sys.stdin is not None and sys.stdin.isatty() and sys.stderr is not None and sys.stderr.isatty()):
+        return False
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def default_approvers(settings: Settings, *, serve: bool, at_terminal: bool) -> Settings:
+    """DESIGN.md: with no ``--approver``, ask at the terminal when a person is at one, and nobody otherwise.
+
+    ``serve`` also offers its approvals page there (``web``), unless its
+    control API is a unix socket, which no browser reaches. A sidecar, with
+    no terminal, keeps refusing new domains as ``no_approver``.
+    """
+    if settings.approver or not at_terminal:
+        return settings
+    web = serve and settings.control is not None and not settings.control.startswith("unix:")
+    chosen: list[str] = ["terminal", "web"] if web else ["terminal"]
+    return settings.model_copy(update={"approver": chosen})
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper()),
@@ -286,7 +317,13 @@ def raise_open_file_limit() -> tuple[int, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings, read = _settings_and_reader(args)
+    settings, read_given = _settings_and_reader(args)
+    at_terminal = person_at_terminal()
+    settings = default_approvers(settings, serve=True, at_terminal=at_terminal)
+
+    def read() -> Settings:  # a reload keeps the start's choice of default approvers
+        return default_approvers(read_given(), serve=True, at_terminal=at_terminal)
+
     _setup_logging(settings.log_level)
     open_files = raise_open_file_limit()
     return run_async(lambda: _serve(settings, open_files, read))
@@ -318,7 +355,7 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
 
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
-    settings = _settings(args)
+    settings = default_approvers(_settings(args), serve=False, at_terminal=person_at_terminal())
     _setup_logging(settings.log_level if args.log_level else "warning")
     return cmd_run(args, settings)
 
@@ -338,7 +375,7 @@ def cmd_approvals(args: argparse.Namespace) -> int:
 def cmd_agent_run(args: argparse.Namespace) -> int:
     from .commands.agent import cmd_agent
 
-    settings = _settings(args)
+    settings = default_approvers(_settings(args), serve=False, at_terminal=person_at_terminal())
     _setup_logging(settings.log_level if args.log_level else "warning")
     return cmd_agent(args, settings)
 
