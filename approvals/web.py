@@ -74,7 +74,7 @@ from .interface import (
     Answerer,
     AnswerResult,
     ApprovalScope,
-    ChannelError,
+    ChannelUnavailable,
     Choice,
     Notice,
     PendingApproval,
@@ -227,7 +227,7 @@ class WebChannel:
 
     async def deliver(self, approval: PendingApproval) -> None:
         if self._closed or not self.attached_for(approval.request.run_id):
-            raise ChannelError("nobody who may answer has the approvals page open")
+            raise ChannelUnavailable("nobody who may answer has the approvals page open")
         self._publish("approval", approval_event(approval), approval.request.run_id)
 
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:

@@ -28,6 +28,7 @@ from egressd.approvals.interface import Channel, Choice
 from egressd.approvals.web import CSP, WebChannel
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.service import EgressService
+from egressd.config.allowfile import read_allow_file
 from egressd.config.settings import load_settings
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes.dns import FakeDns
@@ -62,12 +63,13 @@ async def page_egressd(make_egressd: MakeEgressd) -> AsyncIterator[Callable[...,
         timeout_s: float = 30.0,
         public_url: str | None = None,
         others: Sequence[Channel] = (),
+        allow_file: Path | None = None,
         **values: Any,
     ) -> EgressService:
         sink = MemoryAuditSink()
         clock = Clock()
         channel = WebChannel(clock=clock, presence_grace_s=grace_s, keepalive_s=0.2, public_url=public_url)
-        broker = ApprovalBroker([channel, *others], audit=sink, timeout_s=timeout_s)
+        broker = ApprovalBroker([channel, *others], audit=sink, timeout_s=timeout_s, allow_file=allow_file)
         await broker.start()
         brokers.append(broker)
         svc = await make_egressd(approver=broker, audit=sink, **values)
@@ -606,3 +608,43 @@ async def test_the_page_in_chromium_shows_a_hostile_request_as_text_and_allows_i
     )
     await run(browser.save_screenshot, str(out / "web-03-allowed.png"))
     assert await run(no_alert, browser)
+
+
+async def test_the_page_offers_every_scope_with_an_allow_file_and_always_appends_to_it(
+    browser: Any, page_egressd: Callable[..., Any], echo_origin: Listener, tmp_path: Path
+) -> None:
+    """A plain request, as README's screenshot shows it (docs/images/approvals-page.png comes from here)."""
+    from selenium.webdriver.common.by import By
+
+    allow_file = tmp_path / "allow.toml"
+    svc = await page_egressd(allow_file=allow_file)
+    run_ = svc.default_run
+    assert run_ is not None
+    run_.command = "pip install -r requirements.txt"
+    run_.task = "Package the report tool and run its tests"
+    base = svc.control_address
+    await run(browser.get, base + "/web/")
+    await run(lambda: browser.find_element(By.NAME, "token").send_keys(TOKEN))
+    await run(lambda: browser.find_element(By.NAME, "name").send_keys("alice"))
+    await run(lambda: browser.find_element(By.CSS_SELECTOR, "form button[type=submit]").click())
+    await until(browser, "document.getElementById('status').textContent === 'Live updates: on'")
+
+    task = await held(svc, f"origin.test:{echo_origin.port}")
+    approval_id = svc.gate.approver.pending()[0].id  # type: ignore[union-attr]
+    await until(browser, f"document.getElementById('approval-{approval_id}')")
+    labels = await run(
+        browser.execute_script,
+        f"return Array.from(document.querySelectorAll('#approval-{approval_id} button')).map(b => b.textContent);",
+    )
+    assert labels == ["Allow once", "Allow for this run", "Allow always", "Deny"]
+    await run(browser.save_screenshot, str(artifacts() / "web-approvals-page.png"))
+
+    await run(lambda: browser.find_element(By.CSS_SELECTOR, f"#approval-{approval_id} button[value='always']").click())
+    status, _, _, _, writer = await asyncio.wait_for(task, STEP_S)
+    assert status == 200
+    writer.close()
+    await wait_until(lambda: decided(svc))
+    [record] = decided(svc)
+    assert (record["channel"], record["scope"], record["entry"]) == ("web", "always", f"origin.test:{echo_origin.port}")
+    [kept] = read_allow_file(allow_file).approved
+    assert (kept.entry, kept.by, kept.channel) == (f"origin.test:{echo_origin.port}", "alice", "web")
