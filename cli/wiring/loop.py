@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -20,6 +21,12 @@ def run_async(main: Callable[[], Coroutine[Any, Any, int]]) -> int:
     try:
         import uvloop
     except ImportError:
+        print(
+            "egressd: uvloop is not installed (pip install 'egressd[speed]'); running on asyncio's own loop, "
+            "which sets up connections more slowly",
+            file=sys.stderr,
+            flush=True,
+        )
         return asyncio.run(main())
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main())
