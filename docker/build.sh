@@ -101,8 +101,10 @@ wheelhouse() {  # prints the directory
     deps=$("${PIP[0]}" - <<'EOF'
 import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-print(" ".join(project["dependencies"] + project["optional-dependencies"]["speed"]
-               + ["setuptools>=68", "wheel"]))
+# The images are Linux: every environment marker (uvloop's) holds there, so it is dropped
+# and the requirement kept whole (a marker's spaces would split it in the shell).
+wanted = project["dependencies"] + project["optional-dependencies"]["speed"] + ["setuptools>=68", "wheel"]
+print(" ".join(sorted({req.split(";")[0].replace(" ", "") for req in wanted})))
 EOF
 )
     key=$(echo "wheels 1 $IMAGE_PYTHON [$WHEEL_PLATFORMS] [$deps]" | digest)
