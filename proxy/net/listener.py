@@ -28,11 +28,12 @@ import asyncio
 import contextlib
 
 from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mode, Reads
+from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run, RunRegistry
 from egressd.proxy.net.gate import Attempt, Gate, Seen
 from egressd.proxy.net.server import serve_http
 from egressd.proxy.net.socks import serve_socks
-from egressd.proxy.net.stream import Peer
+from egressd.proxy.net.stream import Peer, PeerClosed
 from egressd.proxy.net.transparent import serve_tls
 from egressd.proxy.net.tunnel import ClientCheck, Tunnel
 
@@ -184,6 +185,32 @@ class Held:
         )
         self.listener._tunnels.add(tunnel)  # the listener's close() ends it (same module: no call per tunnel)
         tunnel.start()
+
+    async def refuse(self, reason: Reason, detail: str | None, answer: bytes | None) -> None:
+        """Refuse what the connection holds: its attempt denied, ``answer`` sent (if any), a ``Seen`` recorded.
+
+        For the modes that read no request head (TLS, SOCKS): an attempt the
+        gate has is recorded at ``release``, as ever; one only seen is
+        recorded here, once the answer is out.
+        """
+        current = self.attempt
+        if isinstance(current, Attempt):
+            current.refuse(reason, detail)
+        if answer:
+            with contextlib.suppress(PeerClosed):
+                await self.client.send(answer)
+        if isinstance(current, Seen):
+            self.attempt = None
+            self.listener.gate.refuse(current, reason, detail)
+
+    def failed(self) -> None:
+        """The connection's coroutine failed (a bug, logged by it): what it held is a ``bad_request``."""
+        current = self.attempt
+        if isinstance(current, Seen):
+            self.attempt = None
+            self.listener.gate.refuse(current, Reason.BAD_REQUEST)
+        elif isinstance(current, Attempt) and not current.decided:
+            current.refuse(Reason.BAD_REQUEST)
 
     def _tunnel_ended(self, tunnel: Tunnel) -> None:
         """Everything the spliced connection's coroutine would have done when it finished."""

@@ -56,7 +56,7 @@ from egressd.proxy.core.socks5 import (
     parse_request,
     reply,
 )
-from egressd.proxy.net.gate import Attempt, DialError, Seen
+from egressd.proxy.net.gate import DialError, Seen
 from egressd.proxy.net.server import SniCheck
 from egressd.proxy.net.stream import Peer, PeerClosed
 
@@ -118,30 +118,14 @@ async def serve_socks(listener: Listener, client: Peer) -> None:
             return
         await _serve_request(listener, held, source, *handshake)
     except _Refused as refused:
-        refusal = refused.refusal
-        current = held.attempt
-        if isinstance(current, Attempt):
-            current.refuse(refusal.reason, refusal.detail)
-        if refused.answer is not None:
-            try:
-                await client.send(refused.answer)
-            except PeerClosed:
-                pass
-        if isinstance(current, Seen):
-            held.attempt = None
-            gate.refuse(current, refusal.reason, refusal.detail)
+        await held.refuse(refused.refusal.reason, refused.refusal.detail, refused.answer)
     except PeerClosed:
         pass
     except asyncio.CancelledError:
         raise
     except Exception:
         log.exception("SOCKS connection %s failed (request %s)", seen.client, seen.id)
-        current = held.attempt
-        if isinstance(current, Seen):
-            held.attempt = None
-            gate.refuse(current, Reason.BAD_REQUEST)
-        elif isinstance(current, Attempt) and not current.decided:
-            current.refuse(Reason.BAD_REQUEST)
+        held.failed()
     finally:
         held.release()
 

@@ -51,7 +51,7 @@ from egressd.proxy.core.modes import (
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.responses import tls_refusal
 from egressd.proxy.core.runs import NOT_WAITING, source_address
-from egressd.proxy.net.gate import Attempt, DialError, Seen
+from egressd.proxy.net.gate import DialError, Seen
 from egressd.proxy.net.server import SniCheck
 from egressd.proxy.net.stream import Peer, PeerClosed
 
@@ -98,29 +98,15 @@ async def serve_tls(listener: Listener, client: Peer) -> None:
         await _serve_hello(listener, held, seen, hello, source)
     except _Refused as refused:
         refusal = refused.refusal
-        current = held.attempt
-        if isinstance(current, Attempt):
-            current.refuse(refusal.reason, refusal.detail)
-        if not refusal.silent:
-            try:
-                await client.send(tls_refusal(refusal.reason, refusal.alert))
-            except PeerClosed:
-                pass
-        if isinstance(current, Seen):
-            held.attempt = None
-            gate.refuse(current, refusal.reason, refusal.detail)
+        answer = None if refusal.silent else tls_refusal(refusal.reason, refusal.alert)
+        await held.refuse(refusal.reason, refusal.detail, answer)
     except PeerClosed:
         pass
     except asyncio.CancelledError:
         raise
     except Exception:
         log.exception("TLS connection %s failed (request %s)", seen.client, seen.id)
-        current = held.attempt
-        if isinstance(current, Seen):
-            held.attempt = None
-            gate.refuse(current, Reason.BAD_REQUEST)
-        elif isinstance(current, Attempt) and not current.decided:
-            current.refuse(Reason.BAD_REQUEST)
+        held.failed()
     finally:
         held.release()
 
