@@ -168,7 +168,7 @@ start_egressd() {
     line=$(grep ' serving: ' "$DIR/$name.err")
     PROXY=$(sed -n 's/.* serving: proxy \([0-9.]*:[0-9]*\),.*/\1/p' <<<"$line")
     CONTROL=$(sed -n 's/.*, control http:\/\/\([0-9.]*:[0-9]*\),.*/\1/p' <<<"$line")
-    [ -n "$PROXY" ] && [ -n "$CONTROL" ] || fail "cannot read the ports from: $line"
+    if [ -z "$PROXY" ] || [ -z "$CONTROL" ]; then fail "cannot read the ports from: $line"; fi
     say "egressd (pid $EGRESSD_PID) says:"
     grep -E ' serving: |LEARN MODE' "$DIR/$name.err" | indent
 }
