@@ -19,8 +19,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from egressd.config.allowfile import read_allow_file
+from egressd.proxy.core.policy import parse_entry
 from tests import REPO
 from tests.harness import require
+from tests.project.test_readme import _command_lines, _fenced_blocks, _flags_given, _help, _links
 
 EGRESSD = Path(sys.executable).with_name("egressd")
 SCRIPT = REPO / "examples" / "learn-then-lock.sh"
@@ -133,3 +136,28 @@ def test_learn_then_lock_fails_loudly_when_egressd_is_missing(tmp_path: Path) ->
     )
     assert proc.returncode == 1
     assert proc.stderr.startswith("learn-then-lock.sh: FAILED: no egressd at ")
+
+
+PROSE = REPO / "examples" / "learn-then-lock.md"
+
+
+def test_the_prose_walkthrough_gives_real_flags_links_and_allow_files(tmp_path: Path) -> None:
+    text = PROSE.read_text()
+    given = [flag for line in _command_lines(text) for flag in _flags_given(line)]
+    assert len(given) >= 6, given  # the parsing found the commands at all
+    unknown = [f"egressd {c} {f}" for c, f in given if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", _help(c))]
+    assert not unknown, unknown
+    links = _links(PROSE)
+    assert "learn-then-lock.sh" in links
+    assert [t for t in links if not t.startswith("https://") and not (PROSE.parent / t.split("#")[0]).exists()] == []
+    blocks = _fenced_blocks(text, ("toml",))
+    assert len(blocks) == 3
+    for i, block in enumerate(blocks):
+        path = tmp_path / f"allow{i}.toml"
+        path.write_text(block)
+        allow_file = read_allow_file(path)
+        for entry in (*allow_file.allowed, *allow_file.deny):
+            parse_entry(entry)
+    # The records each step writes are named, with the fields the audit log documents.
+    for words in ('"learned": "not_allowlisted"', "`approval.decided`", '`"scope": "always"`', "`policy.reloaded`"):
+        assert words in text, words
