@@ -287,7 +287,8 @@ async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable
         host, port, service.control_address,
         "standard output" if str(settings.audit_path) == "-" else settings.audit_path,
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
-        " (LEARN MODE: not enforced; deny entries, IP literals and private addresses are)" if settings.learn else "",
+        " (LEARN MODE: the allowlist is not enforced; deny entries, IP literals and private addresses still are)"
+        if settings.learn else "",
     )
     try:
         await stop.wait()

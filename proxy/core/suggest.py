@@ -257,8 +257,8 @@ def render(suggestion: Suggestion) -> str:
     """The suggestion as TOML for ``--allow-file``: a header comment, ``allow = [...]``, closing comments."""
     s = suggestion
     where = f" (started {s.started})" if s.started else ""
-    learned = f", {s.learned} attempts let through by learn mode" if s.learned else ""
-    lines = [f"# egressd audit suggest: {s.hosts} hosts from run {_shown(s.run or '-')}{where}{learned}"]
+    learned = f", {_count(s.learned, 'attempt')} let through by learn mode" if s.learned else ""
+    lines = [f"# egressd audit suggest: {_count(s.hosts, 'host')} from run {_shown(s.run or '-')}{where}{learned}"]
     if not s.entries:
         lines.append("allow = []")
     else:
@@ -272,3 +272,7 @@ def render(suggestion: Suggestion) -> str:
     if s.refused:
         lines.append("# refused, not suggested: " + ", ".join(f"{_shown(h)} ({_shown(r)})" for h, r in s.refused))
     return "\n".join(lines) + "\n"
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
