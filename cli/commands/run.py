@@ -129,8 +129,9 @@ def refusal_line(seen: EgressSeen) -> str | None:
         if seen.learned is None:
             return None
         return f"egressd: learned {target}{kind} (let through by --learn: {reason_message(seen.learned)})\n"
-    reason = seen.reason or ""
-    return f"egressd: blocked {target}{kind} ({reason_message(reason)})\n"
+    if not seen.is_refusal or seen.reason is None:
+        return None  # answered as designed (a query type egressd does not answer): the audit log has it
+    return f"egressd: blocked {target}{kind} ({reason_message(seen.reason)})\n"
 
 
 def _on_tty(stream: TextIO | None) -> bool:

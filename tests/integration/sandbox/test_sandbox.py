@@ -154,6 +154,27 @@ async def test_allowed_origin_is_reached_through_egressd_with_curl_and_python(tm
     await assert_no_leftovers()
 
 
+async def test_name_lookups_of_an_allowed_host_print_nothing_and_every_deny_has_a_reason(
+    tmp_path, dns, http_origin
+) -> None:
+    # Issue 16: every lookup printed "egressd: blocked NAME (dns) ()" (its AAAA query, a deny without a reason).
+    script = textwrap.dedent(f"""
+        set -e
+        python3 -c "import socket; print(len(socket.getaddrinfo('origin.test', 80)))"
+        curl -sS -m 10 http://origin.test:{http_origin.port}/ >/dev/null
+        echo done
+    """)
+    code, out, err = await egressd_run(tmp_path, dns, "--allow", "origin.test:*", "--", "sh", "-c", script)
+    assert code == 0 and "done" in out, err
+    assert "blocked" not in err, err
+    records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    lookups = [r for r in records if r.get("event") == "egress" and r.get("kind") == "dns" and r["host"]]
+    assert {r["qtype"] for r in lookups} >= {"A", "AAAA"}
+    assert all(r["decision"] == "allow" for r in lookups if r["qtype"] in ("A", "AAAA")), lookups
+    assert all(r["reason"] for r in records if r.get("decision") == "deny"), records
+    await assert_no_leftovers()
+
+
 async def test_unknown_domain_is_blocked_and_reported_on_stderr(tmp_path, dns, leak) -> None:
     code, out, err = await egressd_run(
         tmp_path, dns, "--allow", "origin.test", "--", "sh", "-c", "curl -fsS -m 5 http://leak.test/; echo curl=$?"
