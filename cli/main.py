@@ -152,14 +152,25 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+# Where egressd listens and who may use it: ``serve``'s to choose. ``run`` and
+# ``agent`` fix them for their sandbox (a private socket, the run's own
+# addresses, credentials required), so they do not offer these flags.
+_SERVICE_ONLY = frozenset(
+    {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "require_auth"}
+)
+
+
+def _add_common(parser: argparse.ArgumentParser, *, service: bool = True) -> None:
+    """The settings' flags; ``service=False`` (``run``, ``agent``) leaves out ``_SERVICE_ONLY``."""
     parser.add_argument("--config", metavar="FILE", help="TOML config file (also EGRESSD_CONFIG)")
     for flag, dest, kwargs in _COMMON:
-        parser.add_argument(flag, dest=dest, default=None, **kwargs)
+        if service or dest not in _SERVICE_ONLY:
+            parser.add_argument(flag, dest=dest, default=None, **kwargs)
     parser.add_argument("--no-ask", dest="ask", action="store_const", const=False, default=None,
                         help="refuse unknown domains without asking anyone (not_allowlisted)")
-    parser.add_argument("--require-auth", dest="require_auth", action="store_const", const=True, default=None,
-                        help="no default run: every client needs run credentials")
+    if service:
+        parser.add_argument("--require-auth", dest="require_auth", action="store_const", const=True, default=None,
+                            help="no default run: every client needs run credentials")
     parser.add_argument("--learn", dest="learn", action="store_const", const=True, default=None,
                         help="learn mode, for building an allowlist: nothing is held or refused for not being "
                         "allowlisted; each such attempt goes out and is recorded with \"learned\" (deny entries, "
@@ -406,8 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run COMMAND in a fresh bubblewrap sandbox in its own network namespace, pinned to an "
         "embedded egressd; exit with the command's status (124 timeout, 137 memory, 125 no sandbox).",
         usage="egressd run [options] -- COMMAND [ARG ...]",
+        allow_abbrev=False,  # --control is not --control-token, --dns-answer not --dns-answer6
     )
-    _add_common(run)
+    _add_common(run, service=False)
     add_run_arguments(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
     run.set_defaults(func=cmd_run_sandbox)
@@ -418,8 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Drive a model (OpenAI-compatible, Anthropic, or a script) whose every shell command runs in a "
         "sandbox pinned to an embedded egressd; print progress on stderr and the final answer on stdout "
         "(exit 0 final answer, 1 step cap, 124 two timeouts in a row, 3 model failure, 125 no sandbox).",
+        allow_abbrev=False,
     )
-    _add_common(agent)
+    _add_common(agent, service=False)
     add_agent_arguments(agent)
     agent.set_defaults(func=cmd_agent_run)
 
@@ -480,7 +493,7 @@ def _add_approval_commands(sub: Any) -> None:
 
 
 def _audit_settings_fields(args: argparse.Namespace) -> None:
-    # `audit` shares only --config/--audit-log with the common options.
+    # `audit` shares only --config/--audit-log with the common options; `run` and `agent` lack _SERVICE_ONLY.
     for _, dest, _ in _COMMON:
         if not hasattr(args, dest):
             setattr(args, dest, None)

@@ -1,0 +1,51 @@
+"""Rough edges a new user hit (issue 16), each as the console script shows it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EGRESSD = str(Path(sys.executable).with_name("egressd"))
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    return env
+
+
+def _egressd(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([EGRESSD, *args], capture_output=True, text=True, timeout=60, env=_env(tmp_path))
+
+
+# The settings `run` and `agent` fix for their sandbox: once listed in their help and silently ignored.
+SERVICE_ONLY = [
+    ["--listen", "127.0.0.1:1"],
+    ["--control", "127.0.0.1:1"],
+    ["--dns-listen", "127.0.0.1:1"],
+    ["--dns-answer", "127.0.0.1"],
+    ["--transparent-tls", "127.0.0.1:1"],
+    ["--transparent-http", "127.0.0.1:1"],
+    ["--require-auth"],
+]
+
+
+@pytest.mark.parametrize("command", ["run", "agent"])
+@pytest.mark.parametrize("flag", SERVICE_ONLY, ids=[f[0] for f in SERVICE_ONLY])
+def test_run_and_agent_refuse_the_flags_they_would_ignore(tmp_path: Path, command: str, flag: list[str]) -> None:
+    needed = ["--task", "t", "--model", "script:none"] if command == "agent" else []
+    done = _egressd(tmp_path, command, *needed, *flag, "--", "true")
+    # Not taken as an abbreviation of another flag either (--dns-answer of --dns-answer6).
+    assert done.returncode == 2 and f"unrecognized arguments: {flag[0]}" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "agent"])
+def test_run_and_agent_help_lists_none_of_them(tmp_path: Path, command: str) -> None:
+    shown = _egressd(tmp_path, command, "--help").stdout
+    served = _egressd(tmp_path, "serve", "--help").stdout
+    for flag in SERVICE_ONLY:
+        assert f"{flag[0]} " not in shown and f"{flag[0]} " in served, flag
