@@ -373,9 +373,14 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--config", metavar="FILE", help="TOML config file (for audit_log)")
     audit.add_argument("--audit-log", dest="audit_log", default=None, metavar="PATH", help="the log to read")
     audit.add_argument("--run", metavar="ID", help="only this run")
-    audit.add_argument("--decision", choices=["allow", "deny"], help="only this decision")
+    audit.add_argument("--decision", type=str.lower, choices=["allow", "deny"], help="only this decision (any case)")
     audit.add_argument("--host", metavar="HOST", help="only this host (*.example.com for subdomains)")
-    audit.add_argument("--since", metavar="WHEN", help="RFC 3339 time, a date, or a duration ago: 90s, 15m, 2h, 1d")
+    audit.add_argument(
+        "--since",
+        metavar="WHEN",
+        help="RFC 3339 time (2026-12-01T10:00:00Z, +01:00), a date (2026-12-01), today, yesterday "
+        "(midnight UTC), or a duration ago: 90s, 15m, 2h, 1d, 1w",
+    )
     audit.add_argument("--follow", "-f", action="store_true", help="keep printing new records")
     audit.add_argument("--json", action="store_true", help="print JSON Lines instead of a table")
     audit.set_defaults(func=cmd_audit)

@@ -49,3 +49,32 @@ def test_run_and_agent_help_lists_none_of_them(tmp_path: Path, command: str) -> 
     served = _egressd(tmp_path, "serve", "--help").stdout
     for flag in SERVICE_ONLY:
         assert f"{flag[0]} " not in shown and f"{flag[0]} " in served, flag
+
+
+def _egress(ident: str, ts: str, decision: str) -> dict[str, object]:
+    return {
+        "event": "egress", "id": ident, "ts": ts, "run": "r-1", "kind": "connect", "client": "127.0.0.1:5",
+        "host": f"{ident}.test", "port": 443, "address": None, "decision": decision,
+        "reason": None if decision == "allow" else "denied", "rule": None, "approval": None, "command": "x",
+        "bytes_up": 0, "bytes_down": 0, "duration_s": 0.0,
+    }  # fmt: skip
+
+
+def test_audit_takes_the_decision_as_the_table_prints_it_and_since_as_people_write_it(tmp_path: Path) -> None:
+    import datetime as dt
+    import json
+
+    now = dt.datetime.now(dt.UTC)
+    old = (now - dt.timedelta(days=3)).strftime("%Y-%m-%dT%H:%M:%S.000000Z")
+    recent = now.strftime("%Y-%m-%dT%H:%M:%S.000000Z")
+    log = tmp_path / "audit.jsonl"
+    records = [_egress("old", old, "deny"), _egress("new", recent, "deny"), _egress("fine", recent, "allow")]
+    log.write_text("".join(json.dumps(r) + "\n" for r in records))
+    two_days_ago = (now - dt.timedelta(days=2)).strftime("%Y-%m-%d")
+    offset = (now - dt.timedelta(days=2)).astimezone(dt.timezone(dt.timedelta(hours=-5))).isoformat()
+    for since in ("yesterday", "today", two_days_ago, offset, "1d"):
+        done = _egressd(tmp_path, "audit", "--audit-log", str(log), "--decision", "DENY", "--since", since, "--json")
+        assert done.returncode == 0, (since, done.stderr)
+        assert [json.loads(line)["id"] for line in done.stdout.splitlines()] == ["new"], since
+    table = _egressd(tmp_path, "audit", "--audit-log", str(log), "--decision", "Deny")
+    assert table.returncode == 0 and "DENY" in table.stdout and "fine.test" not in table.stdout
