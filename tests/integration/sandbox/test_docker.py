@@ -124,6 +124,15 @@ def test_copy_out_does_not_mention_what_no_pattern_matches() -> None:
     assert _check("work/dist", "dir") == MemberCheck(None)
 
 
+def test_inits_message_for_a_missing_command_becomes_the_backends_one_line() -> None:
+    from egressd.sandbox.docker.commands import said_by_init
+
+    said = b"[FATAL tini (7)] exec nope failed: No such file or directory\n"
+    assert said_by_init(said, "nope") == b"egressd: nope: command not found in the sandbox\n"
+    for other in (b"[FATAL tini (7)] exec nope failed: Permission denied\n", b"hello\n", said + b"more"):
+        assert said_by_init(other, "nope") == other
+
+
 def test_subnets_are_link_local_or_cgnat_and_never_overlap() -> None:
     taken = [ipaddress.ip_network("169.254.64.0/28")]
     internal, outgoing = choose_subnets("169.254.64.0/18", taken)
@@ -505,6 +514,13 @@ async def test_egressd_run_exits_with_the_commands_status_and_limits(engine: Doc
     assert code == 137 and "--memory" in err
     code, _, err = await egressd_run(tmp_path, "--image", "egressd-no-such-image:1", "--", "true")
     assert code == 125 and "egressd-no-such-image:1" in err
+
+
+async def test_a_missing_command_exits_127_with_one_clear_line(engine: DockerEngine, tmp_path: Path) -> None:
+    # Issue 16: the container's init said "[FATAL tini (7)] exec ... failed"; now the line bubblewrap's run says.
+    code, out, err = await egressd_run(tmp_path, "--", "no-such-command-xyz", "arg")
+    assert (code, out) == (127, ""), err
+    assert err == "egressd: no-such-command-xyz: command not found in the sandbox\n"
 
 
 async def test_egressd_run_copies_out_through_the_engine(engine: DockerEngine, tmp_path: Path) -> None:

@@ -175,6 +175,17 @@ async def test_name_lookups_of_an_allowed_host_print_nothing_and_every_deny_has_
     await assert_no_leftovers()
 
 
+@pytest.mark.parametrize("command", ["no-such-command-xyz", "./not-in-workdir", "/usr/bin/no-such-xyz"])
+async def test_a_missing_command_exits_127_with_one_clear_line(tmp_path, dns, command: str) -> None:
+    # Issue 16: bwrap said "bwrap: execvp ...: No such file or directory" and egressd run exited 1.
+    code, out, err = await egressd_run(tmp_path, dns, "--", command, "arg")
+    assert (code, out) == (127, ""), err
+    assert err == f"egressd: {command}: command not found in the sandbox\n"
+    # A command that is there still runs as itself, with its own status, in the same process the shell was.
+    code, out, err = await egressd_run(tmp_path, dns, "--", "sh", "-c", 'echo "$0"; exit 5', "named")
+    assert (code, out) == (5, "named\n"), err
+
+
 async def test_unknown_domain_is_blocked_and_reported_on_stderr(tmp_path, dns, leak) -> None:
     code, out, err = await egressd_run(
         tmp_path, dns, "--allow", "origin.test", "--", "sh", "-c", "curl -fsS -m 5 http://leak.test/; echo curl=$?"
