@@ -47,8 +47,11 @@ def test_run_and_agent_refuse_the_flags_they_would_ignore(tmp_path: Path, comman
 def test_run_and_agent_help_lists_none_of_them(tmp_path: Path, command: str) -> None:
     shown = _egressd(tmp_path, command, "--help").stdout
     served = _egressd(tmp_path, "serve", "--help").stdout
+    def options(text: str) -> set[str]:  # the flags --help lists, each at the start of its line
+        return {line.split()[0].rstrip(",") for line in text.splitlines() if line.startswith("  -")}
+
     for flag in SERVICE_ONLY:
-        assert f"{flag[0]} " not in shown and f"{flag[0]} " in served, flag
+        assert flag[0] not in options(shown) and flag[0] in options(served), flag
 
 
 def _egress(ident: str, ts: str, decision: str) -> dict[str, object]:
@@ -78,3 +81,41 @@ def test_audit_takes_the_decision_as_the_table_prints_it_and_since_as_people_wri
         assert [json.loads(line)["id"] for line in done.stdout.splitlines()] == ["new"], since
     table = _egressd(tmp_path, "audit", "--audit-log", str(log), "--decision", "Deny")
     assert table.returncode == 0 and "DENY" in table.stdout and "fine.test" not in table.stdout
+
+
+def _commands() -> dict[str, object]:
+    import argparse
+
+    from egressd.cli.main import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_command_has_one_short_usage_line(tmp_path: Path) -> None:
+    # Issue 16: run's usage was written by hand, agent's a 30-line dump of every option.
+    for name in _commands():
+        shown = _egressd(tmp_path, name, "--help")
+        assert shown.returncode == 0, shown.stderr
+        first, second = shown.stdout.splitlines()[:2]
+        assert first.startswith(f"usage: egressd {name} [options]") and len(first) <= 80, first
+        assert not second.startswith(" "), f"{name}: the usage line goes on: {second!r}"
+
+
+def test_every_setting_flag_names_its_variable_and_the_token_file_is_named(tmp_path: Path) -> None:
+    import argparse
+
+    from egressd.config.settings import Settings
+
+    for name in ("serve", "run", "agent"):
+        parser = _commands()[name]
+        assert isinstance(parser, argparse.ArgumentParser)
+        setting_flags = [a for a in parser._actions if a.dest in Settings.model_fields and a.option_strings]
+        assert len(setting_flags) > 30
+        for action in setting_flags:
+            assert f"EGRESSD_{action.dest.upper()}" in (action.help or ""), (name, action.option_strings)
+        headings = [g.title for g in parser._action_groups]
+        assert {"policy", "approvals", "audit log"} <= set(headings), headings
+    shown = _egressd(tmp_path, "serve", "--help").stdout
+    assert "written to a file" not in shown and "control.token" in " ".join(shown.split())
