@@ -27,8 +27,9 @@ from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, lo
 from .commands.agent import add_agent_arguments
 from .commands.policy import add_policy_arguments
 from .commands.run import add_run_arguments
+from .wiring.instances import register_quietly
 from .wiring.loop import run_async
-from .wiring.service import EgressService, ReloadError, StartupError
+from .wiring.service import EgressService, ReloadError, StartupError, token_path
 
 
 def _visible(name: str) -> str:
@@ -297,9 +298,14 @@ async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
         " (LEARN MODE: not enforced; deny entries, IP literals and private addresses are)" if settings.learn else "",
     )
+    # In the registry of running instances, for `egressd pending|allow|deny` to find.
+    registration = register_quietly(kind="serve", control=service.control_address,
+                                    token_file=None if settings.control_token is not None else token_path(settings))
     try:
         await stop.wait()
     finally:
+        if registration is not None:
+            registration.remove()
         logging.getLogger("egressd").info("shutting down (grace %.0fs)", settings.shutdown_grace_s)
         await service.close()
     return 0

@@ -102,9 +102,12 @@ def open_session(args: argparse.Namespace, settings: Settings, **common: Any) ->
         if settings.learn:  # the sidecar's own stderr is not this terminal
             print(learn_notice(None), file=sys.stderr, flush=True)
         net_range = DEFAULT_DOCKER_RANGE if args.net_range == DEFAULT_RANGE else args.net_range
-        return DockerSession(settings, image=args.image, egressd_image=args.egressd_image, connect=args.connect,
-                             net_range=net_range, **common)
-    return SandboxSession(settings, net_range=args.net_range, **common)
+        session: Session = DockerSession(settings, image=args.image, egressd_image=args.egressd_image,
+                                         connect=args.connect, net_range=net_range, **common)
+    else:
+        session = SandboxSession(settings, net_range=args.net_range, **common)
+    session.kind = getattr(args, "subcommand", None) or "run"  # run or agent, as the registry names it
+    return session
 
 
 def parse_env(items: list[str]) -> dict[str, str]:

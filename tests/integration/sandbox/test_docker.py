@@ -440,6 +440,40 @@ async def test_a_held_request_is_allowed_from_the_control_api(make_bed: Any) -> 
         assert obs.exit_code == 0 and "hello from origin: GET /held" in obs.stdout
 
 
+async def test_egressd_pending_and_allow_find_a_docker_run_by_themselves(
+    make_bed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 16: a --backend docker run printed no control address, and `egressd pending` could not find it.
+    state = tmp_path / "state"
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))  # where this run registers, and the commands look
+    env = _clean_env(state)
+    async with make_bed(approver=["webhook"], allow=[]) as bed:
+        run = asyncio.ensure_future(bed.sh(f"curl -sS -m 60 http://{ORIGIN_NAME}:{ORIGIN_PORT}/held"))
+        approvals: list[dict[str, Any]] = []
+        for _ in range(100):  # 20 s at most
+            listed = await asyncio.create_subprocess_exec(
+                EGRESSD, "pending", "--json", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            )
+            out, err = await listed.communicate()
+            approvals = json.loads(out or b"[]")
+            if approvals:
+                break
+            await asyncio.sleep(0.2)
+        assert [(a["host"], a["instance"]["kind"]) for a in approvals] == [(ORIGIN_NAME, "run")], err
+        entries = list((state / "egressd" / "instances").glob("*.json"))
+        assert len(entries) == 1 and bed.session.control is not None
+        assert "token" not in json.loads(entries[0].read_text())["control"]
+        allow = await asyncio.create_subprocess_exec(
+            EGRESSD, "allow", approvals[0]["id"], env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await allow.communicate()
+        assert allow.returncode == 0, err
+        obs = await asyncio.wait_for(run, 60)
+        assert obs.exit_code == 0 and "hello from origin: GET /held" in obs.stdout
+    assert list((state / "egressd" / "instances").iterdir()) == []  # its entry and its token file, gone
+
+
 async def test_a_held_request_is_allowed_at_the_terminal_the_run_was_started_from(make_bed: Any) -> None:
     master, slave = os.openpty()
     os.set_blocking(master, False)
