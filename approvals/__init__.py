@@ -22,7 +22,8 @@ the gate, which applies it to the run (``ApprovalRequest.on_late_answer``).
 - ``broker``     its asyncio shell: holds, delivers, times out, records;
 - ``control``    the control API's ``/approvals`` routes (``egressd pending|allow|deny``);
 - ``signing``    Standard Webhooks signing and verification (pure);
-- ``terminal``, ``slack``, ``webhook``  the channels;
+- ``terminal``, ``slack``, ``webhook``, ``web``  the channels (``web``: the approvals
+  page on the control server; ``webpage`` its pure parts: sessions, the Host rule, HTML);
 - ``deny``       the ``deny`` approver and ``NoApprover``;
 - ``assembly``   settings → an approver (the only module that sees the broker
   and the channels together).

@@ -32,6 +32,7 @@ from .interface import Approver, Channel, SetupError
 from .signing import SigningError, parse_secret
 from .slack import SlackChannel
 from .terminal import TerminalChannel, TerminalOutput
+from .web import WebChannel
 from .webhook import WebhookChannel
 
 
@@ -114,6 +115,8 @@ def approver_from_settings(
             channels.append(_slack(settings, clock))
         elif name == "webhook":
             channels.append(_webhook(settings, clock))
+        elif name == "web":
+            channels.append(WebChannel(public_url=settings.public_url, clock=clock))
         else:
             raise SetupError(f"bad setting approver: unknown approver {name!r}")
     return ApprovalBroker(

@@ -598,6 +598,10 @@ class ApprovalBroker:
             # Cut off by the deadline, not failed for certain: the driver
             # settles TIMEOUT (DESIGN.md: a delivery in flight is a timeout).
             log.warning("approval %s: %s was still delivering it at the deadline", view.id, channel.name)
+        except ChannelUnavailable as exc:
+            # Nobody there now (the approvals page closed): expected, not a fault worth a warning.
+            log.debug("approval %s: %s is not attached: %s", view.id, channel.name, exc)
+            self._settled(view.id, self._ledger.failed(view.id, channel.name, now=self._clock()))
         except Exception as exc:
             log.warning(
                 "approval %s: %s could not deliver it: %s", view.id, channel.name, str(exc) or type(exc).__name__

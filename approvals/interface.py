@@ -323,8 +323,10 @@ class Channel(Protocol):
     async def deliver(self, approval: PendingApproval) -> None:
         """Put the approval in front of a person; return once it is there.
 
-        Raise (anything) when it could not be delivered. The broker bounds
-        the call by the approval's deadline.
+        Raise (anything) when it could not be delivered; ``ChannelUnavailable``
+        when nobody is there to deliver to just now (the approvals page is
+        closed), which is expected and logged quietly. The broker bounds the
+        call by the approval's deadline.
         """
         ...
 

@@ -7,7 +7,8 @@ no connection ever goes unrecorded (fail closed).
 
 ``JsonlAuditSink`` appends to a JSON Lines file, chains its records (each
 carries ``prev``, the SHA-256 of the line before it as written), rotates it
-by size and reopens it on request; ``MemoryAuditSink`` keeps records in a
+by size and reopens it on request; given ``-`` (``STDOUT``) it writes the same
+lines to standard output, for a cluster's log collector; ``MemoryAuditSink`` keeps records in a
 list for tests (unchained: the chain is a property of the file's bytes).
 """
 
@@ -26,7 +27,7 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Protocol, Self, runtime_checkable
 
-__all__ = ["AuditError", "AuditSink", "JsonlAuditSink", "MemoryAuditSink"]
+__all__ = ["STDOUT", "AuditError", "AuditSink", "JsonlAuditSink", "MemoryAuditSink"]
 
 logger = logging.getLogger("egressd.audit")
 
@@ -40,6 +41,9 @@ _FILE_MODE = 0o600
 # descriptor out of sandboxes we spawn.
 _OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 
+
+# The path that means standard output (``--audit-log -``).
+STDOUT = "-"
 
 # How much is read at a time when finding and hashing the last line to chain onto.
 _CHUNK_BYTES = 64 * 1024
@@ -134,6 +138,15 @@ class JsonlAuditSink:
     into a file of its own. ``reopen()`` (``SIGUSR1``) opens ``PATH`` anew
     after logrotate moved it; records written in between went to the moved
     file, so none is lost.
+
+    Standard output (``path == "-"``): the same lines and chain (starting at
+    ``prev: null``: a stream has no last line to read back), one write per
+    batch, to a private duplicate of descriptor 1, after which descriptor 1
+    is pointed at standard error, so nothing else this process (or a child)
+    prints can land between or inside the records. No lock, no rotation, and
+    ``reopen`` does nothing; ``fsync`` only where the descriptor is a regular
+    file. A reader that went away (``EPIPE``) fails the sink as a full disk
+    does: unhealthy, and egress is refused (``audit_unavailable``).
     """
 
     def __init__(
@@ -156,9 +169,15 @@ class JsonlAuditSink:
         # Lines queued in this loop turn (without ``prev``) and the flush scheduled for its end.
         self._bodies: list[str] = []
         self._flush_handle: asyncio.Handle | None = None
-        self._fd, self._size, last = _open_chained(self._path)
+        self._stdout = self._path == STDOUT
+        if self._stdout:
+            self._fd, self._size, last = _take_stdout(), 0, None
+            self._fsync = fsync and stat.S_ISREG(os.fstat(self._fd).st_mode)  # a pipe or tty has no fsync
+        else:
+            self._fd, self._size, last = _open_chained(self._path)
         # Only a regular file is rotated: renaming /dev/null or a FIFO would be someone else's business.
-        self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode)
+        # Standard output is never rotated, whatever it is: its name is not ours.
+        self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode) and not self._stdout
         if last is None and self._size == 0 and self._regular:
             last = _last_line_hash_of(self._path + ".1")
         self._prev = last
@@ -299,7 +318,7 @@ class JsonlAuditSink:
         cannot be opened, the error is logged and records keep going to the
         file already open: a reopen that failed loses nothing.
         """
-        if self._closed or self._failure is not None:
+        if self._closed or self._failure is not None or self._stdout:
             return
         with contextlib.suppress(AuditError):  # logged by _fail; the lines queued belong to the old file
             self.flush()
@@ -381,6 +400,27 @@ def _with_prev(body: str, prev: str | None) -> str:
     """
     chain = '"prev":null}\n' if prev is None else f'"prev":"{prev}"}}\n'
     return body[:-1] + ("," if len(body) > 2 else "") + chain
+
+
+def _take_stdout() -> int:
+    """A private, blocking, close-on-exec duplicate of descriptor 1; descriptor 1 then points at stderr.
+
+    The audit records are then the only bytes written to what was standard
+    output: a ``print``, a library's warning or a child's output goes to
+    standard error instead.
+    """
+    try:
+        fd = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 3)
+    except OSError as exc:
+        raise AuditError(f"cannot write the audit log to standard output: {exc.strerror}") from None
+    try:
+        # A line is written whole or the sink fails: never EAGAIN halfway through a batch.
+        os.set_blocking(fd, True)
+        os.dup2(2, 1)
+    except OSError as exc:
+        os.close(fd)
+        raise AuditError(f"cannot write the audit log to standard output: {exc.strerror}") from None
+    return fd
 
 
 def _open_chained(path: str, *, same_as: int | None = None) -> tuple[int, int, str | None]:

@@ -130,7 +130,7 @@ _END_RESERVED: frozenset[str] = frozenset(EGRESS_END_FIELDS) | {"prev"}
 CHAIN_FIELD = "prev"
 _EGRESS_RESERVED: frozenset[str] = _EGRESS_FIELD_SET | {CHAIN_FIELD}
 
-EGRESS_KINDS: frozenset[str] = frozenset({"connect", "http", "tls", "dns"})  # EgressKind's values
+EGRESS_KINDS: frozenset[str] = frozenset({"connect", "http", "tls", "dns", "socks"})  # EgressKind's values
 DECISIONS: frozenset[str] = frozenset({"allow", "deny"})  # Decision's values
 
 # Substrings of key names whose values are never written. Matching substrings
@@ -210,6 +210,7 @@ class EgressKind(enum.StrEnum):
     HTTP = "http"  # a plain-HTTP request, explicit or transparent
     TLS = "tls"  # a transparent TLS connection, decided on its SNI
     DNS = "dns"  # a query to egressd's DNS server
+    SOCKS = "socks"  # a SOCKS5 CONNECT (or a refused BIND / UDP ASSOCIATE) through the SOCKS listener
 
 
 class Decision(enum.StrEnum):

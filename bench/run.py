@@ -158,7 +158,8 @@ def start_egressd(port: int, workdir: Path) -> subprocess.Popen:  # type: ignore
     if HOOK_URL:
         argv += ["--approver", "webhook", "--webhook-url", HOOK_URL[0],
                  "--webhook-secret", "whsec_" + base64.b64encode(b"bench-webhook-secret-32-bytes!!!").decode(),
-                 "--max-pending-approvals", "5000", "--max-connections", "100000"]
+                 "--max-pending-approvals", "5000", "--max-approvals-per-run", "5000",
+                 "--max-connections", "100000"]
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

@@ -72,8 +72,9 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
      {"action": "append", "metavar": "CIDR",
       "help": "let allowed names resolve into this private/special range (repeatable)"}),
     ("--approver", "approver",
-     {"action": "append", "choices": ["terminal", "slack", "webhook", "deny"],
-      "help": "who answers requests for unknown domains (repeatable)"}),
+     {"action": "append", "choices": ["terminal", "slack", "webhook", "web", "deny"],
+      "help": "who answers requests for unknown domains (repeatable; default: the terminal when a person "
+      "is at it, and for serve its approvals page too; none otherwise)"}),
     ("--approval-timeout", "approval_timeout",
      {"type": float, "metavar": "SECONDS", "help": "how long a request is held for an answer (default 600)"}),
     ("--max-pending-approvals", "max_pending_approvals",
@@ -124,8 +125,13 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--transparent-http", "transparent_http",
      {"metavar": "HOST:PORT",
       "help": "transparent HTTP listener: the Host header decides, destination port 80 (default: off)"}),
+    ("--socks", "socks",
+     {"metavar": "HOST:PORT",
+      "help": "SOCKS5 listener: CONNECT under the same policy, username/password a run's id and token "
+      "(default: off)"}),
     ("--audit-log", "audit_log",
-     {"metavar": "PATH", "help": "audit log file (default ~/.local/state/egressd/audit.jsonl)"}),
+     {"metavar": "PATH",
+      "help": "audit log file (default ~/.local/state/egressd/audit.jsonl); - : standard output (serve only)"}),
     ("--audit-max-bytes", "audit_max_bytes",
      {"type": int, "metavar": "N",
       "help": "rotate the audit log before it would pass N bytes (default 0: never; SIGUSR1 reopens it)"}),
@@ -159,14 +165,14 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
 # ``agent`` fix them for their sandbox (a private socket, the run's own
 # addresses, credentials required), so they do not offer these flags.
 _SERVICE_ONLY = frozenset(
-    {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "require_auth"}
+    {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "socks", "require_auth"}
 )
 
 
 # --help's sections, by setting name: (heading, names or name prefixes); the rest are "policy".
 _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("secrets kept off the command line", ("*_file",)),
-    ("listeners and control API", ("listen", "control", "control_token", "transparent_", "require_auth")),
+    ("listeners and control API", ("listen", "control", "control_token", "transparent_", "socks", "require_auth")),
     ("approvals", ("approver", "approval_", "max_pending_", "max_approvals_", "webhook_", "slack_", "public_url")),
     ("DNS", ("dns_", "upstream_dns")),
     ("audit log", ("audit_", "max_refusal_", "refusal_")),
@@ -246,6 +252,36 @@ def _settings_and_reader(args: argparse.Namespace) -> tuple[Settings, Callable[[
     return settings, read_again
 
 
+def person_at_terminal() -> bool:
+    """A person is at egressd's terminal: stdin and stderr are a terminal, and ours (``/dev/tty`` opens).
+
+    stderr too, so a program that starts egressd with its stderr in a file
+    or a pipe (a test, a service) is not taken for a person.
+    """
+    if not (sys.stdin is not None and sys.stdin.isatty() and sys.stderr is not None and sys.stderr.isatty()):
+        return False
+    try:
+        fd = os.open("/dev/tty", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    os.close(fd)
+    return True
+
+
+def default_approvers(settings: Settings, *, serve: bool, at_terminal: bool) -> Settings:
+    """DESIGN.md: with no ``--approver``, ask at the terminal when a person is at one, and nobody otherwise.
+
+    ``serve`` also offers its approvals page there (``web``), unless its
+    control API is a unix socket, which no browser reaches. A sidecar, with
+    no terminal, keeps refusing new domains as ``no_approver``.
+    """
+    if settings.approver or not at_terminal:
+        return settings
+    web = serve and settings.control is not None and not settings.control.startswith("unix:")
+    chosen: list[str] = ["terminal", "web"] if web else ["terminal"]
+    return settings.model_copy(update={"approver": chosen})
+
+
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
         level=getattr(logging, level.upper()),
@@ -285,7 +321,12 @@ async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable
     # so whoever waits for it has seen every listener's address.
     sandbox_facing = [
         f"{name} {server.address[0]}:{server.address[1]}"
-        for name, server in (("dns", service.dns), ("tls", service.transparent_tls), ("http", service.transparent_http))
+        for name, server in (
+            ("dns", service.dns),
+            ("tls", service.transparent_tls),
+            ("http", service.transparent_http),
+            ("socks", service.socks),
+        )
         if server is not None
     ]
     if sandbox_facing:
@@ -294,7 +335,8 @@ async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable
     host, port = service.proxy_address
     logging.getLogger("egressd").info(
         "serving: proxy %s:%d, control %s, audit log %s, %s%s",
-        host, port, service.control_address, settings.audit_path,
+        host, port, service.control_address,
+        "standard output" if str(settings.audit_path) == "-" else settings.audit_path,
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
         " (LEARN MODE: not enforced; deny entries, IP literals and private addresses are)" if settings.learn else "",
     )
@@ -331,7 +373,13 @@ def raise_open_file_limit() -> tuple[int, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    settings, read = _settings_and_reader(args)
+    settings, read_given = _settings_and_reader(args)
+    at_terminal = person_at_terminal()
+    settings = default_approvers(settings, serve=True, at_terminal=at_terminal)
+
+    def read() -> Settings:  # a reload keeps the start's choice of default approvers
+        return default_approvers(read_given(), serve=True, at_terminal=at_terminal)
+
     _setup_logging(settings.log_level)
     open_files = raise_open_file_limit()
     return run_async(lambda: _serve(settings, open_files, read))
@@ -363,7 +411,7 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
 
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
-    settings = _settings(args)
+    settings = default_approvers(_settings(args), serve=False, at_terminal=person_at_terminal())
     _setup_logging(settings.log_level if args.log_level else "warning")
     return cmd_run(args, settings)
 
@@ -383,7 +431,7 @@ def cmd_approvals(args: argparse.Namespace) -> int:
 def cmd_agent_run(args: argparse.Namespace) -> int:
     from .commands.agent import cmd_agent
 
-    settings = _settings(args)
+    settings = default_approvers(_settings(args), serve=False, at_terminal=person_at_terminal())
     _setup_logging(settings.log_level if args.log_level else "warning")
     return cmd_agent(args, settings)
 

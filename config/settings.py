@@ -45,7 +45,7 @@ from pydantic_settings import (
 from egressd.names.addresses import unmapped
 from egressd.names.authority import AuthorityError, Colons, parse_authority
 
-Approver = Literal["terminal", "slack", "webhook", "deny"]
+Approver = Literal["terminal", "slack", "webhook", "web", "deny"]
 
 # Lists read from the environment are comma-separated (EGRESSD_ALLOW=a.com,b.org),
 # not JSON: NoDecode stops pydantic-settings from json-decoding them first.
@@ -207,7 +207,8 @@ class Settings(BaseSettings):
 
     # Approvals (the config file may also group these under an [approvals] table).
     approver: Annotated[list[Approver], NoDecode] = Field(
-        default_factory=list, description="who answers unknown domains: terminal, slack, webhook, deny (repeatable)"
+        default_factory=list,
+        description="who answers unknown domains: terminal, slack, webhook, web (approvals page), deny (repeatable)",
     )
     approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
     max_pending_approvals: int = Field(
@@ -270,6 +271,9 @@ class Settings(BaseSettings):
     dns_strict: bool = Field(False, description="NXDOMAIN for names the run could never reach")
     transparent_tls: str | None = Field(None, description="SNI listener HOST:PORT (destination port 443)")
     transparent_http: str | None = Field(None, description="Host-header listener HOST:PORT (destination port 80)")
+    socks: str | None = Field(
+        None, description="SOCKS5 listener HOST:PORT (CONNECT; username/password: a run's id and token)"
+    )
 
     # Resolution.
     upstream_dns: str | None = Field(
@@ -326,7 +330,7 @@ class Settings(BaseSettings):
             return [part.strip() for v in value for part in v.split(",") if part.strip()]
         return value
 
-    @field_validator("listen", "dns_listen", "transparent_tls", "transparent_http")
+    @field_validator("listen", "dns_listen", "transparent_tls", "transparent_http", "socks")
     @classmethod
     def _check_hostport(cls, value: str | None, info: ValidationInfo) -> str | None:
         if value is not None:

@@ -34,7 +34,8 @@ EGRESSD_IMAGE=${EGRESSD_IMAGE:-egressd:latest}
 SANDBOX_IMAGE=${EGRESSD_SANDBOX_IMAGE:-egressd-sandbox:latest}
 PYTHON_BASE=egressd-local/python:$SUITE
 TOOLCHAIN_BASE=egressd-local/toolchain:$SUITE
-PYTHON_PACKAGES="python3 python3-venv ca-certificates"
+# nftables: deploy/kubernetes/ runs this image as the pod's fence installer too (nft -f).
+PYTHON_PACKAGES="python3 python3-venv ca-certificates nftables"
 TOOLCHAIN_PACKAGES="python3 ca-certificates curl dnsutils"
 # What an image never needs: package lists and caches, documentation, locales,
 # logs, and the build host's resolver and name (Docker provides its own).

@@ -160,8 +160,14 @@ def generated_etc(*, nameserver: str, uid: int = SANDBOX_UID, gid: int = SANDBOX
     }
 
 
-def base_environment(*, term: str | None, proxy_url: str, extra: Mapping[str, str] = {}) -> dict[str, str]:
-    """The environment, built from nothing: no host variable gets in unless named."""
+def base_environment(
+    *, term: str | None, proxy_url: str, socks_url: str | None = None, extra: Mapping[str, str] = {}
+) -> dict[str, str]:
+    """The environment, built from nothing: no host variable gets in unless named.
+
+    ``socks_url`` (``socks5h://RUN:TOKEN@HOST:PORT``): ALL_PROXY names egressd's SOCKS5 listener, for
+    tools that speak only SOCKS; HTTP(S)_PROXY name the HTTP proxy, which such tools take first.
+    """
     env = {
         "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin",
         "HOME": SANDBOX_WORKDIR,
@@ -176,6 +182,8 @@ def base_environment(*, term: str | None, proxy_url: str, extra: Mapping[str, st
     }
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
         env[name] = proxy_url
+    if socks_url is not None:
+        env["ALL_PROXY"] = env["all_proxy"] = socks_url
     env.update(extra)
     return env
 

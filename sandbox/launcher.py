@@ -124,6 +124,7 @@ class BwrapSandbox:
         network: RunNetwork,
         workdir: Path,
         proxy_url: str,
+        socks_url: str | None = None,
         extra_env: Mapping[str, str] = {},
         extra_readonly: Sequence[str] = (),
         term: str | None = None,
@@ -143,7 +144,7 @@ class BwrapSandbox:
         if ids is None:
             raise SandboxError(refusal(str(workdir)))
         self.uid, self.gid = ids
-        self.env = base_environment(term=term, proxy_url=proxy_url, extra=extra_env)
+        self.env = base_environment(term=term, proxy_url=proxy_url, socks_url=socks_url, extra=extra_env)
         self.extra_readonly = list(extra_readonly)
         self._links, self._dirs, self._etc_ro = host_layout()
         self._nsenter = shutil.which(nsenter) or nsenter

@@ -52,6 +52,7 @@ class EgressPorts:
     dns: int = 53
     tls: int = 443
     http: int = 80
+    socks: int = 1080  # SOCKS5 (``ALL_PROXY=socks5h://...`` in the sandbox)
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ class NetworkPlan:
 
 def nft_ruleset(host_ip: ipaddress.IPv4Address, ports: EgressPorts) -> str:
     """The namespace's nftables table: only egressd's ports on the host address (pure)."""
-    tcp = ", ".join(str(p) for p in sorted({ports.proxy, ports.tls, ports.http, ports.dns}))
+    tcp = ", ".join(str(p) for p in sorted({ports.proxy, ports.tls, ports.http, ports.dns, ports.socks}))
     return (
         "table inet egressd {\n"
         "  chain output {\n"

@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     need=()
-    for pkg_bin in bubblewrap:bwrap nftables:nft iproute2:ip curl:curl dnsutils:dig; do
+    # chromium and its driver: the approvals page in a real browser (tests/integration/approvals/test_web.py).
+    for pkg_bin in bubblewrap:bwrap nftables:nft iproute2:ip curl:curl dnsutils:dig chromium:chromium chromium-driver:chromedriver; do
         command -v "${pkg_bin#*:}" >/dev/null || need+=("${pkg_bin%%:*}")
     done
     # The Docker tests: debootstrap makes the images' base (docker/build.sh),

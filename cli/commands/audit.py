@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from egressd.audit.log import STDOUT
 from egressd.audit.query import (
     AuditFilter,
     follow_records,
@@ -47,6 +48,15 @@ def _printer(as_json: bool) -> Callable[[Iterable[Mapping[str, object]]], None]:
     return emit
 
 
+def _refuse_stdout(path: Path) -> None:
+    """``--audit-log -`` names where ``serve`` writes, not a file to read back: one clear line."""
+    if str(path) == STDOUT:
+        raise SettingsError(
+            "bad setting audit_log: - is egressd serve's standard output, not a file to read: save what it wrote "
+            "(e.g. kubectl logs POD -c egressd > audit.jsonl) and name that file"
+        )
+
+
 def run_audit(args: argparse.Namespace, settings: Settings) -> int:
     try:
         since = parse_since(args.since, time.time()) if args.since else None
@@ -54,6 +64,7 @@ def run_audit(args: argparse.Namespace, settings: Settings) -> int:
     except ValueError as exc:
         raise SettingsError(f"bad argument: {exc}") from None
     path = settings.audit_path
+    _refuse_stdout(path)
     if not path.exists() and not args.follow:
         print(
             f"egressd: no audit log at {path} (nothing recorded yet, or --audit-log names another file)",
@@ -112,6 +123,8 @@ def log_files(path: Path) -> list[Path]:
 def run_verify(args: argparse.Namespace, settings: Settings) -> int:
     """Check the hash chain over FILE... (oldest first) or the configured log; 0 intact, 1 not, 2 unreadable."""
     files = [Path(name) for name in args.files] if args.files else log_files(settings.audit_path)
+    for name in files:
+        _refuse_stdout(name)
     try:
         report = verify_files(files)
     except OSError as exc:
@@ -128,10 +141,10 @@ def run_verify(args: argparse.Namespace, settings: Settings) -> int:
 
 def run_suggest(args: argparse.Namespace, settings: Settings) -> int:
     """Print the allowlist a run's records suggest, as TOML: 0 done, 1 no audit log, 2 unknown run or bad file."""
-    if args.files:
-        files = [Path(name) for name in args.files]
-    else:
-        files = log_files(settings.audit_path)
+    files = [Path(name) for name in args.files] if args.files else log_files(settings.audit_path)
+    for name in files:
+        _refuse_stdout(name)
+    if not args.files:
         if not files[-1].exists():
             print(
                 f"egressd: no audit log at {files[-1]} (nothing recorded yet, or --audit-log names another file)",

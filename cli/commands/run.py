@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from egressd.approvals.terminal import TerminalOutput
+from egressd.audit.log import STDOUT
 from egressd.audit.views import EgressSeen
 from egressd.config.settings import Settings, SettingsError
 from egressd.names.shown import logged
@@ -45,42 +46,73 @@ from ..wiring.session import SandboxSession, Session, SessionError
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workdir", metavar="DIR",
-                        help="working directory, read-write at /work (default: a fresh temporary one)")
+    parser.add_argument(
+        "--workdir", metavar="DIR", help="working directory, read-write at /work (default: a fresh temporary one)"
+    )
     parser.add_argument("--keep-workdir", action="store_true", help="keep the temporary working directory afterwards")
-    parser.add_argument("--timeout", type=float, metavar="S",
-                        help="wall-clock limit; past it the whole tree is killed (exit 124)")
+    parser.add_argument(
+        "--timeout", type=float, metavar="S", help="wall-clock limit; past it the whole tree is killed (exit 124)"
+    )
     parser.add_argument("--memory", type=int, metavar="MB", help="memory limit (exit 137 when exceeded)")
     parser.add_argument("--cpu", type=int, metavar="S", help="CPU-time limit per process")
     parser.add_argument("--max-pids", type=int, default=512, metavar="N", help="process limit (default 512)")
-    parser.add_argument("--copy-out", action="append", default=[], metavar="GLOB",
-                        help="copy matching files out of the working directory (repeatable)")
-    parser.add_argument("--copy-out-dir", default=".", metavar="DIR",
-                        help="where --copy-out puts files (default: the current directory); "
-                        "never a link, nor inside the working directory")
-    parser.add_argument("--env", action="append", default=[], metavar="NAME[=VALUE]",
-                        help="pass a variable into the sandbox (repeatable); nothing else from the host gets in. "
-                        "NAME alone takes the value from our environment; NAME=VALUE is visible to other "
-                        "local users in the process list")
+    parser.add_argument(
+        "--copy-out",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="copy matching files out of the working directory (repeatable)",
+    )
+    parser.add_argument(
+        "--copy-out-dir",
+        default=".",
+        metavar="DIR",
+        help="where --copy-out puts files (default: the current directory); "
+        "never a link, nor inside the working directory",
+    )
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="pass a variable into the sandbox (repeatable); nothing else from the host gets in. "
+        "NAME alone takes the value from our environment; NAME=VALUE is visible to other "
+        "local users in the process list",
+    )
     add_backend_arguments(parser)
     parser.add_argument("--task", help="what the run is for (shown in approval messages)")
 
 
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
     """The sandbox backend's options (``egressd run`` and ``egressd agent``); ``open_session`` reads them."""
-    parser.add_argument("--backend", choices=["bwrap", "docker"], default="bwrap",
-                        help="sandbox backend (default bwrap)")
-    parser.add_argument("--net-range", default=DEFAULT_RANGE, metavar="CIDR",
-                        help=f"where per-run subnets come from (default {DEFAULT_RANGE}: /30s; "
-                        f"with --backend docker {DEFAULT_DOCKER_RANGE}: /28s)")
-    parser.add_argument("--image", default=DEFAULT_IMAGE, metavar="IMAGE",
-                        help=f"--backend docker: the sandbox's toolchain image (default {DEFAULT_IMAGE})")
-    parser.add_argument("--egressd-image", default=DEFAULT_EGRESSD_IMAGE, metavar="IMAGE",
-                        help=f"--backend docker: egressd's own image, run beside the sandbox "
-                        f"(default {DEFAULT_EGRESSD_IMAGE})")
-    parser.add_argument("--connect", metavar="URL",
-                        help="--backend docker: use the running egressd whose control API is at URL "
-                        "(its --control-token) instead of starting one")
+    parser.add_argument(
+        "--backend", choices=["bwrap", "docker"], default="bwrap", help="sandbox backend (default bwrap)"
+    )
+    parser.add_argument(
+        "--net-range",
+        default=DEFAULT_RANGE,
+        metavar="CIDR",
+        help=f"where per-run subnets come from (default {DEFAULT_RANGE}: /30s; "
+        f"with --backend docker {DEFAULT_DOCKER_RANGE}: /28s)",
+    )
+    parser.add_argument(
+        "--image",
+        default=DEFAULT_IMAGE,
+        metavar="IMAGE",
+        help=f"--backend docker: the sandbox's toolchain image (default {DEFAULT_IMAGE})",
+    )
+    parser.add_argument(
+        "--egressd-image",
+        default=DEFAULT_EGRESSD_IMAGE,
+        metavar="IMAGE",
+        help=f"--backend docker: egressd's own image, run beside the sandbox (default {DEFAULT_EGRESSD_IMAGE})",
+    )
+    parser.add_argument(
+        "--connect",
+        metavar="URL",
+        help="--backend docker: use the running egressd whose control API is at URL "
+        "(its --control-token) instead of starting one",
+    )
 
 
 def open_session(args: argparse.Namespace, settings: Settings, **common: Any) -> Session:
@@ -102,8 +134,14 @@ def open_session(args: argparse.Namespace, settings: Settings, **common: Any) ->
         if settings.learn:  # the sidecar's own stderr is not this terminal
             print(learn_notice(None), file=sys.stderr, flush=True)
         net_range = DEFAULT_DOCKER_RANGE if args.net_range == DEFAULT_RANGE else args.net_range
-        session: Session = DockerSession(settings, image=args.image, egressd_image=args.egressd_image,
-                                         connect=args.connect, net_range=net_range, **common)
+        session: Session = DockerSession(
+            settings,
+            image=args.image,
+            egressd_image=args.egressd_image,
+            connect=args.connect,
+            net_range=net_range,
+            **common,
+        )
     else:
         session = SandboxSession(settings, net_range=args.net_range, **common)
     session.kind = getattr(args, "subcommand", None) or "run"  # run or agent, as the registry names it
@@ -219,6 +257,11 @@ def check_private_files(args: argparse.Namespace, settings: Settings) -> None:
        control socket and token file (made in the temporary directory, with
        bubblewrap), and the token file ``--connect`` reads.
     """
+    if str(settings.audit_path) == STDOUT:
+        raise SettingsError(
+            "bad setting audit_log: - (standard output) is for egressd serve; run and agent print the command's "
+            "output there: name a file"
+        )
     files = [("audit_log", settings.audit_path, "audit log")]
     if getattr(args, "transcript", None):
         files.insert(0, ("transcript", Path(args.transcript), "transcript"))
@@ -233,8 +276,12 @@ def check_private_files(args: argparse.Namespace, settings: Settings) -> None:
     if args.backend == "bwrap":
         temp = Path(tempfile.gettempdir())
         # Where SandboxSession makes the run's private directory (control socket, token file).
-        _keep_out("workdir", temp / "egressd-run-", workdir,
-                  f"the run's control socket and token file (made in the temporary directory {temp}, TMPDIR)")
+        _keep_out(
+            "workdir",
+            temp / "egressd-run-",
+            workdir,
+            f"the run's control socket and token file (made in the temporary directory {temp}, TMPDIR)",
+        )
     if args.connect and settings.control_token is None:
         _keep_out("control_token", token_path(settings), workdir, f"the control token file {token_path(settings)}")
 
@@ -258,8 +305,12 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
         session.observe(refusal_printer(session.terminal_output))
         control = getattr(session, "control_address", None)
         if settings.approver and control:
-            print(f"egressd: answer this run's approvals from another terminal with "
-                  f"egressd pending|allow ID|deny ID --control {control}", file=sys.stderr, flush=True)
+            print(
+                f"egressd: answer this run's approvals from another terminal with "
+                f"egressd pending|allow ID|deny ID --control {control}",
+                file=sys.stderr,
+                flush=True,
+            )
         # A terminal on stdin stays ours (the approval prompt reads it); a pipe is passed in.
         stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.fileno()
         limits = Limits(timeout_s=args.timeout, memory_mb=args.memory, max_pids=args.max_pids, cpu_s=args.cpu)

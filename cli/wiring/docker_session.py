@@ -95,6 +95,7 @@ from egressd.sandbox.docker.config import (
     EGRESSD_STATE,
     PROXY_PORT,
     SECRETS_DIR,
+    SOCKS_PORT,
     seccomp_option,
 )
 from egressd.sandbox.docker.engine import DockerEngine, clean_leftovers
@@ -119,7 +120,7 @@ MAX_AUDIT_BYTES = 256 * 1024 * 1024
 SIDECAR_OWN = frozenset({
     # its listeners and control API: fixed to the run's networks (``sidecar_environment``)
     "listen", "control", "dns_listen", "dns_answer", "dns_answer6", "transparent_tls", "transparent_http",
-    "require_auth", "control_token", "control_token_file",
+    "socks", "require_auth", "control_token", "control_token_file",
     # the run's policy: registered with the run through the control API, not egressd-wide
     "allow", "deny", "preset", "ask",
     # its audit log: in its volume, appended to ours when the run ends
@@ -179,6 +180,7 @@ def sidecar_environment(
             "EGRESSD_DNS_LISTEN": f"{egressd_ip}:53",
             "EGRESSD_TRANSPARENT_TLS": f"{egressd_ip}:443",
             "EGRESSD_TRANSPARENT_HTTP": f"{egressd_ip}:80",
+            "EGRESSD_SOCKS": f"{egressd_ip}:{SOCKS_PORT}",
             "EGRESSD_DNS_ANSWER": egressd_ip,
             "EGRESSD_CONTROL": f"{control_ip}:{CONTROL_PORT}",
             "EGRESSD_REQUIRE_AUTH": "true",
@@ -486,6 +488,8 @@ class DockerSession(SessionBase[_SessionBox]):
         self._box = _SessionBox(self, DockerSandbox(
             engine=self.engine, network=network, address=address, dns=dns, image=self.image,
             workdir=self.workdir, proxy_url=self._proxy_url, labels=self.resources_labels("command"),
+            # The sidecar has a SOCKS5 listener; a running egressd joined with --connect may not.
+            socks_url=None if self.connect else str(URL(self._proxy_url).with_scheme("socks5h").with_port(SOCKS_PORT)),
             extra_env=self.extra_env, term=self.term, runtime=runtime, machine=machine,
         ))
         stack.push_async_callback(self._box.sandbox.destroy)

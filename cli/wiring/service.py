@@ -40,7 +40,7 @@ from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
 from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
-from egressd.proxy.core.modes import EXPLICIT, ListenerLimits, transparent_http, transparent_tls
+from egressd.proxy.core.modes import EXPLICIT, SOCKS, ListenerLimits, transparent_http, transparent_tls
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
 from egressd.proxy.core.runs import DEFAULT_RUN_ID, EntryChange, Run, RunRegistry, entry_diff, new_control_token
 from egressd.proxy.net.control import PUBLIC_PATHS, build_app
@@ -146,7 +146,7 @@ def approver_from_settings(
 
 
 # The settings of egressd's TCP listeners (the DNS server answers over TCP too).
-_LISTENERS = ("listen", "dns_listen", "transparent_tls", "transparent_http", "control")
+_LISTENERS = ("listen", "dns_listen", "transparent_tls", "transparent_http", "socks", "control")
 # Where a sandbox reaches "egressd" by the address its DNS answered with: the
 # transparent ports and DNS, also when a port forward brings them to a listener.
 _ANSWER_PORTS = frozenset({53, 80, 443})
@@ -260,6 +260,7 @@ class EgressService:
         self.dns: DnsServer | None = None
         self.transparent_tls: Listener | None = None
         self.transparent_http: Listener | None = None
+        self.socks: Listener | None = None  # the SOCKS5 listener (``socks``), when set
         self._control_runner: web.AppRunner | None = None
         self.control_token = ""
         self.control_address: str = ""
@@ -297,6 +298,10 @@ class EgressService:
     @property
     def transparent_http_address(self) -> tuple[str, int] | None:
         return self.transparent_http.address if self.transparent_http is not None else None
+
+    @property
+    def socks_address(self) -> tuple[str, int] | None:
+        return self.socks.address if self.socks is not None else None
 
     @property
     def default_run(self) -> Run | None:
@@ -487,7 +492,7 @@ class EgressService:
             print(learn_notice(learned), file=sys.stderr, flush=True)
 
     async def _start_transparent(self, limits: ListenerLimits) -> None:
-        """The transparent SNI and Host listeners and the DNS server, each when its setting is given."""
+        """The transparent SNI and Host listeners, the SOCKS5 listener and the DNS server, each when set."""
         s = self.settings
         assert self.gate is not None and self.runs is not None
         if s.transparent_tls is not None:
@@ -496,6 +501,9 @@ class EgressService:
         if s.transparent_http is not None:
             self.transparent_http = Listener(gate=self.gate, runs=self.runs, limits=limits, mode=transparent_http())
             await self._listen(self.transparent_http, "transparent_http", s.transparent_http)
+        if s.socks is not None:
+            self.socks = Listener(gate=self.gate, runs=self.runs, limits=limits, mode=SOCKS)
+            await self._listen(self.socks, "socks", s.socks)
         if s.dns_listen is not None:
             answer4, answer6 = dns_answers(s)
             self.dns = DnsServer(gate=self.gate, runs=self.runs, answer4=answer4, answer6=answer6, strict=s.dns_strict)
@@ -562,6 +570,11 @@ class EgressService:
                 self._listening("control", bound_port)
                 shown = f"[{host}]" if ":" in host else host
                 self.control_address = f"http://{shown}:{bound_port}"
+                if "web" in s.approver:
+                    log.info(
+                        "approvals page: %s/web/ (sign in with the control token)",
+                        (s.public_url or self.control_address).rstrip("/"),
+                    )
         except OSError as exc:
             raise StartupError(f"bad setting control: cannot listen on {s.control}: {exc.strerror}") from None
 
@@ -586,9 +599,9 @@ class EgressService:
             await self.dns.close()
             self.dns = None
         # Every TCP listener gets the same grace at the same time, not one after another.
-        listeners = [x for x in (self.transparent_tls, self.transparent_http, self.proxy) if x is not None]
+        listeners = [x for x in (self.transparent_tls, self.transparent_http, self.socks, self.proxy) if x is not None]
         await asyncio.gather(*(listener.close(grace) for listener in listeners))
-        self.transparent_tls = self.transparent_http = None
+        self.transparent_tls = self.transparent_http = self.socks = None
         self.proxy = None
         if self._control_runner is not None:
             await self._control_runner.cleanup()

@@ -276,6 +276,7 @@ class SandboxSession(SessionBase[BwrapSandbox]):
                 "dns_listen": f"{host}:{ports.dns}",
                 "transparent_tls": f"{host}:{ports.tls}",
                 "transparent_http": f"{host}:{ports.http}",
+                "socks": f"{host}:{ports.socks}",
                 "dns_answer": host,
                 "control": f"unix:{private / 'control.sock'}",
                 "require_auth": True,
@@ -311,6 +312,7 @@ class SandboxSession(SessionBase[BwrapSandbox]):
                 network=self.network,
                 workdir=self.workdir,
                 proxy_url=f"http://{run.id}:{run.token}@{host}:{ports.proxy}",
+                socks_url=f"socks5h://{run.id}:{run.token}@{host}:{ports.socks}",
                 extra_env=self.extra_env,
                 term=self.term,
             )

@@ -1,20 +1,23 @@
 """What a listener is, as values: its mode, its limits and the refusals it sends, without I/O.
 
-egressd has one listener (``egressd.proxy.net.server.Listener``) in three
-modes. A ``Mode`` says, for each, what the network shell must not decide on
-its own:
+egressd has one listener (``egressd.proxy.net.listener.Listener``) in four
+modes (the explicit proxy, the transparent Host and SNI listeners, SOCKS5).
+A ``Mode`` says, for each, what the network shell must not decide on its
+own:
 
 1. what the client sends first (``Reads``): an HTTP request head (the
-   explicit proxy, the transparent Host listener) or a TLS ClientHello
-   (the transparent SNI listener);
+   explicit proxy, the transparent Host listener), a TLS ClientHello
+   (the transparent SNI listener) or a SOCKS5 greeting (``socks5``);
 2. how the destination is found: the request-target alone
    (``http1.request_destination``), the Host header on the listener's
    destination port (``host_destination``), or the ClientHello's SNI on it;
-3. how a run is attributed: by ``Proxy-Authorization`` and then the source
-   address (the explicit proxy), or by the source address only (a program
+3. how a run is attributed: by ``Proxy-Authorization`` (SOCKS: RFC 1929's
+   username and password, the same run id and token) and then the source
+   address (the explicit proxy, SOCKS), or by the source address only (a program
    that ignores proxy settings sends no proxy credentials);
 4. how a refusal is sent: an HTTP answer (``responses.refusal``, with the
-   status ``Mode.status`` gives) or a TLS alert (``responses.tls_refusal``).
+   status ``Mode.status`` gives), a TLS alert (``responses.tls_refusal``)
+   or a SOCKS reply (``socks5.reply`` with the reason's REP).
 
 Which refusal each limit or bad input earns is a ``Refusal`` value, from the
 functions at the end, for the mode that met it.
@@ -70,6 +73,7 @@ class Reads(enum.Enum):
 
     HTTP = "http"  # request heads, one after another (RFC 9112 §9.3)
     TLS = "tls"  # one ClientHello (RFC 8446 §4.1.2), then the bytes are spliced
+    SOCKS = "socks"  # a SOCKS5 handshake (RFC 1928, RFC 1929), then the bytes are spliced
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +130,7 @@ class Mode:
 
 
 EXPLICIT = Mode("proxy", Reads.HTTP, credentials=True)
+SOCKS = Mode("socks", Reads.SOCKS, credentials=True)
 
 
 def transparent_http(dest_port: int = HTTP_PORT) -> Mode:
@@ -178,8 +183,8 @@ def host_destination(head: RequestHead, port: int) -> Destination:
 
 
 def too_many_connections(reads: Reads) -> Refusal:
-    """The listener is at ``max_connections``: shed at once (TLS: before the client spoke, so no alert)."""
-    if reads is Reads.TLS:
+    """The listener is at ``max_connections``: shed at once (TLS, SOCKS: before the client spoke, so no answer)."""
+    if reads is not Reads.HTTP:
         return Refusal(Reason.LIMIT_EXCEEDED, "too many open connections", silent=True)
     return Refusal(Reason.LIMIT_EXCEEDED, status=429, retry_after_s=RETRY_AFTER_S)
 
@@ -192,14 +197,18 @@ def run_at_cap(reads: Reads, *, attributed: bool) -> Refusal:
     """
     if reads is Reads.TLS:
         return Refusal(Reason.LIMIT_EXCEEDED, RUN_CAP_DETAIL)
+    if reads is Reads.SOCKS:
+        return Refusal(Reason.LIMIT_EXCEEDED, RUN_CAP_DETAIL, silent=not attributed)
     detail = None if attributed else RUN_CAP_DETAIL
     return Refusal(Reason.LIMIT_EXCEEDED, detail, status=429, retry_after_s=RETRY_AFTER_S)
 
 
 def head_too_slow(reads: Reads) -> Refusal:
-    """No complete request head (or ClientHello) within ``head_timeout_s``."""
+    """No complete request head (ClientHello, SOCKS handshake) within ``head_timeout_s``."""
     if reads is Reads.TLS:
         return Refusal(Reason.LIMIT_EXCEEDED, "no complete ClientHello in time", silent=True)
+    if reads is Reads.SOCKS:
+        return Refusal(Reason.LIMIT_EXCEEDED, "SOCKS handshake too slow", silent=True)
     return Refusal(Reason.LIMIT_EXCEEDED, "request head too slow", status=408)
 
 

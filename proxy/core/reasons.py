@@ -11,11 +11,15 @@ module keeps a table of its own (after Smokescreen's decision reasons):
 - ``alert``: the fatal TLS alert (RFC 8446 §6.2) the transparent TLS
   listener and a CONNECT tunnel's SNI check send instead of an HTTP answer:
   access_denied for a policy refusal (403, 407), internal_error otherwise;
+- ``socks``: the REP (RFC 1928 §6) the SOCKS listener answers a request
+  refused with this reason: not allowed by ruleset for a policy refusal,
+  host unreachable or connection refused for an upstream failure, general
+  failure otherwise;
 - ``rcode``: the DNS response code (RFC 1035 §4.1.1) of a query refused
   with this reason, None for a reason no DNS answer carries.
 
 ``responses`` turns a reason into HTTP bytes or a TLS alert, ``dnsanswer``
-into a reply. Pure: no I/O.
+into a reply, ``socks5.reply`` into a SOCKS reply. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from types import MappingProxyType
 from typing import Final, NamedTuple
 
 from egressd.proxy.core.clienthello import Alert
+from egressd.proxy.core.socks5 import SocksReply
 
 __all__ = ["Rcode", "Reason", "reason_for", "reason_message"]
 
@@ -46,26 +51,31 @@ class _Row(NamedTuple):
     status: int
     message: str
     alert: Alert
+    socks: SocksReply
     rcode: Rcode | None
 
 
 _DENIED = Alert.ACCESS_DENIED
 _FAILED = Alert.INTERNAL_ERROR
+_RULESET = SocksReply.NOT_ALLOWED
+_GENERAL = SocksReply.GENERAL_FAILURE
 
 
 class Reason(enum.Enum):
     """Why a request was refused: the codes clients see in ``X-Egress-Reason``.
 
-    A member is (code, status, message, alert, rcode); see the module docstring.
+    A member is (code, status, message, alert, socks, rcode); see the module docstring.
     """
 
     _value_: str
     _row: _Row
 
-    def __new__(cls, code: str, status: int, message: str, alert: Alert, rcode: Rcode | None = None) -> Reason:
+    def __new__(
+        cls, code: str, status: int, message: str, alert: Alert, socks: SocksReply, rcode: Rcode | None = None
+    ) -> Reason:
         member = object.__new__(cls)
         member._value_ = code
-        member._row = _Row(status, message, alert, rcode)
+        member._row = _Row(status, message, alert, socks, rcode)
         return member
 
     # Read-only: a refusal cannot be reworded or re-statused at run time.
@@ -82,42 +92,52 @@ class Reason(enum.Enum):
         return self._row.alert
 
     @property
+    def socks(self) -> SocksReply:
+        return self._row.socks
+
+    @property
     def rcode(self) -> Rcode | None:
         return self._row.rcode
 
     # The policy's refusals (DESIGN.md "Decision order"). In strict mode the
     # DNS server answers NXDOMAIN for a name refused for one of the four that
     # hold for every port and the rest of the run.
-    DENYLISTED = ("denylisted", 403, "on the denylist", _DENIED, Rcode.NXDOMAIN)
-    NOT_ALLOWLISTED = ("not_allowlisted", 403, "not on the allowlist", _DENIED, Rcode.NXDOMAIN)
-    DENIED = ("denied", 403, "denied by approver", _DENIED)
-    APPROVAL_TIMEOUT = ("approval_timeout", 403, "no answer from an approver in time", _DENIED)
-    NO_APPROVER = ("no_approver", 403, "no approver attached", _DENIED)
-    DENIED_EARLIER = ("denied_earlier", 403, "denied earlier in this run", _DENIED, Rcode.NXDOMAIN)
-    TOO_MANY_PENDING = ("too_many_pending", 403, "too many approvals pending", _DENIED)
-    IP_LITERAL = ("ip_literal", 403, "IP address not allowlisted", _DENIED, Rcode.NXDOMAIN)
-    PRIVATE_ADDRESS = ("private_address", 403, "resolves only to private or special addresses", _DENIED)
-    PORT_NOT_ALLOWED = ("port_not_allowed", 403, "port not allowed for this host", _DENIED)
-    SNI_MISMATCH = ("sni_mismatch", 403, "TLS server name differs from the CONNECT host", _DENIED)
+    DENYLISTED = ("denylisted", 403, "on the denylist", _DENIED, _RULESET, Rcode.NXDOMAIN)
+    NOT_ALLOWLISTED = ("not_allowlisted", 403, "not on the allowlist", _DENIED, _RULESET, Rcode.NXDOMAIN)
+    DENIED = ("denied", 403, "denied by approver", _DENIED, _RULESET)
+    APPROVAL_TIMEOUT = ("approval_timeout", 403, "no answer from an approver in time", _DENIED, _RULESET)
+    NO_APPROVER = ("no_approver", 403, "no approver attached", _DENIED, _RULESET)
+    DENIED_EARLIER = ("denied_earlier", 403, "denied earlier in this run", _DENIED, _RULESET, Rcode.NXDOMAIN)
+    TOO_MANY_PENDING = ("too_many_pending", 403, "too many approvals pending", _DENIED, _RULESET)
+    IP_LITERAL = ("ip_literal", 403, "IP address not allowlisted", _DENIED, _RULESET, Rcode.NXDOMAIN)
+    PRIVATE_ADDRESS = ("private_address", 403, "resolves only to private or special addresses", _DENIED, _RULESET)
+    PORT_NOT_ALLOWED = ("port_not_allowed", 403, "port not allowed for this host", _DENIED, _RULESET)
+    SNI_MISMATCH = ("sni_mismatch", 403, "TLS server name differs from the CONNECT host", _DENIED, _RULESET)
     # The request itself: malformed (a DNS query whose name is not a host is
     # FORMERR), or from a client no run claims (REFUSED: nothing to answer for).
-    BAD_REQUEST = ("bad_request", 400, "malformed request", _FAILED, Rcode.FORMERR)
-    AUTH_REQUIRED = ("auth_required", 407, "run credentials missing or wrong", _DENIED, Rcode.REFUSED)
+    BAD_REQUEST = ("bad_request", 400, "malformed request", _FAILED, _GENERAL, Rcode.FORMERR)
+    AUTH_REQUIRED = ("auth_required", 407, "run credentials missing or wrong", _DENIED, _RULESET, Rcode.REFUSED)
     # Upstream failures, after the policy allowed the request.
-    RESOLVE_FAILED = ("resolve_failed", 502, "could not resolve", _FAILED)
-    UPSTREAM_UNREACHABLE = ("upstream_unreachable", 502, "could not connect upstream", _FAILED)
-    UPSTREAM_TIMEOUT = ("upstream_timeout", 504, "upstream timed out", _FAILED)
+    RESOLVE_FAILED = ("resolve_failed", 502, "could not resolve", _FAILED, SocksReply.HOST_UNREACHABLE)
+    UPSTREAM_UNREACHABLE = (
+        "upstream_unreachable",
+        502,
+        "could not connect upstream",
+        _FAILED,
+        SocksReply.CONNECTION_REFUSED,
+    )
+    UPSTREAM_TIMEOUT = ("upstream_timeout", 504, "upstream timed out", _FAILED, SocksReply.HOST_UNREACHABLE)
     # A connection cap (429, with Retry-After) or a head limit (431, 408). A
     # DNS query over its rate is dropped unanswered, so no rcode.
-    LIMIT_EXCEEDED = ("limit_exceeded", 429, "a limit was exceeded", _FAILED)
+    LIMIT_EXCEEDED = ("limit_exceeded", 429, "a limit was exceeded", _FAILED, _GENERAL)
     # Not in the design's list: the audit log cannot be written, so nothing may
     # go out unrecorded (fail closed).
-    AUDIT_UNAVAILABLE = ("audit_unavailable", 503, "the audit log cannot be written", _FAILED, Rcode.REFUSED)
+    AUDIT_UNAVAILABLE = ("audit_unavailable", 503, "the audit log cannot be written", _FAILED, _GENERAL, Rcode.REFUSED)
     # egressd stopped while the request was held or queued.
-    SHUTTING_DOWN = ("shutting_down", 503, "egressd stopped while the request was held", _FAILED)
+    SHUTTING_DOWN = ("shutting_down", 503, "egressd stopped while the request was held", _FAILED, _GENERAL)
     # Not in the design's list: a DNS query of a type (or class) egressd does
-    # not answer (only A and AAAA in IN); no HTTP request is refused with it.
-    UNSUPPORTED_QUERY = ("unsupported_query", 400, "DNS query type not answered", _FAILED, Rcode.REFUSED)
+    # not answer (only A and AAAA in IN); no HTTP or SOCKS request is refused with it.
+    UNSUPPORTED_QUERY = ("unsupported_query", 400, "DNS query type not answered", _FAILED, _GENERAL, Rcode.REFUSED)
 
 
 # Reasons by code, for codes read back from a record or named by another package.

@@ -12,8 +12,9 @@ also holds egressd's address there, which its proxy URL names and its DNS
 answers with.
 
 Attribution order (``RunRegistry.attribute``):
-1. ``Proxy-Authorization: Basic base64(RUN_ID:TOKEN)`` present → that run if
-   the credentials are right, else nothing (the caller answers 407);
+1. ``Proxy-Authorization: Basic base64(RUN_ID:TOKEN)`` present (SOCKS5:
+   username RUN_ID, password TOKEN, ``credentials``) → that run if the
+   credentials are right, else nothing (the caller answers 407);
 2. the client's source address is bound to a run → that run;
 3. the default run, when there is one (``egressd serve`` without
    ``--require-auth``);
@@ -464,12 +465,16 @@ class RunRegistry:
         parsed = parse_proxy_authorization(header)
         if parsed is None:
             return None
-        run = self._runs.get(parsed[0])
+        return self.credentials(*parsed)
+
+    def credentials(self, run_id: str, token: str) -> Run | None:
+        """The run whose id and token these are, or None (``Proxy-Authorization``'s, or SOCKS5's RFC 1929 pair)."""
+        run = self._runs.get(run_id)
         if run is None:
             # Compare anyway, so a wrong id costs the same time as a wrong token.
-            hmac.compare_digest(parsed[1].encode(), b"x" * 32)  # bytes: a str token may not be ASCII
+            hmac.compare_digest(token.encode(), b"x" * 32)  # bytes: a str token may not be ASCII
             return None
-        return run if hmac.compare_digest(parsed[1].encode(), run.token.encode()) else None
+        return run if hmac.compare_digest(token.encode(), run.token.encode()) else None
 
     def by_control_token(self, token: str) -> Run | None:
         """The live run whose control token this is, or None (an ended run's token matches nothing).

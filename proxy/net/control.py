@@ -55,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -63,6 +64,7 @@ from typing import Any
 from aiohttp import web
 
 from egressd.approvals.control import RUN_SCOPED_ROUTES, SCOPE, Scope
+from egressd.approvals.web import CONTROL_VIEW, ControlView
 from egressd.audit.log import AuditError
 from egressd.audit.records import run_changed_record, run_record
 from egressd.config.presets import UnknownPreset, preset_entries
@@ -102,18 +104,24 @@ def json_error(status: int, message: str) -> web.HTTPException:
     return classes[status](text=json.dumps({"error": message}), content_type="application/json")
 
 
+def token_scope(app: web.Application, given: str) -> Scope | None:
+    """What a token may act on: every run (the global token), a live run's own, or None (no token of ours)."""
+    if not given:
+        return None
+    if hmac.compare_digest(given.encode(), app[TOKEN].encode()):
+        return Scope(run_id=None)
+    run = app[RUNS].by_control_token(given)
+    return Scope(run_id=run.id) if run is not None else None
+
+
 def _scope(request: web.Request) -> Scope:
     """Who the bearer token says the caller is: the global token, a live run's own token, or 401."""
     scheme, _, given = request.headers.get("Authorization", "").partition(" ")
     given = given.strip()
-    if scheme.lower() != "bearer" or not given:
+    scope = token_scope(request.app, given) if scheme.lower() == "bearer" else None
+    if scope is None:
         raise json_error(401, "missing or wrong bearer token")
-    if hmac.compare_digest(given.encode(), request.app[TOKEN].encode()):
-        return Scope(run_id=None)
-    run = request.app[RUNS].by_control_token(given)
-    if run is None:
-        raise json_error(401, "missing or wrong bearer token")
-    return Scope(run_id=run.id)
+    return scope
 
 
 def _check_run_route(request: web.Request, scope: Scope) -> None:
@@ -365,4 +373,20 @@ def build_app(*, gate: Gate, runs: RunRegistry, proxy_address: tuple[str, int], 
     app.router.add_put("/runs/{run_id}/command", set_command)
     app.router.add_get("/runs/{run_id}/events", run_events)
     app.router.add_delete("/runs/{run_id}", end_run)
+    # What the approvals page (``--approver web``) reads: sign-in, runs, egress records.
+    app[CONTROL_VIEW] = ControlView(
+        sign_in=lambda given: token_scope(app, given),
+        runs=lambda: [run.describe() for run in runs],
+        recent=lambda n: recent_events(runs, n),
+        observers=gate.observers,
+    )
     return app
+
+
+def recent_events(runs: RunRegistry, n: int) -> list[dict[str, Any]]:
+    """The last ``n`` egress records of every live run together, oldest first (from their event windows)."""
+    picked: list[dict[str, Any]] = []
+    for run in runs:
+        picked.extend(record for _, record in itertools.islice(reversed(run.events), n))
+    picked.sort(key=lambda record: record.get("ts") or 0.0)
+    return picked[-n:]

@@ -1,11 +1,13 @@
 """The one TCP listener: accepts clients and serves each in the way its mode says.
 
-egressd listens in three modes (``egressd.proxy.core.modes``): the explicit
-proxy, the transparent Host listener and the transparent SNI listener. They
+egressd listens in four modes (``egressd.proxy.core.modes``): the explicit
+proxy, the transparent Host listener, the transparent SNI listener and the
+SOCKS5 listener. They
 differ only in what the client sends first, how the destination is found,
 how a run is attributed and how a refusal is sent, which the ``Mode`` value
 says; the conversation that follows from it is ``server.serve_http`` (a
-request head) or ``transparent.serve_tls`` (a ClientHello).
+request head), ``transparent.serve_tls`` (a ClientHello) or
+``socks.serve_socks`` (a SOCKS5 handshake).
 
 What a client connection holds while it lasts is a ``Held``, released once
 by whoever has it last: the listener's task, or the tunnel it was spliced
@@ -29,6 +31,7 @@ from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mod
 from egressd.proxy.core.runs import Run, RunRegistry
 from egressd.proxy.net.gate import Attempt, Gate, Seen
 from egressd.proxy.net.server import serve_http
+from egressd.proxy.net.socks import serve_socks
 from egressd.proxy.net.stream import Peer
 from egressd.proxy.net.transparent import serve_tls
 from egressd.proxy.net.tunnel import ClientCheck, Tunnel
@@ -67,7 +70,8 @@ class Listener:
 
     def _accepted(self, client: Peer) -> None:
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
-        serve = serve_tls if self.mode.reads is Reads.TLS else serve_http  # `is`: an Enum's hash is a Python call
+        reads = self.mode.reads  # `is`, not a dict: an Enum's hash is a Python call
+        serve = serve_http if reads is Reads.HTTP else serve_tls if reads is Reads.TLS else serve_socks
         task = asyncio.get_running_loop().create_task(serve(self, client))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

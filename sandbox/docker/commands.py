@@ -88,6 +88,7 @@ class DockerSandbox:
     workdir: Path
     proxy_url: str
     labels: Mapping[str, str]
+    socks_url: str | None = None  # egressd's SOCKS5 listener with the run's credentials (ALL_PROXY), if it has one
     extra_env: Mapping[str, str] = field(default_factory=dict)
     term: str | None = None
     runtime: str | None = None
@@ -113,7 +114,9 @@ class DockerSandbox:
         except OSError as exc:
             raise SandboxError(f"cannot mount the working directory nosuid,nodev for the sandbox (egressd needs "
                                f"root for that): {exc}") from None
-        self.env = base_environment(term=self.term, proxy_url=self.proxy_url, extra=self.extra_env)
+        self.env = base_environment(
+            term=self.term, proxy_url=self.proxy_url, socks_url=self.socks_url, extra=self.extra_env
+        )
 
     async def run(
         self,

@@ -39,6 +39,7 @@ SUBNET_PREFIX = 28
 METADATA_NET = ipaddress.ip_network("169.254.169.0/24")
 CONTROL_PORT = 3129
 PROXY_PORT = 3128
+SOCKS_PORT = 1080  # the sidecar's SOCKS5 listener (``ALL_PROXY=socks5h://...`` in the command's container)
 EGRESSD_STATE = "/var/lib/egressd"  # the egressd image's volume: audit log and token
 # The sidecar's secrets: files in its state volume, put there before it starts
 # (``secrets_archive``) and gone with the volume when the run ends. Not

@@ -10,6 +10,10 @@ Each check runs once per way a person answers an approval, under a real
 - ``webhook``   ``WebhookChannel`` posting to a ``WebhookReceiver`` on
   loopback: the check reads the signed POST and answers by the signed
   callback, served as the control server serves it;
+- ``web``       ``WebChannel``, the approvals page, served as the control server
+  serves it: a browser's requests (a session cookie, the CSRF token, an
+  ``Origin``) read the page's HTML and its event stream and post the
+  Allow/Deny form;
 - ``control``   the control API's ``/approvals`` routes through egressd's own
   control client (what ``egressd pending|allow|deny`` use), behind a
   bearer-token check on loopback, answering approvals a silent channel holds;
@@ -23,13 +27,15 @@ a failure here, whatever the channel's own tests say. Where a check cannot
 be put to a channel at all, it is not generated for it (``drivers``, no
 skips): the terminal's answer names no approval (no unknown id to type);
 the control API and nobody are no channel that could go away; nobody is
-itself the never-attached case. Only Slack and the control API bind an
-answer to one run, so only they are handed another run's approval to answer.
+itself the never-attached case. Only Slack, the page (signed in with a
+run's own token) and the control API bind an answer to one run, so only
+they are handed another run's approval to answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import html
 import json
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -55,7 +61,9 @@ from egressd.approvals.message import UNRELATED, is_invisible, render
 from egressd.approvals.signing import parse_secret
 from egressd.approvals.slack import ALLOW_ALWAYS_ACTION, SlackChannel
 from egressd.approvals.terminal import BOLD, CLEAR_LINE, RESET, SANE, WARN, TerminalChannel
+from egressd.approvals.web import ControlView, WebChannel
 from egressd.approvals.webhook import WebhookChannel
+from egressd.approvals.webpage import DECISIONS
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.control_client import ControlClient
 from egressd.config.allowfile import read_allow_file
@@ -65,6 +73,7 @@ from tests.fakes.terminal import Pty
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import listening_socket, refused_port, wait_until
 from tests.integration.approvals.test_broker import RecordingChannel
+from tests.integration.approvals.webclient import EventReader, PageClient
 
 UNKNOWN_ID = "a-doesnotexist0000"
 
@@ -563,6 +572,126 @@ class WebhookDriver(Driver):
         return status == 200
 
 
+class PageDriver(Driver):
+    """The approvals page, as a browser uses it: signed in, the page open (its event stream), the form posted."""
+
+    channel = "web"
+    by = "alice"
+    marks: ClassVar[dict[str, str]] = {
+        "allow": "allowed by alice via web",
+        "deny": "denied by alice via web",
+        "timeout": "expired (denied)",
+    }
+    run_scoped = True  # a session signed in with a run's own token answers that run's approvals only
+    TOKENS: ClassVar[dict[str, Scope]] = {
+        "global-token": Scope(None),
+        "r-1-token": Scope("r-1"),
+        "r-2-token": Scope("r-2"),
+    }
+    # The page's own tags; anything else in its HTML came from elsewhere.
+    OWN_TAGS = frozenset({"li", "div", "span", "p", "form", "input", "button"})
+
+    async def _serve(self, timeout_s: float) -> ApprovalBroker:
+        # No grace after a page closes, and a quick keep-alive: a closed page stops counting at once.
+        self.web = WebChannel(presence_grace_s=0.0, keepalive_s=0.05)
+        broker = await self.broker([self.web], timeout_s)
+        view = ControlView(
+            sign_in=self.TOKENS.get,
+            runs=lambda: [{"id": "r-1"}, {"id": "r-2"}],
+            recent=lambda n: [],
+            observers=[],
+        )
+        self.base = await self.stack.enter_async_context(control_server(broker.routes, listening_socket(), view=view))
+        return broker
+
+    async def _open_page(self, token: str = "global-token") -> PageClient:
+        page = PageClient(self.base)
+        self.stack.push_async_callback(page.close)
+        await page.sign_in(token=token, name="alice")
+        assert page.csrf is not None
+        return page
+
+    async def start(self, timeout_s: float) -> ApprovalBroker:
+        broker = await self._serve(timeout_s)
+        self.page = await self._open_page()
+        self.stream = await self.stack.enter_async_context(self.page.http.get(self.base + "/web/events"))
+        self.events = EventReader(self.stream)
+        await self.events.until("ready")
+        self.reading = asyncio.create_task(self._read())
+        self.stack.push_async_callback(self._stop_reading)
+        return broker
+
+    async def _read(self) -> None:
+        while True:
+            await self.events.next(timeout_s=3600)
+
+    async def _stop_reading(self) -> None:
+        self.reading.cancel()
+        await asyncio.gather(self.reading, return_exceptions=True)
+
+    def _event(self, name: str, approval_id: str) -> Any:
+        return next((d for e, d in self.events.seen if e == name and d["id"] == approval_id), None)
+
+    async def shown(self, approval_id: str) -> str:
+        await wait_until(lambda: self._event("approval", approval_id) is not None)
+        _, _, page = await self.page.get()
+        self.html = page
+        card = re.search(rf'<li class="approval" id="approval-{re.escape(approval_id)}".*?</li>', page, re.S)
+        assert card is not None, page
+        lines = re.findall(r'<div class="line [a-z]+">(.*?)</div>', card.group(0), re.S)
+        return "\n".join(html.unescape(line) for line in lines)
+
+    def inert(self) -> None:
+        body = self.html[self.html.index('<ul id="approvals">') : self.html.index("</ul>")]
+        tags = {name.lower() for name in re.findall(r"</?([A-Za-z][A-Za-z0-9]*)", body)}
+        assert tags <= self.OWN_TAGS | {"ul"}, tags
+        assert not [ch for ch in body if ord(ch) < 0x20 or 0x7F <= ord(ch) < 0xA0], body
+
+    async def _post(self, page: PageClient, approval_id: str, choice: Choice | str) -> bool:
+        status, _, _ = await page.answer(approval_id, choice if isinstance(choice, str) else choice.value)
+        if status != 303:
+            assert status == 403, status
+            return False
+        _, _, text = await page.get()
+        flash = re.search(r'<p class="flash" role="status">(.*?)</p>', text)
+        assert flash is not None, text
+        return html.unescape(flash.group(1)).startswith(f"Approval {approval_id}: ")
+
+    async def answer(self, approval_id: str, choice: Choice) -> bool | None:
+        return await self._post(self.page, approval_id, choice)
+
+    async def offered(self, approval_id: str) -> set[str]:
+        await self.shown(approval_id)
+        card = re.search(rf'<li class="approval" id="approval-{re.escape(approval_id)}".*?</li>', self.html, re.S)
+        assert card is not None
+        values = re.findall(r'<button type="submit" name="decision" value="([a-z]+)"', card.group(0))
+        return {scope for allows, scope in map(DECISIONS.__getitem__, values) if allows and scope}
+
+    async def answer_scoped(self, approval_id: str, scope: ApprovalScope) -> bool | None:
+        # The button's value, posted also when the page did not show that button (a hand-made form).
+        value = next(v for v, (allows, s) in DECISIONS.items() if allows and s == scope.value)
+        return await self._post(self.page, approval_id, value)
+
+    async def withdrawn(self, approval_id: str) -> str:
+        await wait_until(lambda: self._event("settled", approval_id) is not None)
+        return str(self._event("settled", approval_id)["text"])
+
+    async def detach(self) -> None:
+        await self._stop_reading()
+        self.stream.close()  # the page is closed
+        await wait_until(lambda: not self.web.attached_for("r-1"))
+
+    async def never_attached(self) -> ApprovalBroker:
+        return await self._serve(30.0)  # nobody signed in, no page open
+
+    async def answer_unknown(self, pending_id: str, choice: Choice) -> bool | None:
+        return await self._post(self.page, UNKNOWN_ID, choice)
+
+    async def answer_foreign(self, own_id: str, other_id: str, choice: Choice) -> bool | None:
+        own = next(d for e, d in self.events.seen if e == "approval" and d["id"] == own_id)
+        return await self._post(await self._open_page(f"{own['run']}-token"), other_id, choice)
+
+
 class ControlDriver(Driver):
     channel = "control"
     by = "carol"
@@ -668,6 +797,7 @@ DRIVERS: dict[str, type[Driver]] = {
     "terminal": TerminalDriver,
     "slack": SlackDriver,
     "webhook": WebhookDriver,
+    "web": PageDriver,
     "control": ControlDriver,
     "nobody": NobodyDriver,
 }

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from egressd.approvals.control import SCOPE, Scope
 from egressd.approvals.interface import Route
+from egressd.approvals.web import CONTROL_VIEW, ControlView
 
 
 def _token_check(tokens: Mapping[str, Scope], public: set[str]) -> Callable[..., object]:
@@ -37,12 +38,21 @@ def _token_check(tokens: Mapping[str, Scope], public: set[str]) -> Callable[...,
 
 @asynccontextmanager
 async def control_server(
-    routes: Callable[[], Sequence[Route]], sock: socket.socket, *, tokens: Mapping[str, Scope] | None = None
+    routes: Callable[[], Sequence[Route]],
+    sock: socket.socket,
+    *,
+    tokens: Mapping[str, Scope] | None = None,
+    view: ControlView | None = None,
 ) -> AsyncIterator[str]:
-    """Serve routes on ``sock`` (already listening) the way the control API would; yields the base URL."""
+    """Serve routes on ``sock`` (already listening) the way the control API would; yields the base URL.
+
+    ``view``: what the approvals page reads of the control server (its sign-in, runs, egress records).
+    """
     served = list(routes())
     public = {route.path for route in served if route.public}
     app = web.Application(middlewares=[_token_check(tokens, public)] if tokens is not None else [])
+    if view is not None:
+        app[CONTROL_VIEW] = view
     for route in served:
         app.router.add_route(route.method, route.path, route.handler)
     runner = web.AppRunner(app, access_log=None)

@@ -39,7 +39,7 @@ def test_subnet_choice_fails_clearly_when_the_pool_is_full() -> None:
 def test_nft_ruleset_allows_only_egressd_ports_on_the_host_address() -> None:
     text = nft_ruleset(ipaddress.ip_address("169.254.100.1"), EgressPorts())
     assert "policy drop" in text
-    assert "ip daddr 169.254.100.1 tcp dport { 53, 80, 443, 3128 } accept" in text
+    assert "ip daddr 169.254.100.1 tcp dport { 53, 80, 443, 1080, 3128 } accept" in text
     assert "ip daddr 169.254.100.1 udp dport 53 accept" in text
     assert text.count("accept") == 5  # lo out, tcp, udp, lo in, established
 
@@ -69,6 +69,10 @@ def test_environment_is_built_from_nothing() -> None:
     assert "EGRESSD_UNIT_SECRET" not in env and env["FOO"] == "bar"
     assert env["HTTPS_PROXY"] == env["http_proxy"] == "http://r:t@169.254.100.1:3128"
     assert env["HOME"] == "/work"
+    assert env["ALL_PROXY"] == env["all_proxy"] == "http://r:t@169.254.100.1:3128"  # no SOCKS listener named
+    env = base_environment(term=None, proxy_url="http://r:t@h:3128", socks_url="socks5h://r:t@h:1080")
+    assert env["ALL_PROXY"] == env["all_proxy"] == "socks5h://r:t@h:1080"
+    assert env["HTTPS_PROXY"] == env["HTTP_PROXY"] == "http://r:t@h:3128"
 
 
 def test_generated_etc_points_dns_at_egressd() -> None:

@@ -38,8 +38,9 @@ def serve(tmp_path: Path, dns):  # type: ignore[no-untyped-def]
             env=_env(tmp_path), stderr=subprocess.PIPE, text=True,
         )
         procs.append(proc)
-        port = wait_serve_ports(proc)["proxy"]  # the port it bound: none picked here and taken by another first
-        return port, audit, proc
+        ports = wait_serve_ports(proc)  # the ports it bound: none picked here and taken by another first
+        start.ports = ports  # type: ignore[attr-defined]  # the other listeners', for a test that asks
+        return ports["proxy"], audit, proc
 
     yield start
     for proc in procs:
@@ -144,3 +145,19 @@ def test_help_explains_every_command() -> None:
         "--allow", "--deny", "--preset", "--allow-private", "--approver", "--upstream-dns", "--audit-log", "--no-ask"
     ):
         assert flag in result.stdout
+
+
+async def test_serve_socks_listens_where_told_and_curl_goes_through_it(serve, http_origin, dns) -> None:
+    require(have("curl"), "curl is not installed")
+    import asyncio
+
+    _, audit, proc = serve("--socks", "127.0.0.1:0", "--allow", "origin.test:*")
+    socks = serve.ports["socks"]
+    url = f"http://origin.test:{http_origin.port}/via-socks"
+    argv = ["curl", "-sS", "--max-time", "10", "--socks5-hostname", f"127.0.0.1:{socks}", url]
+    ok = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=20)
+    assert ok.returncode == 0 and "hello from origin: GET /via-socks" in ok.stdout, ok.stderr
+    proc.send_signal(signal.SIGTERM)
+    await asyncio.to_thread(proc.communicate, timeout=20)
+    records = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert [(r["kind"], r["decision"]) for r in records if r["event"] == "egress"] == [("socks", "allow")]

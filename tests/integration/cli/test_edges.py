@@ -30,6 +30,7 @@ SERVICE_ONLY = [
     ["--dns-answer", "127.0.0.1"],
     ["--transparent-tls", "127.0.0.1:1"],
     ["--transparent-http", "127.0.0.1:1"],
+    ["--socks", "127.0.0.1:1"],
     ["--require-auth"],
 ]
 

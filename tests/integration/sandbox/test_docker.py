@@ -203,6 +203,7 @@ def test_the_sidecar_gets_our_policy_settings_but_its_own_listeners() -> None:
     assert env["EGRESSD_REQUIRE_AUTH"] == "true"
     assert "EGRESSD_WEBHOOK_SECRET" not in env and "EGRESSD_CONTROL_TOKEN" not in env  # files: not in docker inspect
     assert env["EGRESSD_LISTEN"] == "169.254.64.2:3128" and env["EGRESSD_CONTROL"] == "169.254.64.18:3129"
+    assert env["EGRESSD_SOCKS"] == "169.254.64.2:1080"
     assert "EGRESSD_ALLOW" not in env  # the allowlist is the run's, sent with POST /runs
 
 
@@ -317,6 +318,22 @@ async def test_allowed_origin_is_reached_through_the_sidecar(make_bed: Any, tmp_
     kinds = {(r.get("kind"), r.get("decision")) for r in records if r.get("event") == "egress"}
     assert ("http", "allow") in kinds and ("dns", "allow") in kinds  # egressd's records, appended to ours
     assert any(r.get("event") == "run.end" for r in records)
+
+
+async def test_all_proxy_names_the_sidecars_socks_listener(make_bed: Any, tmp_path: Path) -> None:
+    async with make_bed() as bed:
+        obs = await bed.sh(
+            f'case "$ALL_PROXY" in socks5h://*:1080) ;; *) echo "ALL_PROXY=$ALL_PROXY"; exit 3;; esac;'
+            f' curl -sS -m 10 --proxy "$ALL_PROXY" http://{ORIGIN_NAME}:{ORIGIN_PORT}/from-socks; echo;'
+            f' curl -sS -m 5 --proxy "$all_proxy" http://leak.test:8080/; echo curl=$?',
+            capture=True,
+        )
+        assert obs.exit_code == 0, obs.stdout + obs.stderr
+        assert "hello from origin: GET /from-socks" in obs.stdout and "curl=0" not in obs.stdout
+        assert await bed.leak.leaks() == []
+    records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    socks = [(r["host"], r["decision"]) for r in records if r.get("event") == "egress" and r.get("kind") == "socks"]
+    assert socks == [(ORIGIN_NAME, "allow"), ("leak.test", "deny")]
 
 
 async def test_unknown_domain_is_refused_and_reported(make_bed: Any) -> None:

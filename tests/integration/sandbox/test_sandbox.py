@@ -186,6 +186,24 @@ async def test_a_missing_command_exits_127_with_one_clear_line(tmp_path, dns, co
     assert (code, out) == (5, "named\n"), err
 
 
+async def test_all_proxy_names_the_socks_listener_and_it_carries_the_run(tmp_path, dns, http_origin, leak) -> None:
+    script = textwrap.dedent(f"""
+        case "$ALL_PROXY" in socks5h://*) ;; *) echo "ALL_PROXY=$ALL_PROXY"; exit 3;; esac
+        curl -sS -m 10 --proxy "$ALL_PROXY" http://origin.test:{http_origin.port}/from-socks
+        echo
+        curl -sS -m 5 --proxy "$all_proxy" http://leak.test:{leak.port}/; echo curl=$?
+    """)
+    code, out, err = await egressd_run(tmp_path, dns, "--allow", "origin.test:*", "--", "sh", "-c", script)
+    assert code == 0, out + err
+    assert "hello from origin: GET /from-socks" in out and "curl=0" not in out
+    assert leak.connections == 0 and not dns.asked("leak.test")
+    records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    socks = [r for r in records if r.get("event") == "egress" and r.get("kind") == "socks"]
+    assert [(r["host"], r["decision"]) for r in socks] == [("origin.test", "allow"), ("leak.test", "deny")]
+    assert socks[0]["run"] == socks[1]["run"] != "default"
+    await assert_no_leftovers()
+
+
 async def test_unknown_domain_is_blocked_and_reported_on_stderr(tmp_path, dns, leak) -> None:
     code, out, err = await egressd_run(
         tmp_path, dns, "--allow", "origin.test", "--", "sh", "-c", "curl -fsS -m 5 http://leak.test/; echo curl=$?"

@@ -1,0 +1,193 @@
+// The egressd approvals page: keeps the page current from /web/events (server-sent events).
+// Every text that came from a sandbox is added with textContent, never as HTML.
+"use strict";
+
+(function () {
+  const csrfMeta = document.querySelector('meta[name="csrf"]');
+  if (!csrfMeta) return;  // the sign-in form has no live parts
+  const csrf = csrfMeta.content;
+  const list = document.getElementById("approvals");
+  const nothing = document.getElementById("nothing-waiting");
+  const status = document.getElementById("status");
+  const tail = document.getElementById("tail");
+  const runsBox = document.getElementById("runs");
+  const filters = document.getElementById("filters");
+  const FIELDS = ["ts", "run", "kind", "host", "port", "decision", "reason"];
+  const MAX_ROWS = 500;           // egress rows kept on the page
+  const SETTLED_SHOWN_MS = 60000;  // a settled approval stays, marked, this long
+
+  function el(tag, cls, text) {
+    const e = document.createElement(tag);
+    if (cls) e.className = cls;
+    if (text !== undefined && text !== null) e.textContent = String(text);
+    return e;
+  }
+
+  function countdownText(expires) {
+    const left = Math.floor(expires - Date.now() / 1000);
+    if (left <= 0) return "expired";
+    return "expires in " + Math.floor(left / 60) + ":" + String(left % 60).padStart(2, "0");
+  }
+
+  function tick() {
+    for (const p of document.querySelectorAll(".approval:not(.settled) .countdown")) {
+      p.textContent = countdownText(Number(p.dataset.expires));
+    }
+  }
+
+  function hidden(name, value) {
+    const input = el("input");
+    input.type = "hidden";
+    input.name = name;
+    input.value = value;
+    return input;
+  }
+
+  // The Allow and Deny form; a scope choice belongs here too (as in webpage.answer_form).
+  // The answer buttons, as webpage.ANSWERS: the value each posts, its label, the scope it needs offered.
+  const ANSWERS = [
+    ["once", "Allow once", "once"],
+    ["allow", "Allow for this run", "run"],
+    ["always", "Allow always", "always"],
+    ["deny", "Deny", null],
+  ];
+
+  function buildForm(id, scopes) {
+    const form = el("form", "answer");
+    form.method = "post";
+    form.action = "/web/answer";
+    form.appendChild(hidden("csrf", csrf));
+    form.appendChild(hidden("id", id));
+    for (const [value, label, scope] of ANSWERS) {
+      if (scope !== null && !(scopes || ["once", "run"]).includes(scope)) continue;
+      const button = el("button", value === "deny" ? "deny" : "allow", label);
+      button.type = "submit";
+      button.name = "decision";
+      button.value = value;
+      form.appendChild(button);
+    }
+    return form;
+  }
+
+  function findApproval(id) {
+    return document.getElementById("approval-" + id);
+  }
+
+  function updateNothing() {
+    nothing.hidden = list.querySelector(".approval:not(.settled)") !== null;
+  }
+
+  function addApproval(a) {
+    if (findApproval(a.id)) return;
+    const li = el("li", "approval");
+    li.id = "approval-" + a.id;
+    li.dataset.id = a.id;
+    const meta = el("div", "meta");
+    meta.append("run ", el("span", "run", a.run), " · approval ", el("span", "id", a.id));
+    li.appendChild(meta);
+    const message = el("div", "message");
+    for (const [kind, text] of a.lines) message.appendChild(el("div", "line " + kind, text));
+    li.appendChild(message);
+    const countdown = el("p", "countdown", countdownText(a.expires_at));
+    countdown.dataset.expires = String(a.expires_at);
+    li.appendChild(countdown);
+    li.appendChild(el("p", "state", a.abandoned ? "The client gave up waiting; an answer still applies to the run." : ""));
+    li.appendChild(buildForm(a.id, a.scopes));
+    list.appendChild(li);
+    updateNothing();
+  }
+
+  function settle(d) {
+    const li = findApproval(d.id);
+    if (!li) return;
+    li.classList.add("settled");
+    li.querySelector(".state").textContent = "Settled: " + d.text;
+    li.querySelector(".countdown").textContent = "";
+    const form = li.querySelector("form");
+    if (form) form.remove();
+    updateNothing();
+    setTimeout(function () { li.remove(); updateNothing(); }, SETTLED_SHOWN_MS);
+  }
+
+  function shows(row) {
+    const run = filters.elements.run.value.trim();
+    const decision = filters.elements.decision.value;
+    const host = filters.elements.host.value.trim().toLowerCase();
+    const cell = function (name) { return row.querySelector("." + name).textContent; };
+    return (!run || cell("run").includes(run)) &&
+      (!decision || cell("decision") === decision) &&
+      (!host || cell("host").toLowerCase().includes(host));
+  }
+
+  function filter() {
+    for (const row of tail.rows) row.hidden = !shows(row);
+  }
+
+  function addEgress(r) {
+    // A stream starts with the latest records, some of which the page may show already.
+    const id = String(r.id || "");
+    if (id && Array.from(tail.rows).some(function (row) { return row.dataset.id === id; })) return;
+    const row = el("tr", r.decision || "");
+    row.dataset.id = id;
+    for (const name of FIELDS) row.appendChild(el("td", name, r[name] === null || r[name] === undefined ? "" : r[name]));
+    row.hidden = !shows(row);
+    tail.appendChild(row);
+    while (tail.rows.length > MAX_ROWS) tail.deleteRow(0);
+  }
+
+  function entries(values) {
+    const td = el("td");
+    if (!values || values.length === 0) td.appendChild(el("span", "none", "(none)"));
+    for (const v of values || []) { td.appendChild(el("code", null, v)); td.append(" "); }
+    return td;
+  }
+
+  function showRuns(runs) {
+    runsBox.replaceChildren();
+    if (runs.length === 0) { runsBox.appendChild(el("p", "none", "No run is live.")); return; }
+    const table = el("table", "runs");
+    const head = el("tr");
+    for (const h of ["Run", "Task", "Command", "Allowed", "Approved", "Denied", "Deny entries"]) head.appendChild(el("th", null, h));
+    table.appendChild(el("thead")).appendChild(head);
+    const body = table.appendChild(el("tbody"));
+    for (const r of runs) {
+      const row = el("tr");
+      row.dataset.run = r.id;
+      row.append(el("td", null, r.id), el("td", null, r.task || ""), el("td", null, r.command || ""),
+        entries(r.allow), entries(r.approved), entries(r.denied), entries(r.deny));
+      body.appendChild(row);
+    }
+    runsBox.appendChild(table);
+  }
+
+  function notice(d) {
+    const p = el("p", "notice", d.text);
+    p.setAttribute("role", "status");
+    list.parentNode.insertBefore(p, list);
+  }
+
+  const events = new EventSource("/web/events");
+  const on = function (name, fn) {
+    events.addEventListener(name, function (e) { fn(JSON.parse(e.data)); });
+  };
+  on("approval", addApproval);
+  on("settled", settle);
+  on("abandoned", function (d) {
+    const li = findApproval(d.id);
+    if (li) li.querySelector(".state").textContent = d.text;
+  });
+  on("notice", notice);
+  on("egress", addEgress);
+  on("runs", showRuns);
+  on("ready", function () { status.textContent = "Live updates: on"; status.className = "status live"; });
+  on("ended", function () { events.close(); location.reload(); });
+  events.onerror = function () {
+    status.textContent = "Live updates: reconnecting…";
+    status.className = "status";
+    // Closed for good (signed out, or too many pages): the page itself says why.
+    if (events.readyState === EventSource.CLOSED) setTimeout(function () { location.reload(); }, 3000);
+  };
+  filters.addEventListener("input", filter);
+  filters.addEventListener("submit", function (e) { e.preventDefault(); });
+  setInterval(tick, 1000);
+})();

@@ -1,0 +1,569 @@
+"""The web channel: the approvals page of the control server (``--approver web``).
+
+Routes (all under ``/web``; public to the control API's bearer check, each
+guarded here instead):
+
+- ``GET  /web/``          the page, or the sign-in form without a session
+- ``POST /web/signin``    ``token`` (the control token) and ``name``: a session cookie, 303 to the page
+- ``POST /web/signout``   ``csrf``: the session ends, the cookie is cleared
+- ``POST /web/answer``    ``csrf``, ``id``, ``decision`` (allow|deny): answered through the
+                          ``Answerer`` with channel ``web`` and ``by`` the name given at sign-in
+- ``GET  /web/events``    server-sent events: the waiting approvals, their settlements,
+                          the runs, and the egress records as they happen
+- ``GET  /web/app.js``, ``/web/style.css``  the page's only script and style (shipped in the package)
+
+Who may sign in: the global control token (every run), or a run's own
+control token, narrowed to that run like the control API's ``Scope`` (its
+approvals, its runs row, its egress; the session ends with the run). The
+token is compared in constant time; failed sign-ins are limited per client
+address and in all (429). A session is server-side (``webpage.SessionStore``):
+the cookie ``egressd_session`` holds only its 256-bit random id, HttpOnly,
+SameSite=Strict, ``Path=/web``, Secure when the page is reached over https;
+it ends after an hour unused or twelve hours in all, at sign-out, or when
+egressd stops.
+
+Every state change (sign-in, sign-out, an answer) is a POST whose ``Origin``
+must be the page's own; all but the sign-in also carry the session's CSRF
+token (256 random bits, compared in constant time): anything else is 403 and
+changes nothing. A GET never decides anything. Every request's Host must
+name the control server itself (``webpage.host_allowed``), else 421: a
+rebound DNS name cannot reach the page. Every response carries a strict
+Content-Security-Policy (no inline script or style; the script and style
+are ``'self'``), ``nosniff``, ``frame-ancestors 'none'`` and a referrer
+policy. ``Referrer-Policy`` is ``same-origin``, not ``no-referrer``: under
+``no-referrer`` a browser sends ``Origin: null`` with the page's own form
+posts (the Fetch standard), which the Origin check must refuse; a referrer
+still never leaves the page's origin.
+
+When the channel is attached: the broker starts it like any channel, but
+it delivers only while someone may answer: a live session whose scope covers
+the approval's run has the page open (an event stream now, or one that
+closed less than ``PRESENCE_GRACE_S`` ago, a reconnect). Otherwise
+``deliver`` fails at once, so with ``--approver web`` alone and nobody
+watching, a new domain is refused ``no_approver`` as with any unattached
+channel. An approval shown stays answerable until its deadline even if the
+page is closed (and through ``egressd allow|deny``).
+
+The egress tail comes from the gate's observers (every egress record as it
+is written, the same records ``GET /runs/ID/events`` returns), subscribed
+only while an event stream is open; a new stream starts with the last
+records of each run's event window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+from urllib.parse import parse_qsl
+
+from aiohttp import web
+
+from egressd.audit.records import rfc3339
+
+from .control import Scope
+from .interface import (
+    Answerer,
+    AnswerResult,
+    ApprovalScope,
+    ChannelUnavailable,
+    Choice,
+    Notice,
+    PendingApproval,
+    Route,
+    Settlement,
+    parse_scope,
+)
+from .message import ABANDONED_TEXT, settled_text
+from .webpage import (
+    COOKIE,
+    DECISIONS,
+    MAX_NAME_CHARS,
+    PREFIX,
+    Session,
+    SessionStore,
+    SignInLimiter,
+    approval_event,
+    expected_origin,
+    host_allowed,
+    message_html,
+    page_html,
+    public_https,
+    run_row,
+    signin_html,
+    tail_row,
+)
+
+log = logging.getLogger("egressd.approvals.web")
+
+CHANNEL = "web"
+# A page that lost its event stream reconnects within seconds (``retry``
+# below); for this long it still counts as open, so a blip is not no_approver.
+PRESENCE_GRACE_S = 30.0
+# The browser's reconnect delay, sent at the start of every stream.
+RETRY_MS = 2000
+# A stream with nothing to say sends a comment this often: a closed page is
+# noticed, and the runs' rows are refreshed when they changed.
+KEEPALIVE_S = 5.0
+# Events queued for one stream; a page that does not read them is cut off
+# (it reconnects and starts from a fresh snapshot).
+STREAM_QUEUE = 1024
+# Egress records a new stream starts with (and a page keeps).
+TAIL_BACKLOG = 100
+# Streams open at once, all sessions together.
+MAX_STREAMS = 32
+# What a page is told of an approval that stopped waiting without this channel being told how.
+NO_LONGER_WAITING = "no longer waiting (answered elsewhere, or expired)"
+# Sign-in and answer forms are a few short fields.
+MAX_FORM_BYTES = 8192
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+SECURITY_HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "X-Frame-Options": "DENY",
+    "Cache-Control": "no-store",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ControlView:
+    """What the page needs of the control server, put on its application by ``egressd.proxy.net.control``.
+
+    ``sign_in``: the scope a token grants (the global token, a live run's
+    own), or None; ``runs``: every live run as ``GET /runs`` shows it;
+    ``recent``: the last ``n`` egress records of every run, oldest first;
+    ``observers``: the gate's list of egress-record observers.
+    """
+
+    sign_in: Callable[[str], Scope | None]
+    runs: Callable[[], list[dict[str, Any]]]
+    recent: Callable[[int], list[dict[str, Any]]]
+    observers: list[Callable[[dict[str, Any]], None]]
+
+
+CONTROL_VIEW = web.AppKey("web_control_view", ControlView)
+
+
+def _static(name: str) -> bytes:
+    return resources.files("egressd.approvals").joinpath("web-static", name).read_bytes()
+
+
+@dataclass(eq=False, slots=True)
+class _Stream:
+    """One open event stream: whose, what it may see, what is queued for it."""
+
+    sid: str
+    scope: Scope
+    queue: asyncio.Queue[tuple[str, Any] | None] = field(default_factory=lambda: asyncio.Queue(STREAM_QUEUE))
+
+    def put(self, event: str, data: Any) -> bool:
+        try:
+            self.queue.put_nowait((event, data))
+        except asyncio.QueueFull:
+            return False
+        return True
+
+
+def _redirect(location: str, status: int = 303) -> web.Response:
+    """303 See Other after a POST (RFC 9110 §15.4.4): the browser GETs the page again."""
+    return web.Response(status=status, headers={"Location": location})
+
+
+def _frame(event: str, data: Any) -> bytes:
+    """One server-sent event (HTML Living Standard §9.2): JSON on one ``data`` line."""
+    return f"event: {event}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n".encode()
+
+
+class WebChannel:
+    """The approvals page as an approval channel (module docstring)."""
+
+    name = CHANNEL
+
+    def __init__(
+        self,
+        *,
+        public_url: str | None = None,
+        clock: Callable[[], float] = time.time,
+        new_secret: Callable[[], str] = lambda: secrets.token_urlsafe(32),
+        sessions: SessionStore | None = None,
+        limiter: SignInLimiter | None = None,
+        presence_grace_s: float = PRESENCE_GRACE_S,
+        keepalive_s: float = KEEPALIVE_S,
+    ) -> None:
+        self._public_url = public_url
+        self._clock = clock
+        self._sessions = sessions or SessionStore(new_secret=new_secret)
+        self._limiter = limiter or SignInLimiter()
+        self._grace_s = presence_grace_s
+        self._keepalive_s = keepalive_s
+        self._answerer: Answerer | None = None
+        self._streams: set[_Stream] = set()
+        self._closed = False
+        self._script = _static("app.js")
+        self._style = _static("style.css")
+
+    # -- the Channel ------------------------------------------------------------------
+
+    async def start(self, answerer: Answerer) -> None:
+        self._answerer = answerer
+
+    def attached_for(self, run_id: str) -> bool:
+        """Whether someone who may answer for ``run_id`` has the page open (module docstring)."""
+        now = self._clock()
+        return any(s.scope.covers(run_id) and s.present(now, self._grace_s) for s in self._sessions.live(now))
+
+    async def deliver(self, approval: PendingApproval) -> None:
+        if self._closed or not self.attached_for(approval.request.run_id):
+            raise ChannelUnavailable("nobody who may answer has the approvals page open")
+        self._publish("approval", approval_event(approval), approval.request.run_id)
+
+    async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
+        self._publish("settled", {"id": approval.id, "text": settled_text(settlement)}, approval.request.run_id)
+
+    async def abandoned(self, approval: PendingApproval) -> None:
+        self._publish("abandoned", {"id": approval.id, "text": ABANDONED_TEXT}, approval.request.run_id)
+
+    async def notify(self, notice: Notice) -> None:
+        self._publish("notice", {"run": notice.run_id, "text": notice.text, "at": rfc3339(notice.at)}, notice.run_id)
+
+    async def close(self) -> None:
+        self._closed = True
+        for stream in list(self._streams):
+            with contextlib.suppress(asyncio.QueueFull):
+                stream.queue.put_nowait(None)
+        self._sessions.clear()
+
+    def routes(self) -> Sequence[Route]:
+        guarded = [
+            ("GET", PREFIX, self._to_page),
+            ("GET", f"{PREFIX}/", self._page),
+            ("POST", f"{PREFIX}/signin", self._signin),
+            ("POST", f"{PREFIX}/signout", self._signout),
+            ("POST", f"{PREFIX}/answer", self._answer),
+            ("GET", f"{PREFIX}/events", self._events),
+            ("GET", f"{PREFIX}/app.js", self._app_js),
+            ("GET", f"{PREFIX}/style.css", self._style_css),
+        ]
+        # Public to the bearer check: the cookie, the CSRF token and the Host rule are this page's credentials.
+        return [Route(method, path, self._guard(handler), public=True) for method, path, handler in guarded]
+
+    # -- the event streams ---------------------------------------------------------------
+
+    def _publish(self, event: str, data: Any, run_id: str | None) -> None:
+        for stream in list(self._streams):
+            if run_id is None or stream.scope.covers(run_id):
+                if not stream.put(event, data):
+                    self._cut(stream)
+
+    def _cut(self, stream: _Stream) -> None:
+        """A stream that fell behind is ended; its page reconnects and starts again from a snapshot."""
+        while not stream.queue.empty():
+            stream.queue.get_nowait()
+        stream.queue.put_nowait(None)
+
+    # -- guards ------------------------------------------------------------------------
+
+    def _guard(self, handler: Callable[[web.Request], Any]) -> Callable[[web.Request], Any]:
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            local = None
+            sockname = request.transport.get_extra_info("sockname") if request.transport else None
+            if isinstance(sockname, tuple) and len(sockname) >= 2:
+                local = (str(sockname[0]), int(sockname[1]))
+            elif isinstance(sockname, str):
+                local = ("127.0.0.1", 80)  # a unix socket: only its owner can connect; browsers call it localhost
+            if not host_allowed(request.headers.get("Host"), local=local, public_url=self._public_url):
+                response: web.StreamResponse = self._html(
+                    421, "Misdirected request", "This page answers only to the control server's own address."
+                )
+            else:
+                try:
+                    response = await handler(request)
+                except web.HTTPException as exc:
+                    response = self._html(exc.status, exc.reason, exc.text or exc.reason)
+            if not response.prepared:
+                response.headers.update(SECURITY_HEADERS)
+            return response
+
+        return guarded
+
+    def _secure(self, request: web.Request) -> bool:
+        return request.secure or public_https(request.headers.get("Host"), self._public_url)
+
+    def _origin_ok(self, request: web.Request) -> bool:
+        """A state change must come from the page itself: ``Origin`` equal to the page's own origin."""
+        origin = request.headers.get("Origin")
+        host = request.headers.get("Host", "")
+        want = expected_origin(host, secure=self._secure(request), public_url=self._public_url)
+        return origin is not None and hmac.compare_digest(origin.strip().lower().encode(), want.encode())
+
+    def _session_id(self, request: web.Request) -> str | None:
+        return request.cookies.get(COOKIE)
+
+    def _session(self, request: web.Request) -> Session | None:
+        session = self._sessions.get(self._session_id(request), self._clock())
+        if session is None:
+            return None
+        if session.scope.run_id is not None and not self._view(request).sign_in_alive(session.scope.run_id):
+            self._sessions.close(self._session_id(request))
+            return None
+        return session
+
+    @staticmethod
+    def _view(request: web.Request) -> _Bound:
+        view = request.app.get(CONTROL_VIEW)
+        if view is None:
+            raise web.HTTPServiceUnavailable(text="the approvals page is not wired to the control server")
+        return _Bound(view)
+
+    @staticmethod
+    def _html(status: int, title: str, text: str) -> web.Response:
+        return web.Response(status=status, text=message_html(title, text), content_type="text/html", charset="utf-8")
+
+    async def _form(self, request: web.Request) -> dict[str, str] | None:
+        if request.content_length is not None and request.content_length > MAX_FORM_BYTES:
+            return None
+        raw = b""
+        while len(raw) <= MAX_FORM_BYTES:  # read() gives what has arrived: one chunk at a time
+            chunk = await request.content.read(MAX_FORM_BYTES + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
+        if len(raw) > MAX_FORM_BYTES:
+            return None
+        try:
+            pairs = parse_qsl(raw.decode("utf-8"), keep_blank_values=True, max_num_fields=16)
+        except (UnicodeDecodeError, ValueError):
+            return None
+        return dict(pairs)
+
+    def _csrf_ok(self, session: Session, form: dict[str, str]) -> bool:
+        given = form.get("csrf", "")
+        return bool(given) and hmac.compare_digest(given.encode(), session.csrf.encode())
+
+    # -- handlers ----------------------------------------------------------------------
+
+    async def _to_page(self, request: web.Request) -> web.StreamResponse:
+        return _redirect(f"{PREFIX}/", 302)
+
+    async def _app_js(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=self._script, content_type="text/javascript", charset="utf-8")
+
+    async def _style_css(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(body=self._style, content_type="text/css", charset="utf-8")
+
+    async def _page(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        if session is None:
+            return web.Response(text=signin_html(), content_type="text/html", charset="utf-8")
+        view = self._view(request)
+        scope = session.scope
+        answerer = self._answerer
+        approvals = [
+            approval_event(a) for a in (answerer.pending() if answerer else ()) if scope.covers(a.request.run_id)
+        ]
+        flash, session.flash = session.flash, None
+        body = page_html(
+            session=session,
+            approvals=approvals,
+            runs=view.runs(scope),
+            tail=view.recent(scope, TAIL_BACKLOG),
+            now=self._clock(),
+            flash=flash,
+        )
+        return web.Response(text=body, content_type="text/html", charset="utf-8")
+
+    async def _signin(self, request: web.Request) -> web.StreamResponse:
+        if not self._origin_ok(request):
+            return self._html(403, "Refused", "A sign-in must come from this page (its Origin did not match).")
+        address = request.remote or "?"
+        now = self._clock()
+        if not self._limiter.allowed(address, now):
+            return web.Response(
+                status=429, text=signin_html("Too many failed sign-ins: wait a minute."), content_type="text/html"
+            )
+        form = await self._form(request)
+        token = (form or {}).get("token", "").strip()
+        scope = self._view(request).view.sign_in(token) if token else None
+        if scope is None:
+            self._limiter.failed(address, now)
+            log.warning("approvals page: a failed sign-in from %s", address)
+            return web.Response(status=401, text=signin_html("That is not a control token."), content_type="text/html")
+        name = " ".join((form or {}).get("name", "").split())[:MAX_NAME_CHARS] or CHANNEL
+        sid, _ = self._sessions.open(name, scope, now)
+        log.info(
+            "approvals page: %s signed in from %s (%s)",
+            name,
+            address,
+            "every run" if scope.run_id is None else f"run {scope.run_id}",
+        )
+        response = _redirect(f"{PREFIX}/")
+        response.set_cookie(
+            COOKIE,
+            sid,
+            path=PREFIX,
+            httponly=True,
+            samesite="Strict",
+            secure=self._secure(request),
+            max_age=int(self._sessions.max_s),
+        )
+        return response
+
+    async def _signout(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        form = await self._form(request)
+        if session is None or form is None or not self._origin_ok(request) or not self._csrf_ok(session, form):
+            return self._html(403, "Refused", "Sign-out needs this page's session and its CSRF token.")
+        self._sessions.close(self._session_id(request))
+        response = _redirect(f"{PREFIX}/")
+        response.del_cookie(COOKIE, path=PREFIX)
+        return response
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        form = await self._form(request)
+        if session is None or form is None or not self._origin_ok(request) or not self._csrf_ok(session, form):
+            return self._html(403, "Refused", "An answer needs this page's session and its CSRF token.")
+        approval_id = form.get("id", "")
+        decided = DECISIONS.get(form.get("decision", ""))
+        if decided is None or not approval_id:
+            return self._html(400, "Bad answer", "An answer names an approval and once, allow, always or deny.")
+        choice = Choice.ALLOW if decided[0] else Choice.DENY
+        scope = parse_scope(decided[1]) or ApprovalScope.RUN
+        answerer = self._answerer
+        if answerer is None:
+            return self._html(503, "Not ready", "The approvals page is not started.")
+        if session.scope.run_id is not None:
+            # As the control API: a run's session answers its own run's approvals only (no await until answer()).
+            runs = {a.id: a.request.run_id for a in answerer.pending()}
+            if runs.get(approval_id, session.scope.run_id) != session.scope.run_id:
+                return self._html(403, "Refused", f"This session acts on run {session.scope.run_id} only.")
+            if approval_id not in runs:
+                session.flash = f"No pending approval {approval_id}."
+                return _redirect(f"{PREFIX}/")
+        answered = answerer.answer(approval_id, choice, channel=CHANNEL, by=session.name, scope=scope)
+        if answered.result is AnswerResult.NOT_OFFERED:
+            why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
+            session.flash = f"Not answered: {scope.value} is not offered for {approval_id}{why}."
+        elif answered.result is AnswerResult.ACCEPTED:
+            session.flash = f"{choice.value.capitalize()}ed {approval_id}."
+            if answered.settlement is not None:
+                session.flash = f"Approval {approval_id}: {settled_text(answered.settlement)}."
+        elif answered.result is AnswerResult.SETTLED:
+            how = settled_text(answered.settlement) if answered.settlement else "settled"
+            session.flash = f"Approval {approval_id} was already settled: {how}."
+        else:
+            session.flash = f"No pending approval {approval_id}."
+        return _redirect(f"{PREFIX}/")
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        if session is None:
+            # 204 stops an EventSource from reconnecting; the page then reloads into the sign-in form.
+            return web.Response(status=204)
+        if len(self._streams) >= MAX_STREAMS or self._closed:
+            return web.Response(status=503, text="too many open pages")
+        bound = self._view(request)
+        sid = self._session_id(request) or ""
+        scope = session.scope
+        stream = _Stream(sid, scope)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **SECURITY_HEADERS})
+        await response.prepare(request)
+
+        def on_egress(record: dict[str, Any]) -> None:
+            # Called inside the gate, for every egress record: never raises into it.
+            try:
+                run = record.get("run")
+                if isinstance(run, str) and scope.covers(run) and not stream.put("egress", tail_row(record)):
+                    self._cut(stream)
+            except Exception:
+                log.exception("approvals page: an egress record could not be shown")
+
+        self._streams.add(stream)
+        session.streams += 1
+        bound.view.observers.append(on_egress)
+        try:
+            await response.write(f"retry: {RETRY_MS}\n\n".encode())
+            answerer = self._answerer
+            shown: set[str] = set()  # the approvals this page shows as waiting
+            for approval in answerer.pending() if answerer else ():
+                if scope.covers(approval.request.run_id):
+                    await response.write(_frame("approval", approval_event(approval)))
+                    shown.add(approval.id)
+            # The latest records again: one written between the page's first view and this stream is not lost
+            # (the page shows each record once, by its id).
+            for row in bound.recent(scope, TAIL_BACKLOG):
+                await response.write(_frame("egress", row))
+            runs = bound.runs(scope)
+            await response.write(_frame("runs", runs))
+            await response.write(_frame("ready", {}))
+            while True:
+                try:
+                    async with asyncio.timeout(self._keepalive_s):
+                        item = await stream.queue.get()
+                except TimeoutError:
+                    item = ("", None)
+                if item is None:
+                    break
+                current = self._sessions.get(sid, self._clock())
+                if current is None or (scope.run_id is not None and not bound.sign_in_alive(scope.run_id)):
+                    await response.write(_frame("ended", {}))
+                    break
+                event, data = item
+                if event:
+                    await response.write(_frame(event, data))
+                    if event == "approval":
+                        shown.add(data["id"])
+                    elif event == "settled":
+                        shown.discard(data["id"])
+                    continue
+                # Settled where this channel was not told (it could not deliver when it was asked):
+                # gone from the pending list, so marked on the page all the same.
+                waiting = {a.id for a in answerer.pending()} if answerer else set()
+                for gone in sorted(shown - waiting):
+                    shown.discard(gone)
+                    await response.write(_frame("settled", {"id": gone, "text": NO_LONGER_WAITING}))
+                now_runs = bound.runs(scope)
+                if now_runs != runs:
+                    runs = now_runs
+                    await response.write(_frame("runs", runs))
+                else:
+                    await response.write(b": keep-alive\n\n")
+        except (ConnectionError, RuntimeError):
+            pass  # the page went away
+        finally:
+            with contextlib.suppress(ValueError):
+                bound.view.observers.remove(on_egress)
+            self._streams.discard(stream)
+            session.streams -= 1
+            session.stream_ended = self._clock()
+        return response
+
+
+@dataclass(frozen=True, slots=True)
+class _Bound:
+    """The control view, narrowed to a session's scope."""
+
+    view: ControlView
+
+    def runs(self, scope: Scope) -> list[dict[str, Any]]:
+        return [run_row(r) for r in self.view.runs() if scope.covers(str(r.get("id")))]
+
+    def sign_in_alive(self, run_id: str) -> bool:
+        return any(r.get("id") == run_id for r in self.view.runs())
+
+    def recent(self, scope: Scope, n: int) -> list[dict[str, Any]]:
+        rows = [r for r in self.view.recent(n * 4) if isinstance(r.get("run"), str) and scope.covers(r["run"])]
+        return [tail_row(r) for r in rows[-n:]]

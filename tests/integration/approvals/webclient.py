@@ -1,0 +1,94 @@
+"""A browser's requests to the approvals page, over real sockets: sign in, read the page, post forms, read events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any
+
+import aiohttp
+
+TOKEN = "test-token"
+
+
+class PageClient:
+    """One browser: a cookie jar, the page's origin, the CSRF token read from the page."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+        # unsafe: a cookie jar keeps cookies of IP-address hosts only when told to (127.0.0.1 is one).
+        self.http = aiohttp.ClientSession(trust_env=False, cookie_jar=aiohttp.CookieJar(unsafe=True))
+        self.csrf: str | None = None
+
+    async def close(self) -> None:
+        await self.http.close()
+
+    async def __aenter__(self) -> PageClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def get(self, path: str = "/web/", headers: dict[str, str] | None = None) -> tuple[int, Any, str]:
+        async with self.http.get(self.base + path, headers=headers or {}, allow_redirects=False) as resp:
+            text = await resp.text()
+            found = re.search(r'<meta name="csrf" content="([^"]+)">', text)
+            if found:
+                self.csrf = found.group(1)
+            return resp.status, resp.headers, text
+
+    async def post(
+        self, path: str, form: dict[str, str], *, origin: str | None = "", headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, str]:
+        sent = dict(headers or {})
+        if origin is not None:
+            sent["Origin"] = origin or self.base
+        async with self.http.post(self.base + path, data=form, headers=sent, allow_redirects=False) as resp:
+            return resp.status, resp.headers, await resp.text()
+
+    async def sign_in(self, token: str = TOKEN, name: str = "alice") -> tuple[int, Any, str]:
+        result = await self.post("/web/signin", {"token": token, "name": name})
+        await self.get()
+        return result
+
+    async def answer(self, approval_id: str, decision: str, **form: str) -> tuple[int, Any, str]:
+        assert self.csrf is not None
+        return await self.post("/web/answer", {"csrf": self.csrf, "id": approval_id, "decision": decision, **form})
+
+
+class EventReader:
+    """The page's event stream (``GET /web/events``), read event by event."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.resp = resp
+        self.seen: list[tuple[str, Any]] = []
+
+    async def next(self, timeout_s: float = 5.0) -> tuple[str, Any]:
+        async def one() -> tuple[str, Any]:
+            event, data = "message", None
+            while True:
+                line = (await self.resp.content.readline()).decode()
+                if not line:
+                    raise AssertionError("the event stream ended")
+                line = line.rstrip("\n")
+                if line == "":
+                    if data is not None:
+                        return event, data
+                    continue
+                if line.startswith("event: "):
+                    event = line.removeprefix("event: ")
+                elif line.startswith("data: "):
+                    data = json.loads(line.removeprefix("data: "))
+
+        found = await asyncio.wait_for(one(), timeout_s)
+        self.seen.append(found)
+        return found
+
+    async def until(self, name: str, timeout_s: float = 5.0) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while True:
+            event, data = await self.next(max(0.01, deadline - loop.time()))
+            if event == name:
+                return data

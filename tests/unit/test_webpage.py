@@ -1,0 +1,166 @@
+"""The approvals page's pure parts: the Host rule, sessions, the sign-in limiter, and escaping in the HTML."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from egressd.approvals.control import Scope
+from egressd.approvals.interface import ApprovalRequest, PendingApproval
+from egressd.approvals.message import render
+from egressd.approvals.webpage import (
+    Session,
+    SessionStore,
+    SignInLimiter,
+    approval_event,
+    approval_html,
+    countdown,
+    expected_origin,
+    host_allowed,
+    page_html,
+    runs_html,
+    tail_html,
+    tail_row,
+)
+
+LOOPBACK = ("127.0.0.1", 8080)
+
+
+@pytest.mark.parametrize(
+    ("host", "local", "public_url", "allowed"),
+    [
+        pytest.param("127.0.0.1:8080", LOOPBACK, None, True, id="the address the request arrived on"),
+        pytest.param("localhost:8080", LOOPBACK, None, True, id="localhost, on a loopback address"),
+        pytest.param("LocalHost:8080", LOOPBACK, None, True, id="names are case-insensitive"),
+        pytest.param("rebound.attacker.test:8080", LOOPBACK, None, False, id="a name pointed here is refused"),
+        pytest.param("127.0.0.1:8081", LOOPBACK, None, False, id="another port is refused"),
+        pytest.param("127.0.0.1", LOOPBACK, None, False, id="no port means 80, not ours"),
+        pytest.param("127.0.0.2:8080", LOOPBACK, None, False, id="another loopback address is refused"),
+        pytest.param("127.1:8080", LOOPBACK, None, False, id="a short IPv4 spelling is not an address literal"),
+        pytest.param("[::1]:8080", ("::1", 8080), None, True, id="a bracketed IPv6 literal"),
+        pytest.param("[::1:8080", ("::1", 8080), None, False, id="an unclosed bracket"),
+        pytest.param("127.0.0.1:8080", ("::ffff:127.0.0.1", 8080), None, True, id="an IPv4-mapped socket address"),
+        pytest.param("10.0.0.5:8080", ("10.0.0.5", 8080), None, True, id="a non-loopback address by its literal"),
+        pytest.param("localhost:8080", ("10.0.0.5", 8080), None, False, id="localhost is not a LAN address"),
+        pytest.param("egressd.example.com", LOOPBACK, "https://egressd.example.com", True, id="the public URL"),
+        pytest.param("egressd.example.com:443", LOOPBACK, "https://egressd.example.com/", True, id="its port spelled"),
+        pytest.param("egressd.example.com:8443", LOOPBACK, "https://egressd.example.com", False, id="another port"),
+        pytest.param("user@127.0.0.1:8080", LOOPBACK, None, False, id="userinfo is malformed"),
+        pytest.param("127.0.0.1:99999", LOOPBACK, None, False, id="a port out of range"),
+        pytest.param("127.0.0.1:8080/x", LOOPBACK, None, False, id="a path is malformed"),
+        pytest.param("", LOOPBACK, None, False, id="an empty Host"),
+        pytest.param(None, LOOPBACK, None, False, id="no Host"),
+        pytest.param("127.0.0.1:8080", None, None, False, id="no local address known"),
+    ],
+)
+def test_host_rule(host: str | None, local: tuple[str, int] | None, public_url: str | None, allowed: bool) -> None:
+    assert host_allowed(host, local=local, public_url=public_url) is allowed
+
+
+def test_expected_origin_follows_the_host_and_the_public_url() -> None:
+    assert expected_origin("127.0.0.1:8080", secure=False, public_url=None) == "http://127.0.0.1:8080"
+    assert expected_origin("LOCALHOST:8080", secure=True, public_url=None) == "https://localhost:8080"
+    public = "https://egressd.example.com"
+    assert expected_origin("egressd.example.com", secure=False, public_url=public) == public
+
+
+def secrets_counter() -> SessionStore:
+    numbers = itertools.count()
+    return SessionStore(new_secret=lambda: f"secret-{next(numbers)}", idle_s=100.0, max_s=1000.0, limit=3)
+
+
+def test_a_session_expires_when_unused_and_at_its_maximum_age_even_while_open() -> None:
+    store = secrets_counter()
+    sid, session = store.open("alice", Scope(None), now=0.0)
+    assert session.csrf != sid
+    assert store.get(sid, 99.0) is session  # touched: idle from 99 on
+    assert store.get(sid, 198.0) is session
+    assert store.get(sid, 298.0) is None and len(store) == 0
+    sid, session = store.open("alice", Scope(None), now=0.0)
+    session.streams = 1  # an open page keeps it from idling out ...
+    assert store.get(sid, 900.0, touch=False) is session
+    assert store.get(sid, 1000.0) is None  # ... but not past its maximum age
+
+
+def test_sessions_are_bounded_and_the_one_seen_longest_ago_goes_first() -> None:
+    store = secrets_counter()
+    first, _ = store.open("a", Scope(None), now=0.0)
+    second, _ = store.open("b", Scope(None), now=1.0)
+    third, _ = store.open("c", Scope(None), now=2.0)
+    store.get(first, 3.0)
+    fourth, _ = store.open("d", Scope(None), now=4.0)
+    assert len(store) == 3 and store.get(second, 5.0) is None
+    assert all(store.get(s, 5.0) is not None for s in (first, third, fourth))
+    store.close(first)
+    assert store.get(first, 5.0) is None
+
+
+def test_a_page_counts_as_open_for_the_grace_after_its_stream_closed() -> None:
+    session = Session(name="a", scope=Scope(None), csrf="c", created=0.0, seen=0.0)
+    assert not session.present(10.0, 30.0)  # signed in, never opened the page
+    session.streams = 1
+    assert session.present(10.0, 30.0)
+    session.streams, session.stream_ended = 0, 10.0
+    assert session.present(40.0, 30.0) and not session.present(40.1, 30.0)
+
+
+def test_failed_sign_ins_are_limited_per_address_and_in_all() -> None:
+    limiter = SignInLimiter(per_address=2, total=3, window_s=60.0)
+    for _ in range(2):
+        assert limiter.allowed("10.0.0.1", 0.0)
+        limiter.failed("10.0.0.1", 0.0)
+    assert not limiter.allowed("10.0.0.1", 1.0) and limiter.allowed("10.0.0.2", 1.0)
+    limiter.failed("10.0.0.2", 1.0)
+    assert not limiter.allowed("10.0.0.3", 2.0)  # three failures in all
+    assert limiter.allowed("10.0.0.1", 61.0)  # the window moved on
+
+
+HOSTILE = "curl <script>alert(1)</script> \"><img src=x onerror=alert(2)> 'x'"
+
+
+def pending(command: str, task: str, host: str = "xn--l-7sba6dbr.com") -> PendingApproval:
+    request = ApprovalRequest(
+        run_id="<run>", host=host, port=443, command=command, task=task, allowed=("<b>pypi.org</b>",)
+    )
+    message = render(host=host, port=443, command=command, task=task, allowed=request.allowed)
+    return PendingApproval(
+        id='a-"x"', request=request, message=message, created_at=0.0, expires_at=600.0, deadline=600.0
+    )
+
+
+def test_approval_html_escapes_every_text_from_the_sandbox() -> None:
+    html = approval_html(approval_event(pending(HOSTILE, "<i>task</i> & more")), csrf='c"srf', now=0.0)
+    for raw in ("<script>", "<img", "<i>", "<b>", "<run>", "'x'"):
+        assert raw not in html, raw
+    assert "&lt;script&gt;alert(1)&lt;/script&gt; &quot;&gt;&lt;img src=x onerror=alert(2)&gt; &#x27;x&#x27;" in html
+    assert "&lt;i&gt;task&lt;/i&gt; &amp; more" in html and "&lt;b&gt;pypi.org&lt;/b&gt;" in html
+    assert "Domain: xn--l-7sba6dbr.com:443 (shown as раураl.com; registered domain xn--l-7sba6dbr.com)" in html
+    assert 'class="line unrelated"' in html
+    assert 'value="c&quot;srf"' in html and 'value="a-&quot;x&quot;"' in html
+    assert 'action="/web/answer"' in html and 'method="post"' in html
+    assert "expires in 10:00" in html
+
+
+def test_runs_and_the_tail_escape_what_they_show() -> None:
+    runs = runs_html([{"id": "<r>", "task": "<t>", "command": "<c>", "allow": ["<a>"], "approved": [], "denied": []}])
+    assert "<r>" not in runs and "<t>" not in runs and "&lt;c&gt;" in runs and "&lt;a&gt;" in runs
+    lists = runs_html([{"id": "r", "allow": ["A1"], "approved": ["P1"], "denied": ["D1"], "deny": ["X1"]}])
+    at = [lists.index(f"<code>{v}</code>") for v in ("A1", "P1", "D1", "X1")]
+    assert at == sorted(at)  # the columns' order: Allowed, Approved, Denied, Deny entries
+    row = tail_row({"ts": 0.5, "run": "r", "host": "<h>.test", "decision": "deny", "reason": "denied", "port": 443})
+    assert row["ts"] == "1970-01-01T00:00:00.500000Z"
+    assert "&lt;h&gt;.test" in tail_html([row]) and "<h>" not in tail_html([row])
+
+
+def test_the_page_holds_no_inline_script_or_style() -> None:
+    session = Session(name="<n>", scope=Scope("run-1"), csrf="tok", created=0.0, seen=0.0)
+    html = page_html(session=session, approvals=[], runs=[], tail=[], now=0.0, flash="<f>")
+    assert "<script>" not in html and "<style" not in html and " style=" not in html and " on" not in html.lower()
+    assert '<script src="/web/app.js" defer></script>' in html
+    assert "&lt;n&gt; · run run-1" in html and "&lt;f&gt;" in html and "<f>" not in html
+
+
+def test_countdown_says_minutes_and_seconds() -> None:
+    assert countdown(605.9) == "expires in 10:05"
+    assert countdown(0.4) == "expired"
