@@ -143,8 +143,6 @@ BoxT = TypeVar("BoxT")
 
 
 class SessionBase(Generic[BoxT]):
-    kind = "run"  # the command that runs it, as the registry of running instances names it (``open_session``)
-
     """What a session of either backend keeps: its settings, the working directory asked
     for (None: make one), the task, the sandbox's extra environment and terminal type;
     once entered, the working directory in use and the sandbox (``box``). Leaving it
@@ -171,6 +169,7 @@ class SessionBase(Generic[BoxT]):
         self.term = term
         self.workdir: Path = Path()
         self.made_workdir = workdir is None
+        self.kind = "run"  # the command that runs it, as the registry of running instances names it (open_session)
         self._box: BoxT | None = None
         self._stack = contextlib.AsyncExitStack()
         self.terminal_output = TerminalOutput()
