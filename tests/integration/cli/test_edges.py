@@ -48,6 +48,7 @@ def test_run_and_agent_refuse_the_flags_they_would_ignore(tmp_path: Path, comman
 def test_run_and_agent_help_lists_none_of_them(tmp_path: Path, command: str) -> None:
     shown = _egressd(tmp_path, command, "--help").stdout
     served = _egressd(tmp_path, "serve", "--help").stdout
+
     def options(text: str) -> set[str]:  # the flags --help lists, each at the start of its line
         return {line.split()[0].rstrip(",") for line in text.splitlines() if line.startswith("  -")}
 
