@@ -754,6 +754,10 @@ class TerminalChannel:
             self._draw_prompt()
             return
         decision, scope = read
+        # The answer stays on its line, and the line ends here: what the answer
+        # makes others print (the ALLOWED log line) starts on a row of its own.
+        self._write("\r\n")
+        self._drawn = None
         answered = self._answerer.answer(current.id, decision, channel=self.name, by=self._who, scope=scope)
         if answered.result is AnswerResult.ACCEPTED:
             if decision is Choice.ALLOW and answered.settlement is not None:

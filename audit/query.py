@@ -53,8 +53,10 @@ OnBadLine = Callable[[int, str], None]
 # size the file had when the poll began, this only bounds one buffer.
 _CHUNK_BYTES = 64 * 1024
 
-_DURATION = re.compile(r"(?P<number>\d+(?:\.\d+)?)(?P<unit>[smhd])")
-_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+_DURATION = re.compile(r"(?P<number>\d+(?:\.\d+)?)(?P<unit>[smhdw])")
+_UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+# --since words: days back from today's midnight UTC.
+_DAYS_BACK = {"today": 0, "yesterday": 1}
 
 # A command longer than this is cut in the table (``--json`` shows it all);
 # host names are never cut, since a cut could hide the domain that matters.
@@ -168,20 +170,25 @@ def parse_since(text: str, now: float) -> float:
 
     Accepts an RFC 3339 time (``2026-11-29T10:00:00Z``, ``...+01:00``; a
     time without an offset is read as UTC, like the log), a date
-    (``2026-11-29``, midnight UTC) or a duration back from ``now``
-    (``90s``, ``15m``, ``2h``, ``1d``). Raises ``ValueError`` otherwise.
+    (``2026-11-29``, midnight UTC), ``today`` or ``yesterday`` (midnight
+    UTC), or a duration back from ``now`` (``90s``, ``15m``, ``2h``, ``1d``,
+    ``1w``). Case does not matter. Raises ``ValueError`` otherwise.
     """
-    value = text.strip()
+    value = text.strip().lower()
     duration = _DURATION.fullmatch(value)
     if duration is not None:
         return now - float(duration["number"]) * _UNIT_SECONDS[duration["unit"]]
+    days_back = _DAYS_BACK.get(value)
+    if days_back is not None:
+        midnight = _dt.datetime.fromtimestamp(now, _dt.UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+        return (midnight - _dt.timedelta(days=days_back)).timestamp()
     try:
         # upper(): RFC 3339 §5.6 allows a lowercase "t" and "z"; fromisoformat does not.
         moment = _dt.datetime.fromisoformat(value.upper())
     except ValueError:
         raise ValueError(
             f"cannot read since={text!r}: give an RFC 3339 time (2026-11-29T10:00:00Z), "
-            "a date (2026-11-29) or a duration (90s, 15m, 2h, 1d)"
+            "a date (2026-11-29), today, yesterday, or a duration (90s, 15m, 2h, 1d, 1w)"
         ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=_dt.UTC)

@@ -13,6 +13,9 @@ from dataclasses import dataclass
 
 __all__ = ["EgressSeen", "Refusal", "refusals"]
 
+# The DNS query types of an address lookup: a refusal of one explains a failure.
+_ADDRESS_TYPES = ("A", "AAAA")
+
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
@@ -47,6 +50,7 @@ class EgressSeen:
     reason: str | None
     approved: bool
     learned: str | None = None
+    qtype: str | None = None
 
     @classmethod
     def of(cls, record: Mapping[str, object]) -> EgressSeen:
@@ -60,6 +64,7 @@ class EgressSeen:
             reason=_text(get("reason")),
             approved=bool(get("approval")),
             learned=_text(get("learned")),
+            qtype=_text(get("qtype")),
         )
 
     @property
@@ -68,12 +73,18 @@ class EgressSeen:
 
     @property
     def is_refusal(self) -> bool:
-        """A refused egress attempt worth telling the user or the model about.
+        """A refused egress attempt worth telling the user or the model about: one that could explain a failure.
 
-        A DNS "deny" without a reason is an empty AAAA answer or a refused
-        query type: egressd answered as designed and nothing was refused.
+        A DNS query refused only for its type (TXT, HTTPS, …: egressd answers
+        A and AAAA) is not: the name's address lookup is answered on its own.
+        Nor is a DNS "deny" without a reason, as logs before every refusal
+        had a reason recorded an empty AAAA answer.
         """
-        return self.denied and not (self.kind == "dns" and self.reason is None)
+        if not self.denied:
+            return False
+        if self.kind != "dns":
+            return True
+        return self.reason is not None and self.qtype in _ADDRESS_TYPES + (None,)
 
     @property
     def target(self) -> str:

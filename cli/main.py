@@ -27,8 +27,9 @@ from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, lo
 from .commands.agent import add_agent_arguments
 from .commands.policy import add_policy_arguments
 from .commands.run import add_run_arguments
+from .wiring.instances import register_quietly
 from .wiring.loop import run_async
-from .wiring.service import EgressService, ReloadError, StartupError
+from .wiring.service import EgressService, ReloadError, StartupError, token_path
 
 
 def _visible(name: str) -> str:
@@ -53,7 +54,9 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--control", "control", {"metavar": "HOST:PORT|unix:PATH", "help": "control API (default 127.0.0.1:3129)"}),
     ("--control-token", "control_token",
      {"metavar": "TOKEN",
-      "help": f"control API bearer token (default: generated and written to a file) {_visible('control_token')}"}),
+      "help": "control API bearer token (default: generated and written, mode 600, to "
+              "~/.local/state/egressd/control.token, or to PATH.token for --control unix:PATH, where "
+              f"egressd pending|allow|deny read it) {_visible('control_token')}"}),
     ("--allow", "allow",
      {"action": "append", "metavar": "ENTRY",
       "help": "allow a destination: example.com, *.example.com, host:PORT, host:* (repeatable)"}),
@@ -158,18 +161,66 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE", help="TOML config file (also EGRESSD_CONFIG)")
+# Where egressd listens and who may use it: ``serve``'s to choose. ``run`` and
+# ``agent`` fix them for their sandbox (a private socket, the run's own
+# addresses, credentials required), so they do not offer these flags.
+_SERVICE_ONLY = frozenset(
+    {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "socks", "require_auth"}
+)
+
+
+# --help's sections, by setting name: (heading, names or name prefixes); the rest are "policy".
+_HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("secrets kept off the command line", ("*_file",)),
+    ("listeners and control API", ("listen", "control", "control_token", "transparent_", "socks", "require_auth")),
+    ("approvals", ("approver", "approval_", "max_pending_", "max_approvals_", "webhook_", "slack_", "public_url")),
+    ("DNS", ("dns_", "upstream_dns")),
+    ("audit log", ("audit_", "max_refusal_", "refusal_")),
+    ("limits and logging", ("max_", "head_", "connect_", "idle_", "log_level")),
+)
+
+
+def _help_group(dest: str) -> str:
+    """The --help section of the flag that sets ``dest``."""
+    for heading, names in _HELP_GROUPS:
+        for name in names:
+            if name == "*_file":
+                if dest.endswith("_file") and dest != "allow_file":
+                    return heading
+            elif dest == name or (name.endswith("_") and dest.startswith(name)):
+                return heading
+    return "policy"
+
+
+def _env_help(dest: str, text: str) -> str:
+    """An option's help naming its environment variable: the one place that spells it from the setting's name."""
+    return f"{text} [env EGRESSD_{dest.upper()}]"
+
+
+def _add_common(parser: argparse.ArgumentParser, *, service: bool = True) -> None:
+    """The settings' flags in sections, each naming its variable; ``service=False`` (``run``, ``agent``)
+    leaves out ``_SERVICE_ONLY``."""
+    parser.add_argument("--config", metavar="FILE", help="TOML config file [env EGRESSD_CONFIG]")
+    groups: dict[str, Any] = {}
+
+    def add(flag: str, dest: str, **kwargs: Any) -> None:
+        heading = _help_group(dest)
+        if heading not in groups:
+            groups[heading] = parser.add_argument_group(heading)
+        groups[heading].add_argument(flag, dest=dest, **kwargs | {"help": _env_help(dest, kwargs.get("help", ""))})
+
     for flag, dest, kwargs in _COMMON:
-        parser.add_argument(flag, dest=dest, default=None, **kwargs)
-    parser.add_argument("--no-ask", dest="ask", action="store_const", const=False, default=None,
-                        help="refuse unknown domains without asking anyone (not_allowlisted)")
-    parser.add_argument("--require-auth", dest="require_auth", action="store_const", const=True, default=None,
-                        help="no default run: every client needs run credentials")
-    parser.add_argument("--learn", dest="learn", action="store_const", const=True, default=None,
-                        help="learn mode, for building an allowlist: nothing is held or refused for not being "
-                        "allowlisted; each such attempt goes out and is recorded with \"learned\" (deny entries, "
-                        "IP literals and private addresses are still refused). Then: egressd audit suggest")
+        if service or dest not in _SERVICE_ONLY:
+            add(flag, dest, default=None, **kwargs)
+    add("--no-ask", "ask", action="store_const", const=False, default=None,
+        help="refuse unknown domains without asking anyone (not_allowlisted; the variable: false)")
+    if service:
+        add("--require-auth", "require_auth", action="store_const", const=True, default=None,
+            help="no default run: every client needs run credentials")
+    add("--learn", "learn", action="store_const", const=True, default=None,
+        help="learn mode, for building an allowlist: nothing is held or refused for not being "
+        "allowlisted; each such attempt goes out and is recorded with \"learned\" (deny entries, "
+        "IP literals and private addresses are still refused). Then: egressd audit suggest")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -290,9 +341,14 @@ async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable
         " (LEARN MODE: the allowlist is not enforced; deny entries, IP literals and private addresses still are)"
         if settings.learn else "",
     )
+    # In the registry of running instances, for `egressd pending|allow|deny` to find.
+    registration = register_quietly(kind="serve", control=service.control_address,
+                                    token_file=None if settings.control_token is not None else token_path(settings))
     try:
         await stop.wait()
     finally:
+        if registration is not None:
+            registration.remove()
         logging.getLogger("egressd").info("shutting down (grace %.0fs)", settings.shutdown_grace_s)
         await service.close()
     return 0
@@ -411,9 +467,14 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--config", metavar="FILE", help="TOML config file (for audit_log)")
     audit.add_argument("--audit-log", dest="audit_log", default=None, metavar="PATH", help="the log to read")
     audit.add_argument("--run", metavar="ID", help="only this run")
-    audit.add_argument("--decision", choices=["allow", "deny"], help="only this decision")
+    audit.add_argument("--decision", type=str.lower, choices=["allow", "deny"], help="only this decision (any case)")
     audit.add_argument("--host", metavar="HOST", help="only this host (*.example.com for subdomains)")
-    audit.add_argument("--since", metavar="WHEN", help="RFC 3339 time, a date, or a duration ago: 90s, 15m, 2h, 1d")
+    audit.add_argument(
+        "--since",
+        metavar="WHEN",
+        help="RFC 3339 time (2026-12-01T10:00:00Z, +01:00), a date (2026-12-01), today, yesterday "
+        "(midnight UTC), or a duration ago: 90s, 15m, 2h, 1d, 1w",
+    )
     audit.add_argument("--follow", "-f", action="store_true", help="keep printing new records")
     audit.add_argument("--json", action="store_true", help="print JSON Lines instead of a table")
     audit.set_defaults(func=cmd_audit)
@@ -454,9 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one command in a fresh sandbox whose only way out is egressd",
         description="Run COMMAND in a fresh bubblewrap sandbox in its own network namespace, pinned to an "
         "embedded egressd; exit with the command's status (124 timeout, 137 memory, 125 no sandbox).",
-        usage="egressd run [options] -- COMMAND [ARG ...]",
+        allow_abbrev=False,  # --control is not --control-token, --dns-answer not --dns-answer6
     )
-    _add_common(run)
+    _add_common(run, service=False)
     add_run_arguments(run)
     run.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
     run.set_defaults(func=cmd_run_sandbox)
@@ -467,8 +528,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Drive a model (OpenAI-compatible, Anthropic, or a script) whose every shell command runs in a "
         "sandbox pinned to an embedded egressd; print progress on stderr and the final answer on stdout "
         "(exit 0 final answer, 1 step cap, 124 two timeouts in a row, 3 model failure, 125 no sandbox).",
+        allow_abbrev=False,
     )
-    _add_common(agent)
+    _add_common(agent, service=False)
     add_agent_arguments(agent)
     agent.set_defaults(func=cmd_agent_run)
 
@@ -487,7 +549,31 @@ def build_parser() -> argparse.ArgumentParser:
                             "seccomp, cgroups, Docker) and report what works; exit 1 if a required one does not.")
     doctor.add_argument("--clean", action="store_true", help="first remove leftovers of runs whose egressd died")
     doctor.set_defaults(func=cmd_doctor_checks)
+    for command in sub.choices.values():
+        _short_usage(command)
     return parser
+
+
+def _short_usage(parser: argparse.ArgumentParser) -> None:
+    """One style of usage line for every command, its subcommands too: ``egressd CMD [options]``,
+    then the options it requires and its arguments; --help lists every option under its section."""
+    words = ["%(prog)s", "[options]"]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            words.append(f"[{action.metavar or 'ACTION'} ...]")
+            for sub in action.choices.values():
+                _short_usage(sub)
+        elif action.required and action.option_strings:
+            words.append(f"{action.option_strings[0]} {action.metavar or action.dest.upper()}")
+        elif not action.option_strings:
+            metavar = str(action.metavar or action.dest.upper())
+            if action.nargs == argparse.REMAINDER:
+                words.append(f"-- {metavar.upper()} [ARG ...]")
+            elif action.nargs in ("*", "?"):
+                words.append(f"[{metavar} ...]" if action.nargs == "*" else f"[{metavar}]")
+            else:
+                words.append(metavar)
+    parser.usage = " ".join(words)
 
 
 def _add_control_arguments(parser: argparse.ArgumentParser) -> None:
@@ -529,7 +615,7 @@ def _add_approval_commands(sub: Any) -> None:
 
 
 def _audit_settings_fields(args: argparse.Namespace) -> None:
-    # `audit` shares only --config/--audit-log with the common options.
+    # `audit` shares only --config/--audit-log with the common options; `run` and `agent` lack _SERVICE_ONLY.
     for _, dest, _ in _COMMON:
         if not hasattr(args, dest):
             setattr(args, dest, None)

@@ -26,12 +26,18 @@ from .limits import Limits
 
 EXIT_TIMEOUT = 124
 EXIT_CANNOT_START = 125
+EXIT_NOT_FOUND = 127  # the shell's "command not found"
 EXIT_MEMORY = 137
 # Captured output beyond this is cut (with a marker): an observation for a model
 # has to fit in its context, and a runaway command must not fill our memory.
 DEFAULT_MAX_OUTPUT = 64 * 1024
 # run()'s default: no time or memory limit, DEFAULT_MAX_PIDS processes.
 NO_LIMITS = Limits()
+
+
+def not_found_line(name: str) -> str:
+    """The one line both backends print (on the command's stderr) for a command the sandbox does not have."""
+    return f"egressd: {name}: command not found in the sandbox\n"
 
 
 class SandboxError(Exception):

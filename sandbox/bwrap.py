@@ -110,6 +110,23 @@ def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
     return args
 
 
+# What bubblewrap runs: a shell that looks the command up as execvp would (on
+# the sandbox's PATH, or the path itself when it has a slash) and says so in
+# one line, exit 127, when it is not there; else it becomes the command (exec:
+# same process, nothing left in between). bwrap's own "execvp: No such file"
+# exited 1. The command's name is an argument, never part of the script.
+NOT_FOUND_SCRIPT = (
+    'case $1 in */*) [ -e "$1" ] ;; *) command -v -- "$1" >/dev/null 2>&1 ;; esac || '
+    "{ printf 'egressd: %s: command not found in the sandbox\\n' \"$1\" >&2; exit 127; }; "
+    'exec "$@"'
+)
+
+
+def exec_or_not_found(argv: Sequence[str]) -> list[str]:
+    """``argv`` run through ``NOT_FOUND_SCRIPT`` by /bin/sh."""
+    return ["/bin/sh", "-c", NOT_FOUND_SCRIPT, "egressd", *argv]
+
+
 def environment_args(env: Mapping[str, str]) -> bytes:
     """The command's whole environment as bwrap options for ``--args FD``: NUL-terminated, one per argument.
 

@@ -52,7 +52,15 @@ from .backend import (
     OutputSink,
     SandboxError,
 )
-from .bwrap import BwrapSpec, base_environment, bwrap_argv, environment_args, generated_etc, host_layout
+from .bwrap import (
+    BwrapSpec,
+    base_environment,
+    bwrap_argv,
+    environment_args,
+    exec_or_not_found,
+    generated_etc,
+    host_layout,
+)
 from .copyout import CopyReport, copy_out
 from .identity import refusal, run_as
 from .limits import Cgroup, Limits, rlimits_in_child
@@ -163,7 +171,7 @@ class BwrapSandbox:
             workdir=str(self.workdir),
             etc_dir=str(self._etc),
             env=self.env,
-            argv=command,
+            argv=exec_or_not_found(command),  # exit 127 and one line for a command not there
             seccomp_fd=seccomp_fd,
             usr_links=self._links,
             usr_dirs=self._dirs,

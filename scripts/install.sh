@@ -13,5 +13,9 @@ if [ ! -x .venv/bin/python ]; then
     "$python" -m venv .venv
 fi
 .venv/bin/pip install --quiet --upgrade pip
-.venv/bin/pip install --quiet -e '.[speed,test]'
+# setuptools says "Editable installation." with a warning about folders named
+# like the package, for any layout whose folders are not named as the packages
+# they install (ours: proxy/ is egressd.proxy); nothing here can be shadowed
+# that way (no folder egressd/), so it is not shown.
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/pip install --quiet -e '.[speed,test]'
 echo "install.sh: egressd is installed in .venv (run .venv/bin/egressd --help)"

@@ -1,8 +1,14 @@
 """``egressd pending``, ``egressd allow ID``, ``egressd deny ID``: a running egressd's approvals, from a shell.
 
-They talk to the control API (``--control``, default ``127.0.0.1:3129``, or
-``unix:PATH``) with the bearer token from ``--control-token`` or the token
-file the running egressd wrote (``service.token_path``). The token goes only
+Without ``--control`` they ask every running egressd of this user that the
+registry of running instances lists (``wiring.instances``: ``serve``, ``run``
+and ``agent``, on either backend), each with the token file its entry names:
+``pending`` lists the approvals of them all (each under its instance when
+there are several), ``allow`` and ``deny`` answer at the one holding the
+approval. With ``--control`` (or no instance registered) they talk to that
+control API (default ``127.0.0.1:3129``, or ``unix:PATH``) with the bearer
+token from ``--control-token`` or the token file the running egressd wrote
+(``service.token_path``). The token goes only
 to an endpoint we can trust (``controltoken``: a unix socket or loopback TCP
 socket of ours, checked through the kernel before a byte is sent), and the
 token file is read only if it is ours alone. Exit status: 0 done; 1 the
@@ -19,6 +25,7 @@ import datetime as dt
 import getpass
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from egressd.config.settings import Settings
@@ -26,6 +33,7 @@ from egressd.names.shown import escape
 
 from ..wiring.control_client import ControlClient, ControlError
 from ..wiring.controltoken import TokenFileError, read_token_file
+from ..wiring.instances import Instance, live_instances
 from ..wiring.service import token_path
 
 # The control API answers at once; anything slower means it is not there.
@@ -55,13 +63,69 @@ def _token(settings: Settings) -> str:
 
 
 async def _call(
-    settings: Settings, token: str, method: str, path: str, body: dict[str, Any] | None = None
+    control: str, token: str, method: str, path: str, body: dict[str, Any] | None = None
 ) -> tuple[int, Any]:
+    """One call to the control API at ``control``: ``HOST:PORT``, ``unix:PATH``, or a registered http URL."""
     try:
-        async with ControlClient.for_control(settings.control, token, timeout_s=REQUEST_TIMEOUT_S) as client:
+        if control.startswith(("http://", "https://")):
+            client = ControlClient.for_url(control, token, timeout_s=REQUEST_TIMEOUT_S)
+        else:
+            client = ControlClient.for_control(control, token, timeout_s=REQUEST_TIMEOUT_S)
+        async with client:
             return await client.request(method, path, body)
     except ControlError as exc:
         raise CommandError(str(exc)) from None
+
+
+def _instance_token(instance: Instance) -> str:
+    if instance.token_file is None:
+        raise CommandError(f"{instance.shown} wrote no token file (started with --control-token): give --control")
+    try:
+        token = read_token_file(Path(instance.token_file))
+    except (TokenFileError, OSError) as exc:
+        raise CommandError(f"{instance.shown}: cannot read its token file {instance.token_file}: {exc}") from None
+    if not token:
+        raise CommandError(f"{instance.shown}: its token file {instance.token_file} is empty")
+    return token
+
+
+async def _registered(args: argparse.Namespace, instances: list[Instance]) -> int:
+    """``pending``, ``allow``, ``deny`` across the registered instances."""
+    asked: list[tuple[Instance, str, list[dict[str, Any]]]] = []
+    for instance in instances:
+        try:
+            token = _instance_token(instance)
+            status, data = await _call(instance.control, token, "GET", "/approvals")
+        except CommandError as exc:
+            print(f"egressd: {exc}", file=sys.stderr)
+            continue
+        approvals = data.get("approvals") if status == 200 and isinstance(data, dict) else None
+        if status == 404:
+            approvals = []  # no approval channel: nothing is ever held there
+        if approvals is None:
+            print(f"egressd: {instance.shown} answered {status}", file=sys.stderr)
+            continue
+        asked.append((instance, token, list(approvals)))
+    if not asked:
+        raise CommandError("no running egressd of yours could be asked (see above)")
+    if args.approval_action == "pending":
+        if args.json:
+            rows = [a | {"instance": {"pid": i.pid, "kind": i.kind, "control": i.control}} for i, _, got in asked
+                    for a in got]  # fmt: skip
+            print(json.dumps(rows, indent=2))
+        elif len(asked) == 1:
+            _print_pending(asked[0][2])
+        else:
+            for instance, _, got in asked:
+                print(f"{escape(instance.shown)}, control {escape(instance.control)}:")
+                _print_pending(got)
+                print()
+        return 0
+    for instance, token, got in asked:
+        if any(a.get("id") == args.approval_id for a in got):
+            return await _answer(args, instance.control, token)
+    print(f"egressd: no running egressd of yours holds approval {escape(args.approval_id)}", file=sys.stderr)
+    return 1
 
 
 def _left(expires_at: str, now: dt.datetime) -> str:
@@ -100,15 +164,19 @@ def _print_pending(approvals: list[dict[str, Any]]) -> None:
 
 
 async def _main(args: argparse.Namespace, settings: Settings, token: str) -> int:
+    return await _answer(args, settings.control, token)
+
+
+async def _answer(args: argparse.Namespace, control: str, token: str) -> int:
     action = args.approval_action
     if action == "pending":
-        status, data = await _call(settings, token, "GET", "/approvals")
+        status, data = await _call(control, token, "GET", "/approvals")
     else:
         by = args.by or getpass.getuser()
         body: dict[str, Any] = {"by": by}
         if action == "allow":
             body["scope"] = getattr(args, "scope", None) or "run"
-        status, data = await _call(settings, token, "POST", f"/approvals/{args.approval_id}/{action}", body)
+        status, data = await _call(control, token, "POST", f"/approvals/{args.approval_id}/{action}", body)
     error = data.get("error") if isinstance(data, dict) else None
     if status == 401:
         raise CommandError("the control API refused the token (--control-token, or the token file of this egressd)")
@@ -145,6 +213,11 @@ _ALLOWED = {
 def run_approvals(args: argparse.Namespace, settings: Settings) -> int:
     """Entry point for the three subcommands (``args.approval_action``)."""
     try:
+        # An explicit --control (or --control-token) names the egressd to ask; else every registered one.
+        if args.control is None and args.control_token is None and args.control_token_file is None:
+            instances = live_instances()
+            if instances:
+                return asyncio.run(_registered(args, instances))
         token = _token(settings)
         return asyncio.run(_main(args, settings, token))
     except CommandError as exc:

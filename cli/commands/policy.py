@@ -44,7 +44,8 @@ def _print_run(run: dict[str, Any]) -> None:
 async def _main(args: argparse.Namespace, settings: Settings, token: str) -> int:
     body = _body(args)
     path = f"/runs/{args.run_id}"
-    status, data = await (_call(settings, token, "PATCH", path, body) if body else _call(settings, token, "GET", path))
+    control = settings.control
+    status, data = await (_call(control, token, "PATCH", path, body) if body else _call(control, token, "GET", path))
     error = data.get("error") if isinstance(data, dict) else None
     if status == 401:
         raise CommandError("the control API refused the token (--control-token, or the token file of this egressd)")

@@ -134,7 +134,7 @@ def open_session(args: argparse.Namespace, settings: Settings, **common: Any) ->
         if settings.learn:  # the sidecar's own stderr is not this terminal
             print(learn_notice(None), file=sys.stderr, flush=True)
         net_range = DEFAULT_DOCKER_RANGE if args.net_range == DEFAULT_RANGE else args.net_range
-        return DockerSession(
+        session: Session = DockerSession(
             settings,
             image=args.image,
             egressd_image=args.egressd_image,
@@ -142,7 +142,10 @@ def open_session(args: argparse.Namespace, settings: Settings, **common: Any) ->
             net_range=net_range,
             **common,
         )
-    return SandboxSession(settings, net_range=args.net_range, **common)
+    else:
+        session = SandboxSession(settings, net_range=args.net_range, **common)
+    session.kind = getattr(args, "subcommand", None) or "run"  # run or agent, as the registry names it
+    return session
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -167,8 +170,9 @@ def refusal_line(seen: EgressSeen) -> str | None:
         if seen.learned is None:
             return None
         return f"egressd: learned {target}{kind} (let through by --learn: {reason_message(seen.learned)})\n"
-    reason = seen.reason or ""
-    return f"egressd: blocked {target}{kind} ({reason_message(reason)})\n"
+    if not seen.is_refusal or seen.reason is None:
+        return None  # answered as designed (a query type egressd does not answer): the audit log has it
+    return f"egressd: blocked {target}{kind} ({reason_message(seen.reason)})\n"
 
 
 def _on_tty(stream: TextIO | None) -> bool:

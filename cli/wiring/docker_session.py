@@ -104,6 +104,7 @@ from egressd.sandbox.docker.sidecar import read_file, start_egressd
 
 from .control_client import ControlClient, ControlError
 from .controltoken import TokenFileError, read_token_file
+from .instances import register_quietly
 from .service import StartupError, entries_from_settings, token_path
 from .session import SessionBase, SessionError
 
@@ -619,6 +620,11 @@ class DockerSession(SessionBase[_SessionBox]):
             await control.close()
             control = run_control
         self.control = control
+        if isinstance(run_token, str) and run_token:
+            # In the registry of running instances, with the run's own token (in a file of its own there).
+            registration = register_quietly(kind=self.kind, control=control.url, task=self.task, token=run_token)
+            if registration is not None:
+                self._stack.callback(registration.remove)
         if self.relay is not None:
             self.relay.control = control
         self.run_id = str(created["id"])

@@ -53,7 +53,8 @@ from egressd.sandbox.network import (
 )
 from egressd.sandbox.seccomp import SeccompUnsupported, check_machine
 
-from .service import EgressService, StartupError, entries_from_settings
+from .instances import register_quietly
+from .service import EgressService, StartupError, entries_from_settings, token_path
 
 
 def refusal_summaries(records: Iterable[Mapping[str, object]]) -> list[Refusal]:
@@ -81,6 +82,7 @@ class Session(Protocol):
     workdir: Path
     made_workdir: bool
     terminal_output: TerminalOutput
+    kind: str  # run or agent: how the registry of running instances names it
 
     @property
     def run(self) -> RunHandle | None:
@@ -167,6 +169,7 @@ class SessionBase(Generic[BoxT]):
         self.term = term
         self.workdir: Path = Path()
         self.made_workdir = workdir is None
+        self.kind = "run"  # the command that runs it, as the registry of running instances names it (open_session)
         self._box: BoxT | None = None
         self._stack = contextlib.AsyncExitStack()
         self.terminal_output = TerminalOutput()
@@ -296,6 +299,13 @@ class SandboxSession(SessionBase[BwrapSandbox]):
                                deny=[e.text for e in deny], sources=[str(self.network.plan.sandbox_ip)],
                                **({"learn": True} if run.learn else {})))
         stack.callback(self._end_run)
+        # In the registry of running instances: `egressd pending|allow|deny` find this run's private socket.
+        registration = register_quietly(
+            kind=self.kind, control=self.service.control_address, task=self.task,
+            token_file=None if service_settings.control_token is not None else token_path(service_settings),
+        )  # fmt: skip
+        if registration is not None:
+            stack.callback(registration.remove)
         try:
             self._box = BwrapSandbox(
                 network=self.network,

@@ -6,15 +6,17 @@ For a query from a run whose audit log can be written (``plan_answer``), in
 order:
 
 1. a name that is not a well-formed host name (``egressd.names.hosts``) → FORMERR;
-2. a class other than IN, or a type other than A and AAAA → REFUSED;
+2. a class other than IN, or a type other than A and AAAA → REFUSED
+   (``unsupported_query``);
 3. strict mode, and the run could never reach the name → NXDOMAIN (the
    caller asks ``unreachable_reason``);
 4. A → the IPv4 answer; AAAA → the IPv6 answer if there is one, else
-   NOERROR with no records (RFC 2308 §2.2 "NODATA").
+   NOERROR with no records (RFC 2308 §2.2 "NODATA"): an answer, recorded
+   ``allow`` (nothing was refused: the name has its IPv4 answer).
 
 A query from no run is refused ``auth_required`` (``Answers.no_run``), and
 one that cannot be recorded ``audit_unavailable`` (``Answers.no_audit_log``).
-Every refusal carries a reason, and the reason's table row gives the response
+Every refusal (decision ``deny``) carries a reason, and the reason's table row gives the response
 code (``Reason.rcode``, through ``refused``). A ``Plan`` is what to answer; a ``PreparedReply`` is a
 plan with the record's fields and the reply's bytes worked out once, and
 ``Answers`` keeps one per distinct outcome for a server. Pure: no I/O.
@@ -59,7 +61,11 @@ _MAX_OUTCOMES = 1024
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """What to answer: the code, the address (if any), and how to record it."""
+    """What to answer: the code, the address (if any), and how to record it.
+
+    A plan without a reason answered the query (an address, or NODATA); one
+    with a reason refused it.
+    """
 
     rcode: Rcode
     address: IPAddress | None = None
@@ -67,7 +73,7 @@ class Plan:
 
     @property
     def decision(self) -> str:
-        return "allow" if self.address is not None else "deny"
+        return "allow" if self.reason is None else "deny"
 
     @property
     def answer_text(self) -> str:
@@ -99,7 +105,7 @@ def plan_answer(
     if query.name is None:
         return refused(Reason.BAD_REQUEST)
     if query.qclass != CLASS_IN or query.qtype not in (TYPE_A, TYPE_AAAA):
-        return Plan(Rcode.REFUSED)
+        return refused(Reason.UNSUPPORTED_QUERY)
     if unreachable is not None:
         return refused(unreachable)
     if query.qtype == TYPE_A:

@@ -135,6 +135,9 @@ class Reason(enum.Enum):
     AUDIT_UNAVAILABLE = ("audit_unavailable", 503, "the audit log cannot be written", _FAILED, _GENERAL, Rcode.REFUSED)
     # egressd stopped while the request was held or queued.
     SHUTTING_DOWN = ("shutting_down", 503, "egressd stopped while the request was held", _FAILED, _GENERAL)
+    # Not in the design's list: a DNS query of a type (or class) egressd does
+    # not answer (only A and AAAA in IN); no HTTP or SOCKS request is refused with it.
+    UNSUPPORTED_QUERY = ("unsupported_query", 400, "DNS query type not answered", _FAILED, _GENERAL, Rcode.REFUSED)
 
 
 # Reasons by code, for codes read back from a record or named by another package.

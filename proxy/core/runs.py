@@ -45,7 +45,15 @@ from typing import Any
 from egressd.names.addresses import IPAddress, unmapped
 from egressd.names.hosts import HostError, registered_domain
 from egressd.proxy.core.memo import remember
-from egressd.proxy.core.policy import Entry, PolicyDecision, RunPolicy, Verdict, approval_ports, decide
+from egressd.proxy.core.policy import (
+    DEFAULT_PORTS,
+    Entry,
+    PolicyDecision,
+    RunPolicy,
+    Verdict,
+    approval_ports,
+    decide,
+)
 from egressd.proxy.core.reasons import Reason
 
 DEFAULT_RUN_ID = "default"
@@ -265,8 +273,17 @@ class Run:
         return WaitingHead(self)
 
     def allowed_texts(self) -> tuple[str, ...]:
-        """The allowlist as a person reads it: entries, then approvals."""
-        return tuple(e.text for e in self.allow) + tuple(sorted(self.approved))
+        """The allowlist as a person reads it: entries, then approvals.
+
+        An approval on another port than 80 and 443 shows as ``host:PORT``
+        (one per port: the approval allows 80 and 443 too); else the host.
+        """
+        approved = [
+            f"{host}:{port}" if port else host
+            for host in sorted(self.approved)
+            for port in sorted(self.approved[host] - DEFAULT_PORTS) or [0]
+        ]
+        return tuple(e.text for e in self.allow) + tuple(approved)
 
     def record_event(self, record: Mapping[str, Any]) -> None:
         self.events.append((self.next_event, dict(record)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import stat
 import sys
 import tarfile
@@ -27,6 +28,7 @@ from ..backend import (
     Observation,
     OutputSink,
     SandboxError,
+    not_found_line,
 )
 from ..bwrap import SANDBOX_WORKDIR, base_environment
 from ..copyout import MAX_BYTES, MAX_FILES, CopyDestination, CopyReport, check_pattern, unmatched_patterns
@@ -53,6 +55,21 @@ from .engine import DockerEngine, DockerUnavailable, boot_id, container_state, e
 class _Outcome:
     exit_code: int = -1
     oom: bool = False
+
+
+# What the container's init (Docker's tini, ``"Init": true``) writes when the
+# command is not there, before exiting 127: said instead in the line the
+# bubblewrap backend prints (``backend.not_found_line``).
+_INIT_NOT_FOUND = re.compile(rb"\[FATAL tini \(\d+\)\] exec .* failed: No such file or directory\r?\n?", re.DOTALL)
+
+
+_INIT_PREFIX = b"[FATAL tini ("
+_INIT_MAX = 4096  # held no further: its message names one command (argv[0] of up to a page)
+
+
+def said_by_init(data: bytes, name: str) -> bytes:
+    """The container's stderr ``data``, with init's message for a missing command ``name`` as our one line."""
+    return not_found_line(name).encode() if _INIT_NOT_FOUND.fullmatch(data) else data
 
 
 @dataclass
@@ -145,7 +162,9 @@ class DockerSandbox:
                     async with asyncio.timeout(API_TIMEOUT_S):
                         await container.start()
                 async with asyncio.TaskGroup() as tasks:
-                    work = tasks.create_task(self._follow(container, stream, out, err, sinks, stdin, outcome))
+                    work = tasks.create_task(
+                        self._follow(container, stream, out, err, sinks, stdin, outcome, name=command[0])
+                    )
                     try:
                         async with asyncio.timeout(limits.timeout_s):
                             await asyncio.shield(work)
@@ -188,15 +207,28 @@ class DockerSandbox:
         sinks: tuple[OutputSink, OutputSink] | None,
         stdin: int | None,
         outcome: _Outcome,
+        *,
+        name: str,
     ) -> None:
         """Pump output (and stdin) until the container ends, then read its exit status."""
+        init_said: bytes | None = b""  # stderr held while it may be init's message (None: it is not)
         async with asyncio.TaskGroup() as tasks:
             feeder = tasks.create_task(_feed_stdin(stream, stdin)) if stdin is not None else None
             while (message := await stream.read_out()) is not None:
+                data = message.data
+                if message.stream != 1 and init_said is not None:
+                    # Init writes its message unbuffered, perhaps in pieces: held until its line ends.
+                    init_said += data
+                    if _INIT_PREFIX.startswith(init_said[: len(_INIT_PREFIX)]) and not init_said.endswith(b"\n"):
+                        if len(init_said) < _INIT_MAX:
+                            continue
+                    data, init_said = said_by_init(init_said, name), None
                 if sinks is None:
-                    (out if message.stream == 1 else err).add(message.data)
+                    (out if message.stream == 1 else err).add(data)
                 else:
-                    (sinks[0] if message.stream == 1 else sinks[1]).add(message.data)
+                    (sinks[0] if message.stream == 1 else sinks[1]).add(data)
+            if init_said:
+                (sinks[1] if sinks is not None else err).add(said_by_init(init_said, name))
             for sink in sinks or ():
                 sink.end()
             with engine_errors("cannot wait for the command's container"):

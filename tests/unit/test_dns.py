@@ -349,7 +349,18 @@ def test_the_plan_as_dnslib_reads_the_reply(
 
 def test_aaaa_without_an_ipv6_answer_is_nodata() -> None:
     plan = plan_answer(read_query(dnslib_query("ok.test", "AAAA")), answer4=ANSWER4, answer6=None, unreachable=None)
-    assert plan == Plan(Rcode.NOERROR) and plan.decision == "deny"
+    # Answered (NODATA), nothing refused: the record says allow, and every deny names a reason.
+    assert plan == Plan(Rcode.NOERROR) and plan.decision == "allow"
+
+
+@pytest.mark.parametrize(
+    "packet",
+    [dnslib_query("ok.test", "TXT"), dnslib_query("ok.test", "A", "CH"), dnslib_query("ok.test", "HTTPS")],
+    ids=["TXT", "class CH", "HTTPS"],
+)
+def test_a_query_type_egressd_does_not_answer_is_refused_with_a_reason(packet: bytes) -> None:
+    plan = plan_answer(read_query(packet), answer4=ANSWER4, answer6=ANSWER6, unreachable=None)
+    assert plan == Plan(Rcode.REFUSED, reason=Reason.UNSUPPORTED_QUERY) and plan.decision == "deny"
 
 
 def test_a_refusal_answers_with_its_reasons_rcode() -> None:

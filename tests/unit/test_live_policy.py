@@ -101,3 +101,14 @@ def test_run_changed_records_name_the_run_and_both_lists() -> None:
         "added": {"allow": [], "deny": ["x.example"]},
         "removed": {"allow": [], "deny": []},
     }
+
+
+def test_the_allowlist_a_prompt_shows_keeps_an_approvals_port() -> None:
+    # Issue 16: after approving host:8443, later prompts listed it as bare "host".
+    r = run(allow=("ok.example", "api.example:8080"))
+    r.approve("web.example", 443)
+    r.approve("svc.example", 8443)
+    r.approve("svc.example", 9000)
+    assert r.allowed_texts() == (
+        "ok.example", "api.example:8080", "svc.example:8443", "svc.example:9000", "web.example",
+    )  # fmt: skip

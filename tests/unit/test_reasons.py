@@ -50,8 +50,9 @@ NOT_A_REASON = {
     ("cli/commands/approvals.py", "denied"),  # "denied by NAME"
     ("cli/main.py", "approval_timeout"),  # the --approval-timeout setting's name
 }
-# DESIGN.md "What a client sees", in its order, then egressd's one addition
-# (audit_unavailable: DESIGN.md names it with shutting_down, after the list).
+# DESIGN.md "What a client sees", in its order, then egressd's additions
+# (audit_unavailable: DESIGN.md names it with shutting_down, after the list;
+# unsupported_query: a DNS query of a type egressd does not answer).
 DESIGN_REASONS = (
     "denylisted",
     "not_allowlisted",
@@ -72,6 +73,7 @@ DESIGN_REASONS = (
     "limit_exceeded",
     "audit_unavailable",
     "shutting_down",
+    "unsupported_query",
 )
 # DESIGN.md's statuses: 403 unless it says otherwise.
 DESIGN_STATUSES = {
@@ -83,6 +85,7 @@ DESIGN_STATUSES = {
     "limit_exceeded": 429,
     "audit_unavailable": 503,
     "shutting_down": 503,
+    "unsupported_query": 400,
 }
 
 
@@ -120,6 +123,7 @@ def test_tls_refusal_is_the_reasons_alert_unless_the_caller_knows_better() -> No
         (Reason.BAD_REQUEST, Rcode.FORMERR),
         (Reason.AUTH_REQUIRED, Rcode.REFUSED),
         (Reason.AUDIT_UNAVAILABLE, Rcode.REFUSED),
+        (Reason.UNSUPPORTED_QUERY, Rcode.REFUSED),
         (Reason.DENYLISTED, Rcode.NXDOMAIN),
         (Reason.IP_LITERAL, Rcode.NXDOMAIN),
         (Reason.DENIED_EARLIER, Rcode.NXDOMAIN),
@@ -366,3 +370,16 @@ def test_the_cli_tells_of_a_refusal_as_before() -> None:
     assert refusal_line(EgressSeen.of(dns)) == "egressd: blocked bad.test (dns) (on the denylist)\n"
     unknown = {"decision": "deny", "host": "x.test", "port": 80, "reason": "some_future_code"}
     assert refusal_line(EgressSeen.of(unknown)) == "egressd: blocked x.test:80 (some_future_code)\n"
+
+
+def test_the_cli_is_silent_about_dns_answered_as_designed() -> None:
+    # Issue 16: ``egressd run`` printed "egressd: blocked NAME (dns) ()" for every lookup.
+    base = {"kind": "dns", "host": "ok.test", "port": None}
+    aaaa = {**base, "decision": "allow", "reason": None, "qtype": "AAAA", "answer": "NOERROR"}
+    https = {**base, "decision": "deny", "reason": "unsupported_query", "qtype": "HTTPS", "answer": "REFUSED"}
+    old_aaaa = {**base, "decision": "deny", "reason": None, "qtype": "AAAA", "answer": "NOERROR"}
+    for record in (aaaa, https, old_aaaa):
+        assert refusal_line(EgressSeen.of(record)) is None, record
+        assert not EgressSeen.of(record).is_refusal
+    strict = {**base, "decision": "deny", "reason": "not_allowlisted", "qtype": "AAAA", "answer": "NXDOMAIN"}
+    assert refusal_line(EgressSeen.of(strict)) == "egressd: blocked ok.test (dns) (not on the allowlist)\n"

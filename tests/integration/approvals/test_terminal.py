@@ -68,6 +68,36 @@ async def test_typing_allow_at_the_prompt_allows(pty: Pty) -> None:
     await broker.close()
 
 
+async def test_the_answer_ends_its_line_before_the_log_says_allowed(pty: Pty) -> None:
+    # Issue 16: "> allow2026-12-01T04:27:18 egressd ALLOWED": the log line ran into the typed answer.
+    import logging
+
+    class ToTheTerminal(logging.Handler):  # the log shares the terminal, as egressd's stderr does
+        def emit(self, record: logging.LogRecord) -> None:
+            os.write(pty.slave, f"LOG {record.getMessage()}\n".encode())
+
+    handler = ToTheTerminal(logging.INFO)
+    logger = logging.getLogger("egressd.approvals")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        broker, _ = await terminal_broker(pty)
+        held = asyncio.create_task(broker.ask(request()))
+        await pty.shows("allow or deny evil.example:443?")
+        pty.type("allow\r")
+        assert (await asyncio.wait_for(held, 5)).allowed
+        await pty.shows("evil.example:443: allowed for this run")
+        await pty.shows("LOG ALLOWED")
+        typed = pty.output.rindex("> allow")
+        between = pty.output[typed + len("> allow") : pty.output.index("LOG ALLOWED")]
+        assert between.strip("\r") == "\n", repr(pty.output[typed:])  # the line ends, and nothing else
+        await broker.close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+
+
 async def test_a_bare_enter_denies(pty: Pty) -> None:
     broker, _ = await terminal_broker(pty)
     held = asyncio.create_task(broker.ask(request()))

@@ -437,13 +437,22 @@ NOW = 1_800_000_000.0
         ("2026-11-29T10:54:52", 1795949692.0),
         ("2026-11-29", 1795910400.0),
         (" 15m ", NOW - 900),
+        # Issue 16: the forms a user tries first. NOW is 2027-01-15T08:00:00Z.
+        ("1w", NOW - 7 * 86400),
+        ("today", 1799971200.0),
+        ("Yesterday", 1799884800.0),
+        ("2027-01-15", 1799971200.0),
+        ("2027-01-15T08:00:00Z", NOW),
+        ("2027-01-15T10:00:00+02:00", NOW),
+        ("2027-01-15T03:00:00-05:00", NOW),
+        ("2027-01-15 08:00:00Z", NOW),
     ],
 )
 def test_parse_since_reads_times_dates_and_durations(text: str, expected: float) -> None:
     assert parse_since(text, NOW) == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("text", ["", "yesterday", "15", "15 m", "-5m", "2026-13-01", "1w"])
+@pytest.mark.parametrize("text", ["", "tomorrow", "15", "15 m", "-5m", "2026-13-01", "1y"])
 def test_parse_since_refuses_anything_else_with_a_clear_message(text: str) -> None:
     with pytest.raises(ValueError, match="RFC 3339"):
         parse_since(text, NOW)

@@ -291,17 +291,18 @@ def test_the_parser_reads_every_packet_as_dnslib_did(packet: bytes) -> None:
     assert _as_read_now(packet) == _as_dnslib_read_it(packet)  # again, now that the name may be cached
 
 
+_UNSUPPORTED = Plan(Rcode.REFUSED, reason=Reason.UNSUPPORTED_QUERY)
 PLANS = [
     ("A", None, None, Plan(Rcode.NOERROR, ANSWER)),
     ("AAAA", None, None, Plan(Rcode.NOERROR)),
     ("AAAA", IPv6Address("fd00::1"), None, Plan(Rcode.NOERROR, IPv6Address("fd00::1"))),
-    ("TXT", None, None, Plan(Rcode.REFUSED)),
-    ("MX", None, None, Plan(Rcode.REFUSED)),
-    ("ANY", None, None, Plan(Rcode.REFUSED)),
-    ("NULL", None, None, Plan(Rcode.REFUSED)),
+    ("TXT", None, None, _UNSUPPORTED),
+    ("MX", None, None, _UNSUPPORTED),
+    ("ANY", None, None, _UNSUPPORTED),
+    ("NULL", None, None, _UNSUPPORTED),
     ("A", None, Reason.DENYLISTED, Plan(Rcode.NXDOMAIN, reason=Reason.DENYLISTED)),
     ("AAAA", None, Reason.NOT_ALLOWLISTED, Plan(Rcode.NXDOMAIN, reason=Reason.NOT_ALLOWLISTED)),
-    ("TXT", None, Reason.DENYLISTED, Plan(Rcode.REFUSED)),
+    ("TXT", None, Reason.DENYLISTED, _UNSUPPORTED),
 ]
 
 
@@ -309,7 +310,8 @@ PLANS = [
 def test_the_answer_plan_for_each_type(qtype, answer6, unreachable, expected) -> None:
     plan = plan_answer(read_query(query("a.test", qtype)), answer4=ANSWER, answer6=answer6, unreachable=unreachable)
     assert plan == expected
-    assert plan.decision == ("allow" if expected.address else "deny")
+    # Every deny names its reason; an empty AAAA answer (NODATA) refuses nothing.
+    assert plan.decision == ("deny" if expected.reason else "allow")
 
 
 def test_a_class_other_than_in_is_refused() -> None:
@@ -494,8 +496,9 @@ async def test_aaaa_is_empty_noerror_unless_an_ipv6_answer_is_set(dns_egressd, d
     reply = await ask(svc, "origin.test", "AAAA")
     assert reply.header.rcode == RCODE.NOERROR and reply.rr == []
     record = dns_records(svc)[0]
+    # Answered, nothing refused (issue 16: it was a deny with a null reason, printed by ``egressd run``).
     assert (record["decision"], record["reason"], record["answer"], record["qtype"]) == (
-        "deny",
+        "allow",
         None,
         "NOERROR",
         "AAAA",
@@ -515,6 +518,7 @@ async def test_every_other_type_is_refused(dns_egressd, dns: FakeDns, qtype: str
     assert reply.header.rcode == RCODE.REFUSED and reply.rr == []
     record = dns_records(svc)[0]
     assert (record["decision"], record["answer"], record["qtype"]) == ("deny", "REFUSED", qtype)
+    assert record["reason"] == "unsupported_query"
     assert dns.queries == []
 
 

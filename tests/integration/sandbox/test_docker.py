@@ -124,6 +124,15 @@ def test_copy_out_does_not_mention_what_no_pattern_matches() -> None:
     assert _check("work/dist", "dir") == MemberCheck(None)
 
 
+def test_inits_message_for_a_missing_command_becomes_the_backends_one_line() -> None:
+    from egressd.sandbox.docker.commands import said_by_init
+
+    said = b"[FATAL tini (7)] exec nope failed: No such file or directory\n"
+    assert said_by_init(said, "nope") == b"egressd: nope: command not found in the sandbox\n"
+    for other in (b"[FATAL tini (7)] exec nope failed: Permission denied\n", b"hello\n", said + b"more"):
+        assert said_by_init(other, "nope") == other
+
+
 def test_subnets_are_link_local_or_cgnat_and_never_overlap() -> None:
     taken = [ipaddress.ip_network("169.254.64.0/28")]
     internal, outgoing = choose_subnets("169.254.64.0/18", taken)
@@ -448,6 +457,40 @@ async def test_a_held_request_is_allowed_from_the_control_api(make_bed: Any) -> 
         assert obs.exit_code == 0 and "hello from origin: GET /held" in obs.stdout
 
 
+async def test_egressd_pending_and_allow_find_a_docker_run_by_themselves(
+    make_bed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 16: a --backend docker run printed no control address, and `egressd pending` could not find it.
+    state = tmp_path / "state"
+    monkeypatch.setenv("XDG_STATE_HOME", str(state))  # where this run registers, and the commands look
+    env = _clean_env(state)
+    async with make_bed(approver=["webhook"], allow=[]) as bed:
+        run = asyncio.ensure_future(bed.sh(f"curl -sS -m 60 http://{ORIGIN_NAME}:{ORIGIN_PORT}/held"))
+        approvals: list[dict[str, Any]] = []
+        for _ in range(100):  # 20 s at most
+            listed = await asyncio.create_subprocess_exec(
+                EGRESSD, "pending", "--json", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+            )
+            out, err = await listed.communicate()
+            approvals = json.loads(out or b"[]")
+            if approvals:
+                break
+            await asyncio.sleep(0.2)
+        assert [(a["host"], a["instance"]["kind"]) for a in approvals] == [(ORIGIN_NAME, "run")], err
+        entries = list((state / "egressd" / "instances").glob("*.json"))
+        assert len(entries) == 1 and bed.session.control is not None
+        assert "token" not in json.loads(entries[0].read_text())["control"]
+        allow = await asyncio.create_subprocess_exec(
+            EGRESSD, "allow", approvals[0]["id"], env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        _, err = await allow.communicate()
+        assert allow.returncode == 0, err
+        obs = await asyncio.wait_for(run, 60)
+        assert obs.exit_code == 0 and "hello from origin: GET /held" in obs.stdout
+    assert list((state / "egressd" / "instances").iterdir()) == []  # its entry and its token file, gone
+
+
 async def test_a_held_request_is_allowed_at_the_terminal_the_run_was_started_from(make_bed: Any) -> None:
     master, slave = os.openpty()
     os.set_blocking(master, False)
@@ -522,6 +565,13 @@ async def test_egressd_run_exits_with_the_commands_status_and_limits(engine: Doc
     assert code == 137 and "--memory" in err
     code, _, err = await egressd_run(tmp_path, "--image", "egressd-no-such-image:1", "--", "true")
     assert code == 125 and "egressd-no-such-image:1" in err
+
+
+async def test_a_missing_command_exits_127_with_one_clear_line(engine: DockerEngine, tmp_path: Path) -> None:
+    # Issue 16: the container's init said "[FATAL tini (7)] exec ... failed"; now the line bubblewrap's run says.
+    code, out, err = await egressd_run(tmp_path, "--", "no-such-command-xyz", "arg")
+    assert (code, out) == (127, ""), err
+    assert err == "egressd: no-such-command-xyz: command not found in the sandbox\n"
 
 
 async def test_egressd_run_copies_out_through_the_engine(engine: DockerEngine, tmp_path: Path) -> None:

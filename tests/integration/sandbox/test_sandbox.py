@@ -154,6 +154,38 @@ async def test_allowed_origin_is_reached_through_egressd_with_curl_and_python(tm
     await assert_no_leftovers()
 
 
+async def test_name_lookups_of_an_allowed_host_print_nothing_and_every_deny_has_a_reason(
+    tmp_path, dns, http_origin
+) -> None:
+    # Issue 16: every lookup printed "egressd: blocked NAME (dns) ()" (its AAAA query, a deny without a reason).
+    script = textwrap.dedent(f"""
+        set -e
+        python3 -c "import socket; print(len(socket.getaddrinfo('origin.test', 80)))"
+        curl -sS -m 10 http://origin.test:{http_origin.port}/ >/dev/null
+        echo done
+    """)
+    code, out, err = await egressd_run(tmp_path, dns, "--allow", "origin.test:*", "--", "sh", "-c", script)
+    assert code == 0 and "done" in out, err
+    assert "blocked" not in err, err
+    records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    lookups = [r for r in records if r.get("event") == "egress" and r.get("kind") == "dns" and r["host"]]
+    assert {r["qtype"] for r in lookups} >= {"A", "AAAA"}
+    assert all(r["decision"] == "allow" for r in lookups if r["qtype"] in ("A", "AAAA")), lookups
+    assert all(r["reason"] for r in records if r.get("decision") == "deny"), records
+    await assert_no_leftovers()
+
+
+@pytest.mark.parametrize("command", ["no-such-command-xyz", "./not-in-workdir", "/usr/bin/no-such-xyz"])
+async def test_a_missing_command_exits_127_with_one_clear_line(tmp_path, dns, command: str) -> None:
+    # Issue 16: bwrap said "bwrap: execvp ...: No such file or directory" and egressd run exited 1.
+    code, out, err = await egressd_run(tmp_path, dns, "--", command, "arg")
+    assert (code, out) == (127, ""), err
+    assert err == f"egressd: {command}: command not found in the sandbox\n"
+    # A command that is there still runs as itself, with its own status, in the same process the shell was.
+    code, out, err = await egressd_run(tmp_path, dns, "--", "sh", "-c", 'echo "$0"; exit 5', "named")
+    assert (code, out) == (5, "named\n"), err
+
+
 async def test_all_proxy_names_the_socks_listener_and_it_carries_the_run(tmp_path, dns, http_origin, leak) -> None:
     script = textwrap.dedent(f"""
         case "$ALL_PROXY" in socks5h://*) ;; *) echo "ALL_PROXY=$ALL_PROXY"; exit 3;; esac
@@ -496,4 +528,87 @@ async def test_runs_started_together_never_collide(tmp_path, dns, http_origin) -
     ))
     assert [code for code, _, _ in results] == [0, 0, 0], [err for _, _, err in results]
     assert len([r for r in http_origin.requests if r["path"] == "/together"]) == 3
+    await assert_no_leftovers()
+
+
+async def test_pending_and_allow_find_a_run_by_themselves_among_several_instances(
+    tmp_path, dns, http_origin
+) -> None:
+    # Issue 16: `egressd pending` could not find the approvals of an `egressd run` (a temporary control socket).
+    import json
+    import stat
+
+    from tests.fakes.webhook import WebhookReceiver, make_secret
+    from tests.harness import wait_serve_ports
+
+    secret, key = make_secret()
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    base_env["XDG_STATE_HOME"] = str(tmp_path / "s")
+    registry = tmp_path / "s" / "egressd" / "instances"
+    registry.mkdir(parents=True, mode=0o700)
+    # A stale entry: its process is gone (pid 2**22 + 1 is above any pid_max); ignored, then removed.
+    stale = registry / "4194305.00000000.json"
+    stale.write_text(json.dumps({"pid": 4194305, "pid_started": "1", "control": "unix:/nowhere", "kind": "serve"}))
+    stale.chmod(0o600)
+
+    async def egressd(*args: str) -> asyncio.subprocess.Process:
+        return await asyncio.create_subprocess_exec(
+            EGRESSD, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=base_env
+        )
+
+    import subprocess
+
+    serve = subprocess.Popen(  # noqa: ASYNC220 - wait_serve_ports reads its stderr, in a thread
+        [EGRESSD, "serve", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0", "--audit-log",
+         str(tmp_path / "serve.jsonl")], env=base_env, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        await asyncio.to_thread(wait_serve_ports, serve)
+        async with WebhookReceiver(key, mode="later") as receiver:
+            proc = await asyncio.create_subprocess_exec(
+                EGRESSD, "run", "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--allow-private", ORIGIN_RANGE,
+                "--audit-log", str(tmp_path / "audit.jsonl"), "--approver", "webhook", "--webhook-url", receiver.url,
+                "--webhook-secret", secret, "--",
+                "curl", "-fsS", "-m", "30", f"http://origin.test:{http_origin.port}/held",
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL,
+                env=base_env,
+            )
+            approvals: list = []
+            for _ in range(100):
+                pending = await egressd("pending", "--json")
+                out, err = await pending.communicate()
+                approvals = json.loads(out or b"[]")
+                if approvals:
+                    break
+                await asyncio.sleep(0.1)
+            assert [(a["host"], a["instance"]["kind"]) for a in approvals] == [("origin.test", "run")], err
+            assert not stale.exists()
+            entries = sorted(registry.glob("*.json"))
+            assert len(entries) == 2  # serve's and the run's
+            for entry in [registry, *entries]:
+                mode = os.lstat(entry).st_mode
+                assert stat.S_IMODE(mode) == (0o700 if entry == registry else 0o600), entry
+                assert "token" not in json.loads(entry.read_text()).get("control", "") if entry != registry else True
+            tokens = {json.loads(e.read_text())["token_file"] for e in entries}
+            assert all(t and "control" in t for t in tokens)  # the path of a token file, never a token
+            table = await egressd("pending")
+            out, err = await table.communicate()
+            assert b"egressd run (pid" in out and b"egressd serve (pid" in out, err  # named: there are several
+            missing = await egressd("deny", "a-no-such-approval")
+            _, err = await missing.communicate()
+            assert missing.returncode == 1 and b"holds approval" in err
+            assert http_origin.requests == []  # held: nothing went out yet
+            allow = await egressd("allow", approvals[0]["id"])
+            out, err = await allow.communicate()
+            assert allow.returncode == 0, err
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, err
+        assert b"hello from origin: GET /held" in out
+        assert len(list(registry.glob("*.json"))) == 1  # the run removed its entry; serve's is left
+    finally:
+        serve.terminate()
+        serve.wait(10)
+        if serve.stderr is not None:
+            serve.stderr.close()
+    assert list(registry.glob("*.json")) == []  # each removed its entry at exit
     await assert_no_leftovers()

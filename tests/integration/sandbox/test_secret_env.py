@@ -324,7 +324,8 @@ async def test_a_loader_variable_passed_with_env_reaches_the_command_alone(tmp_p
     missing = f"/work/egressd-test-{uuid.uuid4().hex}.so"
     code, out, err = await egressd_run(tmp_path, dns, "--env", f"LD_PRELOAD={missing}", "--", "/usr/bin/true")
     assert code == 0, err
-    assert err.count(f"'{missing}' from LD_PRELOAD cannot be preloaded") == 1, err  # /usr/bin/true's, no other
+    # /bin/sh's (the sandbox's look-up of the command, which then becomes it) and /usr/bin/true's, no other.
+    assert err.count(f"'{missing}' from LD_PRELOAD cannot be preloaded") == 2, err
 
 
 # -- the Docker backend, for real --------------------------------------------------------------
