@@ -165,7 +165,9 @@ def test_refused_hosts_and_ip_literals_are_never_suggested_and_are_listed() -> N
     assert "# refused, not suggested: 10.0.0.1 (ip_literal), evil.example (denylisted), " in text
     assert "sneaky.example (private_address)" in text and "nonsense" not in text
     assert "# IP addresses used, not suggested: 127.0.0.2" in text
-    assert text.startswith("# egressd audit suggest: 1 host from run r-1 (started 2026-12-01T10:00:00Z), 1 attempt let through")
+    assert text.startswith(
+        "# egressd audit suggest: 1 host from run r-1 (started 2026-12-01T10:00:00Z), 1 attempt let through"
+    )
 
 
 def test_a_connection_cut_after_its_record_is_not_suggested() -> None:
