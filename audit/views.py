@@ -51,6 +51,7 @@ class EgressSeen:
     approved: bool
     learned: str | None = None
     qtype: str | None = None
+    answer: str | None = None  # a DNS record's: the address, or the response code
 
     @classmethod
     def of(cls, record: Mapping[str, object]) -> EgressSeen:
@@ -65,6 +66,7 @@ class EgressSeen:
             approved=bool(get("approval")),
             learned=_text(get("learned")),
             qtype=_text(get("qtype")),
+            answer=_text(get("answer")),
         )
 
     @property
@@ -84,7 +86,11 @@ class EgressSeen:
             return False
         if self.kind != "dns":
             return True
-        return self.reason is not None and self.qtype in _ADDRESS_TYPES + (None,)
+        if self.reason is None or self.answer == "NOERROR":
+            # Answered as designed: an AAAA with no address (NODATA; the A query answers the
+            # name), or a record from before every deny had a reason.
+            return False
+        return self.qtype in _ADDRESS_TYPES + (None,)
 
     @property
     def target(self) -> str:

@@ -11,8 +11,9 @@ order:
 3. strict mode, and the run could never reach the name → NXDOMAIN (the
    caller asks ``unreachable_reason``);
 4. A → the IPv4 answer; AAAA → the IPv6 answer if there is one, else
-   NOERROR with no records (RFC 2308 §2.2 "NODATA"): an answer, recorded
-   ``allow`` (nothing was refused: the name has its IPv4 answer).
+   NOERROR with no records (RFC 2308 §2.2 "NODATA"), recorded ``deny`` as
+   DESIGN.md says (not egressd's address) with the reason
+   ``empty_answer``, which explains no failure (the A query answers).
 
 A query from no run is refused ``auth_required`` (``Answers.no_run``), and
 one that cannot be recorded ``audit_unavailable`` (``Answers.no_audit_log``).
@@ -63,8 +64,8 @@ _MAX_OUTCOMES = 1024
 class Plan:
     """What to answer: the code, the address (if any), and how to record it.
 
-    A plan without a reason answered the query (an address, or NODATA); one
-    with a reason refused it.
+    A plan without a reason answered the query with egressd's address; one
+    with a reason did not (a refusal, or NODATA for an AAAA).
     """
 
     rcode: Rcode
@@ -112,7 +113,7 @@ def plan_answer(
         return Plan(Rcode.NOERROR, answer4)
     if answer6 is not None:
         return Plan(Rcode.NOERROR, answer6)
-    return Plan(Rcode.NOERROR)
+    return Plan(Rcode.NOERROR, reason=Reason.EMPTY_ANSWER)
 
 
 def unreachable_reason(run: Run, name: str) -> tuple[Reason | None, str | None, Reason | None]:

@@ -138,6 +138,17 @@ class Reason(enum.Enum):
     # Not in the design's list: a DNS query of a type (or class) egressd does
     # not answer (only A and AAAA in IN); no HTTP or SOCKS request is refused with it.
     UNSUPPORTED_QUERY = ("unsupported_query", 400, "DNS query type not answered", _FAILED, _GENERAL, Rcode.REFUSED)
+    # Not in the design's list: an AAAA query answered with no address (NOERROR, no records:
+    # no IPv6 answer is configured). DESIGN.md records it ``deny`` (not egressd's address);
+    # this says why, and that it explains no failure: the name's A query gets the address.
+    EMPTY_ANSWER = (
+        "empty_answer",
+        400,
+        "no IPv6 answer is configured (the name's IPv4 answer stands)",
+        _FAILED,
+        _GENERAL,
+        Rcode.NOERROR,
+    )
 
 
 # Reasons by code, for codes read back from a record or named by another package.

@@ -349,8 +349,8 @@ def test_the_plan_as_dnslib_reads_the_reply(
 
 def test_aaaa_without_an_ipv6_answer_is_nodata() -> None:
     plan = plan_answer(read_query(dnslib_query("ok.test", "AAAA")), answer4=ANSWER4, answer6=None, unreachable=None)
-    # Answered (NODATA), nothing refused: the record says allow, and every deny names a reason.
-    assert plan == Plan(Rcode.NOERROR) and plan.decision == "allow"
+    # NODATA. DESIGN.md: not egressd's address, so the record says deny; every deny names a reason.
+    assert plan == Plan(Rcode.NOERROR, reason=Reason.EMPTY_ANSWER) and plan.decision == "deny"
 
 
 @pytest.mark.parametrize(

@@ -286,6 +286,7 @@ def test_reason_codes_are_the_designs() -> None:
         "resolve_failed", "upstream_unreachable", "upstream_timeout", "limit_exceeded",
         "audit_unavailable", "shutting_down",  # 503s: the log cannot be written; egressd stopped
         "unsupported_query",  # a DNS query of a type egressd does not answer
+        "empty_answer",  # an AAAA query answered with no address (NODATA)
     }  # fmt: skip
 
 

@@ -52,7 +52,8 @@ NOT_A_REASON = {
 }
 # DESIGN.md "What a client sees", in its order, then egressd's additions
 # (audit_unavailable: DESIGN.md names it with shutting_down, after the list;
-# unsupported_query: a DNS query of a type egressd does not answer).
+# unsupported_query: a DNS query of a type egressd does not answer;
+# empty_answer: an AAAA query answered with no address, recorded deny as DESIGN.md says).
 DESIGN_REASONS = (
     "denylisted",
     "not_allowlisted",
@@ -74,6 +75,7 @@ DESIGN_REASONS = (
     "audit_unavailable",
     "shutting_down",
     "unsupported_query",
+    "empty_answer",
 )
 # DESIGN.md's statuses: 403 unless it says otherwise.
 DESIGN_STATUSES = {
@@ -86,6 +88,7 @@ DESIGN_STATUSES = {
     "audit_unavailable": 503,
     "shutting_down": 503,
     "unsupported_query": 400,
+    "empty_answer": 400,
 }
 
 

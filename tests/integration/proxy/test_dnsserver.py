@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
 from egressd.audit.log import MemoryAuditSink
+from egressd.audit.views import EgressSeen
 from egressd.cli.wiring.service import StartupError
 from egressd.names.hosts import HostError, normalise_host
 from egressd.names.shown import shown_name
@@ -294,7 +295,7 @@ def test_the_parser_reads_every_packet_as_dnslib_did(packet: bytes) -> None:
 _UNSUPPORTED = Plan(Rcode.REFUSED, reason=Reason.UNSUPPORTED_QUERY)
 PLANS = [
     ("A", None, None, Plan(Rcode.NOERROR, ANSWER)),
-    ("AAAA", None, None, Plan(Rcode.NOERROR)),
+    ("AAAA", None, None, Plan(Rcode.NOERROR, reason=Reason.EMPTY_ANSWER)),
     ("AAAA", IPv6Address("fd00::1"), None, Plan(Rcode.NOERROR, IPv6Address("fd00::1"))),
     ("TXT", None, None, _UNSUPPORTED),
     ("MX", None, None, _UNSUPPORTED),
@@ -496,13 +497,15 @@ async def test_aaaa_is_empty_noerror_unless_an_ipv6_answer_is_set(dns_egressd, d
     reply = await ask(svc, "origin.test", "AAAA")
     assert reply.header.rcode == RCODE.NOERROR and reply.rr == []
     record = dns_records(svc)[0]
-    # Answered, nothing refused (issue 16: it was a deny with a null reason, printed by ``egressd run``).
+    # DESIGN.md: not egressd's address, so deny, now with a reason (issue 16: the reason was null,
+    # and ``egressd run`` printed it as a refusal; audit.views tells it explains no failure).
     assert (record["decision"], record["reason"], record["answer"], record["qtype"]) == (
-        "allow",
-        None,
+        "deny",
+        "empty_answer",
         "NOERROR",
         "AAAA",
     )
+    assert not EgressSeen.of(record).is_refusal
 
     svc6 = await dns_egressd(dns_answer6="fd00::53")
     reply = await ask(svc6, "origin.test", "AAAA", tcp=True)
