@@ -44,6 +44,7 @@ from ..wiring.service import StartupError, entries_from_settings
 from ..wiring.session import Session
 from .run import (
     add_backend_arguments,
+    add_copy_out_arguments,
     check_copy_out,
     check_private_files,
     open_session,
@@ -131,20 +132,7 @@ def add_agent_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help=f"stdout and stderr kept per command, each (default {DEFAULT_MAX_OUTPUT})",
     )
-    parser.add_argument(
-        "--copy-out",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="copy matching files out of the working directory afterwards (repeatable)",
-    )
-    parser.add_argument(
-        "--copy-out-dir",
-        default=".",
-        metavar="DIR",
-        help="where --copy-out puts files (default: the current directory); "
-        "never a link, nor inside the working directory",
-    )
+    add_copy_out_arguments(parser, when=" afterwards")
     parser.add_argument(
         "--env",
         action="append",

@@ -56,20 +56,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", type=int, metavar="MB", help="memory limit (exit 137 when exceeded)")
     parser.add_argument("--cpu", type=int, metavar="S", help="CPU-time limit per process")
     parser.add_argument("--max-pids", type=int, default=512, metavar="N", help="process limit (default 512)")
-    parser.add_argument(
-        "--copy-out",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="copy matching files out of the working directory (repeatable)",
-    )
-    parser.add_argument(
-        "--copy-out-dir",
-        default=".",
-        metavar="DIR",
-        help="where --copy-out puts files (default: the current directory); "
-        "never a link, nor inside the working directory",
-    )
+    add_copy_out_arguments(parser, when="")
     parser.add_argument(
         "--env",
         action="append",
@@ -81,6 +68,24 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_backend_arguments(parser)
     parser.add_argument("--task", help="what the run is for (shown in approval messages)")
+
+
+def add_copy_out_arguments(parser: argparse.ArgumentParser, *, when: str) -> None:
+    """``--copy-out`` and ``--copy-out-dir``, as ``run`` and ``agent`` take them (``when``: " afterwards")."""
+    parser.add_argument(
+        "--copy-out",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help=f"copy matching files out of the working directory{when} (repeatable)",
+    )
+    parser.add_argument(
+        "--copy-out-dir",
+        default=".",
+        metavar="DIR",
+        help="where --copy-out puts files (default: the current directory); "
+        "never a link, nor inside the working directory",
+    )
 
 
 def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
