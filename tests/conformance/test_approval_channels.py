@@ -307,9 +307,17 @@ class TerminalDriver(Driver):
             await asyncio.sleep(0.3)
             return None
         self.pty.type(word + "\r")
-        await wait_until(lambda: "\r\n" in self.pty.output[mark:])
-        said = terminal_text(self.pty.output[mark:]).split("\n")[0]
+        said = await self._outcome(mark)
         return said.endswith("for this run")  # else "already settled: …" or "no longer pending"
+
+    async def _outcome(self, mark: int) -> str:
+        """The line that says how the answer typed after ``mark`` ended (the input line, ended, comes first)."""
+
+        def lines() -> list[str]:
+            return [ln for ln in terminal_text(self.pty.output[mark:]).split("\n") if "Enter = deny]" not in ln]
+
+        await wait_until(lambda: any(ln.strip() for ln in lines()[:-1]))  # a whole line after the input line
+        return next(ln for ln in lines() if ln.strip())
 
     async def offered(self, approval_id: str) -> set[str]:
         [line] = [ln for ln in (await self.shown(approval_id)).split("\n") if ln.startswith("Answer ")]
@@ -324,7 +332,7 @@ class TerminalDriver(Driver):
         await wait_until(lambda: "\r\n" in self.pty.output[mark:] or "type allow or deny" in self.pty.output[mark:])
         if "\r\n" not in self.pty.output[mark:]:
             return False  # not an answer here: the prompt asks again
-        said = terminal_text(self.pty.output[mark:]).split("\n")[0]  # the input line redrawn, then how it ended
+        said = await self._outcome(mark)
         return said.endswith(("for this run", "the next one asks again)", "added to the allow file"))
 
     async def withdrawn(self, approval_id: str) -> str:
