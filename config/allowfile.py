@@ -33,7 +33,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["AllowFile", "AllowFileError", "Approved", "append_approved", "read_allow_file", "toml_string"]
+from egressd.names.shown import toml_string
+
+__all__ = ["AllowFile", "AllowFileError", "Approved", "append_approved", "read_allow_file"]
 
 _APPROVED_KEYS = ("entry", "at", "approval", "by", "channel", "run")
 
@@ -120,20 +122,6 @@ def render_approved(approved: Approved) -> str:
         if value is not None:
             lines.append(f"{key} = {toml_string(value)}")
     return "\n".join(lines) + "\n"
-
-
-def toml_string(text: str) -> str:
-    """``text`` as a TOML basic string: quotes, backslashes and control characters escaped."""
-    out = ['"']
-    for char in text:
-        if char in '"\\':
-            out.append("\\" + char)
-        elif char < " " or char == "\x7f":
-            out.append(f"\\u{ord(char):04x}")
-        else:
-            out.append(char)
-    out.append('"')
-    return "".join(out)
 
 
 def _parse(path: Path, text: str) -> AllowFile:

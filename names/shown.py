@@ -45,6 +45,7 @@ __all__ = [
     "printable",
     "quoted",
     "shown_name",
+    "toml_string",
 ]
 
 
@@ -255,3 +256,20 @@ def shown_name(labels: Sequence[bytes]) -> str:
     if not labels:
         return "."
     return ".".join("".join(chr(b) if b in _SHOWN else f"\\{b:03d}" for b in label) for label in labels)
+
+
+# -- TOML: a value in a file egressd writes (an allowlist file, a suggestion) -----------------
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: quotes, backslashes and control characters escaped."""
+    out = ['"']
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif char < " " or char == "\x7f":
+            out.append(f"\\u{ord(char):04x}")
+        else:
+            out.append(char)
+    out.append('"')
+    return "".join(out)

@@ -33,11 +33,11 @@ it). Only entries ``policy.parse_entry`` accepts are printed.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from egressd.names.hosts import HostError, parse_host
+from egressd.names.shown import toml_string
 from egressd.names.suffixes import registrable_domain
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
 from egressd.proxy.core.reasons import Reason, reason_for
@@ -248,11 +248,6 @@ def _shown(text: str) -> str:
     return "".join(ch if " " <= ch <= "~" else "?" for ch in escaped)[:255]
 
 
-def _toml_string(text: str) -> str:
-    """A TOML basic string: JSON's escapes (``\\" \\\\ \\n \\uXXXX`` ...) are all TOML's too."""
-    return json.dumps(text, ensure_ascii=True)
-
-
 def render(suggestion: Suggestion) -> str:
     """The suggestion as TOML for ``--allow-file``: a header comment, ``allow = [...]``, closing comments."""
     s = suggestion
@@ -264,7 +259,7 @@ def render(suggestion: Suggestion) -> str:
     else:
         lines.append("allow = [")
         for text, note in s.entries:
-            item = f"  {_toml_string(text)},"
+            item = f"  {toml_string(text)},"
             lines.append(f"{item}  # {_shown(note)}" if note else item)
         lines.append("]")
     if s.literals:

@@ -16,9 +16,9 @@ from egressd.config.allowfile import (
     Approved,
     append_approved,
     read_allow_file,
-    toml_string,
 )
 from egressd.config.settings import load_settings
+from egressd.names.shown import toml_string
 
 WRITTEN = """# the operator's own notes survive every append
 allow = ["pypi.org", "*.pythonhosted.org"]  # python
