@@ -627,7 +627,11 @@ async def test_the_page_offers_every_scope_with_an_allow_file_and_always_appends
     await run(lambda: browser.find_element(By.NAME, "token").send_keys(TOKEN))
     await run(lambda: browser.find_element(By.NAME, "name").send_keys("alice"))
     await run(lambda: browser.find_element(By.CSS_SELECTOR, "form button[type=submit]").click())
-    await until(browser, "document.getElementById('status').textContent === 'Live updates: on'")
+    # The signed-in page may not have loaded yet: its status element first, then its text.
+    await until(
+        browser,
+        "document.getElementById('status') && document.getElementById('status').textContent === 'Live updates: on'",
+    )
 
     task = await held(svc, f"origin.test:{echo_origin.port}")
     approval_id = svc.gate.approver.pending()[0].id  # type: ignore[union-attr]
