@@ -40,6 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from ipaddress import ip_address
 from types import TracebackType
+from typing import cast
 
 from dnslib import AAAA, CNAME, QTYPE, RCODE, RR, SOA, A, DNSError, DNSLabel, DNSRecord
 
@@ -97,9 +98,9 @@ class _TcpConnection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        self._dns._tcp_transports.add(transport)
+        # A cast, not an isinstance check: uvloop's TCPTransport is not an asyncio.Transport subclass.
+        self._transport = cast(asyncio.Transport, transport)
+        self._dns._tcp_transports.add(self._transport)
 
     def data_received(self, data: bytes) -> None:
         assert self._transport is not None
