@@ -61,7 +61,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import PEERS, ensure_installed  # noqa: E402
-from targets import audit_writes, evaluate  # noqa: E402
+from targets import audit_writes, evaluate, parse_dns  # noqa: E402
 from targets import render as render_targets  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -379,15 +379,15 @@ def measure_audit(
 ) -> None:
     """egressd's audit-log writes per event-loop turn, under strace (a figure of its own: strace slows it).
 
-    Tunnels (50 in flight) then small plain-HTTP requests, with strace attached;
-    every write to the audit log is counted, and every epoll wait (one per
-    loop turn): the target is at most one audit write in a turn.
+    Two windows with strace attached: tunnels (50 in flight), then small
+    plain-HTTP requests (wrk, 50 connections). In each, every write to the
+    audit log is counted, and every epoll wait (one per loop turn); the target
+    is at most one audit write in any turn of either.
     """
     if shutil.which("strace") is None:
         NOT_MEASURED["audit_writes_per_turn_max"] = "strace is not installed"
         return
     audit = proxy.workdir / "audit.jsonl"
-    trace = proxy.workdir / "strace.txt"
 
     def records() -> int:
         try:
@@ -396,34 +396,45 @@ def measure_audit(
         except FileNotFoundError:
             return 0
 
-    before = records()
-    strace = subprocess.Popen(
-        ["strace", "-f", "-qq", "-y", "-s", "0", "-o", str(trace), "-p", str(pid),
-         "-e", "trace=/^(write|writev|pwrite64|pwritev2?|epoll_p?wait2?)$"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        time.sleep(1.0)  # attached by then (an idle loop writes nothing to show it)
-        if strace.poll() is not None:
-            NOT_MEASURED["audit_writes_per_turn_max"] = f"strace failed: {(strace.stderr.read() or '').strip()[-200:]}"
-            return
+    def tunnels() -> None:
         run_load(["setup", "--target", f"{ORIGIN}:{stream_port}", "--proxy", f"127.0.0.1:{proxy.port}",
                   "--count", "200" if quick else "1000", "--concurrency", "50", "--max-s", "60"], pid, 120)
+
+    def requests() -> None:
         run_wrk(f"http://{ORIGIN}:{http_port}/small", proxy.port, pid, 1 if quick else 3, 50)
-        time.sleep(0.2)  # the last turn's flush
-    finally:
-        strace.send_signal(signal.SIGINT)  # detaches; egressd runs on
+
+    most = 0
+    for name, load in (("tunnels", tunnels), ("http", requests)):
+        trace = proxy.workdir / f"strace-{name}.txt"
+        before = records()
+        strace = subprocess.Popen(
+            ["strace", "-f", "-qq", "-y", "-s", "0", "-o", str(trace), "-p", str(pid),
+             "-e", "trace=/^(write|writev|pwrite64|pwritev2?|epoll_p?wait2?)$"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
         try:
-            strace.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            strace.kill()
-            strace.wait()
-    counted = audit_writes(trace.read_text(errors="replace"), str(audit))
-    written = records() - before
-    figures["audit_writes_per_turn_max"].add("egressd", counted.max_per_turn)
-    figures["audit_records_per_write"].add("egressd", written / counted.writes if counted.writes else float("nan"))
-    figures["audit_turns_with_writes"].add("egressd", counted.turns_with_writes)
-    figures["audit_writes"].add("egressd", counted.writes)
+            time.sleep(1.0)  # attached by then (an idle loop writes nothing to show it)
+            if strace.poll() is not None:
+                said = (strace.stderr.read() if strace.stderr else "").strip()[-200:]
+                NOT_MEASURED["audit_writes_per_turn_max"] = f"strace failed: {said}"
+                return
+            load()
+            time.sleep(0.2)  # the last turn's flush
+        finally:
+            strace.send_signal(signal.SIGINT)  # detaches; egressd runs on
+            try:
+                strace.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                strace.kill()
+                strace.wait()
+        counted = audit_writes(trace.read_text(errors="replace"), str(audit))
+        written = records() - before
+        most = max(most, counted.max_per_turn)
+        figures[f"audit_{name}_records"].add("egressd", written)
+        figures[f"audit_{name}_writes"].add("egressd", counted.writes)
+        figures[f"audit_{name}_turns_with_writes"].add("egressd", counted.turns_with_writes)
+        figures[f"audit_{name}_max_per_turn"].add("egressd", counted.max_per_turn)
+    figures["audit_writes_per_turn_max"].add("egressd", most)
 
 
 def measure_idle(proxy: Proxy, pid: int, stream_port: int, count: int) -> float:
@@ -480,8 +491,9 @@ LOWER_IS_BETTER = {"ms", "KiB", "µs", "calls"}
 
 # Figures measured for the targets (bench/targets.py) but not rows of the main table.
 TARGET_FIGURES = (
-    "audit_writes_per_turn_max", "audit_records_per_write", "audit_turns_with_writes", "audit_writes",
-    "dns_qps", "http_small_w1", "http_small_w2",
+    "audit_writes_per_turn_max", "dns_qps", "http_small_w1", "http_small_w2",
+    *(f"audit_{name}_{what}" for name in ("tunnels", "http")
+      for what in ("records", "writes", "turns_with_writes", "max_per_turn")),
 )  # fmt: skip
 # Why a figure (or a whole peer) was not measured, by figure name or peer: the targets table says so.
 NOT_MEASURED: dict[str, str] = {}
@@ -544,19 +556,6 @@ def render(figures: dict[str, Figure], order: list[str]) -> str:
                 )
         lines.append(f"  {key:14} " + ";  ".join(parts))
     return "\n".join(lines)
-
-
-_DNS_ROW = re.compile(r"^(dnsmasq|egressd)\b.*\s(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s*$")
-
-
-def parse_dns(text: str) -> dict[str, float]:
-    """queries/s of each server from bench/bench_dns.py's table (``{"dnsmasq": q/s, "egressd": q/s}``)."""
-    found = {}
-    for line in text.splitlines():
-        row = _DNS_ROW.match(line.strip())
-        if row:
-            found[row.group(1)] = float(row.group(5))
-    return found
 
 
 def measure_dns(figures: dict[str, Figure], quick: bool) -> None:
@@ -625,14 +624,15 @@ def beside(medians: dict[str, dict[str, float]], order: list[str]) -> list[str]:
     """The figures printed beside the targets table: the audit writes and the write calls behind them."""
     ours = medians.get("egressd", {})
     lines = []
-    if "audit_writes" in ours:
-        records_per_write = ours.get("audit_records_per_write", float("nan"))
-        lines.append(
-            f"audit log under strace (tunnels 50 in flight, then small plain HTTP), medians: "
-            f"{ours['audit_writes']:.0f} writes, {records_per_write:.2f} records per write, "
-            f"{ours.get('audit_turns_with_writes', 0):.0f} loop turns wrote, "
-            f"at most {ours.get('audit_writes_per_turn_max', 0):.0f} writes in one turn"
-        )
+    for name, what in (("tunnels", "tunnels 50 in flight"), ("http", "small plain HTTP, 50 connections")):
+        if f"audit_{name}_writes" in ours:
+            records, writes = ours[f"audit_{name}_records"], ours[f"audit_{name}_writes"]
+            lines.append(
+                f"audit log under strace, {what}: {records:.0f} records in {writes:.0f} writes "
+                f"({records / writes if writes else float('nan'):.2f} records per write), "
+                f"{ours[f'audit_{name}_turns_with_writes']:.0f} loop turns wrote, "
+                f"at most {ours[f'audit_{name}_max_per_turn']:.0f} writes in one turn (medians)"
+            )
     for key, what in (("setup_serial_writes", "per tunnel"), ("http_small_writes", "per keep-alive request")):
         parts = [f"{who} {medians[who][key]:.2f}" for who in order if key in medians.get(who, {})]
         if parts:

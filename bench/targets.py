@@ -10,6 +10,7 @@ the ratio the target needs, and "met", "not met" or "not measured: why".
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 # ``Target.versus`` for a fixed figure (``Target.limit``) rather than a peer's.
@@ -186,3 +187,19 @@ def audit_writes(trace: str, audit_name: str) -> AuditWrites:
     with_writes += in_turn > 0
     most = max(most, in_turn)
     return AuditWrites(writes, turns, with_writes, most)
+
+
+_DNS_ROW = re.compile(r"^(dnsmasq|egressd)\b.*\s(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s*$")
+
+
+def parse_dns(text: str) -> dict[str, float]:
+    """queries/s of each server in bench/bench_dns.py's table: ``{"dnsmasq": q/s, "egressd": q/s}``.
+
+    A row is the server's name and then answered, lost, seconds, queries/s.
+    """
+    found = {}
+    for line in text.splitlines():
+        row = _DNS_ROW.match(line.strip())
+        if row:
+            found[row.group(1)] = float(row.group(5))
+    return found

@@ -117,3 +117,17 @@ def test_audit_writes_are_counted_per_loop_turn():
 def test_no_audit_writes_in_a_trace():
     counted = targets.audit_writes("7 epoll_wait(3, [], 1024, 0) = 0\n", "/tmp/b/audit.jsonl")
     assert counted == targets.AuditWrites(writes=0, turns=1, turns_with_writes=0, max_per_turn=0)
+
+
+DNS = """\
+DNS on loopback, UDP, A queries, 64 in flight, 2 CPUs, Python 3.11.7, x86_64
+server                                         answered   lost  seconds  queries/s
+dnsmasq 2.90                                      81936      0     2.00      40968
+egressd (uvloop, 12345 audit records)             12086      0     2.00       6043
+egressd / dnsmasq: 0.15
+"""
+
+
+def test_dns_rates_are_read_from_bench_dns_table():
+    assert targets.parse_dns(DNS) == {"dnsmasq": 40968.0, "egressd": 6043.0}
+    assert targets.parse_dns("note: dnsmasq is not installed\n") == {}
