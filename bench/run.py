@@ -631,7 +631,7 @@ def beside(medians: dict[str, dict[str, float]], order: list[str]) -> list[str]:
                 f"audit log under strace, {what}: {records:.0f} records in {writes:.0f} writes "
                 f"({records / writes if writes else float('nan'):.2f} records per write), "
                 f"{ours[f'audit_{name}_turns_with_writes']:.0f} loop turns wrote, "
-                f"at most {ours[f'audit_{name}_max_per_turn']:.0f} writes in one turn (medians)"
+                f"at most {ours[f'audit_{name}_max_per_turn']:.0f} in one turn (medians)"
             )
     for key, what in (("setup_serial_writes", "per tunnel"), ("http_small_writes", "per keep-alive request")):
         parts = [f"{who} {medians[who][key]:.2f}" for who in order if key in medians.get(who, {})]
