@@ -583,9 +583,12 @@ def egressd_has_workers() -> bool:
     return "--workers" in out.stdout
 
 
-def measure_workers(figures: dict[str, Figure], http_port: int, quick: bool) -> None:
-    """Small plain-HTTP requests through egressd with --workers 1, then 2 (each started fresh)."""
-    for n in (1, 2):
+def measure_workers(figures: dict[str, Figure], http_port: int, quick: bool, rnd: int = 0) -> None:
+    """Small plain-HTTP requests through egressd with --workers 1 and 2, each started fresh.
+
+    The order alternates from round to round, so the first of the two is not always the same.
+    """
+    for n in (1, 2) if rnd % 2 == 0 else (2, 1):
         def start(port: int, workdir: Path, n: int = n) -> subprocess.Popen:  # type: ignore[type-arg]
             return start_egressd(port, workdir, ("--workers", str(n)))
 
@@ -697,7 +700,7 @@ def main() -> int:
                         measure_round(figures, who, proxy, stream_port, http_port, args.quick)
             if workers:
                 print(f"round {rnd + 1}/{args.rounds}: egressd --workers 1, 2", file=sys.stderr, flush=True)
-                measure_workers(figures, http_port, args.quick)
+                measure_workers(figures, http_port, args.quick, rnd)
             if not args.no_dns:
                 print(f"round {rnd + 1}/{args.rounds}: DNS (bench_dns.py)", file=sys.stderr, flush=True)
                 measure_dns(figures, args.quick)
