@@ -6,8 +6,10 @@ never the bottleneck.
   ``echo\\n`` → it echoes everything until EOF;
 - the *http* server answers every keep-alive request at once: ``/small`` with
   a 13-byte body, ``/big`` with 1 MiB, ``/hook`` (a webhook receiver that
-  answers later, i.e. never) with 202. Heads are found with one ``find`` per
-  request; no framework, so its cost is a few microseconds per request.
+  answers later, i.e. never) with 202; a request with ``Connection: close``
+  is answered with ``Connection: close`` and the connection closed. Heads
+  are found with one ``find`` per request; no framework, so its cost is a
+  few microseconds per request.
 
 Usage: ``python bench/servers.py HOST STREAM_PORT HTTP_PORT`` (prints "ready").
 """
@@ -103,7 +105,13 @@ class Http(asyncio.Protocol):
                 return  # the body is still on its way
             self.buf = self.buf[end + 4 + length :]
             line = head[:200]
-            self.transport.write(HOOK if b" /hook" in line else BIG if b" /big" in line else SMALL)
+            response = HOOK if b" /hook" in line else BIG if b" /big" in line else SMALL
+            if b"\r\nconnection: close" in head.lower():
+                # The client (or the proxy for it) asked for one request on this connection: say so, and close.
+                self.transport.write(response.replace(b"\r\n", b"\r\nConnection: close\r\n", 1))
+                self.transport.close()
+                return
+            self.transport.write(response)
 
 
 async def main(host: str, stream_port: int, http_port: int) -> None:
