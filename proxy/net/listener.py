@@ -50,6 +50,7 @@ class Listener:
         self.limits = limits
         self.mode = mode
         self._server: asyncio.AbstractServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # ``start``'s: asked once, not once per client
         self._address: tuple[str, int] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._tunnels: set[Tunnel] = set()
@@ -62,9 +63,9 @@ class Listener:
         return self._address
 
     async def start(self, host: str, port: int) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: Peer(on_connect=self._accepted), host, port, backlog=1024, reuse_address=True
+            lambda: Peer(on_connect=self._accepted, loop=loop), host, port, backlog=1024, reuse_address=True
         )
         bound = self._server.sockets[0].getsockname()
         self._address = (bound[0], bound[1])
@@ -73,7 +74,7 @@ class Listener:
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
         reads = self.mode.reads  # `is`, not a dict: an Enum's hash is a Python call
         serve = serve_http if reads is Reads.HTTP else serve_tls if reads is Reads.TLS else serve_socks
-        task = asyncio.get_running_loop().create_task(serve(self, client))
+        task = self._loop.create_task(serve(self, client))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -182,6 +183,7 @@ class Held:
             on_end=self._tunnel_ended,
             check=check,
             check_timeout_s=limits.head_timeout_s,
+            loop=self.client.loop,
         )
         self.listener._tunnels.add(tunnel)  # the listener's close() ends it (same module: no call per tunnel)
         tunnel.start()

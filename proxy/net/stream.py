@@ -96,9 +96,14 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "_on_gone")
+                 "_write_paused", "_read_paused", "relay", "_on_gone", "_loop")
 
-    def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
+    def __init__(
+        self, on_connect: Callable[[Peer], None] | None = None, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        """``loop``: the event loop the connection is on, when the caller knows it (else asked once, when needed:
+        on Python 3.11 every ``asyncio.get_running_loop()`` is a ``getpid`` system call)."""
+        self._loop = loop
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.eof = False
@@ -191,7 +196,18 @@ class Peer(asyncio.Protocol):
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    def new_peer(self) -> Peer:
+        """A new peer on this one's loop: the protocol factory for dialling its upstream."""
+        return Peer(loop=self._loop)
+
+    def deadline(self, seconds: float) -> float:
+        """The loop-clock time ``seconds`` from now."""
+        return self.loop.time() + seconds
 
     async def fill(self, deadline: float | None = None) -> bool:
         """Wait for more bytes in the buffer; False at EOF (nothing more will come).
@@ -207,7 +223,9 @@ class Peer(asyncio.Protocol):
         if self._read_paused:
             self.read_again()
         while len(self.buf) == size and not self.eof:
-            loop = asyncio.get_running_loop()
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = asyncio.get_running_loop()
             waiter = self._read_waiter = loop.create_future()
             timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
             try:
@@ -231,7 +249,7 @@ class Peer(asyncio.Protocol):
         ``deadline`` (the loop's clock) raises TimeoutError if the buffer is still full then.
         """
         while self._write_paused and not self.closed:
-            loop = asyncio.get_running_loop()
+            loop = self.loop
             waiter = self._write_waiter = loop.create_future()
             timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
             try:
@@ -296,26 +314,26 @@ class Peer(asyncio.Protocol):
                 try:
                     n = body.feed(self.buf) if self.buf else 0
                 except Exception:
-                    await dst.send(head, _deadline(idle_s))
+                    await dst.send(head, self._deadline(idle_s))
                     raise
-                await dst.send(head + self.take(n) if n else head, _deadline(idle_s))
+                await dst.send(head + self.take(n) if n else head, self._deadline(idle_s))
                 moved += n
             while not body.done:
                 if not self.buf:
                     if body.passes_on:
                         # Nothing buffered: pass what arrives straight on, from the
                         # callbacks, until the body is done or ``dst`` is full.
-                        passing = _PassOn(dst, body, idle_s)
+                        passing = _PassOn(self.loop, dst, body, idle_s)
                         await self._pass_on(passing)
                         moved += passing.moved
                         passing = None
                         continue
-                    if not await self.fill(_deadline(idle_s)):
+                    if not await self.fill(self._deadline(idle_s)):
                         if body.ends_at_close:
                             return moved
                         raise PeerClosed("peer closed inside a body")
                 n = body.feed(self.buf)
-                await dst.send(self.take(n), _deadline(idle_s))
+                await dst.send(self.take(n), self._deadline(idle_s))
                 moved += n
         except TimeoutError:
             raise IdleTimeout(moved + (passing.moved if passing is not None else 0)) from None
@@ -332,7 +350,7 @@ class Peer(asyncio.Protocol):
         went; no coroutine wakes per chunk, and a chunk is written as
         received, never copied into our buffer.
         """
-        await passing.dst.drain(_deadline(passing.idle_s))
+        await passing.dst.drain(self._deadline(passing.idle_s))
         if self.buf:
             return  # bytes came while we waited: they go first, from the buffer
         if self.eof:
@@ -345,6 +363,10 @@ class Peer(asyncio.Protocol):
         finally:
             self.relay = None
             passing.stop()
+
+    def _deadline(self, idle_s: float | None) -> float | None:
+        """The loop-clock deadline ``idle_s`` from now (None: no limit)."""
+        return None if idle_s is None else self.loop.time() + idle_s
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -372,21 +394,22 @@ class _PassOn:
     TimeoutError once no byte has come for that long.
     """
 
-    __slots__ = ("dst", "body", "moved", "done", "idle_s", "_last", "_timer")
+    __slots__ = ("dst", "body", "moved", "done", "idle_s", "_last", "_timer", "_loop")
 
-    def __init__(self, dst: Peer, body: Framing, idle_s: float | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, dst: Peer, body: Framing, idle_s: float | None = None) -> None:
+        self._loop = loop
         self.dst = dst
         self.body = body
         self.moved = 0
         self.idle_s = idle_s
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         if self.idle_s is not None:
             self._last = time.monotonic()
-            self._timer = asyncio.get_running_loop().call_later(self.idle_s, self._check_idle)
+            self._timer = self._loop.call_later(self.idle_s, self._check_idle)
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -402,7 +425,7 @@ class _PassOn:
             self._timer = None
             self.done.set_exception(TimeoutError())
         else:
-            self._timer = asyncio.get_running_loop().call_later(self.idle_s - idle, self._check_idle)
+            self._timer = self._loop.call_later(self.idle_s - idle, self._check_idle)
 
     def forward(self, source: Peer, data: bytes) -> None:
         dst = self.dst
@@ -446,11 +469,6 @@ class _PassOn:
         pass
 
 
-def _deadline(idle_s: float | None) -> float | None:
-    """The loop-clock deadline ``idle_s`` from now (None: no limit)."""
-    return None if idle_s is None else asyncio.get_running_loop().time() + idle_s
-
-
 class GoneCancels:
     """``Peer.gone_cancels``: a class, not a generator, since every request enters one (half the cost)."""
 
@@ -467,7 +485,7 @@ class GoneCancels:
         peer = self._peer
         if peer.closed or (self._on_eof and peer.eof):
             raise PeerClosed(GONE)
-        task = self._task = asyncio.current_task()
+        task = self._task = asyncio.current_task(peer.loop)
         assert task is not None
         self._cancelling = task.cancelling()  # cancellations requested before ours are not ours
         peer._on_gone = self._gone

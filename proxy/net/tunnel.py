@@ -73,7 +73,7 @@ class Tunnel:
         self._upstream_eof = False
         self.ended = False
         self._on_end = on_end
-        self._loop = loop or asyncio.get_running_loop()
+        self._loop = loop if loop is not None else asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self._idle_timeout_s = idle_timeout_s
         self._last = time.monotonic()
