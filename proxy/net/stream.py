@@ -96,7 +96,8 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "_on_gone", "_loop")
+                 "_write_paused", "_read_paused", "relay", "_on_gone", "_loop", "_read_deadline", "_timer",
+                 "_timer_at")
 
     def __init__(
         self, on_connect: Callable[[Peer], None] | None = None, loop: asyncio.AbstractEventLoop | None = None
@@ -117,6 +118,12 @@ class Peer(asyncio.Protocol):
         self.relay: Relay | None = None
         # Set inside ``gone_cancels``: what the peer leaving does to the waiting task.
         self._on_gone: Callable[[bool], None] | None = None
+        # ``fill``'s deadline (the loop's clock), and the one timer that enforces it, armed at
+        # ``_timer_at`` (at or before the deadline): kept from one wait to the next, so a
+        # connection's requests do not each arm and cancel their own (see ``_read_timer``).
+        self._read_deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # -- protocol callbacks ---------------------------------------------------
 
@@ -150,6 +157,7 @@ class Peer(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.eof = True
+        self.stop_timer()
         if self._on_gone is not None:
             self._on_gone(True)
         if self.relay is not None:
@@ -214,8 +222,9 @@ class Peer(asyncio.Protocol):
 
         ``deadline`` (the loop's clock) raises TimeoutError if nothing came by
         then. A timer is armed only when there is something to wait for, and
-        it is one loop timer, not an ``asyncio.timeout`` (which costs several
-        times more, once or twice per request).
+        it is the peer's one loop timer, not an ``asyncio.timeout`` (which
+        costs several times more): a wait that ends leaves it armed, and the
+        next wait with a later deadline reuses it (``_read_timer``).
         """
         if self.eof:
             return False
@@ -227,14 +236,40 @@ class Peer(asyncio.Protocol):
             if loop is None:
                 loop = self._loop = asyncio.get_running_loop()
             waiter = self._read_waiter = loop.create_future()
-            timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
+            if deadline is not None:
+                self._read_deadline = deadline
+                if self._timer is None or self._timer_at > deadline:
+                    self._arm(loop, deadline)
             try:
                 await waiter
             finally:
                 self._read_waiter = None
-                if timer is not None:
-                    timer.cancel()
+                self._read_deadline = None
         return len(self.buf) > size
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(at, self._read_timer)
+        self._timer_at = at
+
+    def _read_timer(self) -> None:
+        """The timer is due: a wait past its deadline ends with TimeoutError; one with a later deadline re-arms it."""
+        self._timer = None
+        waiter, deadline = self._read_waiter, self._read_deadline
+        if waiter is None or deadline is None or waiter.done():
+            return  # no wait under way, or none with a deadline: the next one arms its own
+        loop = self.loop
+        if loop.time() >= deadline:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._arm(loop, deadline)
+
+    def stop_timer(self) -> None:
+        """Cancel the read timer (the connection is closed or spliced: no ``fill`` will wait again)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def send(self, data: bytes | bytearray | memoryview, deadline: float | None = None) -> None:
         """Write ``data``, then wait while our outgoing buffer is full (TimeoutError past ``deadline``)."""

@@ -89,6 +89,7 @@ class Tunnel:
         self.upstream.relay = self
         for peer in (self.client, self.upstream):
             peer.read_again()  # a coroutine may have paused it; we read from here on
+            peer.stop_timer()  # and no coroutine will wait on it again
         if self.upstream.buf:
             self.forward(self.upstream, self.upstream.take())  # the upstream spoke first
         if self.client.buf and not self.ended:
