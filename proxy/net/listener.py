@@ -74,7 +74,9 @@ class Listener:
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
         reads = self.mode.reads  # `is`, not a dict: an Enum's hash is a Python call
         serve = serve_http if reads is Reads.HTTP else serve_tls if reads is Reads.TLS else serve_socks
-        task = self._loop.create_task(serve(self, client))
+        loop = self._loop
+        assert loop is not None  # set by start(), before any accept
+        task = loop.create_task(serve(self, client))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
