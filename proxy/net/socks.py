@@ -107,7 +107,7 @@ async def serve_socks(listener: Listener, client: Peer) -> None:
         if holder is not None and holder.at_connection_cap(limits.max_connections_per_run):
             held.attempt = seen._replace(run=holder)
             raise _Refused(run_at_cap(Reads.SOCKS, attributed=False))
-        deadline = client.deadline(limits.head_timeout_s)
+        deadline = client.loop.time() + limits.head_timeout_s
         try:
             with holder.waiting_head() if holder is not None else NOT_WAITING:
                 handshake = await _handshake(listener, held, seen, source, deadline)

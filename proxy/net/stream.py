@@ -96,15 +96,15 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "_on_gone", "_loop", "_due", "_due_at", "_timer",
+                 "_write_paused", "_read_paused", "relay", "_on_gone", "loop", "_due", "_due_at", "_timer",
                  "_timer_at")
 
     def __init__(
         self, on_connect: Callable[[Peer], None] | None = None, loop: asyncio.AbstractEventLoop | None = None
     ) -> None:
-        """``loop``: the event loop the connection is on, when the caller knows it (else asked once, when needed:
-        on Python 3.11 every ``asyncio.get_running_loop()`` is a ``getpid`` system call)."""
-        self._loop = loop
+        """``loop``: the event loop the connection is on, when the caller knows it (else the running one:
+        on Python 3.11 every ``asyncio.get_running_loop()`` is a ``getpid`` system call, so it is asked once)."""
+        self.loop: asyncio.AbstractEventLoop = loop if loop is not None else asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.eof = False
@@ -204,20 +204,9 @@ class Peer(asyncio.Protocol):
         """The other end's address (a system call, so asked only where it is needed: clients)."""
         return self.transport.get_extra_info("peername") if self.transport is not None else None
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        return loop
-
     def new_peer(self) -> Peer:
         """A new peer on this one's loop: the protocol factory for dialling its upstream."""
-        return Peer(loop=self._loop)
-
-    def deadline(self, seconds: float) -> float:
-        """The loop-clock time ``seconds`` from now."""
-        return self.loop.time() + seconds
+        return Peer(loop=self.loop)
 
     async def fill(self, deadline: float | None = None) -> bool:
         """Wait for more bytes in the buffer; False at EOF (nothing more will come).
@@ -233,10 +222,7 @@ class Peer(asyncio.Protocol):
         if self._read_paused:
             self.read_again()
         while len(self.buf) == size and not self.eof:
-            loop = self._loop
-            if loop is None:
-                loop = self._loop = asyncio.get_running_loop()
-            waiter = self._read_waiter = loop.create_future()
+            waiter = self._read_waiter = self.loop.create_future()
             if deadline is not None:
                 self.wake_at(deadline, self._read_expired)
             try:

@@ -113,7 +113,7 @@ async def serve_tls(listener: Listener, client: Peer) -> None:
 
 async def _read_hello(client: Peer, head_timeout_s: float) -> ClientHello | None:
     """The ClientHello, within the head timeout; None when the client closed at once."""
-    deadline = client.deadline(head_timeout_s)
+    deadline = client.loop.time() + head_timeout_s
     try:
         while True:
             if client.buf:
