@@ -486,7 +486,6 @@ class Gate:
         admission: Admission,
         protocol: Callable[[], P],
         loop: asyncio.AbstractEventLoop | None = None,
-        alarm: Callable[[float, Callable[[], None] | None], None] | None = None,
     ) -> P:
         """Record the attempt ahead (``open``), then connect to the first admitted address that answers.
 
@@ -495,8 +494,7 @@ class Gate:
         The address is passed as a literal, so nothing is looked up again.
         Raises DialError (``audit_unavailable``, ``upstream_unreachable`` or
         ``upstream_timeout``); the connect timeout starts after the record.
-        ``loop``: the running loop, when the caller has it at hand; ``alarm``: the client
-        connection's one timer (``stream.Peer.wake_at``), to time the connect on instead of a new one.
+        ``loop``: the running loop, when the caller has it at hand.
         """
         self.open(attempt, admission.texts[0])
         if loop is None:
@@ -506,11 +504,7 @@ class Gate:
         task = asyncio.current_task(loop)
         assert task is not None
         expiry = _Expiry(task)
-        timer = None
-        if alarm is not None:
-            alarm(loop.time() + self.connect_timeout_s, expiry.fire)
-        else:
-            timer = loop.call_later(self.connect_timeout_s, expiry.fire)
+        timer = loop.call_later(self.connect_timeout_s, expiry.fire)
         last: OSError | None = None
         try:
             for text in admission.texts:
@@ -528,10 +522,7 @@ class Gate:
                 raise DialError(Reason.UPSTREAM_TIMEOUT, "connect timed out") from None
             raise
         finally:
-            if timer is not None:
-                timer.cancel()
-            elif alarm is not None:
-                alarm(0.0, None)
+            timer.cancel()
             expiry.taken_back(cancelled=False)
         attempt.address = admission.texts[-1]
         raise DialError(Reason.UPSTREAM_UNREACHABLE, str(last) if last else "no address")

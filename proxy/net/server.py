@@ -191,7 +191,7 @@ class _HttpConnection:
 
     async def _dial(self, attempt: Attempt, admission: Admission) -> Peer | None:
         try:
-            return await self.gate.dial(attempt, admission, self.client.new_peer, self.client.loop, self.client.wake_at)
+            return await self.gate.dial(attempt, admission, self.client.new_peer, self.client.loop)
         except DialError as exc:
             attempt.extra["detail"] = str(exc)
             await self._refuse(attempt, Refusal(exc.reason))

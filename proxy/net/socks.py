@@ -224,7 +224,7 @@ async def _serve_request(
         if not admission.allowed:
             raise _refused(admission.reason or Reason.BAD_REQUEST)
         try:
-            upstream = await gate.dial(attempt, admission, held.client.new_peer, held.client.loop, held.client.wake_at)
+            upstream = await gate.dial(attempt, admission, held.client.new_peer, held.client.loop)
         except DialError as exc:
             raise _refused(exc.reason, str(exc)) from None
         try:

@@ -96,7 +96,7 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "_on_gone", "loop", "_due", "_due_at", "_timer",
+                 "_write_paused", "_read_paused", "relay", "_on_gone", "loop", "_read_deadline", "_timer",
                  "_timer_at")
 
     def __init__(
@@ -118,12 +118,10 @@ class Peer(asyncio.Protocol):
         self.relay: Relay | None = None
         # Set inside ``gone_cancels``: what the peer leaving does to the waiting task.
         self._on_gone: Callable[[bool], None] | None = None
-        # The connection's one timer (``wake_at``): what is due (``fill``'s timeout, the dial's,
-        # the tunnel's idle check) and when (the loop's clock), and the loop timer armed at
-        # ``_timer_at``, at or before that: kept from one use to the next, so a connection's
-        # requests and its tunnel do not each arm and cancel their own.
-        self._due: Callable[[], None] | None = None
-        self._due_at = 0.0
+        # ``fill``'s deadline (the loop's clock), and the one timer that enforces it, armed at
+        # ``_timer_at`` (at or before the deadline): kept from one wait to the next, so a
+        # connection's requests do not each arm and cancel their own (see ``_read_timer``).
+        self._read_deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
 
@@ -213,8 +211,9 @@ class Peer(asyncio.Protocol):
 
         ``deadline`` (the loop's clock) raises TimeoutError if nothing came by
         then. A timer is armed only when there is something to wait for, and
-        it is the peer's one timer (``wake_at``), not an ``asyncio.timeout``
-        (which costs several times more).
+        it is the peer's one loop timer, not an ``asyncio.timeout`` (which
+        costs several times more): a wait that ends leaves it armed, and the
+        next wait with a later deadline reuses it (``_read_timer``).
         """
         if self.eof:
             return False
@@ -224,53 +223,36 @@ class Peer(asyncio.Protocol):
         while len(self.buf) == size and not self.eof:
             waiter = self._read_waiter = self.loop.create_future()
             if deadline is not None:
-                self.wake_at(deadline, self._read_expired)
+                self._read_deadline = deadline
+                if self._timer is None or self._timer_at > deadline:
+                    self._arm(self.loop, deadline)
             try:
                 await waiter
             finally:
                 self._read_waiter = None
-                if deadline is not None:
-                    self._due = None
+                self._read_deadline = None
         return len(self.buf) > size
 
-    def _read_expired(self) -> None:
-        waiter = self._read_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(TimeoutError())
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(at, self._read_timer)
+        self._timer_at = at
 
-    def wake_at(self, at: float, due: Callable[[], None] | None) -> None:
-        """Call ``due()`` once the loop's clock passes ``at``, in place of what was due before (None: nothing).
-
-        One timer serves the connection's whole life: one armed later than
-        ``at`` is moved; one armed earlier is left, and when it fires early it
-        is re-armed for what is due then. So the next request's timeout (or a
-        dial's, or a tunnel's idle check) reuses it instead of arming its own.
-        """
-        self._due = due
-        self._due_at = at
-        if due is not None and (self._timer is None or self._timer_at > at):
-            if self._timer is not None:
-                self._timer.cancel()
-            self._timer = self.loop.call_at(at, self._on_timer)
-            self._timer_at = at
-
-    def _on_timer(self) -> None:
+    def _read_timer(self) -> None:
+        """The timer is due: a wait past its deadline ends with TimeoutError; one with a later deadline re-arms it."""
         self._timer = None
-        due = self._due
-        if due is None:
-            return  # nothing is due any more: the next ``wake_at`` arms it again
-        at = self._due_at
+        waiter, deadline = self._read_waiter, self._read_deadline
+        if waiter is None or deadline is None or waiter.done():
+            return  # no wait under way, or none with a deadline: the next one arms its own
         loop = self.loop
-        if loop.time() >= at:
-            self._due = None
-            due()
+        if loop.time() >= deadline:
+            waiter.set_exception(TimeoutError())
         else:
-            self._timer = loop.call_at(at, self._on_timer)
-            self._timer_at = at
+            self._arm(loop, deadline)
 
     def stop_timer(self) -> None:
-        """Cancel the timer and what was due (the connection is closed)."""
-        self._due = None
+        """Cancel the read timer (the connection is closed or spliced: no ``fill`` will wait again)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -166,8 +166,7 @@ async def _serve_hello(
         if not admission.allowed:
             raise _Refused(Refusal(admission.reason or Reason.BAD_REQUEST))
         try:
-            client = held.client
-            upstream = await listener.gate.dial(attempt, admission, client.new_peer, client.loop, client.wake_at)
+            upstream = await listener.gate.dial(attempt, admission, held.client.new_peer, held.client.loop)
         except DialError as exc:
             raise _Refused(Refusal(exc.reason, str(exc))) from None
         held.splice(upstream, attempt, check=SniCheck(listener.gate, attempt, name_required=True))

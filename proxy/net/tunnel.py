@@ -58,7 +58,7 @@ class Tunnel:
     """A running relay between ``client`` and ``upstream``; ``on_end(tunnel)`` runs once when it ends."""
 
     __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_client_eof", "_upstream_eof", "ended",
-                 "_on_end", "_timing", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired",
+                 "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired",
                  "_check", "_check_timeout_s", "_check_timer")
 
     def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
@@ -74,7 +74,7 @@ class Tunnel:
         self.ended = False
         self._on_end = on_end
         self._loop = loop if loop is not None else asyncio.get_running_loop()
-        self._timing = False  # the idle check is due on the client's timer
+        self._timer: asyncio.TimerHandle | None = None
         self._idle_timeout_s = idle_timeout_s
         self._last = time.monotonic()
         self.error: Exception | None = None
@@ -89,6 +89,7 @@ class Tunnel:
         self.upstream.relay = self
         for peer in (self.client, self.upstream):
             peer.read_again()  # a coroutine may have paused it; we read from here on
+            peer.stop_timer()  # and no coroutine will wait on it again
         if self.upstream.buf:
             self.forward(self.upstream, self.upstream.take())  # the upstream spoke first
         if self.client.buf and not self.ended:
@@ -106,18 +107,16 @@ class Tunnel:
                 self.peer_eof(peer)
                 if self.ended:
                     return
-        # The client connection's one timer (``Peer.wake_at``), which its head wait and dial may have armed.
-        self.client.wake_at(self._loop.time() + self._idle_timeout_s, self._check_idle)
-        self._timing = True
+        self._timer = self._loop.call_later(self._idle_timeout_s, self._check_idle)
 
     def close(self) -> None:
         """End the tunnel now (shutdown, idle, a peer gone); idempotent. Runs ``on_end`` once."""
         if self.ended:
             return
         self.ended = True
-        if self._timing:
-            self._timing = False
-            self.client.wake_at(0.0, None)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._check_timer is not None:
             self._check_timer.cancel()
             self._check_timer = None
@@ -220,11 +219,9 @@ class Tunnel:
             check.expired(self)
 
     def _check_idle(self) -> None:
-        if self.ended:
-            return
         idle = time.monotonic() - self._last
         if idle >= self._idle_timeout_s:
             self.idle_expired = True
             self.close()
         else:
-            self.client.wake_at(self._loop.time() + self._idle_timeout_s - idle, self._check_idle)
+            self._timer = self._loop.call_later(self._idle_timeout_s - idle, self._check_idle)
