@@ -223,6 +223,28 @@ class DialError(Exception):
         self.reason = reason
 
 
+class _Expiry:
+    """``Gate.dial``'s connect timeout: cancels the task when due, and takes that cancellation back once."""
+
+    __slots__ = ("task", "cancelling", "fired")
+
+    def __init__(self, task: asyncio.Task[object]) -> None:
+        self.task = task
+        self.cancelling = task.cancelling()  # cancellations requested before ours are not ours
+        self.fired = False
+
+    def fire(self) -> None:
+        self.fired = True
+        self.task.cancel()
+
+    def taken_back(self, *, cancelled: bool) -> bool:
+        """Take our cancellation back (once); True when the CancelledError under way was ours alone."""
+        if not self.fired:
+            return False
+        self.fired = False
+        return self.task.uncancel() <= self.cancelling and cancelled
+
+
 class Gate:
     """Decides, asks, resolves, dials and records, for every listener."""
 
@@ -458,7 +480,13 @@ class Gate:
             raise DialError(Reason.AUDIT_UNAVAILABLE, str(exc)) from None
         attempt.ahead, attempt.ahead_record = ahead, record
 
-    async def dial(self, attempt: Attempt, admission: Admission, protocol: Callable[[], P]) -> P:
+    async def dial(
+        self,
+        attempt: Attempt,
+        admission: Admission,
+        protocol: Callable[[], P],
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> P:
         """Record the attempt ahead (``open``), then connect to the first admitted address that answers.
 
         Returns the connection's ``protocol()`` instance (the event loop
@@ -466,24 +494,36 @@ class Gate:
         The address is passed as a literal, so nothing is looked up again.
         Raises DialError (``audit_unavailable``, ``upstream_unreachable`` or
         ``upstream_timeout``); the connect timeout starts after the record.
+        ``loop``: the running loop, when the caller has it at hand.
         """
         self.open(attempt, admission.texts[0])
-        loop = asyncio.get_running_loop()
+        if loop is None:
+            loop = asyncio.get_running_loop()
+        # The connect timeout as ``asyncio.timeout`` would do it (the task cancelled, the
+        # cancellation taken back as TimeoutError), with one timer and no context object.
+        task = asyncio.current_task(loop)
+        assert task is not None
+        expiry = _Expiry(task)
+        timer = loop.call_later(self.connect_timeout_s, expiry.fire)
         last: OSError | None = None
         try:
-            async with asyncio.timeout(self.connect_timeout_s):
-                for text in admission.texts:
-                    try:
-                        # Both asyncio and uvloop set TCP_NODELAY on every TCP transport.
-                        _transport, peer = await loop.create_connection(protocol, text, admission.port)
-                    except OSError as exc:
-                        last = exc
-                        continue
-                    attempt.address = text
-                    return peer
-        except TimeoutError:
-            attempt.address = admission.texts[0]
-            raise DialError(Reason.UPSTREAM_TIMEOUT, "connect timed out") from None
+            for text in admission.texts:
+                try:
+                    # Both asyncio and uvloop set TCP_NODELAY on every TCP transport.
+                    _transport, peer = await loop.create_connection(protocol, text, admission.port)
+                except OSError as exc:
+                    last = exc
+                    continue
+                attempt.address = text
+                return peer
+        except asyncio.CancelledError:
+            if expiry.taken_back(cancelled=True):
+                attempt.address = admission.texts[0]
+                raise DialError(Reason.UPSTREAM_TIMEOUT, "connect timed out") from None
+            raise
+        finally:
+            timer.cancel()
+            expiry.taken_back(cancelled=False)
         attempt.address = admission.texts[-1]
         raise DialError(Reason.UPSTREAM_UNREACHABLE, str(last) if last else "no address")
 

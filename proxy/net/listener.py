@@ -50,8 +50,11 @@ class Listener:
         self.limits = limits
         self.mode = mode
         self._server: asyncio.AbstractServer | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # ``start``'s: asked once, not once per client
         self._address: tuple[str, int] | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        # Each client's task while it serves it; the task takes itself out (``Held.release``): a done
+        # callback would cost every connection one more call_soon and loop turn.
+        self._tasks: dict[Peer, asyncio.Task[None]] = {}
         self._tunnels: set[Tunnel] = set()
         self._all_ended: asyncio.Event | None = None  # while close() waits for the tunnels
         self._cutting = False  # close() is ending what the grace period left open
@@ -62,9 +65,9 @@ class Listener:
         return self._address
 
     async def start(self, host: str, port: int) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: Peer(on_connect=self._accepted), host, port, backlog=1024, reuse_address=True
+            lambda: Peer(on_connect=self._accepted, loop=loop), host, port, backlog=1024, reuse_address=True
         )
         bound = self._server.sockets[0].getsockname()
         self._address = (bound[0], bound[1])
@@ -73,9 +76,10 @@ class Listener:
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
         reads = self.mode.reads  # `is`, not a dict: an Enum's hash is a Python call
         serve = serve_http if reads is Reads.HTTP else serve_tls if reads is Reads.TLS else serve_socks
-        task = asyncio.get_running_loop().create_task(serve(self, client))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        loop = self._loop
+        assert loop is not None  # set by start(), before any accept
+        task = loop.create_task(serve(self, client))
+        self._tasks[client] = task
 
     def hold(self, client: Peer) -> Held:
         """What ``client``'s connection holds, counted open from now: called first by its task.
@@ -92,7 +96,7 @@ class Listener:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + grace_s
             if self._tasks:
-                await asyncio.wait(set(self._tasks), timeout=grace_s)
+                await asyncio.wait(set(self._tasks.values()), timeout=grace_s)
             # Spliced tunnels have no task to wait on: the last to end sets this.
             self._all_ended = asyncio.Event()
             if self._tunnels:
@@ -101,10 +105,11 @@ class Listener:
         self._cutting = True
         for tunnel in list(self._tunnels):
             tunnel.close()
-        for task in list(self._tasks):
+        tasks = set(self._tasks.values())
+        for task in tasks:
             task.cancel()
-        if self._tasks:
-            await asyncio.wait(set(self._tasks))
+        if tasks:
+            await asyncio.wait(tasks)
 
     def finish(self, attempt: Attempt) -> None:
         """``gate.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
@@ -162,7 +167,11 @@ class Held:
             self.listener.finish(attempt)
 
     def release(self) -> None:
-        """The connection is over: record what is left, count it closed, close the client (unless spliced)."""
+        """The connection is over: record what is left, count it closed, close the client (unless spliced).
+
+        Called last by the client's task, which the listener then stops tracking.
+        """
+        self.listener._tasks.pop(self.client, None)
         if self._tunnel is None:
             self._release()
 
@@ -182,6 +191,7 @@ class Held:
             on_end=self._tunnel_ended,
             check=check,
             check_timeout_s=limits.head_timeout_s,
+            loop=self.client.loop,
         )
         self.listener._tunnels.add(tunnel)  # the listener's close() ends it (same module: no call per tunnel)
         tunnel.start()

@@ -132,7 +132,7 @@ class _HttpConnection:
             await self._refuse(seen._replace(run=holder), run_at_cap(reads, attributed=False))
             return False
         try:
-            deadline = asyncio.get_running_loop().time() + self.limits.head_timeout_s
+            deadline = client.loop.time() + self.limits.head_timeout_s
             with holder.waiting_head() if holder is not None else NOT_WAITING:
                 head = await client.read_head(exchange.read_request, deadline)
         except TimeoutError:
@@ -191,7 +191,7 @@ class _HttpConnection:
 
     async def _dial(self, attempt: Attempt, admission: Admission) -> Peer | None:
         try:
-            return await self.gate.dial(attempt, admission, Peer)
+            return await self.gate.dial(attempt, admission, self.client.new_peer, self.client.loop)
         except DialError as exc:
             attempt.extra["detail"] = str(exc)
             await self._refuse(attempt, Refusal(exc.reason))
@@ -311,7 +311,7 @@ class _HttpConnection:
 
     async def _response_head(self, upstream: Peer, exchange: Exchange) -> ResponseHead | None:
         """The final response head (``exchange`` drops interim 1xx); None if the upstream closed first."""
-        deadline = asyncio.get_running_loop().time() + self.limits.idle_timeout_s
+        deadline = upstream.loop.time() + self.limits.idle_timeout_s
         return await upstream.read_head(exchange.read_response, deadline)
 
     async def _relay_response(
@@ -326,7 +326,7 @@ class _HttpConnection:
         idle_s = self.limits.idle_timeout_s
         try:
             if body is None:
-                await client.send(out, asyncio.get_running_loop().time() + idle_s)
+                await client.send(out, client.loop.time() + idle_s)
             else:
                 # The head and the body bytes already here go out in one write.
                 attempt.bytes_down += await upstream.relay_body(body, client, head=out, idle_s=idle_s)

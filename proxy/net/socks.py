@@ -107,7 +107,7 @@ async def serve_socks(listener: Listener, client: Peer) -> None:
         if holder is not None and holder.at_connection_cap(limits.max_connections_per_run):
             held.attempt = seen._replace(run=holder)
             raise _Refused(run_at_cap(Reads.SOCKS, attributed=False))
-        deadline = asyncio.get_running_loop().time() + limits.head_timeout_s
+        deadline = client.loop.time() + limits.head_timeout_s
         try:
             with holder.waiting_head() if holder is not None else NOT_WAITING:
                 handshake = await _handshake(listener, held, seen, source, deadline)
@@ -224,7 +224,7 @@ async def _serve_request(
         if not admission.allowed:
             raise _refused(admission.reason or Reason.BAD_REQUEST)
         try:
-            upstream = await gate.dial(attempt, admission, Peer)
+            upstream = await gate.dial(attempt, admission, held.client.new_peer, held.client.loop)
         except DialError as exc:
             raise _refused(exc.reason, str(exc)) from None
         try:

@@ -96,9 +96,15 @@ class Peer(asyncio.Protocol):
 
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
-                 "_write_paused", "_read_paused", "relay", "_on_gone")
+                 "_write_paused", "_read_paused", "relay", "_on_gone", "loop", "_read_deadline", "_timer",
+                 "_timer_at")
 
-    def __init__(self, on_connect: Callable[[Peer], None] | None = None) -> None:
+    def __init__(
+        self, on_connect: Callable[[Peer], None] | None = None, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        """``loop``: the event loop the connection is on, when the caller knows it (else the running one:
+        on Python 3.11 every ``asyncio.get_running_loop()`` is a ``getpid`` system call, so it is asked once)."""
+        self.loop: asyncio.AbstractEventLoop = loop if loop is not None else asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
         self.eof = False
@@ -112,6 +118,12 @@ class Peer(asyncio.Protocol):
         self.relay: Relay | None = None
         # Set inside ``gone_cancels``: what the peer leaving does to the waiting task.
         self._on_gone: Callable[[bool], None] | None = None
+        # ``fill``'s deadline (the loop's clock), and the one timer that enforces it, armed at
+        # ``_timer_at`` (at or before the deadline): kept from one wait to the next, so a
+        # connection's requests do not each arm and cancel their own (see ``_read_timer``).
+        self._read_deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # -- protocol callbacks ---------------------------------------------------
 
@@ -145,6 +157,7 @@ class Peer(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.eof = True
+        self.stop_timer()
         if self._on_gone is not None:
             self._on_gone(True)
         if self.relay is not None:
@@ -189,17 +202,18 @@ class Peer(asyncio.Protocol):
         """The other end's address (a system call, so asked only where it is needed: clients)."""
         return self.transport.get_extra_info("peername") if self.transport is not None else None
 
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
+    def new_peer(self) -> Peer:
+        """A new peer on this one's loop: the protocol factory for dialling its upstream."""
+        return Peer(loop=self.loop)
 
     async def fill(self, deadline: float | None = None) -> bool:
         """Wait for more bytes in the buffer; False at EOF (nothing more will come).
 
         ``deadline`` (the loop's clock) raises TimeoutError if nothing came by
         then. A timer is armed only when there is something to wait for, and
-        it is one loop timer, not an ``asyncio.timeout`` (which costs several
-        times more, once or twice per request).
+        it is the peer's one loop timer, not an ``asyncio.timeout`` (which
+        costs several times more): a wait that ends leaves it armed, and the
+        next wait with a later deadline reuses it (``_read_timer``).
         """
         if self.eof:
             return False
@@ -207,16 +221,41 @@ class Peer(asyncio.Protocol):
         if self._read_paused:
             self.read_again()
         while len(self.buf) == size and not self.eof:
-            loop = asyncio.get_running_loop()
-            waiter = self._read_waiter = loop.create_future()
-            timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
+            waiter = self._read_waiter = self.loop.create_future()
+            if deadline is not None:
+                self._read_deadline = deadline
+                if self._timer is None or self._timer_at > deadline:
+                    self._arm(self.loop, deadline)
             try:
                 await waiter
             finally:
                 self._read_waiter = None
-                if timer is not None:
-                    timer.cancel()
+                self._read_deadline = None
         return len(self.buf) > size
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(at, self._read_timer)
+        self._timer_at = at
+
+    def _read_timer(self) -> None:
+        """The timer is due: a wait past its deadline ends with TimeoutError; one with a later deadline re-arms it."""
+        self._timer = None
+        waiter, deadline = self._read_waiter, self._read_deadline
+        if waiter is None or deadline is None or waiter.done():
+            return  # no wait under way, or none with a deadline: the next one arms its own
+        loop = self.loop
+        if loop.time() >= deadline:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._arm(loop, deadline)
+
+    def stop_timer(self) -> None:
+        """Cancel the read timer (the connection is closed or spliced: no ``fill`` will wait again)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def send(self, data: bytes | bytearray | memoryview, deadline: float | None = None) -> None:
         """Write ``data``, then wait while our outgoing buffer is full (TimeoutError past ``deadline``)."""
@@ -231,7 +270,7 @@ class Peer(asyncio.Protocol):
         ``deadline`` (the loop's clock) raises TimeoutError if the buffer is still full then.
         """
         while self._write_paused and not self.closed:
-            loop = asyncio.get_running_loop()
+            loop = self.loop
             waiter = self._write_waiter = loop.create_future()
             timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
             try:
@@ -296,26 +335,26 @@ class Peer(asyncio.Protocol):
                 try:
                     n = body.feed(self.buf) if self.buf else 0
                 except Exception:
-                    await dst.send(head, _deadline(idle_s))
+                    await dst.send(head, self._deadline(idle_s))
                     raise
-                await dst.send(head + self.take(n) if n else head, _deadline(idle_s))
+                await dst.send(head + self.take(n) if n else head, self._deadline(idle_s))
                 moved += n
             while not body.done:
                 if not self.buf:
                     if body.passes_on:
                         # Nothing buffered: pass what arrives straight on, from the
                         # callbacks, until the body is done or ``dst`` is full.
-                        passing = _PassOn(dst, body, idle_s)
+                        passing = _PassOn(self.loop, dst, body, idle_s)
                         await self._pass_on(passing)
                         moved += passing.moved
                         passing = None
                         continue
-                    if not await self.fill(_deadline(idle_s)):
+                    if not await self.fill(self._deadline(idle_s)):
                         if body.ends_at_close:
                             return moved
                         raise PeerClosed("peer closed inside a body")
                 n = body.feed(self.buf)
-                await dst.send(self.take(n), _deadline(idle_s))
+                await dst.send(self.take(n), self._deadline(idle_s))
                 moved += n
         except TimeoutError:
             raise IdleTimeout(moved + (passing.moved if passing is not None else 0)) from None
@@ -332,7 +371,7 @@ class Peer(asyncio.Protocol):
         went; no coroutine wakes per chunk, and a chunk is written as
         received, never copied into our buffer.
         """
-        await passing.dst.drain(_deadline(passing.idle_s))
+        await passing.dst.drain(self._deadline(passing.idle_s))
         if self.buf:
             return  # bytes came while we waited: they go first, from the buffer
         if self.eof:
@@ -345,6 +384,10 @@ class Peer(asyncio.Protocol):
         finally:
             self.relay = None
             passing.stop()
+
+    def _deadline(self, idle_s: float | None) -> float | None:
+        """The loop-clock deadline ``idle_s`` from now (None: no limit)."""
+        return None if idle_s is None else self.loop.time() + idle_s
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
@@ -372,21 +415,22 @@ class _PassOn:
     TimeoutError once no byte has come for that long.
     """
 
-    __slots__ = ("dst", "body", "moved", "done", "idle_s", "_last", "_timer")
+    __slots__ = ("dst", "body", "moved", "done", "idle_s", "_last", "_timer", "_loop")
 
-    def __init__(self, dst: Peer, body: Framing, idle_s: float | None = None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, dst: Peer, body: Framing, idle_s: float | None = None) -> None:
+        self._loop = loop
         self.dst = dst
         self.body = body
         self.moved = 0
         self.idle_s = idle_s
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         if self.idle_s is not None:
             self._last = time.monotonic()
-            self._timer = asyncio.get_running_loop().call_later(self.idle_s, self._check_idle)
+            self._timer = self._loop.call_later(self.idle_s, self._check_idle)
 
     def stop(self) -> None:
         if self._timer is not None:
@@ -402,7 +446,7 @@ class _PassOn:
             self._timer = None
             self.done.set_exception(TimeoutError())
         else:
-            self._timer = asyncio.get_running_loop().call_later(self.idle_s - idle, self._check_idle)
+            self._timer = self._loop.call_later(self.idle_s - idle, self._check_idle)
 
     def forward(self, source: Peer, data: bytes) -> None:
         dst = self.dst
@@ -446,11 +490,6 @@ class _PassOn:
         pass
 
 
-def _deadline(idle_s: float | None) -> float | None:
-    """The loop-clock deadline ``idle_s`` from now (None: no limit)."""
-    return None if idle_s is None else asyncio.get_running_loop().time() + idle_s
-
-
 class GoneCancels:
     """``Peer.gone_cancels``: a class, not a generator, since every request enters one (half the cost)."""
 
@@ -467,7 +506,7 @@ class GoneCancels:
         peer = self._peer
         if peer.closed or (self._on_eof and peer.eof):
             raise PeerClosed(GONE)
-        task = self._task = asyncio.current_task()
+        task = self._task = asyncio.current_task(peer.loop)
         assert task is not None
         self._cancelling = task.cancelling()  # cancellations requested before ours are not ours
         peer._on_gone = self._gone

@@ -113,7 +113,7 @@ async def serve_tls(listener: Listener, client: Peer) -> None:
 
 async def _read_hello(client: Peer, head_timeout_s: float) -> ClientHello | None:
     """The ClientHello, within the head timeout; None when the client closed at once."""
-    deadline = asyncio.get_running_loop().time() + head_timeout_s
+    deadline = client.loop.time() + head_timeout_s
     try:
         while True:
             if client.buf:
@@ -166,7 +166,7 @@ async def _serve_hello(
         if not admission.allowed:
             raise _Refused(Refusal(admission.reason or Reason.BAD_REQUEST))
         try:
-            upstream = await listener.gate.dial(attempt, admission, Peer)
+            upstream = await listener.gate.dial(attempt, admission, held.client.new_peer, held.client.loop)
         except DialError as exc:
             raise _Refused(Refusal(exc.reason, str(exc))) from None
         held.splice(upstream, attempt, check=SniCheck(listener.gate, attempt, name_required=True))

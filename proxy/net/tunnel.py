@@ -73,7 +73,7 @@ class Tunnel:
         self._upstream_eof = False
         self.ended = False
         self._on_end = on_end
-        self._loop = loop or asyncio.get_running_loop()
+        self._loop = loop if loop is not None else asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self._idle_timeout_s = idle_timeout_s
         self._last = time.monotonic()
@@ -89,6 +89,7 @@ class Tunnel:
         self.upstream.relay = self
         for peer in (self.client, self.upstream):
             peer.read_again()  # a coroutine may have paused it; we read from here on
+            peer.stop_timer()  # and no coroutine will wait on it again
         if self.upstream.buf:
             self.forward(self.upstream, self.upstream.take())  # the upstream spoke first
         if self.client.buf and not self.ended:
