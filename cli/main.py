@@ -18,6 +18,7 @@ import os
 import resource
 import signal
 import sys
+import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
@@ -282,13 +283,33 @@ def default_approvers(settings: Settings, *, serve: bool, at_terminal: bool) -> 
     return settings.model_copy(update={"approver": chosen})
 
 
+class _LineFormatter(logging.Formatter):
+    """``TIME egressd MESSAGE``, the time made once per second: serve logs a line per decision."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s egressd %(message)s", "%Y-%m-%dT%H:%M:%S")
+        self._second = -1
+        self._stamp = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 (logging's name)
+        second = int(record.created)
+        if second != self._second:  # under the handler's lock: one thread at a time
+            self._stamp = time.strftime(datefmt or "%Y-%m-%dT%H:%M:%S", self.converter(second))
+            self._second = second
+        return self._stamp
+
+
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s egressd %(message)s",
-        datefmt="%Y-%m-%dT%H:%M:%S",
-        stream=sys.stderr,
-    )
+    # What no line of ours shows, not gathered for every record (the logging HOWTO's
+    # "Optimization"): the caller's frame, thread and process. A decision line cost about
+    # 77,000 instructions with them, a tenth of a tunnel.
+    logging._srcfile = None  # noqa: SLF001 (the documented switch)
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LineFormatter())
+    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
 
 
 
