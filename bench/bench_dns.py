@@ -17,7 +17,8 @@ comes first. A query unanswered for 0.2 s counts as lost. On a small machine
 the client shares the CPU with the server, and with dnsmasq the Python client
 may be the bottleneck, so the dnsmasq figure is a floor. Beside each rate, the
 server process's CPU time per answered query (``/proc/PID/stat``), which a
-loaded machine moves less than the rate. ``--audit-cost`` then prints what one
+loaded machine moves less than the rate, and its write system calls per query
+(``/proc/PID/io``: egressd's audit records, one write per loop turn). ``--audit-cost`` then prints what one
 audit record costs and the writes per record (``bench/audit_cost.py``).
 """
 
@@ -57,10 +58,17 @@ class Result:
     # The server process's CPU time (user + system) while it answered them: less moved by a loaded
     # machine than the rate (None where /proc is missing).
     cpu_s: float | None = None
+    # The server process's write system calls meanwhile (/proc/PID/io syscw: write and writev,
+    # not sendto): egressd's audit log writes.
+    writes: int | None = None
 
     @property
     def qps(self) -> float:
         return self.answered / self.seconds if self.seconds else 0.0
+
+    @property
+    def writes_per_query(self) -> float | None:
+        return self.writes / self.answered if self.writes is not None and self.answered else None
 
     @property
     def cpu_us(self) -> float | None:
@@ -119,16 +127,28 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(
-    name: str, address: tuple[str, int], queries: list[bytes], args: argparse.Namespace, pid: int
-) -> Result:
+def write_calls(pid: int) -> int | None:
+    """Write system calls of process ``pid`` so far (``/proc/PID/io`` ``syscw``), or None."""
+    try:
+        with open(f"/proc/{pid}/io", "rb") as io:
+            for line in io:
+                if line.startswith(b"syscw:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def measure(name: str, address: tuple[str, int], queries: list[bytes], args: argparse.Namespace, pid: int) -> Result:
     load(address, queries, seconds=WARMUP_S, limit=args.queries, inflight=args.inflight)
-    before = cpu_seconds(pid)
+    before, writes_before = cpu_seconds(pid), write_calls(pid)
     result = load(address, queries, seconds=args.seconds, limit=args.queries, inflight=args.inflight)
-    after = cpu_seconds(pid)
+    after, writes_after = cpu_seconds(pid), write_calls(pid)
     result.server = name
     if before is not None and after is not None:
         result.cpu_s = after - before
+    if writes_before is not None and writes_after is not None:
+        result.writes = writes_after - writes_before
     return result
 
 
@@ -313,10 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         f"DNS on loopback, UDP, A queries, {args.inflight} in flight, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}, {platform.machine()}"
     )
-    print(f"{'server':<44} {'answered':>10} {'lost':>6} {'seconds':>8} {'queries/s':>10} {'CPU µs/q':>9}")
+    print(
+        f"{'server':<44} {'answered':>10} {'lost':>6} {'seconds':>8} {'queries/s':>10} {'CPU µs/q':>9} {'writes/q':>9}"
+    )
     for r in results:
         cpu = f"{r.cpu_us:>9.1f}" if r.cpu_us is not None else f"{'?':>9}"
-        print(f"{r.server:<44} {r.answered:>10} {r.lost:>6} {r.seconds:>8.2f} {r.qps:>10.0f} {cpu}")
+        writes = f"{r.writes_per_query:>9.3f}" if r.writes_per_query is not None else f"{'?':>9}"
+        print(f"{r.server:<44} {r.answered:>10} {r.lost:>6} {r.seconds:>8.2f} {r.qps:>10.0f} {cpu} {writes}")
     if len(results) == 2 and results[0].qps:
         print(f"egressd / dnsmasq: {results[1].qps / results[0].qps:.2f}")
     if args.audit_cost:
