@@ -9,6 +9,9 @@ with a ``JsonlAuditSink`` appending to a file in a temporary directory, as
 - ``egress`` written ahead: an allowed CONNECT's record, built from its fact
   (``EgressDecided.record()``), encoded, chained and written with
   ``write_ahead`` (it must be in the file before the dial: one write each);
+- ``egress`` queued: the same record written with ``write``, ``--per-turn``
+  in each loop turn (the difference from the line above is what writing
+  ahead, one write per record, costs);
 - ``dns`` queued: a DNS query's record (the ``extra`` fields the DNS server
   adds) written with ``write``, ``--per-turn`` records in each loop turn, as
   the DNS server does when a burst of datagrams arrives;
@@ -121,6 +124,13 @@ async def _measure(records: int, per_turn: int, rounds: int) -> list[Cost]:
                 sink.write_ahead(egress().record())  # type: ignore[attr-defined]
             return turns * per_turn
 
+        async def egress_queued() -> int:
+            for _ in range(turns):
+                for _ in range(per_turn):
+                    sink.write(egress().record())  # type: ignore[attr-defined]
+                await asyncio.sleep(0)
+            return turns * per_turn
+
         async def queued() -> int:
             for _ in range(turns):
                 for _ in range(per_turn):
@@ -138,6 +148,7 @@ async def _measure(records: int, per_turn: int, rounds: int) -> list[Cost]:
 
         cases: list[tuple[str, Callable[[], object]]] = [
             ("egress, write_ahead", ahead),
+            (f"egress, write, {per_turn} a turn", egress_queued),
             (f"dns, write, {per_turn} a turn", queued),
             (f"{per_turn} write + 1 write_ahead a turn", mixed),
         ]
