@@ -300,7 +300,9 @@ class JsonlAuditSink:
         batch_size = 0
         prev = self._prev
         for body in bodies:
-            # _with_prev(body, prev).encode("ascii"), without its call (once per record)
+            # One line: the record's JSON object with ``prev`` as its last field, and the newline.
+            # prev goes last, so the record's own fields keep their order (one the caller set was
+            # dropped when the body was encoded).
             chain = '"prev":null}\n' if prev is None else f'"prev":"{prev}"}}\n'
             data = (body[:-1] + ("," if len(body) > 2 else "") + chain).encode("ascii")
             if (
@@ -420,16 +422,6 @@ class JsonlAuditSink:
             self._path,
             reason,
         )
-
-
-def _with_prev(body: str, prev: str | None) -> str:
-    """One line: the record's JSON object with ``prev`` as its last field, and the newline.
-
-    prev goes last, so the record's own fields keep their order (one the
-    caller set was dropped when the body was encoded).
-    """
-    chain = '"prev":null}\n' if prev is None else f'"prev":"{prev}"}}\n'
-    return body[:-1] + ("," if len(body) > 2 else "") + chain
 
 
 def _take_stdout() -> int:
