@@ -50,6 +50,27 @@ _CHUNK_BYTES = 64 * 1024
 
 # One encoder for every line: json.dumps with options builds a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+# What ``_ENCODER.encode`` builds anew on every call (``JSONEncoder.iterencode``), built once: the C
+# encoder with the same arguments (the same bytes by construction): a fifth of the cost of a record's
+# encoding saved. ``_MARKERS`` is its circular-reference check, empty between calls (an encoding that
+# failed halfway leaves ids in it: ``_queue`` clears it). None where ``_json`` is missing.
+_MARKERS: dict[int, object] = {}
+_C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)  # not in typeshed: _json's, or None
+_C_ENCODE = (
+    None
+    if _C_MAKE_ENCODER is None
+    else _C_MAKE_ENCODER(
+        _MARKERS,
+        _ENCODER.default,
+        json.encoder.encode_basestring_ascii,
+        None,  # indent
+        ":",
+        ",",
+        False,  # sort_keys
+        False,  # skipkeys
+        False,  # allow_nan
+    )
+)
 
 
 class AuditError(Exception):
@@ -261,7 +282,14 @@ class JsonlAuditSink:
             # ``prev`` is added when the line is written (it depends on the line before).
             if "prev" in record:  # the writer's field: one a caller set is dropped
                 record = {key: value for key, value in record.items() if key != "prev"}
-            body = _ENCODER.encode(record)
+            if _C_ENCODE is None or record.__class__ is not dict:
+                body = _ENCODER.encode(record)
+            else:
+                try:
+                    body = "".join(_C_ENCODE(record, 0))  # _ENCODER.encode(record), without its call
+                except BaseException:
+                    _MARKERS.clear()
+                    raise
         except (TypeError, ValueError) as exc:
             raise AuditError(f"audit record does not serialise to JSON: {exc}") from exc
         self._bodies.append(body)
@@ -272,7 +300,11 @@ class JsonlAuditSink:
         batch_size = 0
         prev = self._prev
         for body in bodies:
-            data = _with_prev(body, prev).encode("ascii")
+            # One line: the record's JSON object with ``prev`` as its last field, and the newline.
+            # prev goes last, so the record's own fields keep their order (one the caller set was
+            # dropped when the body was encoded).
+            chain = '"prev":null}\n' if prev is None else f'"prev":"{prev}"}}\n'
+            data = (body[:-1] + ("," if len(body) > 2 else "") + chain).encode("ascii")
             if (
                 self._max_bytes
                 and self._regular
@@ -390,16 +422,6 @@ class JsonlAuditSink:
             self._path,
             reason,
         )
-
-
-def _with_prev(body: str, prev: str | None) -> str:
-    """One line: the record's JSON object with ``prev`` as its last field, and the newline.
-
-    prev goes last, so the record's own fields keep their order (one the
-    caller set was dropped when the body was encoded).
-    """
-    chain = '"prev":null}\n' if prev is None else f'"prev":"{prev}"}}\n'
-    return body[:-1] + ("," if len(body) > 2 else "") + chain
 
 
 def _take_stdout() -> int:

@@ -689,15 +689,13 @@ def _strip_host(host: str | None) -> str | None:
     Userinfo goes first, up to the LAST "@": cutting the path first would
     leave the front of a password that contains "/" in the log.
     """
-    if host is None or not _HOST_EXTRAS.search(host):
+    # Four substring tests: half the cost of a regular expression's search (one per record).
+    if host is None or not ("@" in host or "/" in host or "?" in host or "#" in host):
         return host
     host = host.rpartition("@")[2]
     for stop in "/?#":
         host = host.partition(stop)[0]
     return host
-
-
-_HOST_EXTRAS = re.compile(r"[@/?#]")
 
 
 def _is_secret_key(key: object) -> bool:
@@ -721,7 +719,29 @@ _secret_keys: dict[object, bool] = {}
 
 
 def _scrub_mapping(mapping: Mapping[str, object]) -> dict[str, object]:
-    return {str(key): _scrub(value) for key, value in mapping.items() if not _is_secret_key(key)}
+    # ``{str(key): _scrub(value) for key, value in mapping.items() if not _is_secret_key(key)}``, with
+    # the common case inline (a str key already judged, a value of a plain type): one per record's extras.
+    scrubbed: dict[str, object] = {}
+    secret_keys = _secret_keys
+    for key, value in mapping.items():
+        if key.__class__ is str:
+            secret = secret_keys.get(key)
+            if secret is None:
+                secret = _is_secret_key(key)
+            if secret:
+                continue
+        else:
+            if _is_secret_key(key):
+                continue
+            key = str(key)
+        cls = value.__class__
+        if isinstance(value, str) and cls is str:
+            if "://" in value:  # only a URL can carry userinfo
+                value = _URL_USERINFO.sub(r"\g<scheme>", value)
+        elif not (value is None or cls is int or cls is bool or cls is float):
+            value = _scrub(value)
+        scrubbed[key] = value
+    return scrubbed
 
 
 def _scrub(value: object) -> object:

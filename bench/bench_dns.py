@@ -1,6 +1,6 @@
 """Queries per second of egressd's sandbox-facing DNS server, beside dnsmasq on loopback.
 
-    .venv/bin/python bench/bench_dns.py [--seconds 10] [--queries 300000] [--inflight 64]
+    .venv/bin/python bench/bench_dns.py [--seconds 10] [--queries 300000] [--inflight 64] [--audit-cost]
 
 Both servers answer every A query with one address from no upstream at all:
 dnsmasq with ``--address=/#/127.0.0.1`` (Debian's ``dnsmasq-base``, installed
@@ -15,7 +15,11 @@ outstanding against each server in turn, cycling through 1000 names, after a
 warm-up; each run stops at ``--queries`` answers or ``--seconds``, whichever
 comes first. A query unanswered for 0.2 s counts as lost. On a small machine
 the client shares the CPU with the server, and with dnsmasq the Python client
-may be the bottleneck, so the dnsmasq figure is a floor.
+may be the bottleneck, so the dnsmasq figure is a floor. Beside each rate, the
+server process's CPU time per answered query (``/proc/PID/stat``), which a
+loaded machine moves less than the rate, and its write system calls per query
+(``/proc/PID/io``: egressd's audit records, one write per loop turn). ``--audit-cost`` then prints what one
+audit record costs and the writes per record (``bench/audit_cost.py``).
 """
 
 from __future__ import annotations
@@ -51,10 +55,25 @@ class Result:
     answered: int
     lost: int
     seconds: float
+    # The server process's CPU time (user + system) while it answered them: less moved by a loaded
+    # machine than the rate (None where /proc is missing).
+    cpu_s: float | None = None
+    # The server process's write system calls meanwhile (/proc/PID/io syscw: write and writev,
+    # not sendto): egressd's audit log writes.
+    writes: int | None = None
 
     @property
     def qps(self) -> float:
         return self.answered / self.seconds if self.seconds else 0.0
+
+    @property
+    def writes_per_query(self) -> float | None:
+        return self.writes / self.answered if self.writes is not None and self.answered else None
+
+    @property
+    def cpu_us(self) -> float | None:
+        """The server's CPU microseconds per answered query."""
+        return self.cpu_s / self.answered * 1e6 if self.cpu_s is not None and self.answered else None
 
 
 def build_queries() -> list[bytes]:
@@ -97,10 +116,39 @@ def load(address: tuple[str, int], queries: list[bytes], *, seconds: float, limi
     return Result("", answered, lost, elapsed)
 
 
-def measure(name: str, address: tuple[str, int], queries: list[bytes], args: argparse.Namespace) -> Result:
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of process ``pid`` so far (``/proc/PID/stat``), or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return None
+    # After the command's ")": state is field 3, utime and stime are fields 14 and 15 (proc(5)).
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def write_calls(pid: int) -> int | None:
+    """Write system calls of process ``pid`` so far (``/proc/PID/io`` ``syscw``), or None."""
+    try:
+        with open(f"/proc/{pid}/io", "rb") as io:
+            for line in io:
+                if line.startswith(b"syscw:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def measure(name: str, address: tuple[str, int], queries: list[bytes], args: argparse.Namespace, pid: int) -> Result:
     load(address, queries, seconds=WARMUP_S, limit=args.queries, inflight=args.inflight)
+    before, writes_before = cpu_seconds(pid), write_calls(pid)
     result = load(address, queries, seconds=args.seconds, limit=args.queries, inflight=args.inflight)
+    after, writes_after = cpu_seconds(pid), write_calls(pid)
     result.server = name
+    if before is not None and after is not None:
+        result.cpu_s = after - before
+    if writes_before is not None and writes_after is not None:
+        result.writes = writes_after - writes_before
     return result
 
 
@@ -190,7 +238,7 @@ def bench_dnsmasq(queries: list[bytes], args: argparse.Namespace) -> Result | st
     ]
     with running(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
         wait_for_dns(("127.0.0.1", port), proc)
-        return measure(f"dnsmasq {dnsmasq_version(binary)}", ("127.0.0.1", port), queries, args)
+        return measure(f"dnsmasq {dnsmasq_version(binary)}", ("127.0.0.1", port), queries, args, proc.pid)
 
 
 def bench_egressd(queries: list[bytes], args: argparse.Namespace) -> Result:
@@ -200,7 +248,7 @@ def bench_egressd(queries: list[bytes], args: argparse.Namespace) -> Result:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-egressd", str(port), str(audit)]
         with running(cmd, cwd=ROOT) as proc:
             wait_for_dns(("127.0.0.1", port), proc)
-            result = measure("egressd", ("127.0.0.1", port), queries, args)
+            result = measure("egressd", ("127.0.0.1", port), queries, args, proc.pid)
         records = sum(1 for _ in audit.open("rb"))
     result.server = f"egressd ({_loop_name()}, {records} audit records)"
     return result
@@ -262,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="measuring time per server (max 120)")
     parser.add_argument("--queries", type=int, default=300_000, help="stop after this many answers")
     parser.add_argument("--inflight", type=int, default=64, help="queries kept outstanding")
+    parser.add_argument(
+        "--audit-cost", action="store_true", help="also print an audit record's cost (bench/audit_cost.py)"
+    )
     parser.add_argument("--serve-egressd", nargs=2, metavar=("PORT", "AUDIT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_egressd:
@@ -282,11 +333,21 @@ def main(argv: list[str] | None = None) -> int:
         f"DNS on loopback, UDP, A queries, {args.inflight} in flight, {os.cpu_count()} CPUs, "
         f"Python {platform.python_version()}, {platform.machine()}"
     )
-    print(f"{'server':<44} {'answered':>10} {'lost':>6} {'seconds':>8} {'queries/s':>10}")
+    print(
+        f"{'server':<44} {'answered':>10} {'lost':>6} {'seconds':>8} {'queries/s':>10} {'CPU µs/q':>9} {'writes/q':>9}"
+    )
     for r in results:
-        print(f"{r.server:<44} {r.answered:>10} {r.lost:>6} {r.seconds:>8.2f} {r.qps:>10.0f}")
+        cpu = f"{r.cpu_us:>9.1f}" if r.cpu_us is not None else f"{'?':>9}"
+        writes = f"{r.writes_per_query:>9.3f}" if r.writes_per_query is not None else f"{'?':>9}"
+        print(f"{r.server:<44} {r.answered:>10} {r.lost:>6} {r.seconds:>8.2f} {r.qps:>10.0f} {cpu} {writes}")
     if len(results) == 2 and results[0].qps:
         print(f"egressd / dnsmasq: {results[1].qps / results[0].qps:.2f}")
+    if args.audit_cost:
+        # What the records cost the DNS server and the proxy (bench/audit_cost.py), in this process.
+        from audit_cost import measure as audit_measure
+        from audit_cost import report as audit_report
+
+        print(audit_report(audit_measure()))
     for note in notes:
         print(f"note: {note}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -332,6 +333,31 @@ def test_an_unserialisable_record_raises_but_leaves_the_sink_healthy(tmp_path: P
             sink.write({"event": "egress", "payload": object()})
         assert sink.healthy
         sink.write(egress())
+
+
+def test_each_line_is_json_dumps_of_the_record_with_prev_last_even_after_a_failed_encoding(tmp_path: Path) -> None:
+    # The sink keeps one C encoder for every line: its bytes must stay those of json.dumps with the
+    # design's options, and a record that failed halfway (inside a nested object, whose id the
+    # circular-reference check had noted) must not make a later record "circular".
+    approval: dict[str, object] = {"by": "alice", "x": [1, 2.5, None], "bad": object()}
+    path = tmp_path / "audit.jsonl"
+    with JsonlAuditSink(path) as sink:
+        sink.write(egress())
+        with pytest.raises(AuditError, match="serialise"):
+            sink.write({**egress(id="q-2"), "approval": approval})
+        del approval["bad"]
+        records: list[dict[str, object]] = [
+            egress(),
+            {**egress(id="q-2"), "approval": approval, "detail": "caf\u00e9 \u2028 \ud800 \x00", "big": 10**30},
+        ]
+        sink.write(records[1])
+    lines = path.read_bytes().splitlines(keepends=True)
+    assert len(lines) == 2
+    prev = None
+    for record, written in zip(records, lines, strict=True):
+        expected = json.dumps({**record, "prev": prev}, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+        assert written == expected.encode("ascii") + b"\n"
+        prev = hashlib.sha256(written).hexdigest()
 
 
 def test_writing_to_a_closed_sink_raises(tmp_path: Path) -> None:
