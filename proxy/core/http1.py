@@ -130,6 +130,23 @@ class ResponseHead(_Fields):
     headers: list[tuple[str, str]]
 
 
+# The fast path. A head as nearly every client and server sends it (no empty line before it,
+# CRLF line ends, HTTP/1.0 or 1.1, no obs-fold, only printable ASCII in the request-target,
+# field names of tchar with the colon straight after) is matched whole by these expressions, in
+# C: the start line, then every field line, each starting after a LF (so one match per line, and
+# a line that does not match makes the counts differ). They accept a strict subset of what the
+# general parser (``_split_head`` and the rest) accepts, with the same result; every other input,
+# valid or not, goes to the general parser, which decides it and words every refusal.
+# tests/unit/test_http1.py checks the two against each other.
+_TCHARS: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
+_REQUEST_LINE: Final = re.compile(rf"({_TCHARS}++) ([!-~]++) (HTTP/1\.[01])\r\n")
+_STATUS_LINE: Final = re.compile(r"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t -~\x80-\xff]*+))?\r\n")
+# A value without its OWS: runs of VCHAR or obs-text, single-spaced or not (RFC 9110 §5.5).
+_FIELD_LINE: Final = re.compile(
+    rf"(?<=\n)({_TCHARS}++):[ \t]*+((?:[!-~\x80-\xff]++(?:[ \t]++[!-~\x80-\xff]++)*+)?)[ \t]*+\r\n"
+)
+
+
 def parse_request_head(
     buf: bytes | bytearray | memoryview, max_bytes: int
 ) -> tuple[RequestHead, int] | None:
@@ -141,6 +158,28 @@ def parse_request_head(
     fits in ``max_bytes``, 400/501/505 for malformed input. A returned head
     has valid, unambiguous framing (``request_body_kind`` will not raise).
     """
+    # The common head, whole in the expressions below; any other goes to the general parser.
+    end = -1 if isinstance(buf, memoryview) else buf.find(b"\r\n\r\n", 0, max_bytes)
+    if end > 0:
+        text = buf[: end + 2].decode("latin-1")
+        line = _REQUEST_LINE.match(text)
+        if line is not None:
+            start = line.end()
+            headers = _FIELD_LINE.findall(text, start)
+            if len(headers) == text.count("\n", start):
+                names = text.lower()
+                if names.count("\nhost:") < 2:
+                    head = RequestHead(line[1], line[2], line[3], headers)
+                    if "\ncontent-length:" in names or "\ntransfer-encoding:" in names:
+                        _framing(head, _CLIENT)
+                    return head, end + 4
+    return _parse_request_head(buf, max_bytes)
+
+
+def _parse_request_head(
+    buf: bytes | bytearray | memoryview, max_bytes: int
+) -> tuple[RequestHead, int] | None:
+    """``parse_request_head`` for any input: every head the fast path did not take, and every refusal."""
     split = _split_head(buf, max_bytes, _CLIENT)
     if split is None:
         return None
@@ -177,6 +216,26 @@ def parse_response_head(
     the upstream's fault and carries status 502. Interim (1xx) responses are
     returned like any other head; the caller reads again after them.
     """
+    end = -1 if isinstance(buf, memoryview) else buf.find(b"\r\n\r\n", 0, max_bytes)
+    if end > 0:
+        text = buf[: end + 2].decode("latin-1")
+        line = _STATUS_LINE.match(text)
+        if line is not None:
+            start = line.end()
+            headers = _FIELD_LINE.findall(text, start)
+            if len(headers) == text.count("\n", start):
+                head = ResponseHead(line[1], int(line[2]), line[3] or "", headers)
+                names = text.lower()
+                if "\ncontent-length:" in names or "\ntransfer-encoding:" in names:
+                    _framing(head, _UPSTREAM)
+                return head, end + 4
+    return _parse_response_head(buf, max_bytes)
+
+
+def _parse_response_head(
+    buf: bytes | bytearray | memoryview, max_bytes: int
+) -> tuple[ResponseHead, int] | None:
+    """``parse_response_head`` for any input: every head the fast path did not take, and every refusal."""
     split = _split_head(buf, max_bytes, _UPSTREAM)
     if split is None:
         return None
@@ -318,6 +377,32 @@ def request_destination(head: RequestHead) -> Destination:
     The parse is strict and done here rather than with ``urllib.parse``, whose
     leniency (``\\``, ``@`` and ``#`` handling) is how URL confusion starts.
     """
+    # The common target, whole in one expression; any other goes to the general parse below.
+    target = head.target
+    if head.method == "CONNECT":
+        match = _CONNECT_TARGET.fullmatch(target)
+        if match is not None and 0 < (port := int(match[2])) <= 65535:
+            return Destination("connect", match[1], port, "")
+    else:
+        match = _HTTP_TARGET.fullmatch(target)
+        if match is not None:
+            port = 80 if match[2] is None else int(match[2])
+            if 0 < port <= 65535:
+                path = match[3]
+                return Destination("http", match[1], port, path if path[:1] == "/" else "/" + path)
+    return _request_destination(head)
+
+
+# The fast path's targets: a reg-name host (what ``_request_host`` takes unbracketed) and a port
+# of 1 to 5 digits, for CONNECT; for absolute-form, ``http`` in any case, the same authority
+# with an optional port, and a path or query without a fragment. Leading zeros in a port are
+# read as ``parse_port`` reads them. Anything else, valid or not, is the general parse's.
+_CONNECT_TARGET: Final = re.compile(r"([A-Za-z0-9._-]+):([0-9]{1,5})")
+_HTTP_TARGET: Final = re.compile(r"[Hh][Tt][Tt][Pp]://([A-Za-z0-9._-]+)(?::([0-9]{1,5}))?((?:[/?][^#]*+)?)")
+
+
+def _request_destination(head: RequestHead) -> Destination:
+    """``request_destination`` for any target: every one the fast path did not take, and every refusal."""
     target = head.target
     if head.method == "CONNECT":
         host, port = _authority(target, None)
