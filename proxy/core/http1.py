@@ -83,18 +83,23 @@ class _Fields:
     version: str
     headers: list[tuple[str, str]]
 
+    # Names are compared by length first: most fields are not the one asked for, and len() is
+    # cheaper than lowercasing each of them.
+
     def get(self, name: str) -> str | None:
         """The first value of field ``name`` (case-insensitive), or None."""
         name = name.lower()
+        size = len(name)
         for key, value in self.headers:
-            if key.lower() == name:
+            if len(key) == size and key.lower() == name:
                 return value
         return None
 
     def get_all(self, name: str) -> list[str]:
         """Every value of field ``name`` (case-insensitive), in order, not split on commas."""
         name = name.lower()
-        return [value for key, value in self.headers if key.lower() == name]
+        size = len(name)
+        return [value for key, value in self.headers if len(key) == size and key.lower() == name]
 
     @property
     def keep_alive(self) -> bool:
@@ -490,22 +495,26 @@ def _connection_options(headers: list[tuple[str, str]]) -> set[str]:
     """The lowercased options listed in every Connection field (RFC 9110 §7.6.1)."""
     options: set[str] = set()
     for name, value in headers:
-        if name.lower() == "connection":
+        if len(name) == 10 and name.lower() == "connection":
             for option in value.split(","):
                 options.add(option.strip(_OWS).lower())
     return options
 
 
-def _forward_fields(
-    headers: list[tuple[str, str]], drop: frozenset[str], drop_egress: bool
-) -> list[str]:
-    """Field lines to send on, without hop-by-hop fields and with one Content-Length."""
-    drop = drop | (_connection_options(headers) - _FRAMING_FIELDS)
+def _forward_fields(headers: list[tuple[str, str]], drop: frozenset[str], drop_egress: bool) -> str:
+    """The field lines to send on, each ending in CRLF: no hop-by-hop fields, one Content-Length.
+
+    One pass for the common head; the fields a Connection field names (which may come after
+    them) are dropped by a second pass only when one of them is there.
+    """
     lines: list[str] = []
+    connection: str | None = None
     have_length = False
     for name, value in headers:
         key = name.lower()
-        if key in drop or (drop_egress and key.startswith("x-egress-")):
+        if key in drop:
+            if key == "connection":  # always in drop: hop-by-hop
+                connection = value if connection is None else f"{connection},{value}"
             continue
         if key == "content-length":
             # Parsing allowed only identical duplicates ("42, 42"); send one.
@@ -513,8 +522,16 @@ def _forward_fields(
                 continue
             have_length = True
             value = value.partition(",")[0].strip(_OWS)
+        # key.startswith("x-egress-"), by comparisons: the strings after that prefix in order.
+        elif drop_egress and "x-egress-" <= key < "x-egress.":
+            continue
         lines.append(f"{name}: {value}\r\n")
-    return lines
+    if connection is not None:
+        named = {option.strip(_OWS).lower() for option in connection.split(",")} - _FRAMING_FIELDS - drop
+        for name, _ in headers:
+            if name.lower() in named:
+                return _forward_fields(headers, drop | named, drop_egress)
+    return "".join(lines)
 
 
 _REQUEST_DROP: Final = _HOP_BY_HOP | {"host"}
@@ -532,12 +549,10 @@ def forward_request_head(head: RequestHead, dest: Destination) -> bytes:
     if dest.scheme != "http":
         raise ValueError("only absolute-form http requests are forwarded")
     host = f"[{dest.host}]" if ":" in dest.host else dest.host
-    if dest.port != 80:
-        host = f"{host}:{dest.port}"
-    lines = [f"{head.method} {dest.path} HTTP/1.1\r\nHost: {host}\r\n"]
-    lines += _forward_fields(head.headers, _REQUEST_DROP, drop_egress=False)
-    lines.append("Connection: keep-alive\r\n\r\n")
-    return "".join(lines).encode("latin-1")
+    port = "" if dest.port == 80 else f":{dest.port}"
+    fields = _forward_fields(head.headers, _REQUEST_DROP, drop_egress=False)
+    start = f"{head.method} {dest.path} HTTP/1.1\r\nHost: {host}{port}\r\n"
+    return f"{start}{fields}Connection: keep-alive\r\n\r\n".encode("latin-1")
 
 
 def forward_response_head(head: ResponseHead, client_keep_alive: bool) -> bytes:
@@ -549,12 +564,9 @@ def forward_response_head(head: ResponseHead, client_keep_alive: bool) -> bytes:
     decided (close whenever the body is read until close). ``head`` must come
     from ``parse_response_head``.
     """
-    lines = [f"HTTP/1.1 {head.status} {head.reason}\r\n"]
-    lines += _forward_fields(head.headers, _HOP_BY_HOP, drop_egress=True)
-    lines.append(
-        "Connection: keep-alive\r\n\r\n" if client_keep_alive else "Connection: close\r\n\r\n"
-    )
-    return "".join(lines).encode("latin-1")
+    fields = _forward_fields(head.headers, _HOP_BY_HOP, drop_egress=True)
+    connection = "keep-alive" if client_keep_alive else "close"
+    return f"HTTP/1.1 {head.status} {head.reason}\r\n{fields}Connection: {connection}\r\n\r\n".encode("latin-1")
 
 
 # --- body framing -----------------------------------------------------------------
@@ -568,6 +580,12 @@ class BodyKind(enum.Enum):
     CHUNKED = "chunked"  # until the last chunk and trailers: use ChunkedScanner
     UNTIL_CLOSE = "until_close"  # responses only: until the upstream closes
 
+
+# The answers without a length, made once (an enum member's lookup is not free).
+_NO_BODY: Final = (BodyKind.NONE, 0)
+_CHUNKED: Final = (BodyKind.CHUNKED, 0)
+_UNTIL_CLOSE: Final = (BodyKind.UNTIL_CLOSE, 0)
+_LENGTH: Final = BodyKind.LENGTH
 
 # Transfer codings registered with IANA that may precede chunked; we relay
 # them untouched, the point is only to refuse names nobody defined.
@@ -586,10 +604,11 @@ def _framing(head: RequestHead | ResponseHead, faults: _Faults) -> tuple[BodyKin
     lengths: list[str] = []
     codings: list[str] = []
     for name, value in head.headers:
-        key = name.lower()
-        if key == "content-length":
+        # By length first: lowercasing every name costs more than len().
+        size = len(name)
+        if size == 14 and name.lower() == "content-length":
             lengths += value.split(",")
-        elif key == "transfer-encoding":
+        elif size == 17 and name.lower() == "transfer-encoding":
             codings += value.split(",")
     if codings:
         if lengths:
@@ -605,20 +624,20 @@ def _framing(head: RequestHead | ResponseHead, faults: _Faults) -> tuple[BodyKin
                 raise HttpError(faults.malformed, "chunked applied more than once")
             if coding not in _KNOWN_CODINGS:
                 raise HttpError(faults.coding, "unsupported transfer coding")
-        return BodyKind.CHUNKED, 0
+        return _CHUNKED
     if lengths:
-        values = {length.strip(_OWS) for length in lengths}
-        if len(values) != 1:
-            raise HttpError(faults.malformed, "conflicting Content-Length values")
-        (value,) = values
+        value = lengths[0].strip(_OWS)
+        for length in lengths[1:]:
+            if length.strip(_OWS) != value:
+                raise HttpError(faults.malformed, "conflicting Content-Length values")
         if (
             not 0 < len(value) <= _MAX_CONTENT_LENGTH_DIGITS
             or not value.isascii()
             or not value.isdigit()
         ):
             raise HttpError(faults.malformed, "invalid Content-Length")
-        return BodyKind.LENGTH, int(value)
-    return BodyKind.NONE, 0
+        return _LENGTH, int(value)
+    return _NO_BODY
 
 
 def request_body_kind(head: RequestHead) -> tuple[BodyKind, int]:
@@ -640,13 +659,11 @@ def response_body_kind(head: ResponseHead, request_method: str) -> tuple[BodyKin
     """
     status = head.status
     if request_method == "HEAD" or status < 200 or status == 204 or status == 304:
-        return BodyKind.NONE, 0
+        return _NO_BODY
     if request_method == "CONNECT" and status < 300:
-        return BodyKind.NONE, 0
-    kind, length = _framing(head, _UPSTREAM)
-    if kind is BodyKind.NONE:
-        return BodyKind.UNTIL_CLOSE, 0
-    return kind, length
+        return _NO_BODY
+    framing = _framing(head, _UPSTREAM)
+    return _UNTIL_CLOSE if framing is _NO_BODY else framing
 
 
 # Longest chunk-size line (size and extensions) and trailer section we relay;
