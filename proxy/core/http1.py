@@ -19,6 +19,13 @@ Content-Lengths, a coding after ``chunked``, obs-fold, bare CR, space before
 a colon) is refused, so what we relay as one message is one message to the
 upstream too: no request smuggling, no response splitting.
 
+The common head and request-target are read by a fast path (a few compiled
+expressions, run in C) that accepts a strict subset of what the general
+parser accepts, with the same result; every other input, valid or not, goes
+to the general parser, which decides it and words every refusal. A compiled
+HTTP parser (httptools/llhttp) was measured and did not pay: its callbacks
+cost as much as this path before any of our checks run.
+
 Errors are ``HttpError`` with the status to answer. A request's errors are the
 client's fault (400, 431, 501, 505); a response's errors are the upstream's
 fault and always carry 502.
@@ -164,7 +171,9 @@ def parse_request_head(
     has valid, unambiguous framing (``request_body_kind`` will not raise).
     """
     # The common head, whole in the expressions below; any other goes to the general parser.
-    end = -1 if isinstance(buf, memoryview) else buf.find(b"\r\n\r\n", 0, max_bytes)
+    if isinstance(buf, memoryview):
+        return _parse_request_head(buf, max_bytes)
+    end = buf.find(b"\r\n\r\n", 0, max_bytes)
     if end > 0:
         text = buf[: end + 2].decode("latin-1")
         line = _REQUEST_LINE.match(text)
@@ -221,7 +230,9 @@ def parse_response_head(
     the upstream's fault and carries status 502. Interim (1xx) responses are
     returned like any other head; the caller reads again after them.
     """
-    end = -1 if isinstance(buf, memoryview) else buf.find(b"\r\n\r\n", 0, max_bytes)
+    if isinstance(buf, memoryview):
+        return _parse_response_head(buf, max_bytes)
+    end = buf.find(b"\r\n\r\n", 0, max_bytes)
     if end > 0:
         text = buf[: end + 2].decode("latin-1")
         line = _STATUS_LINE.match(text)
