@@ -984,13 +984,13 @@ def _outcome(parser: Callable[[bytes, int], object], raw: bytes, limit: int) -> 
         return exc.status, exc.detail
 
 
-@settings(max_examples=500)
+@settings(max_examples=200)
 @given(near_heads(response=False), st.sampled_from([LIMIT, 40, 80]))
 def test_the_fast_request_parse_agrees_with_the_general_one(raw: bytes, limit: int) -> None:
     assert _outcome(parse_request_head, raw, limit) == _outcome(http1._parse_request_head, raw, limit)
 
 
-@settings(max_examples=500)
+@settings(max_examples=200)
 @given(near_heads(response=True), st.sampled_from([LIMIT, 40, 80]))
 def test_the_fast_response_parse_agrees_with_the_general_one(raw: bytes, limit: int) -> None:
     assert _outcome(parse_response_head, raw, limit) == _outcome(http1._parse_response_head, raw, limit)
@@ -1001,7 +1001,7 @@ _TARGET_PIECES = ["http://", "HTTP://", "hTtP://", "https://", "a.b", "EXAMPLE.c
                   "[", "]", "%", "/p?q=1", "ftp://"]  # fmt: skip
 
 
-@settings(max_examples=500)
+@settings(max_examples=300)
 @given(st.lists(st.sampled_from(_TARGET_PIECES), min_size=1, max_size=5), st.sampled_from(["GET", "CONNECT"]))
 @example(["http://", "a.b", ":00080", "?q"], "GET")
 @example(["a.b", ":0"], "CONNECT")
