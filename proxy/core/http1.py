@@ -19,6 +19,13 @@ Content-Lengths, a coding after ``chunked``, obs-fold, bare CR, space before
 a colon) is refused, so what we relay as one message is one message to the
 upstream too: no request smuggling, no response splitting.
 
+The common head and request-target are read by a fast path (a few compiled
+expressions, run in C) that accepts a strict subset of what the general
+parser accepts, with the same result; every other input, valid or not, goes
+to the general parser, which decides it and words every refusal. A compiled
+HTTP parser (httptools/llhttp) was measured and did not pay: its callbacks
+cost as much as this path before any of our checks run.
+
 Errors are ``HttpError`` with the status to answer. A request's errors are the
 client's fault (400, 431, 501, 505); a response's errors are the upstream's
 fault and always carry 502.
@@ -83,18 +90,23 @@ class _Fields:
     version: str
     headers: list[tuple[str, str]]
 
+    # Names are compared by length first: most fields are not the one asked for, and len() is
+    # cheaper than lowercasing each of them.
+
     def get(self, name: str) -> str | None:
         """The first value of field ``name`` (case-insensitive), or None."""
         name = name.lower()
+        size = len(name)
         for key, value in self.headers:
-            if key.lower() == name:
+            if len(key) == size and key.lower() == name:
                 return value
         return None
 
     def get_all(self, name: str) -> list[str]:
         """Every value of field ``name`` (case-insensitive), in order, not split on commas."""
         name = name.lower()
-        return [value for key, value in self.headers if key.lower() == name]
+        size = len(name)
+        return [value for key, value in self.headers if len(key) == size and key.lower() == name]
 
     @property
     def keep_alive(self) -> bool:
@@ -130,6 +142,23 @@ class ResponseHead(_Fields):
     headers: list[tuple[str, str]]
 
 
+# The fast path. A head as nearly every client and server sends it (no empty line before it,
+# CRLF line ends, HTTP/1.0 or 1.1, no obs-fold, only printable ASCII in the request-target,
+# field names of tchar with the colon straight after) is matched whole by these expressions, in
+# C: the start line, then every field line, each starting after a LF (so one match per line, and
+# a line that does not match makes the counts differ). They accept a strict subset of what the
+# general parser (``_split_head`` and the rest) accepts, with the same result; every other input,
+# valid or not, goes to the general parser, which decides it and words every refusal.
+# tests/unit/test_http1.py checks the two against each other.
+_TCHARS: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
+_REQUEST_LINE: Final = re.compile(rf"({_TCHARS}++) ([!-~]++) (HTTP/1\.[01])\r\n")
+_STATUS_LINE: Final = re.compile(r"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t -~\x80-\xff]*+))?\r\n")
+# A value without its OWS: runs of VCHAR or obs-text, single-spaced or not (RFC 9110 §5.5).
+_FIELD_LINE: Final = re.compile(
+    rf"(?<=\n)({_TCHARS}++):[ \t]*+((?:[!-~\x80-\xff]++(?:[ \t]++[!-~\x80-\xff]++)*+)?)[ \t]*+\r\n"
+)
+
+
 def parse_request_head(
     buf: bytes | bytearray | memoryview, max_bytes: int
 ) -> tuple[RequestHead, int] | None:
@@ -141,6 +170,30 @@ def parse_request_head(
     fits in ``max_bytes``, 400/501/505 for malformed input. A returned head
     has valid, unambiguous framing (``request_body_kind`` will not raise).
     """
+    # The common head, whole in the expressions below; any other goes to the general parser.
+    if isinstance(buf, memoryview):
+        return _parse_request_head(buf, max_bytes)
+    end = buf.find(b"\r\n\r\n", 0, max_bytes)
+    if end > 0:
+        text = buf[: end + 2].decode("latin-1")
+        line = _REQUEST_LINE.match(text)
+        if line is not None:
+            start = line.end()
+            headers = _FIELD_LINE.findall(text, start)
+            if len(headers) == text.count("\n", start):
+                names = text.lower()
+                if names.count("\nhost:") < 2:
+                    head = RequestHead(line[1], line[2], line[3], headers)
+                    if "\ncontent-length:" in names or "\ntransfer-encoding:" in names:
+                        _framing(head, _CLIENT)
+                    return head, end + 4
+    return _parse_request_head(buf, max_bytes)
+
+
+def _parse_request_head(
+    buf: bytes | bytearray | memoryview, max_bytes: int
+) -> tuple[RequestHead, int] | None:
+    """``parse_request_head`` for any input: every head the fast path did not take, and every refusal."""
     split = _split_head(buf, max_bytes, _CLIENT)
     if split is None:
         return None
@@ -177,6 +230,28 @@ def parse_response_head(
     the upstream's fault and carries status 502. Interim (1xx) responses are
     returned like any other head; the caller reads again after them.
     """
+    if isinstance(buf, memoryview):
+        return _parse_response_head(buf, max_bytes)
+    end = buf.find(b"\r\n\r\n", 0, max_bytes)
+    if end > 0:
+        text = buf[: end + 2].decode("latin-1")
+        line = _STATUS_LINE.match(text)
+        if line is not None:
+            start = line.end()
+            headers = _FIELD_LINE.findall(text, start)
+            if len(headers) == text.count("\n", start):
+                head = ResponseHead(line[1], int(line[2]), line[3] or "", headers)
+                names = text.lower()
+                if "\ncontent-length:" in names or "\ntransfer-encoding:" in names:
+                    _framing(head, _UPSTREAM)
+                return head, end + 4
+    return _parse_response_head(buf, max_bytes)
+
+
+def _parse_response_head(
+    buf: bytes | bytearray | memoryview, max_bytes: int
+) -> tuple[ResponseHead, int] | None:
+    """``parse_response_head`` for any input: every head the fast path did not take, and every refusal."""
     split = _split_head(buf, max_bytes, _UPSTREAM)
     if split is None:
         return None
@@ -318,6 +393,32 @@ def request_destination(head: RequestHead) -> Destination:
     The parse is strict and done here rather than with ``urllib.parse``, whose
     leniency (``\\``, ``@`` and ``#`` handling) is how URL confusion starts.
     """
+    # The common target, whole in one expression; any other goes to the general parse below.
+    target = head.target
+    if head.method == "CONNECT":
+        match = _CONNECT_TARGET.fullmatch(target)
+        if match is not None and 0 < (port := int(match[2])) <= 65535:
+            return Destination("connect", match[1], port, "")
+    else:
+        match = _HTTP_TARGET.fullmatch(target)
+        if match is not None:
+            port = 80 if match[2] is None else int(match[2])
+            if 0 < port <= 65535:
+                path = match[3]
+                return Destination("http", match[1], port, path if path[:1] == "/" else "/" + path)
+    return _request_destination(head)
+
+
+# The fast path's targets: a reg-name host (what ``_request_host`` takes unbracketed) and a port
+# of 1 to 5 digits, for CONNECT; for absolute-form, ``http`` in any case, the same authority
+# with an optional port, and a path or query without a fragment. Leading zeros in a port are
+# read as ``parse_port`` reads them. Anything else, valid or not, is the general parse's.
+_CONNECT_TARGET: Final = re.compile(r"([A-Za-z0-9._-]+):([0-9]{1,5})")
+_HTTP_TARGET: Final = re.compile(r"[Hh][Tt][Tt][Pp]://([A-Za-z0-9._-]+)(?::([0-9]{1,5}))?((?:[/?][^#]*+)?)")
+
+
+def _request_destination(head: RequestHead) -> Destination:
+    """``request_destination`` for any target: every one the fast path did not take, and every refusal."""
     target = head.target
     if head.method == "CONNECT":
         host, port = _authority(target, None)
@@ -405,22 +506,26 @@ def _connection_options(headers: list[tuple[str, str]]) -> set[str]:
     """The lowercased options listed in every Connection field (RFC 9110 §7.6.1)."""
     options: set[str] = set()
     for name, value in headers:
-        if name.lower() == "connection":
+        if len(name) == 10 and name.lower() == "connection":
             for option in value.split(","):
                 options.add(option.strip(_OWS).lower())
     return options
 
 
-def _forward_fields(
-    headers: list[tuple[str, str]], drop: frozenset[str], drop_egress: bool
-) -> list[str]:
-    """Field lines to send on, without hop-by-hop fields and with one Content-Length."""
-    drop = drop | (_connection_options(headers) - _FRAMING_FIELDS)
+def _forward_fields(headers: list[tuple[str, str]], drop: frozenset[str], drop_egress: bool) -> str:
+    """The field lines to send on, each ending in CRLF: no hop-by-hop fields, one Content-Length.
+
+    One pass for the common head; the fields a Connection field names (which may come after
+    them) are dropped by a second pass only when one of them is there.
+    """
     lines: list[str] = []
+    connection: str | None = None
     have_length = False
     for name, value in headers:
         key = name.lower()
-        if key in drop or (drop_egress and key.startswith("x-egress-")):
+        if key in drop:
+            if key == "connection":  # always in drop: hop-by-hop
+                connection = value if connection is None else f"{connection},{value}"
             continue
         if key == "content-length":
             # Parsing allowed only identical duplicates ("42, 42"); send one.
@@ -428,8 +533,16 @@ def _forward_fields(
                 continue
             have_length = True
             value = value.partition(",")[0].strip(_OWS)
+        # key.startswith("x-egress-"), by comparisons: the strings after that prefix in order.
+        elif drop_egress and "x-egress-" <= key < "x-egress.":
+            continue
         lines.append(f"{name}: {value}\r\n")
-    return lines
+    if connection is not None:
+        named = {option.strip(_OWS).lower() for option in connection.split(",")} - _FRAMING_FIELDS - drop
+        for name, _ in headers:
+            if name.lower() in named:
+                return _forward_fields(headers, drop | named, drop_egress)
+    return "".join(lines)
 
 
 _REQUEST_DROP: Final = _HOP_BY_HOP | {"host"}
@@ -447,12 +560,10 @@ def forward_request_head(head: RequestHead, dest: Destination) -> bytes:
     if dest.scheme != "http":
         raise ValueError("only absolute-form http requests are forwarded")
     host = f"[{dest.host}]" if ":" in dest.host else dest.host
-    if dest.port != 80:
-        host = f"{host}:{dest.port}"
-    lines = [f"{head.method} {dest.path} HTTP/1.1\r\nHost: {host}\r\n"]
-    lines += _forward_fields(head.headers, _REQUEST_DROP, drop_egress=False)
-    lines.append("Connection: keep-alive\r\n\r\n")
-    return "".join(lines).encode("latin-1")
+    port = "" if dest.port == 80 else f":{dest.port}"
+    fields = _forward_fields(head.headers, _REQUEST_DROP, drop_egress=False)
+    start = f"{head.method} {dest.path} HTTP/1.1\r\nHost: {host}{port}\r\n"
+    return f"{start}{fields}Connection: keep-alive\r\n\r\n".encode("latin-1")
 
 
 def forward_response_head(head: ResponseHead, client_keep_alive: bool) -> bytes:
@@ -464,12 +575,9 @@ def forward_response_head(head: ResponseHead, client_keep_alive: bool) -> bytes:
     decided (close whenever the body is read until close). ``head`` must come
     from ``parse_response_head``.
     """
-    lines = [f"HTTP/1.1 {head.status} {head.reason}\r\n"]
-    lines += _forward_fields(head.headers, _HOP_BY_HOP, drop_egress=True)
-    lines.append(
-        "Connection: keep-alive\r\n\r\n" if client_keep_alive else "Connection: close\r\n\r\n"
-    )
-    return "".join(lines).encode("latin-1")
+    fields = _forward_fields(head.headers, _HOP_BY_HOP, drop_egress=True)
+    connection = "keep-alive" if client_keep_alive else "close"
+    return f"HTTP/1.1 {head.status} {head.reason}\r\n{fields}Connection: {connection}\r\n\r\n".encode("latin-1")
 
 
 # --- body framing -----------------------------------------------------------------
@@ -483,6 +591,12 @@ class BodyKind(enum.Enum):
     CHUNKED = "chunked"  # until the last chunk and trailers: use ChunkedScanner
     UNTIL_CLOSE = "until_close"  # responses only: until the upstream closes
 
+
+# The answers without a length, made once (an enum member's lookup is not free).
+_NO_BODY: Final = (BodyKind.NONE, 0)
+_CHUNKED: Final = (BodyKind.CHUNKED, 0)
+_UNTIL_CLOSE: Final = (BodyKind.UNTIL_CLOSE, 0)
+_LENGTH: Final = BodyKind.LENGTH
 
 # Transfer codings registered with IANA that may precede chunked; we relay
 # them untouched, the point is only to refuse names nobody defined.
@@ -501,10 +615,11 @@ def _framing(head: RequestHead | ResponseHead, faults: _Faults) -> tuple[BodyKin
     lengths: list[str] = []
     codings: list[str] = []
     for name, value in head.headers:
-        key = name.lower()
-        if key == "content-length":
+        # By length first: lowercasing every name costs more than len().
+        size = len(name)
+        if size == 14 and name.lower() == "content-length":
             lengths += value.split(",")
-        elif key == "transfer-encoding":
+        elif size == 17 and name.lower() == "transfer-encoding":
             codings += value.split(",")
     if codings:
         if lengths:
@@ -520,20 +635,20 @@ def _framing(head: RequestHead | ResponseHead, faults: _Faults) -> tuple[BodyKin
                 raise HttpError(faults.malformed, "chunked applied more than once")
             if coding not in _KNOWN_CODINGS:
                 raise HttpError(faults.coding, "unsupported transfer coding")
-        return BodyKind.CHUNKED, 0
+        return _CHUNKED
     if lengths:
-        values = {length.strip(_OWS) for length in lengths}
-        if len(values) != 1:
-            raise HttpError(faults.malformed, "conflicting Content-Length values")
-        (value,) = values
+        value = lengths[0].strip(_OWS)
+        for length in lengths[1:]:
+            if length.strip(_OWS) != value:
+                raise HttpError(faults.malformed, "conflicting Content-Length values")
         if (
             not 0 < len(value) <= _MAX_CONTENT_LENGTH_DIGITS
             or not value.isascii()
             or not value.isdigit()
         ):
             raise HttpError(faults.malformed, "invalid Content-Length")
-        return BodyKind.LENGTH, int(value)
-    return BodyKind.NONE, 0
+        return _LENGTH, int(value)
+    return _NO_BODY
 
 
 def request_body_kind(head: RequestHead) -> tuple[BodyKind, int]:
@@ -555,13 +670,11 @@ def response_body_kind(head: ResponseHead, request_method: str) -> tuple[BodyKin
     """
     status = head.status
     if request_method == "HEAD" or status < 200 or status == 204 or status == 304:
-        return BodyKind.NONE, 0
+        return _NO_BODY
     if request_method == "CONNECT" and status < 300:
-        return BodyKind.NONE, 0
-    kind, length = _framing(head, _UPSTREAM)
-    if kind is BodyKind.NONE:
-        return BodyKind.UNTIL_CLOSE, 0
-    return kind, length
+        return _NO_BODY
+    framing = _framing(head, _UPSTREAM)
+    return _UNTIL_CLOSE if framing is _NO_BODY else framing
 
 
 # Longest chunk-size line (size and extensions) and trailer section we relay;

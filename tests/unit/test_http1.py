@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from egressd.proxy.core import http1
 from egressd.proxy.core.http1 import (
     BodyKind,
     ChunkedScanner,
@@ -424,6 +427,18 @@ def test_framing_fields_named_in_connection_are_kept() -> None:
         b"Transfer-Encoding: chunked\r\n\r\n"
     )
     assert b"\r\nTransfer-Encoding: chunked\r\n" in out
+
+
+def test_fields_named_in_connection_are_dropped_wherever_they_come() -> None:
+    # The names come after, before and on both sides of the Connection fields that name them.
+    out = forwarded(
+        b"GET http://a/ HTTP/1.1\r\nX-Before: 1\r\nConnection: x-before\r\nX-Kept: k\r\n"
+        b"connection: X-After, close\r\nX-After: 2\r\nClose: c\r\n\r\n"
+    )
+    assert field_names(out) == ["host", "x-kept", "connection"]
+    # "close" names no field here: nothing else goes.
+    out = forwarded(b"GET http://a/ HTTP/1.1\r\nConnection: close\r\nX-Kept: k\r\n\r\n")
+    assert field_names(out) == ["host", "x-kept", "connection"]
 
 
 def test_duplicate_content_length_is_forwarded_once() -> None:
@@ -929,3 +944,74 @@ def test_random_targets_yield_a_destination_or_400(target: str) -> None:
         assert 1 <= dest.port <= 65535
         assert dest.host and "@" not in dest.host and "/" not in dest.host
         assert dest.scheme == ("connect" if method == "CONNECT" else "http")
+
+
+# --- the fast path against the general parser ---------------------------------------
+# parse_request_head, parse_response_head and request_destination take the common input by a
+# fast path and give every other to the general parser; the fast path must give exactly what the
+# general parser gives (the same head, or the same refusal) wherever it answers.
+
+_PIECES = [b"GET", b"CONNECT", b" ", b"  ", b"\t", b"\r\n", b"\n", b"\r", b":", b": ", b" :", b"HTTP/1.1", b"HTTP/1.0",
+           b"HTTP/2.0", b"http://a.b/x", b"a.b:443", b"Host", b"host", b"Content-Length", b"Transfer-Encoding",
+           b"chunked", b"5", b"5, 5", b"x", b"\xe9", b"\x00", b"\x7f", b"200", b"404 Not Found", b"099", b"1000", b",",
+           b"\r\n\r\n", b"\n\n", b"Connection", b"@", b"["]  # fmt: skip
+
+
+@st.composite
+def near_heads(draw: st.DrawFn, response: bool) -> bytes:
+    """A well-formed head with a few edits: most of them near the fast path's edge."""
+    if response:
+        starts = [b"HTTP/1.1 200 OK", b"HTTP/1.0 404", b"HTTP/1.1 204 ", b"HTTP/1.1 101 A \t\xe9"]
+    else:
+        starts = [b"GET http://a.b/x HTTP/1.1", b"CONNECT a.b:443 HTTP/1.1", b"POST http://q/ HTTP/1.0"]
+    start = draw(st.sampled_from(starts))
+    names = st.sampled_from([b"Host", b"host", b"X-A", b"Content-Length", b"Transfer-Encoding", b"Connection"])
+    values = st.sampled_from([b"v", b"5", b"5, 5", b"chunked", b"a b", b"a\tb", b"", b"\xe9x"])
+    ows = st.sampled_from([b"", b" ", b"\t", b" \t"])
+    fields = draw(st.lists(st.tuples(names, ows, values, ows), max_size=5))
+    raw = b"\r\n".join([start, *(n + b":" + a + v + b for n, a, v, b in fields)]) + b"\r\n\r\n"
+    for at, cut, insert in draw(
+        st.lists(st.tuples(st.integers(0, len(raw)), st.integers(0, 2), st.sampled_from(_PIECES)), max_size=3)
+    ):
+        raw = raw[:at] + insert + raw[at + cut :]
+    return raw + draw(st.sampled_from([b"", b"body", b"GET"]))
+
+
+def _outcome(parser: Callable[[bytes, int], object], raw: bytes, limit: int) -> object:
+    try:
+        return parser(raw, limit)
+    except HttpError as exc:
+        return exc.status, exc.detail
+
+
+@settings(max_examples=200)
+@given(near_heads(response=False), st.sampled_from([LIMIT, 40, 80]))
+def test_the_fast_request_parse_agrees_with_the_general_one(raw: bytes, limit: int) -> None:
+    assert _outcome(parse_request_head, raw, limit) == _outcome(http1._parse_request_head, raw, limit)
+
+
+@settings(max_examples=200)
+@given(near_heads(response=True), st.sampled_from([LIMIT, 40, 80]))
+def test_the_fast_response_parse_agrees_with_the_general_one(raw: bytes, limit: int) -> None:
+    assert _outcome(parse_response_head, raw, limit) == _outcome(http1._parse_response_head, raw, limit)
+
+
+_TARGET_PIECES = ["http://", "HTTP://", "hTtP://", "https://", "a.b", "EXAMPLE.com", "x-y_z.", "1.2.3.4", "[::1]",
+                  "-", ":", "::", ":80", ":0", ":00080", ":65535", ":65536", ":99999", ":123456", "/", "?", "#", "@",
+                  "[", "]", "%", "/p?q=1", "ftp://"]  # fmt: skip
+
+
+@settings(max_examples=300)
+@given(st.lists(st.sampled_from(_TARGET_PIECES), min_size=1, max_size=5), st.sampled_from(["GET", "CONNECT"]))
+@example(["http://", "a.b", ":00080", "?q"], "GET")
+@example(["a.b", ":0"], "CONNECT")
+def test_the_fast_destination_agrees_with_the_general_one(pieces: list[str], method: str) -> None:
+    head = RequestHead(method, "".join(pieces), "HTTP/1.1", [])
+
+    def outcome(find: Callable[[RequestHead], Destination]) -> object:
+        try:
+            return find(head)
+        except HttpError as exc:
+            return exc.status, exc.detail
+
+    assert outcome(request_destination) == outcome(http1._request_destination)
