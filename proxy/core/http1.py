@@ -170,24 +170,36 @@ def parse_request_head(
     fits in ``max_bytes``, 400/501/505 for malformed input. A returned head
     has valid, unambiguous framing (``request_body_kind`` will not raise).
     """
-    # The common head, whole in the expressions below; any other goes to the general parser.
-    if isinstance(buf, memoryview):
-        return _parse_request_head(buf, max_bytes)
-    end = buf.find(b"\r\n\r\n", 0, max_bytes)
-    if end > 0:
-        text = buf[: end + 2].decode("latin-1")
-        line = _REQUEST_LINE.match(text)
-        if line is not None:
-            start = line.end()
-            headers = _FIELD_LINE.findall(text, start)
-            if len(headers) == text.count("\n", start):
-                names = text.lower()
-                if names.count("\nhost:") < 2:
-                    head = RequestHead(line[1], line[2], line[3], headers)
-                    if "\ncontent-length:" in names or "\ntransfer-encoding:" in names:
-                        _framing(head, _CLIENT)
-                    return head, end + 4
+    common = _common_head(buf, max_bytes, _REQUEST_LINE)
+    if common is not None:
+        line, headers, lowered, consumed = common
+        if lowered.count("\nhost:") < 2:
+            head = RequestHead(line[1], line[2], line[3], headers)
+            if "\ncontent-length:" in lowered or "\ntransfer-encoding:" in lowered:
+                _framing(head, _CLIENT)
+            return head, consumed
     return _parse_request_head(buf, max_bytes)
+
+
+def _common_head(
+    buf: bytes | bytearray | memoryview, max_bytes: int, start_line: re.Pattern[str]
+) -> tuple[re.Match[str], list[tuple[str, str]], str, int] | None:
+    """The fast path: a common head whole, as its start line's match, its fields, its text lowercased
+    and the bytes it spans; None for any other head, valid or not (the general parser's)."""
+    if isinstance(buf, memoryview):
+        return None
+    end = buf.find(b"\r\n\r\n", 0, max_bytes)
+    if end <= 0:
+        return None
+    text = buf[: end + 2].decode("latin-1")
+    line = start_line.match(text)
+    if line is None:
+        return None
+    start = line.end()
+    headers = _FIELD_LINE.findall(text, start)
+    if len(headers) != text.count("\n", start):  # a line that is not a plain field line
+        return None
+    return line, headers, text.lower(), end + 4
 
 
 def _parse_request_head(
@@ -230,21 +242,13 @@ def parse_response_head(
     the upstream's fault and carries status 502. Interim (1xx) responses are
     returned like any other head; the caller reads again after them.
     """
-    if isinstance(buf, memoryview):
-        return _parse_response_head(buf, max_bytes)
-    end = buf.find(b"\r\n\r\n", 0, max_bytes)
-    if end > 0:
-        text = buf[: end + 2].decode("latin-1")
-        line = _STATUS_LINE.match(text)
-        if line is not None:
-            start = line.end()
-            headers = _FIELD_LINE.findall(text, start)
-            if len(headers) == text.count("\n", start):
-                head = ResponseHead(line[1], int(line[2]), line[3] or "", headers)
-                names = text.lower()
-                if "\ncontent-length:" in names or "\ntransfer-encoding:" in names:
-                    _framing(head, _UPSTREAM)
-                return head, end + 4
+    common = _common_head(buf, max_bytes, _STATUS_LINE)
+    if common is not None:
+        line, headers, lowered, consumed = common
+        head = ResponseHead(line[1], int(line[2]), line[3] or "", headers)
+        if "\ncontent-length:" in lowered or "\ntransfer-encoding:" in lowered:
+            _framing(head, _UPSTREAM)
+        return head, consumed
     return _parse_response_head(buf, max_bytes)
 
 
