@@ -188,13 +188,15 @@ def audit_writes(trace: str, audit_name: str) -> AuditWrites:
     return AuditWrites(writes, turns, with_writes, most)
 
 
-_DNS_ROW = re.compile(r"^(dnsmasq|egressd)\b.*\s(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s*$")
+# The first four numbers after the name (which may hold a number of its own); columns may follow.
+_DNS_ROW = re.compile(r"^(dnsmasq|egressd)\b.*?\s(\d+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)(?:\s.*)?$")
 
 
 def parse_dns(text: str) -> dict[str, float]:
     """queries/s of each server in bench/bench_dns.py's table: ``{"dnsmasq": q/s, "egressd": q/s}``.
 
-    A row is the server's name and then answered, lost, seconds, queries/s.
+    A row is the server's name and then answered, lost, seconds, queries/s, and
+    perhaps more columns (CPU µs and writes per query).
     """
     found = {}
     for line in text.splitlines():

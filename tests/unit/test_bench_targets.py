@@ -128,6 +128,16 @@ egressd / dnsmasq: 0.15
 """
 
 
+DNS_WITH_COSTS = """\
+DNS on loopback, UDP, A queries, 64 in flight, 2 CPUs, Python 3.11.7, x86_64
+server                                         answered   lost  seconds  queries/s  CPU µs/q  writes/q
+dnsmasq 2.90                                     252928      0     2.00     126256       7.6     0.000
+egressd (uvloop, 62530 audit records)             41984      0     2.00      20942      46.9     0.032
+egressd / dnsmasq: 0.17
+"""
+
+
 def test_dns_rates_are_read_from_bench_dns_table():
     assert targets.parse_dns(DNS) == {"dnsmasq": 40968.0, "egressd": 6043.0}
+    assert targets.parse_dns(DNS_WITH_COSTS) == {"dnsmasq": 126256.0, "egressd": 20942.0}
     assert targets.parse_dns("note: dnsmasq is not installed\n") == {}
