@@ -6,7 +6,7 @@ Wall-clock rates on a shared 2-core machine wander by tens of percent from
 one round to the next; the number of instructions egressd executes for the
 same work does not. This runs ``egressd serve`` under valgrind's cachegrind
 (instruction counting only, at its default log level) three times after
-a warm-up run (which writes any missing bytecode cache), each started fresh
+a warm-up run (which fills the runs' own bytecode cache), each started fresh
 with ``PYTHONHASHSEED=0``: idle (start-up and shutdown alone), then N CONNECT
 tunnels one after another (CONNECT, one 64-byte echo, close), then N small
 plain-HTTP requests on one keep-alive connection. Each figure is the run's
@@ -100,12 +100,18 @@ async def _requests(port: int, origin: int, n: int) -> None:
     writer.close()
 
 
-async def measure(egressd: str, *, tunnels: int, requests: int, echo_port: int, http_port: int) -> int:
-    """Total instructions of one egressd run doing this work, start-up and shutdown included."""
+async def measure(
+    egressd: str, *, tunnels: int, requests: int, echo_port: int, http_port: int, pycache: str
+) -> int:
+    """Total instructions of one egressd run doing this work, start-up and shutdown included.
+
+    ``pycache``: the runs' own bytecode cache (``PYTHONPYCACHEPREFIX``), filled by the warm-up
+    run: a ``.pyc`` another process wrote between two runs once moved one by 350 M instructions.
+    """
     with tempfile.TemporaryDirectory(prefix="egressd-instr-") as tmp:
         out, err = Path(tmp) / "cachegrind.out", Path(tmp) / "stderr"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
-        env |= {"PYTHONHASHSEED": "0", "XDG_STATE_HOME": tmp}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_") and k != "PYTHONDONTWRITEBYTECODE"}
+        env |= {"PYTHONHASHSEED": "0", "XDG_STATE_HOME": tmp, "PYTHONPYCACHEPREFIX": pycache}
         with open(err, "wb") as stderr:  # noqa: ASYNC230 - opened once, handed to the child
             proc = await asyncio.create_subprocess_exec(
                 "valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
@@ -142,16 +148,19 @@ async def main(argv: list[str] | None = None) -> int:
         return 2
     echo = await asyncio.start_server(_echo, ORIGIN, 0)
     http = await asyncio.start_server(_http, ORIGIN, 0)
+    pycache = tempfile.TemporaryDirectory(prefix="egressd-instr-pycache-")
     ports = {"echo_port": echo.sockets[0].getsockname()[1], "http_port": http.sockets[0].getsockname()[1]}
+    runs = {**ports, "pycache": pycache.name}
     try:
         # A first run compiles whatever has no bytecode cache yet; counted, it would inflate "idle".
-        await measure(args.egressd, tunnels=0, requests=0, **ports)
-        idle = await measure(args.egressd, tunnels=0, requests=0, **ports)
-        with_tunnels = await measure(args.egressd, tunnels=args.tunnels, requests=0, **ports)
-        with_requests = await measure(args.egressd, tunnels=0, requests=args.requests, **ports)
+        await measure(args.egressd, tunnels=0, requests=0, **runs)
+        idle = await measure(args.egressd, tunnels=0, requests=0, **runs)
+        with_tunnels = await measure(args.egressd, tunnels=args.tunnels, requests=0, **runs)
+        with_requests = await measure(args.egressd, tunnels=0, requests=args.requests, **runs)
     finally:
         echo.close()
         http.close()
+        pycache.cleanup()
     print(f"egressd: {args.egressd}")
     print(f"idle run (start-up and shutdown): {idle:,} instructions")
     if args.tunnels:
