@@ -54,7 +54,11 @@ ORIGIN_SCRIPT = textwrap.dedent("""
             self.wfile.write(body)
         def log_message(self, *args):
             pass
-    servers = [http.server.ThreadingHTTPServer(("0.0.0.0", port), Handler) for port in (80, 8080)]
+    class Server(http.server.ThreadingHTTPServer):
+        def process_request(self, request, client_address):  # every connection, even one that sends nothing
+            print("ARRIVAL", client_address[0], self.server_address[1], flush=True)
+            super().process_request(request, client_address)
+    servers = [Server(("0.0.0.0", port), Handler) for port in (80, 8080)]
     for server in servers[1:]:
         threading.Thread(target=server.serve_forever, daemon=True).start()
     print("ready", flush=True)
@@ -139,6 +143,10 @@ class Helper:
 
     async def leaks(self) -> list[str]:
         return [line for line in (await self.logs()).splitlines() if line.startswith("LEAK")]
+
+    async def arrivals(self) -> list[str]:
+        """The origin's "ARRIVAL <peer address> <port>" lines: every connection it accepted."""
+        return [line for line in (await self.logs()).splitlines() if line.startswith("ARRIVAL")]
 
 
 async def start_helper(
@@ -273,7 +281,15 @@ PROBE = textwrap.dedent("""
             results[name] = errno.errorcode.get(exc.errno, str(exc))
     def tcp(host, port, family=socket.AF_INET):
         s = socket.socket(family, socket.SOCK_STREAM); s.settimeout(2)
-        try: s.connect((host, port))
+        try:
+            s.connect((host, port))
+            # Connected: say who answered (a failure must name the way out it found).
+            s.sendall(b"GET /probe HTTP/1.0\\r\\n\\r\\n")
+            try:
+                reply = s.recv(200)
+            except OSError as exc:
+                reply = repr(exc).encode()
+            results["detail " + host + ":" + str(port)] = [s.getsockname(), s.getpeername(), reply.decode("latin-1")]
         finally: s.close()
     def udp(host, port):
         s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -289,6 +305,11 @@ PROBE = textwrap.dedent("""
     for name, server in targets["dns"].items():
         dig = subprocess.run(["dig", "+time=1", "+tries=1", "@" + server, "leak.test"], capture_output=True, text=True)
         results["dns " + name] = "answered" if "ANSWER SECTION" in dig.stdout else "no answer"
+    for table in ("/proc/net/route", "/proc/net/arp"):
+        try:
+            results["table " + table] = open(table).read()
+        except OSError as exc:
+            results["table " + table] = str(exc)
     print(json.dumps(results))
 """)
 
