@@ -2,12 +2,14 @@
 
 Addresses (all loopback; Linux routes the whole of 127.0.0.0/8 to lo):
 
-- 127.0.0.1        egressd's listeners and the fake DNS server
-- 127.0.0.2        ORIGIN: an echo server and an HTTP origin; the tests'
-                   ``--allow-private`` names exactly 127.0.0.2/32
-- 127.0.0.66       LEAK: listeners that count every connection that arrives;
-                   outside every allowed range, so a correct egressd never
-                   connects there
+- 127.0.0.1        egressd's listeners and the fake DNS server, on ports the kernel picks
+- ORIGIN           an echo server and an HTTP origin (and, for the transparent tests, the origins
+                   on ports 443 and 80); the tests' ``--allow-private`` names exactly ORIGIN/32
+- LEAK             listeners that count every connection that arrives; outside every allowed
+                   range, so a correct egressd never connects there
+
+ORIGIN and LEAK are .2 and .66 of a /24 in 127.0.0.0/8 that each test session picks at random
+(tests/harness.py), so that two sessions on one machine never want the same fixed port.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from egressd.audit.log import AuditSink, MemoryAuditSink
 from egressd.cli.wiring.service import EgressService
 from egressd.config.settings import load_settings
 from tests.fakes.dns import FakeDns
-from tests.harness import LEAK, ORIGIN, ORIGIN_RANGE
+from tests.harness import LEAK, NET, ORIGIN, ORIGIN_RANGE
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:
@@ -42,9 +44,14 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
     return {"asyncio": asyncio.new_event_loop}
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    net = ".".join(str(NET.network_address).split(".")[:3])
+    return f"egressd test addresses: ORIGIN {ORIGIN}, LEAK {LEAK} (rerun on them: EGRESSD_TEST_NET={net})"
+
+
 @dataclass
 class Listener:
-    """A TCP server on a fixed loopback address that counts connections."""
+    """A TCP server on one loopback address (on a port the kernel picks, unless given) that counts connections."""
 
     host: str
     port: int = 0

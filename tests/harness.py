@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import re
 import select
 import shutil
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,70 @@ import pytest
 from egressd.audit.query import join_ends
 from egressd.cli.wiring.service import EgressService
 
-ORIGIN = "127.0.0.2"
-LEAK = "127.0.0.66"
-ORIGIN_RANGE = "127.0.0.2/32"
+# --- the addresses of this test session ------------------------------------------------------------
+#
+# Some listeners need a fixed port: the transparent listeners dial the port a client dialled (443, 80), so
+# the TLS origin must be ORIGIN:443 and the leak detectors LEAK:443 and LEAK:80. A fixed address as well
+# would make two test sessions on one machine (two worktrees, CI jobs sharing a host) take each other's
+# ports. So each session (each pytest process) takes its own /24 inside 127.0.0.0/8, chosen at random once,
+# here, and every address and every other spelling of one that the tests use is derived from it.
+#
+# Chosen from 127.16.1.0 to 127.239.254.0: clear of 127.0.0.0/16 (127.0.0.1, where egressd and the fakes
+# listen on ports the kernel picks, the literal 127.0.0.x of hand-written tests, 127.0.1.1 of
+# /etc/hosts), of the few 127.N.x.y literals tests name (127.5.6.7, 127.8.9.10, 127.255.0.9) and of the
+# loopback broadcast 127.255.255.255; no octet is 0 or 255. egressd itself treats no loopback address
+# specially but 127.0.0.1 (its defaults) and its own listeners; its sandboxes use 169.254.100.0/22.
+# Linux routes all of 127.0.0.0/8 to lo, in every network namespace: nothing to configure.
+# EGRESSD_TEST_NET=127.A.B picks the /24 by hand (to rerun a failure on the same addresses).
+
+
+def session_net(choice: str | None = None) -> IPv4Network:
+    """This session's /24: ``choice`` ("127.A.B") if given, else a random one (SystemRandom: a seeded
+    ``random``, as some pytest plugins seed it, would give two sessions the same one)."""
+    if choice:
+        net = IPv4Network(f"{choice.strip()}.0/24")
+        a, b = net.network_address.packed[1:3]
+        if not (net.subnet_of(IPv4Network("127.0.0.0/8")) and 1 <= a <= 254 and 1 <= b <= 254):
+            raise ValueError(f"EGRESSD_TEST_NET={choice}: not 127.A.B with A and B from 1 to 254")
+        return net
+    rng = random.SystemRandom()
+    return IPv4Network(f"127.{rng.randrange(16, 240)}.{rng.randrange(1, 255)}.0/24")
+
+
+def spellings(address: str) -> dict[str, str]:
+    """Other ways to write the IPv4 ``address`` in a URL's or CONNECT's host, as lenient parsers
+    (inet_aton, browsers' WHATWG URL) read them, by a name that stays the same from session to session:
+    one integer, hex, octal, the short forms, the IPv4-mapped IPv6 forms (bracketed). Each reads back
+    as ``address`` (tests/unit/test_harness_addresses.py)."""
+    ip = IPv4Address(address)
+    value, (a, b, c, d) = int(ip), ip.packed
+    mapped_dotted, mapped_hex = mapped(address)
+    return {
+        "integer": str(value),
+        "hex-integer": f"0x{value:08x}",
+        "octal-parts": ".".join(f"0{x:o}" if x else "0" for x in (a, b, c, d)),
+        "three-parts": f"{a}.{b}.{c << 8 | d}",  # the last part 16 bits
+        "two-parts": f"{a}.{b << 16 | c << 8 | d}",  # the last part 24 bits
+        "hex-and-decimal-parts": f"0x{a:x}.{b}.{c}.0x{d:x}",
+        "mapped-dotted": f"[{mapped_dotted}]",
+        "mapped-hex": f"[{mapped_hex}]",
+    }
+
+
+def mapped(address: str) -> tuple[str, str]:
+    """``address`` as an IPv4-mapped IPv6 address, two ways: ``::ffff:a.b.c.d`` and ``::ffff:hhhh:hhhh``."""
+    value = int(IPv4Address(address))
+    return f"::ffff:{address}", f"::ffff:{value >> 16:x}:{value & 0xFFFF:x}"
+
+
+NET = session_net(os.environ.get("EGRESSD_TEST_NET"))
+ORIGIN = str(NET[2])  # the origins: echo, HTTP, and TLS on ORIGIN:443, HTTP on ORIGIN:80
+ORIGIN_RANGE = f"{ORIGIN}/32"  # what the tests' --allow-private names: ORIGIN only
+LEAK = str(NET[66])  # leak detectors: outside every allowed range; a correct egressd never connects here
+# LEAK written every way, for pytest.mark.parametrize (ids by name: the same in every session)
+LEAK_SPELLINGS = [pytest.param(LEAK, id="dotted")] + [pytest.param(v, id=k) for k, v in spellings(LEAK).items()]
+SANDBOX_FACING = str(NET[43])  # where a transparent listener sits on 443 and egressd's DNS answers
+SANDBOX_FACING_CLI = str(NET[44])  # the same for an ``egressd serve`` child
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

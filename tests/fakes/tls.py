@@ -5,8 +5,9 @@ every name in ``names`` as a DNS SAN) made with ``cryptography``;
 ``client_context`` trusts only that CA, so a handshake that completes proves
 the client reached the origin holding the leaf's key.
 
-``TlsOrigin`` listens on a fixed address (127.0.0.2:443 in the tests: they
-run as root, so the transparent listener dials the real port 443). TLS
+``TlsOrigin`` listens on a given address and port (ORIGIN:443 in the tests,
+ORIGIN being this session's own, tests/harness.py: they run as root, so the
+transparent listener dials the real port 443). TLS
 starts with the first byte (asyncio's SSL server, so bytes that arrive with
 the connection are never lost); it records the SNI of every ClientHello it
 saw (``snis``), counts completed handshakes (``handshakes``), and answers

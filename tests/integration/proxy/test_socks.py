@@ -19,8 +19,7 @@ from python_socks.async_.asyncio import Proxy
 from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest
 from egressd.proxy.core.policy import parse_entry
 from tests.fakes.dns import FakeDns
-from tests.harness import LEAK, ORIGIN, egress, have, wait_until
-from tests.integration.proxy.test_attacks import LEAK_SPELLINGS
+from tests.harness import LEAK, LEAK_SPELLINGS, ORIGIN, egress, have, mapped, wait_until
 
 # RFC 1928 §6 REP values the tests expect.
 SUCCEEDED, GENERAL_FAILURE, NOT_ALLOWED, COMMAND_NOT_SUPPORTED, ATYP_NOT_SUPPORTED = 0, 1, 2, 7, 8
@@ -231,7 +230,7 @@ async def test_every_ip_literal_spelling_in_a_domain_is_refused(make_egressd, le
     assert leak.connections == 0
 
 
-@pytest.mark.parametrize("text", [LEAK, "::ffff:127.0.0.66", "::ffff:7f00:42"])
+@pytest.mark.parametrize("text", [LEAK, *mapped(LEAK)], ids=["dotted", "mapped-dotted", "mapped-hex"])
 async def test_address_types_are_ip_literals(make_egressd, leak, text) -> None:
     svc = await make_egressd(**socks_on(allow=["origin.test"], allow_private=["127.0.0.0/8"]))
     record = await refused_with(svc, address(text, leak.port))

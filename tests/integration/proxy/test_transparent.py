@@ -1,10 +1,11 @@
 """The transparent listeners and the CONNECT SNI check, with real TLS and real HTTP.
 
-Origins listen where a sandboxed program would really go: 127.0.0.2:443 (a
-TLS origin with a certificate from a throwaway CA) and 127.0.0.2:80 (HTTP).
+Origins listen where a sandboxed program would really go: ORIGIN:443 (a
+TLS origin with a certificate from a throwaway CA) and ORIGIN:80 (HTTP).
 The transparent listeners sit on ephemeral ports and decide with the
 destination ports 443 and 80, as they do behind the sandbox's DNS. Leak
-detectors listen on 127.0.0.66:443 and :80; nothing may ever reach them.
+detectors listen on LEAK:443 and :80; nothing may ever reach them. The
+ports are fixed, the addresses are this test session's own (tests/harness.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,19 @@ from egressd.proxy.core.modes import host_destination
 from tests.fakes import hellos
 from tests.fakes.dns import FakeDns
 from tests.fakes.tls import BIG, Pki, TlsOrigin, make_pki
-from tests.harness import LEAK, ORIGIN, connect_via, egress, have, read_response, require, wait_until
+from tests.harness import (
+    LEAK,
+    ORIGIN,
+    ORIGIN_RANGE,
+    SANDBOX_FACING,
+    SANDBOX_FACING_CLI,
+    connect_via,
+    egress,
+    have,
+    read_response,
+    require,
+    wait_until,
+)
 
 NAMES = ["origin.test", "sub.example.test", "example.test", "other.test"]
 ALERT_ACCESS_DENIED = b"\x15\x03\x03\x00\x02\x02\x31"
@@ -350,10 +363,12 @@ async def test_sources_bound_to_a_run_are_attributed_and_others_refused(
 
 async def test_the_whole_way_a_sandboxed_tool_goes(make_egressd, tls_origin, pki, dns: FakeDns) -> None:
     """Resolve through egressd's DNS, connect to the answer on port 443, get the origin."""
-    svc = await make_egressd(allow=["origin.test"], transparent_tls="127.0.0.43:443", dns_listen="127.0.0.43:0")
+    svc = await make_egressd(
+        allow=["origin.test"], transparent_tls=f"{SANDBOX_FACING}:443", dns_listen=f"{SANDBOX_FACING}:0"
+    )
     data = await asyncio.to_thread(DNSRecord.question("origin.test").send, *svc.dns.address, timeout=3)
     [answer] = [str(rr.rdata) for rr in DNSRecord.parse(data).rr]
-    assert answer == "127.0.0.43"
+    assert answer == SANDBOX_FACING
     reader, writer = await asyncio.open_connection(answer, 443, ssl=pki.client_context(), server_hostname="origin.test")
     writer.write(b"GET /resolved HTTP/1.1\r\nHost: origin.test\r\n\r\n")
     status, _, body = await read_response(reader)
@@ -675,7 +690,7 @@ async def test_egressd_serve_with_dns_and_transparent_listeners(
     from tests.harness import aserve_ports
 
     egressd = str(Path(sys.executable).with_name("egressd"))
-    sandbox_facing = "127.0.0.44"
+    sandbox_facing = SANDBOX_FACING_CLI
     audit = tmp_path / "audit.jsonl"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path)}
     proc = await asyncio.create_subprocess_exec(
@@ -688,7 +703,7 @@ async def test_egressd_serve_with_dns_and_transparent_listeners(
         "--upstream-dns",
         f"127.0.0.1:{dns.address[1]}",
         "--allow-private",
-        "127.0.0.2/32",
+        ORIGIN_RANGE,
         "--audit-log",
         str(audit),
         "--allow",
@@ -778,7 +793,7 @@ async def test_a_tool_that_ignores_proxy_settings_in_a_sandbox_still_meets_the_p
         "--upstream-dns",
         f"127.0.0.1:{dns.address[1]}",
         "--allow-private",
-        "127.0.0.2/32",
+        ORIGIN_RANGE,
         "--audit-log",
         str(tmp_path / "audit.jsonl"),
         "--allow",

@@ -9,7 +9,6 @@ destroyed whatever ended the run.
 from __future__ import annotations
 
 import asyncio
-import errno
 import json
 import os
 import signal
@@ -109,21 +108,19 @@ def planted_key() -> Iterator[str]:
 
 
 @pytest.fixture
-async def leak_443() -> AsyncIterator[list[int] | None]:
-    """Connections counted on LEAK:443, where evil.example would lead if it were ever resolved and dialled."""
+async def leak_443() -> AsyncIterator[list[int]]:
+    """Connections counted on LEAK:443, where evil.example would lead if it were ever resolved and dialled.
+
+    Port 443 because that is what curl dials; LEAK is this test session's own address (tests/harness.py),
+    so the port is free: no other session's test wants it.
+    """
     connections: list[int] = []
 
     async def count(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         connections.append(1)
         writer.close()
 
-    try:
-        server = await asyncio.start_server(count, LEAK, 443)
-    except OSError as exc:
-        if exc.errno != errno.EADDRINUSE:
-            raise
-        yield None  # someone else holds it; the DNS check and the leak fixture still stand
-        return
+    server = await asyncio.start_server(count, LEAK, 443, reuse_address=True)
     yield connections
     server.close()
     await server.wait_closed()
@@ -169,7 +166,7 @@ async def test_acceptance_secrets_system_files_and_unapproved_egress_all_fail(
     assert "403" in curl["stderr"]
     assert all(s["egress_refusals"] == [] for s in (cat_home, cat_root, etc))
     # Nothing left the proxy: no connection reached the destination, upstream DNS never heard of it.
-    assert leak.connections == 0 and not leak_443
+    assert leak.connections == 0 and leak_443 == []
     assert not dns.asked("evil.example")
     transcript = "\n".join(json.dumps(line) for line in lines)
     assert planted_key not in transcript and planted_key not in out and planted_key not in err
