@@ -296,16 +296,37 @@ async def test_an_origin_that_resets_mid_stream_ends_the_client_connection_at_on
         assert record["end"] != "idle_timeout" and record["bytes_down"] == len(got), (record, len(got))
 
 
+# The client's send buffer and the slow origin's receive buffer, fixed (no autotuning) so that
+# what the test can push is bounded by egressd's own sockets and buffers.
+_SMALL_BUFFER = 64 * 1024
+
+
+def kernel_queue_bound() -> int:
+    """The most the kernel can queue on egressd's two sockets of a held-back relay, plus the two small
+    fixed buffers at the ends and a margin for egressd's own (``stream.HIGH_WATER``, one read).
+
+    egressd's receive buffer from the client autotunes up to ``tcp_rmem``'s maximum (32 MiB on some
+    machines) while it still reads fast, and its send buffer to the origin up to ``tcp_wmem``'s: that is
+    the kernel's, not egressd's, and a fixed bound below it (this test once had 16 MiB) fails when the
+    machine is busy and autotuning reaches further.
+    """
+    rmem = int(Path("/proc/sys/net/ipv4/tcp_rmem").read_text().split()[2])
+    wmem = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    return rmem + wmem + 4 * _SMALL_BUFFER + 2 * 1024 * 1024
+
+
 @pytest.mark.parametrize("kind", ["http", "connect"])
 async def test_an_upload_to_an_origin_reading_a_byte_a_second_is_held_back_then_closed_by_the_idle_timeout(
     make_egressd: MakeEgressd, echo_origin: Listener, kind: str
 ) -> None:
-    upload = 64 * 1024 * 1024
+    bound = kernel_queue_bound()
+    upload = max(64 * 1024 * 1024, 2 * bound)  # an egressd that took it all in would pass the bound
     loop = asyncio.get_running_loop()
 
     async def slow(reader, writer, state):  # type: ignore[no-untyped-def]
         writer.transport.pause_reading()  # read by hand: one byte a second
         with socket.socket(fileno=os.dup(writer.get_extra_info("socket").fileno())) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SMALL_BUFFER)
             sock.setblocking(False)
             while True:
                 await asyncio.sleep(1.0)
@@ -331,6 +352,7 @@ async def test_an_upload_to_an_origin_reading_a_byte_a_second_is_held_back_then_
             else:
                 status, _, _, reader, writer = await connect_via(svc, f"origin.test:{state.port}")
                 assert status == 200
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SMALL_BUFFER)
             started, sent, chunk = loop.time(), 0, b"u" * 65536
             with contextlib.suppress(ConnectionError, TimeoutError):
                 while sent < upload and loop.time() - started < 10:
@@ -340,7 +362,7 @@ async def test_an_upload_to_an_origin_reading_a_byte_a_second_is_held_back_then_
             got = await read_to_close(reader, 3.0)
             took = loop.time() - started
             writer.close()
-        assert sent < upload // 4, sent  # held back: egressd did not take the upload in for the origin
+        assert sent < bound, (sent, bound)  # held back: egressd did not take the upload in for the origin
         assert took < 1.0 + 4.0, took
         assert got == b"" or got.startswith(b"HTTP/1.1 504 "), got[:200]
         await released(svc)
