@@ -754,7 +754,7 @@ async def test_a_query_that_breaks_the_server_is_unanswered_and_still_recorded(
     def broken(*args: object) -> None:
         raise RuntimeError("attribution broke")
 
-    monkeypatch.setattr(svc.runs, "attribute", broken)
+    monkeypatch.setattr(svc.runs, "attribute_text", broken)
     with caplog.at_level("ERROR", logger="egressd.dns"):
         assert server.handle(query("origin.test", "AAAA"), ("127.0.0.1", 5300), "tcp") is None  # fail closed
     [record] = dns_records(svc)
