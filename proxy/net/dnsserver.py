@@ -230,7 +230,7 @@ class DnsServer:
         self._tcp_connections: set[_TcpDns] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._address: tuple[str, int] | None = None
-        self._answers = Answers(answer6, ttl_s)
+        self._answers = Answers(answer6, ttl_s, answer4)
 
     # Fixed at construction: the kept outcomes are worked out from them.
     @property
@@ -352,10 +352,9 @@ class DnsServer:
                     if learned is not None:
                         heard.learned = learned.value
                         self.gate.metrics.learned += 1
-                # A run on a network of its own reaches egressd there, and only there.
+                # A run on a network of its own reaches egressd there, and only there (None: our answer4).
                 own = run.address
-                answer4 = own if isinstance(own, IPv4Address) else self._answer4
-                outcome = self._answers.outcome(query, unreachable, answer4)
+                outcome = self._answers.outcome(query, unreachable, own if isinstance(own, IPv4Address) else None)
         heard.answer = outcome.answer
         if run is None or self._record_in_full(run, host):
             self._record(heard, outcome.decision, outcome.reason)

@@ -435,6 +435,17 @@ def test_answers_prepare_each_outcome_once_and_refuse_with_reasons() -> None:
     assert answers.no_run.plan.rcode is answers.no_audit_log.plan.rcode is Rcode.REFUSED
 
 
+def test_answers_given_no_a_answer_give_their_own() -> None:
+    answers = Answers(ANSWER6, 9, ANSWER4)
+    q = read_query(dnslib_query("one.test"))
+    own = answers.outcome(q, None)
+    assert (own.answer, own.plan) == (str(ANSWER4), answers.outcome(q, None, ANSWER4).plan)
+    assert answers.outcome(q, None, IPv4Address("10.9.9.9")).answer == "10.9.9.9"
+    assert answers.outcome(q, Reason.DENYLISTED).plan == refused(Reason.DENYLISTED)
+    with pytest.raises(ValueError, match="no A answer"):
+        Answers(ANSWER6, 9).outcome(q, None)
+
+
 def test_the_codec_module_keeps_its_question_memo_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dns, "_QUESTIONS", {})
     monkeypatch.setattr(dns, "_MAX_QUESTIONS_CACHED", 2)
