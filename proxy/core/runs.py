@@ -286,7 +286,17 @@ class Run:
         return tuple(e.text for e in self.allow) + tuple(approved)
 
     def record_event(self, record: Mapping[str, Any]) -> None:
+        """Keep a copy of ``record`` in the event window."""
         self.events.append((self.next_event, dict(record)))
+        self.next_event += 1
+
+    def keep_event(self, record: dict[str, Any]) -> None:
+        """Keep ``record`` itself in the event window, not a copy: the caller built it for this and edits it no more.
+
+        The gate's way (one record per egress attempt and DNS query): every
+        reader of the window and of the gate's observers only reads.
+        """
+        self.events.append((self.next_event, record))
         self.next_event += 1
 
     def events_after(self, cursor: int, limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
