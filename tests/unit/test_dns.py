@@ -202,7 +202,6 @@ def test_any_bytes_are_a_query_or_our_error(packet: bytes) -> None:
     assert q.question == packet[12 : 12 + len(q.question)]
 
 
-
 def _read(packet: bytes) -> object:
     """What read_query makes of ``packet``: the query's fields, or the error's (detail, reply, rcode)."""
     try:
