@@ -1,4 +1,4 @@
-"""Runs and their registry, without I/O: attribution by source address."""
+"""Runs and their registry, without I/O: attribution by source address, and the event window."""
 
 from __future__ import annotations
 
@@ -65,3 +65,14 @@ def test_a_run_bound_to_a_scoped_address_is_found_by_that_address_alone() -> Non
     scoped = runs.create(task=None, allow=(), sources=[ip_address("fe80::1%eth0")])
     assert runs.attribute_text("fe80::1%eth0") is runs.attribute(ip_address("fe80::1%eth0"), None) is scoped
     assert runs.attribute_text("fe80::1") is runs.attribute(ip_address("fe80::1"), None) is None
+
+
+def test_the_event_window_keeps_a_handed_over_record_itself_and_a_copy_of_any_other() -> None:
+    run = Run(id="r-1", token="-", task=None, allow=(), deny=())
+    copied, kept = {"id": "q-1"}, {"id": "q-2"}
+    run.record_event(copied)
+    run.keep_event(kept)
+    copied["id"] = "changed"
+    events, cursor = run.events_after(0)
+    assert events == [{"id": "q-1"}, {"id": "q-2"}] and cursor == 2
+    assert events[1] is kept
