@@ -1,6 +1,7 @@
 """Queries per second of egressd's sandbox-facing DNS server, beside dnsmasq on loopback.
 
     .venv/bin/python bench/bench_dns.py [--seconds 10] [--queries 300000] [--inflight 64] [--audit-cost]
+    .venv/bin/python bench/bench_dns.py --instructions 5000 [--inflight 16] [--python OTHER/.venv/bin/python]
 
 Both servers answer every A query with one address from no upstream at all:
 dnsmasq with ``--address=/#/127.0.0.1`` (Debian's ``dnsmasq-base``, installed
@@ -20,6 +21,20 @@ server process's CPU time per answered query (``/proc/PID/stat``), which a
 loaded machine moves less than the rate, and its write system calls per query
 (``/proc/PID/io``: egressd's audit records, one write per loop turn). ``--audit-cost`` then prints what one
 audit record costs and the writes per record (``bench/audit_cost.py``).
+
+``--instructions N`` measures instead what does not move with the machine's
+load (as ``bench/instructions.py`` does for tunnels and requests): the
+egressd server process above under valgrind's cachegrind, started fresh
+with ``PYTHONHASHSEED=0`` after a warm-up run (which fills the runs' own
+bytecode cache), once idle and once answering N queries (``--inflight`` at a
+time, default here 16: each loop turn answers several, as under load, and
+writes their records at once); prints the second run's instructions less the
+idle run's, per query. ``--python`` serves another build's egressd (its
+venv's interpreter runs this file's server) for an A/B comparison. Needs
+valgrind; user-space instructions only (the system calls' kernel work is not
+counted). Run one count at a time: the figure depends on how many queries a
+loop turn finds waiting (each turn costs an epoll wait and an audit write),
+and two counts at once on a 2-CPU machine moved it by 5%.
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ import asyncio
 import contextlib
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -254,6 +270,57 @@ def bench_egressd(queries: list[bytes], args: argparse.Namespace) -> Result:
     return result
 
 
+# Under cachegrind a query takes a millisecond or more, and start-up half a minute.
+INSTRUCTIONS_TIMEOUT_S = 900.0
+
+
+def count_instructions(queries: list[bytes], python: str, n: int, inflight: int, pycache: str) -> int:
+    """Instructions of one cachegrind run of the egressd server answering ``n`` queries (start-up and shutdown too)."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="egressd-bench-dns-instr-") as tmp:
+        out = Path(tmp) / "cachegrind.out"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_") and k != "PYTHONDONTWRITEBYTECODE"}
+        env |= {"PYTHONHASHSEED": "0", "PYTHONPYCACHEPREFIX": pycache}
+        cmd = [
+            "valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
+            python, str(Path(__file__).resolve()), "--serve-egressd", str(port), str(Path(tmp) / "audit.jsonl"),
+        ]  # fmt: skip
+        with running(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+            wait_for_dns(("127.0.0.1", port), proc, timeout_s=INSTRUCTIONS_TIMEOUT_S)
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.connect(("127.0.0.1", port))
+                sock.settimeout(INSTRUCTIONS_TIMEOUT_S)
+                sent = answered = 0
+                while answered < n:  # every query answered: none lost on loopback at this pace
+                    while sent < n and sent - answered < inflight:
+                        sock.send(queries[sent % len(queries)])
+                        sent += 1
+                    sock.recv(4096)
+                    answered += 1
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(INSTRUCTIONS_TIMEOUT_S)
+        summary = re.search(r"^summary:\s+(\d+)", out.read_text(), re.M)
+        if summary is None:
+            raise SystemExit("no cachegrind summary (is valgrind installed?)")
+        return int(summary[1])
+
+
+def instructions(queries: list[bytes], args: argparse.Namespace) -> int:
+    if shutil.which("valgrind") is None:
+        print("--instructions needs valgrind (apt install valgrind)", file=sys.stderr)
+        return 2
+    n, inflight = min(args.instructions, MAX_QUERIES), args.inflight or 16
+    with tempfile.TemporaryDirectory(prefix="egressd-bench-dns-pycache-") as pycache:
+        count_instructions(queries, args.python, 0, inflight, pycache)  # warm-up: compiles what has no .pyc yet
+        idle = count_instructions(queries, args.python, 0, inflight, pycache)
+        busy = count_instructions(queries, args.python, n, inflight, pycache)
+    print(f"egressd DNS server under cachegrind ({args.python}, {_loop_name()})")
+    print(f"idle run (start-up and shutdown): {idle:,} instructions")
+    per_query = (busy - idle) / n
+    print(f"per query ({n} A queries, {inflight} in flight, one audit record each): {per_query:,.0f} instructions")
+    return 0
+
+
 def _loop_name() -> str:
     try:
         import uvloop  # noqa: F401
@@ -309,7 +376,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=10.0, help="measuring time per server (max 120)")
     parser.add_argument("--queries", type=int, default=300_000, help="stop after this many answers")
-    parser.add_argument("--inflight", type=int, default=64, help="queries kept outstanding")
+    parser.add_argument(
+        "--inflight", type=int, default=None, help="queries kept outstanding (64; 16 for --instructions)"
+    )
+    parser.add_argument(
+        "--instructions", type=int, metavar="N", help="count instructions per query over N queries instead (cachegrind)"
+    )
+    parser.add_argument(
+        "--python", default=sys.executable, help="with --instructions: the interpreter whose egressd is served"
+    )
     parser.add_argument(
         "--audit-cost", action="store_true", help="also print an audit record's cost (bench/audit_cost.py)"
     )
@@ -320,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     sys.path.insert(0, str(ROOT))
     queries = build_queries()
+    if args.instructions:
+        return instructions(queries, args)
+    if args.inflight is None:
+        args.inflight = 64
     results: list[Result] = []
     notes: list[str] = []
     dnsmasq = bench_dnsmasq(queries, args)

@@ -156,6 +156,19 @@ def read_query(packet: bytes) -> Query:
     """
     if packet.__class__ is not bytes:
         packet = bytes(packet)  # a bytearray (dnslib packs into one) is no cache key
+    # The name ends at its root label, a zero octet. A name whose labels hold
+    # no zero octet ends at the first one after the header: the header but
+    # its id, and the question there (name, type, class), are looked up among
+    # the queries read before. A hit is a query read before, whose header
+    # passed the checks below and whose question reads the same again (only
+    # questions whose name ends at its first zero octet are kept; a packet cut
+    # short gives a shorter key, which matches none): only its id is new. A
+    # miss, or a name with a zero octet inside a label, is read in full.
+    end = packet.find(0, 12) + 5
+    if end > 4:
+        known = _QUESTIONS.get(packet[2:end])
+        if known is not None:
+            return _new_query(Query, (packet[0] << 8 | packet[1], *known))
     if len(packet) < 12:
         raise DnsQueryError("shorter than a DNS header", None, None)
     ident, flags, qdcount, ancount, nscount, _arcount = _HEADER.unpack_from(packet)
@@ -165,22 +178,18 @@ def read_query(packet: bytes) -> Query:
         raise DnsQueryError("opcode is not QUERY", header_reply(packet, Rcode.NOTIMP), Rcode.NOTIMP)
     if qdcount != 1 or ancount or nscount:
         raise _formerr(packet, "not exactly one question")
-    # The name ends at its root label, a zero octet. A name whose labels hold
-    # no zero octet ends at the first one after the header: the question
-    # there (name, type, class) is looked up among those read before. A hit
-    # is a question read before, which reads the same again (only questions
-    # whose name ends at its first zero octet are kept; a packet cut short
-    # gives a shorter key, which matches none). A miss, or a name with a
-    # zero octet inside a label, is read label by label.
-    end = packet.find(0, 12) + 5
-    known = _QUESTIONS.get(packet[12:end]) if end > 4 else None
-    if known is None:
-        known = _read_question(packet)
-    return _new_query(Query, (ident, flags, *known))
+    question = _read_question(packet)
+    known = (flags, *question)
+    # Kept when the lookup above can find it (its name ends at the first zero
+    # octet) and no longer than a name can be, so the memo holds at most
+    # _MAX_QUESTIONS_CACHED × (10 + MAX_NAME_OCTETS + 4) octets of keys.
+    if end == 12 + len(question[0]) and end - 16 <= MAX_NAME_OCTETS:
+        remember(_QUESTIONS, packet[2:end], known, _MAX_QUESTIONS_CACHED)
+    return _new_query(Query, (ident, *known))
 
 
 def _read_question(packet: bytes) -> tuple[bytes, str | None, tuple[bytes, ...], int, int, str]:
-    """(question, host or None, labels, type, class, shown) of the question at offset 12; kept when it can be found."""
+    """(question, host or None, labels, type, class, shown) of the question at offset 12."""
     labels, end = read_name(packet, 12)
     tail = end + 4
     if len(packet) < tail:
@@ -190,14 +199,7 @@ def _read_question(packet: bytes) -> tuple[bytes, str | None, tuple[bytes, ...],
         host: str | None = query_name(labels)
     except HostError:
         host = None
-    question = packet[12:tail]
-    known = (question, host, labels, qtype, qclass, shown_name(labels))
-    # Kept when the fast path can find it (no zero octet inside a label) and
-    # no longer than a name can be, so the cache holds at most
-    # _MAX_QUESTIONS_CACHED × (MAX_NAME_OCTETS + 4) octets of keys.
-    if end - 12 <= MAX_NAME_OCTETS and packet.find(0, 12) + 1 == end:
-        remember(_QUESTIONS, question, known, _MAX_QUESTIONS_CACHED)
-    return known
+    return packet[12:tail], host, labels, qtype, qclass, shown_name(labels)
 
 
 def read_name(packet: bytes, offset: int) -> tuple[tuple[bytes, ...], int]:
@@ -235,10 +237,11 @@ def read_name(packet: bytes, offset: int) -> tuple[tuple[bytes, ...], int]:
         labels.append(label)
 
 
-# Question section (name, type, class) → what read_query makes of it: a pure
+# A query's header but its id (flags and counts), and its question section
+# (name, type, class) → what read_query makes of them but the id: a pure
 # function of the bytes, and a sandbox asks the same few names again and
 # again. Bounded like the gate's caches: cleared when full.
-_QUESTIONS: dict[bytes, tuple[bytes, str | None, tuple[bytes, ...], int, int, str]] = {}
+_QUESTIONS: dict[bytes, tuple[int, bytes, str | None, tuple[bytes, ...], int, int, str]] = {}
 _MAX_QUESTIONS_CACHED = 4096
 # Builds a Query from one tuple without NamedTuple's Python-level __new__.
 _new_query = tuple.__new__

@@ -177,25 +177,35 @@ class Answers:
     ``plan_answer`` is a pure function of (the name is None, class, type,
     unreachable, the A answer) and the fixed AAAA answer, so its outcomes
     are kept under that key, bounded (a run's own address adds a handful).
+    ``answer4``: the server's A answer, what ``outcome`` answers when given none.
     """
 
-    __slots__ = ("answer6", "ttl_s", "no_run", "no_audit_log", "_outcomes")
+    __slots__ = ("answer4", "answer6", "ttl_s", "no_run", "no_audit_log", "_outcomes")
 
-    def __init__(self, answer6: IPv6Address | None, ttl_s: int) -> None:
+    def __init__(self, answer6: IPv6Address | None, ttl_s: int, answer4: IPv4Address | None = None) -> None:
+        self.answer4 = answer4
         self.answer6 = answer6
         self.ttl_s = ttl_s
         # Before the steps: no run to answer for, or no audit log to record the query in.
         self.no_run = PreparedReply(refused(Reason.AUTH_REQUIRED), ttl_s)
         self.no_audit_log = PreparedReply(refused(Reason.AUDIT_UNAVAILABLE), ttl_s)
-        # Keyed by the A answer's integer: an IPv4Address hashes in Python, four times the cost of int().
-        self._outcomes: dict[tuple[bool, int, int, Reason | None, int], PreparedReply] = {}
+        # Keyed by the A answer's integer (an IPv4Address hashes in Python, four times the cost of
+        # int()), or None for the server's own: most queries, which then cost no int() either.
+        self._outcomes: dict[tuple[bool, int, int, Reason | None, int | None], PreparedReply] = {}
 
-    def outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address) -> PreparedReply:
-        """``plan_answer`` for ``query``, as a PreparedReply kept for the next query like it."""
-        key = (query.name is None, query.qclass, query.qtype, unreachable, int(answer4))
+    def outcome(self, query: Query, unreachable: Reason | None, answer4: IPv4Address | None = None) -> PreparedReply:
+        """``plan_answer`` for ``query``, as a PreparedReply kept for the next query like it.
+
+        ``answer4`` None: the server's (``Answers.answer4``); ValueError when it has none.
+        """
+        key = (query.name is None, query.qclass, query.qtype, unreachable, None if answer4 is None else int(answer4))
         try:
             return self._outcomes[key]
         except KeyError:
             pass
+        if answer4 is None:
+            if self.answer4 is None:
+                raise ValueError("no A answer: none given, and this server has none")
+            answer4 = self.answer4
         plan = plan_answer(query, answer4=answer4, answer6=self.answer6, unreachable=unreachable)
         return remember(self._outcomes, key, PreparedReply(plan, self.ttl_s), _MAX_OUTCOMES)

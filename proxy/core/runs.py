@@ -286,7 +286,17 @@ class Run:
         return tuple(e.text for e in self.allow) + tuple(approved)
 
     def record_event(self, record: Mapping[str, Any]) -> None:
+        """Keep a copy of ``record`` in the event window."""
         self.events.append((self.next_event, dict(record)))
+        self.next_event += 1
+
+    def keep_event(self, record: dict[str, Any]) -> None:
+        """Keep ``record`` itself in the event window, not a copy: the caller built it for this and edits it no more.
+
+        The gate's way (one record per egress attempt and DNS query): every
+        reader of the window and of the gate's observers only reads.
+        """
+        self.events.append((self.next_event, record))
         self.next_event += 1
 
     def events_after(self, cursor: int, limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
@@ -385,6 +395,10 @@ class RunRegistry:
     def __init__(self, *, default: Run | None = None, learn: bool = False, global_deny: Sequence[Entry] = ()) -> None:
         self._runs: dict[str, Run] = {}
         self._by_source: dict[IPAddress, Run] = {}
+        # The same runs by each bound address's text (``str``): one string per address, so a lookup by
+        # text finds what one by address finds, hashing a str (its hash kept) rather than an ip_address
+        # (hashed in Python, per lookup). The DNS server's index (``attribute_text``), kept with ``_by_source``.
+        self._by_text: dict[str, Run] = {}
         self.default = default
         self.learn = learn
         # Applied to every run but the default one, whose own deny entries are these already.
@@ -440,6 +454,7 @@ class RunRegistry:
         self._runs[run.id] = run
         for source in sources:
             self._by_source[source] = run
+            self._by_text[str(source)] = run
         return run
 
     def set_global_deny(self, deny: Sequence[Entry]) -> None:
@@ -456,6 +471,7 @@ class RunRegistry:
         run.ended = True  # a request held across the end must not go out afterwards
         for address in run.sources:
             self._by_source.pop(address, None)
+            self._by_text.pop(str(address), None)
         if run is self.default:
             self.default = None
         return run
@@ -501,6 +517,21 @@ class RunRegistry:
             return self.authenticate(proxy_authorization)
         if source is not None:
             run = self._by_source.get(source)
+            if run is not None:
+                return run
+        return self.default
+
+    def attribute_text(self, source: str | None) -> Run | None:
+        """``attribute(address, None)`` for the source address given as its text, ``str(address)``: steps 2-4.
+
+        For a caller that keeps each client's address as text (the DNS
+        server: one lookup per query). ``str`` of an address is one string
+        per address (IPv6 compressed and lower-case, a scope id kept; an
+        IPv4 text has no colon), so this finds exactly the run ``attribute``
+        finds for the address, and the default run (or nothing) otherwise.
+        """
+        if source is not None:
+            run = self._by_text.get(source)
             if run is not None:
                 return run
         return self.default

@@ -217,9 +217,10 @@ class DnsServer:
         self._limiter = RateLimiter(rate_qps, burst)
         self._ledgers: weakref.WeakKeyDictionary[Run, _RunLedger] = weakref.WeakKeyDictionary()
         self._dropped: Counter[IPAddress | None] = Counter()
-        # peer[0] → (its source address, the rate limiter's key for it): the
-        # address's text, one string per address whatever its spelling, so the
-        # limiter hashes a string (its hash kept) rather than an ip_address.
+        # peer[0] → (its source address, the address's text): one string per
+        # address whatever its spelling, the rate limiter's key and what the
+        # run is found by (``RunRegistry.attribute_text``), so each hashes a
+        # string (its hash kept) rather than an ip_address (hashed in Python).
         self._sources: dict[str, tuple[IPAddress | None, str | None]] = {}
         # The last run a query came from and its ledger: a sandbox's queries
         # come from one run, and a WeakKeyDictionary lookup builds a weakref.
@@ -229,7 +230,7 @@ class DnsServer:
         self._tcp_connections: set[_TcpDns] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._address: tuple[str, int] | None = None
-        self._answers = Answers(answer6, ttl_s)
+        self._answers = Answers(answer6, ttl_s, answer4)
 
     # Fixed at construction: the kept outcomes are worked out from them.
     @property
@@ -307,7 +308,7 @@ class DnsServer:
         gate = self.gate
         heard = _Heard(new_request_id(), gate.clock(), gate.monotonic(), f"{host}:{peer[1]}", transport)
         try:
-            return self._answer(packet, source, heard)
+            return self._answer(packet, key, heard)
         except Exception:
             # Fail closed: no answer, and the query is still recorded with what was learnt of it.
             log.exception("DNS query %s from %s failed", heard.id, heard.client)
@@ -325,7 +326,8 @@ class DnsServer:
         return remember(self._sources, text, (address, str(address) if address is not None else None),
                         MAX_TRACKED_CLIENTS)
 
-    def _answer(self, packet: bytes, source: IPAddress | None, heard: _Heard) -> bytes | None:
+    def _answer(self, packet: bytes, source: str | None, heard: _Heard) -> bytes | None:
+        """Steps 2-4 of the module docstring; ``source``: the client's address as text (``_source``)."""
         try:
             query = read_query(packet)
         except DnsQueryError as exc:
@@ -336,7 +338,7 @@ class DnsServer:
         name = query.name
         heard.host = host = name if name is not None else query.shown
         heard.qtype = qtype_text(query.qtype)
-        run = self.runs.attribute(source, None)
+        run = self.runs.attribute_text(source)
         if run is None:
             outcome = self._answers.no_run
         else:
@@ -350,10 +352,9 @@ class DnsServer:
                     if learned is not None:
                         heard.learned = learned.value
                         self.gate.metrics.learned += 1
-                # A run on a network of its own reaches egressd there, and only there.
+                # A run on a network of its own reaches egressd there, and only there (None: our answer4).
                 own = run.address
-                answer4 = own if isinstance(own, IPv4Address) else self._answer4
-                outcome = self._answers.outcome(query, unreachable, answer4)
+                outcome = self._answers.outcome(query, unreachable, own if isinstance(own, IPv4Address) else None)
         heard.answer = outcome.answer
         if run is None or self._record_in_full(run, host):
             self._record(heard, outcome.decision, outcome.reason)

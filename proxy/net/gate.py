@@ -274,7 +274,8 @@ class Gate:
         self.monotonic = monotonic
         self._address_ok: dict[IPAddress, bool] = {}
         self._texts: dict[IPAddress, str] = {}
-        # Called with every finished egress record (e.g. `egressd run` prints refusals).
+        # Called with every finished egress record (e.g. `egressd run` prints refusals). They read it and
+        # never edit it: the same dict is the run's event (``Run.keep_event``).
         self.observers: list[Callable[[dict[str, object]], None]] = []
         # Floods: past a run's budget, refusals are counted into egress.suppressed records (None: all written).
         self.refusals = refusals
@@ -586,7 +587,7 @@ class Gate:
         self.metrics.bytes_up += attempt.bytes_up
         self.metrics.bytes_down += attempt.bytes_down
         if run is not None:
-            run.record_event(record)
+            run.keep_event(record)  # built here for the run and the observers: not copied
         try:
             # An opened attempt's egress.end follows its written-ahead record whatever the decision became.
             self._write(written, run, attempt.kind, attempt.decision, attempt.reason, attempt.host, always=True)
@@ -605,12 +606,16 @@ class Gate:
         server records its queries this way; ``finish`` an attempt refused before it opened.
         """
         record = fact.record()
+        metrics = self.metrics
         if not counted:  # refused before the policy ran (bad request, auth, limits), or a DNS query
-            self.metrics.decided(fact.decision, fact.reason, fact.duration_s or 0.0)
-        self.metrics.bytes_up += fact.bytes_up or 0
-        self.metrics.bytes_down += fact.bytes_down or 0
+            metrics.decided(fact.decision, fact.reason, fact.duration_s or 0.0)
+        if fact.bytes_up:  # none for a DNS query or a refusal
+            metrics.bytes_up += fact.bytes_up
+        if fact.bytes_down:
+            metrics.bytes_down += fact.bytes_down
         if run is not None:
-            run.record_event(record)
+            # A fresh dict, which the sink and the observers only read: the run keeps it, not a copy.
+            run.keep_event(record)
         try:
             self._write(record, run, fact.kind, fact.decision, fact.reason, fact.host, always=summary, extra=fact.extra)
         except AuditError:

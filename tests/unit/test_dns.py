@@ -202,6 +202,52 @@ def test_any_bytes_are_a_query_or_our_error(packet: bytes) -> None:
     assert q.question == packet[12 : 12 + len(q.question)]
 
 
+def _read(packet: bytes) -> object:
+    """What read_query makes of ``packet``: the query's fields, or the error's (detail, reply, rcode)."""
+    try:
+        return tuple(read_query(packet))
+    except DnsQueryError as exc:
+        return (str(exc), exc.reply, exc.rcode)
+
+
+@pytest.mark.parametrize(
+    ("flags", "counts"),
+    [
+        (0x0100, (1, 0, 0, 0)),  # the query as first read, with another id
+        (0x8100, (1, 0, 0, 0)),  # a response: dropped
+        (0x2100, (1, 0, 0, 0)),  # opcode UPDATE: NOTIMP
+        (0x0000, (1, 0, 0, 0)),  # RD clear: the reply says so
+        (0x0100, (2, 0, 0, 0)),
+        (0x0100, (1, 1, 0, 0)),
+        (0x0100, (1, 0, 1, 0)),
+        (0x0100, (1, 0, 0, 1)),  # an additional record announced (EDNS): read the same
+    ],
+)
+def test_a_question_read_before_reads_as_a_fresh_one_whatever_header_comes_with_it(
+    monkeypatch: pytest.MonkeyPatch, flags: int, counts: tuple[int, int, int, int]
+) -> None:
+    monkeypatch.setattr(dns, "_QUESTIONS", {})
+    body = question(b"kept", b"test")
+    read_query(header(ident=1) + body)  # now kept: the next packet's header is all that differs
+    packet = header(ident=0xBEEF, flags=flags, counts=counts) + body
+    remembered = _read(packet)
+    dns._QUESTIONS.clear()
+    assert remembered == _read(packet)
+    if not isinstance(remembered[-1], Rcode | None):
+        assert remembered[0] == 0xBEEF
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=12, max_size=40), st.binary(min_size=12, max_size=40))
+def test_a_packet_reads_the_same_after_any_other_was_read(first: bytes, second: bytes) -> None:
+    dns._QUESTIONS.clear()
+    fresh = _read(second)
+    dns._QUESTIONS.clear()
+    _read(first)
+    _read(second)
+    assert _read(second) == fresh
+
+
 # --- our replies --------------------------------------------------------------------------------
 
 
@@ -386,6 +432,17 @@ def test_answers_prepare_each_outcome_once_and_refuse_with_reasons() -> None:
     assert DNSRecord.parse(first.reply(read_query(dnslib_query("one.test")))).rr[0].ttl == 9
     assert (answers.no_run.reason, answers.no_audit_log.reason) == ("auth_required", "audit_unavailable")
     assert answers.no_run.plan.rcode is answers.no_audit_log.plan.rcode is Rcode.REFUSED
+
+
+def test_answers_given_no_a_answer_give_their_own() -> None:
+    answers = Answers(ANSWER6, 9, ANSWER4)
+    q = read_query(dnslib_query("one.test"))
+    own = answers.outcome(q, None)
+    assert (own.answer, own.plan) == (str(ANSWER4), answers.outcome(q, None, ANSWER4).plan)
+    assert answers.outcome(q, None, IPv4Address("10.9.9.9")).answer == "10.9.9.9"
+    assert answers.outcome(q, Reason.DENYLISTED).plan == refused(Reason.DENYLISTED)
+    with pytest.raises(ValueError, match="no A answer"):
+        Answers(ANSWER6, 9).outcome(q, None)
 
 
 def test_the_codec_module_keeps_its_question_memo_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
