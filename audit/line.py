@@ -64,9 +64,9 @@ class _Shape:
 
     __slots__ = ("floats", "present", "strings", "template")
 
-    def __init__(self, template: str, present: _Pick, strings: _Pick | None, floats: _Pick | None) -> None:
+    def __init__(self, template: str, present: _Pick | None, strings: _Pick | None, floats: _Pick | None) -> None:
         self.template = template  # ``{"key":%s,...,`` with the nulls written in
-        self.present = present  # the values the template takes: all but the Nones
+        self.present = present  # the values the template takes, all but the Nones (None: all of them)
         self.strings = strings  # the str values, to check (None: there are none)
         self.floats = floats  # the float values, to check (None: there are none)
 
@@ -118,7 +118,7 @@ def head(record: Mapping[str, object]) -> str:
                     if total - total != 0.0:  # NaN or infinite: one of them is (or finite ones overflowed)
                         shape = None
                 if shape is not None:
-                    return shape.template % shape.present(values)
+                    return shape.template % (values if shape.present is None else shape.present(values))
             except (TypeError, ValueError, OverflowError):
                 pass  # the general way says what is wrong, if anything is
     body = encode(record)
@@ -138,7 +138,9 @@ def _learn(key: tuple[tuple[object, ...], tuple[type, ...]]) -> _Shape | None:
             fields.append(f"{name_text}:{'null' if kind is type(None) else _CONVERSIONS[kind]},")
         shape = _Shape(
             "{" + "".join(fields),
-            _pick([i for i, t in enumerate(types) if t is not type(None)]) or _none,
+            None
+            if type(None) not in types
+            else _pick([i for i, t in enumerate(types) if t is not type(None)]) or _none,
             _pick([i for i, t in enumerate(types) if t is str]),
             _pick([i for i, t in enumerate(types) if t is float]),
         )
