@@ -2,6 +2,8 @@
 
 - ``records``  builds records as plain dicts (pure; never payloads,
   credentials or query strings);
+- ``line``     a record as the text of its line (``json.dumps``'s bytes,
+  the common shapes through a template made once);
 - ``log``      the single appending writer (``JsonlAuditSink``), which fails
   closed: once a write fails, ``healthy`` is false and the proxy refuses new
   egress; and the in-memory sink used by tests;

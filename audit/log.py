@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Protocol, Self, runtime_checkable
 
+from egressd.audit import line
+
 __all__ = ["STDOUT", "AuditError", "AuditSink", "JsonlAuditSink", "MemoryAuditSink"]
 
 logger = logging.getLogger("egressd.audit")
@@ -47,30 +49,6 @@ STDOUT = "-"
 
 # How much is read at a time when finding and hashing the last line to chain onto.
 _CHUNK_BYTES = 64 * 1024
-
-# One encoder for every line: json.dumps with options builds a new one per call.
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
-# What ``_ENCODER.encode`` builds anew on every call (``JSONEncoder.iterencode``), built once: the C
-# encoder with the same arguments (the same bytes by construction): a fifth of the cost of a record's
-# encoding saved. ``_MARKERS`` is its circular-reference check, empty between calls (an encoding that
-# failed halfway leaves ids in it: ``_queue`` clears it). None where ``_json`` is missing.
-_MARKERS: dict[int, object] = {}
-_C_MAKE_ENCODER = getattr(json.encoder, "c_make_encoder", None)  # not in typeshed: _json's, or None
-_C_ENCODE = (
-    None
-    if _C_MAKE_ENCODER is None
-    else _C_MAKE_ENCODER(
-        _MARKERS,
-        _ENCODER.default,
-        json.encoder.encode_basestring_ascii,
-        None,  # indent
-        ":",
-        ",",
-        False,  # sort_keys
-        False,  # skipkeys
-        False,  # allow_nan
-    )
-)
 
 
 class AuditError(Exception):
@@ -187,8 +165,9 @@ class JsonlAuditSink:
         self._failure: str | None = None
         self._closed = False
         self._prev: str | None = None
-        # Lines queued in this loop turn (without ``prev``) and the flush scheduled for its end.
-        self._bodies: list[str] = []
+        # Lines queued in this loop turn, each without ``prev`` and its closing brace (``line.head``),
+        # and the flush scheduled for the turn's end.
+        self._heads: list[str] = []
         self._flush_handle: asyncio.Handle | None = None
         self._stdout = self._path == STDOUT
         if self._stdout:
@@ -260,9 +239,9 @@ class JsonlAuditSink:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
-        bodies, self._bodies = self._bodies, []
-        if bodies:
-            self._write_lines(bodies)
+        heads, self._heads = self._heads, []
+        if heads:
+            self._write_lines(heads)
 
     def _flush_soon(self) -> None:
         self._flush_handle = None
@@ -282,29 +261,22 @@ class JsonlAuditSink:
             # ``prev`` is added when the line is written (it depends on the line before).
             if "prev" in record:  # the writer's field: one a caller set is dropped
                 record = {key: value for key, value in record.items() if key != "prev"}
-            if _C_ENCODE is None or record.__class__ is not dict:
-                body = _ENCODER.encode(record)
-            else:
-                try:
-                    body = "".join(_C_ENCODE(record, 0))  # _ENCODER.encode(record), without its call
-                except BaseException:
-                    _MARKERS.clear()
-                    raise
+            head = line.head(record)
         except (TypeError, ValueError) as exc:
             raise AuditError(f"audit record does not serialise to JSON: {exc}") from exc
-        self._bodies.append(body)
+        self._heads.append(head)
 
-    def _write_lines(self, bodies: list[str]) -> None:
-        """Chain ``bodies`` and write them, one ``os.write`` per run of lines that fits the current file."""
+    def _write_lines(self, heads: list[str]) -> None:
+        """Chain ``heads`` and write them, one ``os.write`` per run of lines that fits the current file."""
         batch: list[bytes] = []
         batch_size = 0
         prev = self._prev
-        for body in bodies:
+        sha256 = hashlib.sha256
+        for head in heads:
             # One line: the record's JSON object with ``prev`` as its last field, and the newline.
             # prev goes last, so the record's own fields keep their order (one the caller set was
-            # dropped when the body was encoded).
-            chain = '"prev":null}\n' if prev is None else f'"prev":"{prev}"}}\n'
-            data = (body[:-1] + ("," if len(body) > 2 else "") + chain).encode("ascii")
+            # dropped when the record was encoded).
+            data = (head + '"prev":null}\n' if prev is None else f'{head}"prev":"{prev}"}}\n').encode("ascii")
             if (
                 self._max_bytes
                 and self._regular
@@ -318,7 +290,7 @@ class JsonlAuditSink:
                     self._rotate()
             batch.append(data)
             batch_size += len(data)
-            prev = hashlib.sha256(data).hexdigest()
+            prev = sha256(data).hexdigest()
         self._write_batch(batch, batch_size, prev)
 
     def _write_batch(self, batch: list[bytes], size: int, last_hash: str | None) -> None:

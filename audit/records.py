@@ -186,19 +186,21 @@ def rfc3339(ts: float) -> str:
     # only the microseconds are formatted anew while the second stays the same.
     global _last_second, _last_text
     try:
-        second = int(ts // 1)
+        # math.floor is ``ts // 1`` for a float (exact, and as ts // 1 refuses NaN and infinities), in one call.
+        second = _floor(ts) if ts.__class__ is float else int(ts // 1)
         micros = round((ts - second) * 1_000_000)
         if micros == 1_000_000:
             second, micros = second + 1, 0
         if second != _last_second:
             moment = _dt.datetime.fromtimestamp(second, tz=_dt.UTC)
-            _last_second, _last_text = second, moment.strftime("%Y-%m-%dT%H:%M:%S")
+            _last_second, _last_text = second, moment.strftime("%Y-%m-%dT%H:%M:%S.")
     except (OverflowError, OSError, ValueError, TypeError) as exc:
         raise RecordError(f"not a timestamp: {ts!r}") from exc
-    return f"{_last_text}.{micros:06d}Z"
+    return _last_text + str(micros).zfill(6) + "Z"  # f"{micros:06d}", without parsing a format spec
 
 
-# The epoch second rfc3339 formatted last, and its text.
+_floor = math.floor
+# The epoch second rfc3339 formatted last, and its text (with the dot before the microseconds).
 _last_second: int | None = None
 _last_text = ""
 
@@ -280,29 +282,51 @@ class EgressDecided(NamedTuple):
         duration that is not a finite number, or an ``extra`` key that would
         shadow a field or set ``prev``.
         """
-        reason, approval, extra = self.reason, self.approval, self.extra
+        # One unpacking, not seventeen attribute lookups (a named tuple's fields are descriptors).
+        (
+            id_,
+            ts,
+            run,
+            kind,
+            client,
+            host,
+            port,
+            address,
+            decision,
+            reason,
+            rule,
+            approval,
+            command,
+            bytes_up,
+            bytes_down,
+            duration_s,
+            extra,
+        ) = self
         try:
-            kind, decision = _KIND_TEXT[self.kind], _DECISION_TEXT[self.decision]
+            kind_text, decision_text = _KIND_TEXT[kind], _DECISION_TEXT[decision]
         except (KeyError, TypeError):
             raise RecordError(
-                f"kind and decision must be EgressKind and Decision, not {self.kind!r}, {self.decision!r}"
+                f"kind and decision must be EgressKind and Decision, not {kind!r}, {decision!r}"
             ) from None
         if extra and not _EGRESS_RESERVED.isdisjoint(extra):
             clash = sorted(set(extra) & _EGRESS_RESERVED)
             raise RecordError(f"extra fields shadow egress fields: {', '.join(clash)}")
         record: dict[str, object] = {
             "event": EGRESS,
-            "id": self.id,
-            "ts": rfc3339(self.ts),
-            "run": self.run,
-            "kind": kind,
-            "client": self.client,
-            "host": _strip_host(self.host),
-            "port": self.port,
-            "address": self.address,
-            "decision": decision,
+            "id": id_,
+            "ts": rfc3339(ts),
+            "run": run,
+            "kind": kind_text,
+            "client": client,
+            # _strip_host's own first test, inline: most hosts have nothing to strip.
+            "host": host
+            if host is None or not ("@" in host or "/" in host or "?" in host or "#" in host)
+            else _strip_host(host),
+            "port": port,
+            "address": address,
+            "decision": decision_text,
             "reason": reason if reason.__class__ is str else _plain(reason),
-            "rule": self.rule,
+            "rule": rule,
             "approval": (
                 None
                 if approval is None
@@ -310,10 +334,15 @@ class EgressDecided(NamedTuple):
                 if isinstance(approval, ApprovalSummary)
                 else _approval(approval)
             ),
-            "command": self.command,
-            "bytes_up": self.bytes_up,
-            "bytes_down": self.bytes_down,
-            "duration_s": _seconds(self.duration_s, "duration_s"),
+            "command": command,
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
+            # _seconds, inline for None and a finite float (inf - inf and NaN are NaN).
+            "duration_s": duration_s
+            if duration_s is None
+            else round(duration_s, 6)
+            if duration_s.__class__ is float and duration_s - duration_s == 0.0
+            else _seconds(duration_s, "duration_s"),
         }
         if extra:
             record.update(_scrub_mapping(extra))
@@ -345,7 +374,7 @@ class EgressEnded(NamedTuple):
 
         ``RecordError`` for an empty ``end`` or an ``extra`` key that would shadow a field.
         """
-        end, extra = self.end, self.extra
+        id_, ts, run, address, bytes_up, bytes_down, duration_s, end, extra = self
         if not end or end.__class__ is not str:
             raise RecordError(f"end must be a non-empty string, not {end!r}")
         if extra and not _END_RESERVED.isdisjoint(extra):
@@ -353,13 +382,16 @@ class EgressEnded(NamedTuple):
             raise RecordError(f"extra fields shadow egress.end fields: {', '.join(clash)}")
         record: dict[str, object] = {
             "event": EGRESS_END,
-            "id": self.id,
-            "ts": rfc3339(self.ts),
-            "run": self.run,
-            "address": self.address,
-            "bytes_up": self.bytes_up,
-            "bytes_down": self.bytes_down,
-            "duration_s": _seconds(self.duration_s, "duration_s"),
+            "id": id_,
+            "ts": rfc3339(ts),
+            "run": run,
+            "address": address,
+            "bytes_up": bytes_up,
+            "bytes_down": bytes_down,
+            # _seconds, inline for a finite float (inf - inf and NaN are NaN).
+            "duration_s": round(duration_s, 6)
+            if duration_s.__class__ is float and duration_s - duration_s == 0.0
+            else _seconds(duration_s, "duration_s"),
             "end": end,
         }
         if extra:

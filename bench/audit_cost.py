@@ -12,6 +12,9 @@ with a ``JsonlAuditSink`` appending to a file in a temporary directory, as
 - ``egress`` queued: the same record written with ``write``, ``--per-turn``
   in each loop turn (the difference from the line above is what writing
   ahead, one write per record, costs);
+- ``egress.end`` queued: an allowed CONNECT's second record, written when it
+  ends (``EgressEnded.record()``), ``--per-turn`` in each loop turn: a tunnel
+  writes this one and the ``egress`` record above;
 - ``dns`` queued: a DNS query's record (the ``extra`` fields the DNS server
   adds) written with ``write``, ``--per-turn`` records in each loop turn, as
   the DNS server does when a burst of datagrams arrives;
@@ -66,8 +69,8 @@ def _syscw() -> int:
     return -1
 
 
-def _facts() -> tuple[Callable[[], object], Callable[[], object]]:
-    from egressd.audit.records import Decision, EgressDecided, EgressKind, new_request_id
+def _facts() -> tuple[Callable[[], object], Callable[[], object], Callable[[], object]]:
+    from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind, new_request_id
 
     def egress() -> EgressDecided:
         return EgressDecided(
@@ -107,13 +110,25 @@ def _facts() -> tuple[Callable[[], object], Callable[[], object]]:
             extra={"qtype": "A", "answer": "127.0.0.1", "transport": "udp"},
         )
 
-    return egress, dns
+    def end() -> EgressEnded:
+        return EgressEnded(
+            id=new_request_id(),
+            ts=time.time(),
+            run="default",
+            address="127.0.0.1",
+            bytes_up=64,
+            bytes_down=64,
+            duration_s=0.000734,
+            end="closed",
+        )
+
+    return egress, dns, end
 
 
 async def _measure(records: int, per_turn: int, rounds: int) -> list[Cost]:
     from egressd.audit.log import JsonlAuditSink
 
-    egress, dns = _facts()
+    egress, dns, end = _facts()
     turns = max(1, records // per_turn)
     results: list[Cost] = []
     with tempfile.TemporaryDirectory(prefix="egressd-audit-cost-") as tmp:
@@ -128,6 +143,13 @@ async def _measure(records: int, per_turn: int, rounds: int) -> list[Cost]:
             for _ in range(turns):
                 for _ in range(per_turn):
                     sink.write(egress().record())  # type: ignore[attr-defined]
+                await asyncio.sleep(0)
+            return turns * per_turn
+
+        async def end_queued() -> int:
+            for _ in range(turns):
+                for _ in range(per_turn):
+                    sink.write(end().record())  # type: ignore[attr-defined]
                 await asyncio.sleep(0)
             return turns * per_turn
 
@@ -149,6 +171,7 @@ async def _measure(records: int, per_turn: int, rounds: int) -> list[Cost]:
         cases: list[tuple[str, Callable[[], object]]] = [
             ("egress, write_ahead", ahead),
             (f"egress, write, {per_turn} a turn", egress_queued),
+            (f"egress.end, write, {per_turn} a turn", end_queued),
             (f"dns, write, {per_turn} a turn", queued),
             (f"{per_turn} write + 1 write_ahead a turn", mixed),
         ]
@@ -169,7 +192,7 @@ async def _measure(records: int, per_turn: int, rounds: int) -> list[Cost]:
 
 
 def measure(records: int = 20_000, per_turn: int = 32, rounds: int = 3) -> list[Cost]:
-    """The three figures of the module docstring, on uvloop when installed."""
+    """The figures of the module docstring, on uvloop when installed."""
     records = max(1, min(records, MAX_RECORDS))
     per_turn = max(1, per_turn)
     try:
