@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Final, NoReturn
 
@@ -89,6 +89,8 @@ class _Fields:
     __slots__ = ()
     version: str
     headers: list[tuple[str, str]]
+    framing: tuple[BodyKind, int] | None
+    persists: bool | None
 
     # Names are compared by length first: most fields are not the one asked for, and len() is
     # cheaper than lowercasing each of them.
@@ -116,6 +118,8 @@ class _Fields:
         ``Connection: keep-alive``. Framing can still force a close (a response
         read until close), which the caller checks with the body kind.
         """
+        if self.persists is not None:
+            return self.persists
         options = _connection_options(self.headers)
         if "close" in options:
             return False
@@ -130,6 +134,11 @@ class RequestHead(_Fields):
     target: str
     version: str
     headers: list[tuple[str, str]]
+    # What the fast path learnt while parsing (``_common_head``), so the fields are not scanned
+    # again for it: the framing (``request_body_kind``) and ``keep_alive`` when no Connection field
+    # decides it; None when not known (a head built otherwise): worked out from ``headers``.
+    framing: tuple[BodyKind, int] | None = field(default=None, compare=False, repr=False)
+    persists: bool | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -140,6 +149,10 @@ class ResponseHead(_Fields):
     status: int
     reason: str
     headers: list[tuple[str, str]]
+    # As ``RequestHead``'s: the framing the fields declare (``response_body_kind`` adds the rules
+    # by status and method) and ``keep_alive`` when the parse knew them; else None.
+    framing: tuple[BodyKind, int] | None = field(default=None, compare=False, repr=False)
+    persists: bool | None = field(default=None, compare=False, repr=False)
 
 
 # The fast path. A head as nearly every client and server sends it (no empty line before it,
@@ -174,9 +187,14 @@ def parse_request_head(
     if common is not None:
         line, headers, lowered, consumed = common
         if lowered.count("\nhost:") < 2:
-            head = RequestHead(line[1], line[2], line[3], headers)
+            version = line[3]
+            head = RequestHead(line[1], line[2], version, headers)
             if "\ncontent-length:" in lowered or "\ntransfer-encoding:" in lowered:
-                _framing(head, _CLIENT)
+                head.framing = _framing(head, _CLIENT)
+            else:
+                head.framing = _NO_BODY
+            if "\nconnection:" not in lowered:
+                head.persists = version == "HTTP/1.1"
             return head, consumed
     return _parse_request_head(buf, max_bytes)
 
@@ -245,9 +263,14 @@ def parse_response_head(
     common = _common_head(buf, max_bytes, _STATUS_LINE)
     if common is not None:
         line, headers, lowered, consumed = common
-        head = ResponseHead(line[1], int(line[2]), line[3] or "", headers)
+        version = line[1]
+        head = ResponseHead(version, int(line[2]), line[3] or "", headers)
         if "\ncontent-length:" in lowered or "\ntransfer-encoding:" in lowered:
-            _framing(head, _UPSTREAM)
+            head.framing = _framing(head, _UPSTREAM)
+        else:
+            head.framing = _NO_BODY
+        if "\nconnection:" not in lowered:
+            head.persists = version == "HTTP/1.1"
         return head, consumed
     return _parse_response_head(buf, max_bytes)
 
@@ -661,7 +684,8 @@ def request_body_kind(head: RequestHead) -> tuple[BodyKind, int]:
     A request without Content-Length or Transfer-Encoding has no body (RFC
     9112 §6.3 item 7); a request is never read until close.
     """
-    return _framing(head, _CLIENT)
+    framing = head.framing
+    return framing if framing is not None else _framing(head, _CLIENT)
 
 
 def response_body_kind(head: ResponseHead, request_method: str) -> tuple[BodyKind, int]:
@@ -677,7 +701,9 @@ def response_body_kind(head: ResponseHead, request_method: str) -> tuple[BodyKin
         return _NO_BODY
     if request_method == "CONNECT" and status < 300:
         return _NO_BODY
-    framing = _framing(head, _UPSTREAM)
+    framing = head.framing
+    if framing is None:
+        framing = _framing(head, _UPSTREAM)
     return _UNTIL_CLOSE if framing is _NO_BODY else framing
 
 
