@@ -221,6 +221,7 @@ class _HttpConnection:
         (nothing is lost by sending it again).
         """
         client = self.client
+        idle_s = self.limits.idle_timeout_s
         out = exchange.forward(destination)
         if exchange.interim:
             await client.send(exchange.interim)
@@ -246,9 +247,11 @@ class _HttpConnection:
             try:
                 response = None
                 try:
-                    await upstream.send(out)
+                    if upstream.write(out):
+                        await upstream.drain()
                     if body is None:
-                        response = await self._response_head(upstream, exchange)
+                        # The final response head (``exchange`` drops interim 1xx); None: the upstream closed first.
+                        response = await upstream.read_head(exchange.read_response, upstream.loop.time() + idle_s)
                 except PeerClosed:
                     pass
                 if response is None and reused and try_again and body is None:
@@ -256,12 +259,12 @@ class _HttpConnection:
                 attempt.bytes_up += len(out)
                 if body is not None:
                     try:
-                        attempt.bytes_up += await client.relay_body(body, upstream, idle_s=self.limits.idle_timeout_s)
+                        attempt.bytes_up += await client.relay_body(body, upstream, idle_s=idle_s)
                     except (IdleTimeout, PeerClosed) as exc:
                         attempt.bytes_up += exc.moved
                         raise
                 if response is None:
-                    response = await self._response_head(upstream, exchange)
+                    response = await upstream.read_head(exchange.read_response, upstream.loop.time() + idle_s)
                 if response is None:
                     raise HttpError(502, "upstream closed without a response")
                 keep_client = await self._relay_response(attempt, exchange, upstream, response)
@@ -309,11 +312,6 @@ class _HttpConnection:
         upstream.close()
         return None
 
-    async def _response_head(self, upstream: Peer, exchange: Exchange) -> ResponseHead | None:
-        """The final response head (``exchange`` drops interim 1xx); None if the upstream closed first."""
-        deadline = upstream.loop.time() + self.limits.idle_timeout_s
-        return await upstream.read_head(exchange.read_response, deadline)
-
     async def _relay_response(
         self, attempt: Attempt, exchange: Exchange, upstream: Peer, response: ResponseHead
     ) -> bool:
@@ -326,7 +324,8 @@ class _HttpConnection:
         idle_s = self.limits.idle_timeout_s
         try:
             if body is None:
-                await client.send(out, client.loop.time() + idle_s)
+                if client.write(out):
+                    await client.drain(client.loop.time() + idle_s)
             else:
                 # The head and the body bytes already here go out in one write.
                 attempt.bytes_down += await upstream.relay_body(body, client, head=out, idle_s=idle_s)

@@ -218,20 +218,25 @@ class Peer(asyncio.Protocol):
         if self.eof:
             return False
         size = len(self.buf)
-        if self._read_paused:
-            self.read_again()
         while len(self.buf) == size and not self.eof:
-            waiter = self._read_waiter = self.loop.create_future()
-            if deadline is not None:
-                self._read_deadline = deadline
-                if self._timer is None or self._timer_at > deadline:
-                    self._arm(self.loop, deadline)
             try:
-                await waiter
+                await self._wait_bytes(deadline)
             finally:
                 self._read_waiter = None
                 self._read_deadline = None
         return len(self.buf) > size
+
+    def _wait_bytes(self, deadline: float | None) -> asyncio.Future[None]:
+        """What a reader awaits for the next bytes (or the EOF); the awaiter clears
+        ``_read_waiter`` and ``_read_deadline`` once it resumes."""
+        if self._read_paused:
+            self.read_again()
+        waiter = self._read_waiter = self.loop.create_future()
+        if deadline is not None:
+            self._read_deadline = deadline
+            if self._timer is None or self._timer_at > deadline:
+                self._arm(self.loop, deadline)
+        return waiter
 
     def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
         if self._timer is not None:
@@ -259,10 +264,19 @@ class Peer(asyncio.Protocol):
 
     async def send(self, data: bytes | bytearray | memoryview, deadline: float | None = None) -> None:
         """Write ``data``, then wait while our outgoing buffer is full (TimeoutError past ``deadline``)."""
-        if self.closed or self.transport is None or self.transport.is_closing():
+        if self.write(data):
+            await self.drain(deadline)
+
+    def write(self, data: bytes | bytearray | memoryview) -> bool:
+        """``send`` without the wait: write ``data`` now (PeerClosed if the connection is closed);
+        True when the caller must ``drain`` before going on (our outgoing buffer is full, or the
+        peer went: then ``drain`` raises PeerClosed). A plain call, not a coroutine: most writes
+        never wait."""
+        transport = self.transport
+        if self.closed or transport is None or transport.is_closing():
             raise PeerClosed("connection closed")
-        self.transport.write(data)
-        await self.drain(deadline)
+        transport.write(data)
+        return self._write_paused or self.closed
 
     async def drain(self, deadline: float | None = None) -> None:
         """Wait while our outgoing buffer is over its high-water mark; PeerClosed if the peer went.
@@ -318,7 +332,13 @@ class Peer(asyncio.Protocol):
                     del self.buf[:used]
                 if head is not None or self.eof:
                     return head
-            await self.fill(deadline)  # False at EOF: the next turn parses with ``closed``
+            # ``fill``'s wait, inline (a coroutine less per head): a reader is woken only by new
+            # bytes or the EOF, so each turn has something new to parse.
+            try:
+                await self._wait_bytes(deadline)
+            finally:
+                self._read_waiter = None
+                self._read_deadline = None
 
     async def relay_body(self, body: Framing, dst: Peer, *, head: bytes = b"", idle_s: float | None = None) -> int:
         """Copy a body to ``dst`` until ``body`` says it is done, after ``head`` (one write when it can be).
@@ -337,7 +357,8 @@ class Peer(asyncio.Protocol):
                 except Exception:
                     await dst.send(head, self._deadline(idle_s))
                     raise
-                await dst.send(head + self.take(n) if n else head, self._deadline(idle_s))
+                if dst.write(head + self.take(n) if n else head):
+                    await dst.drain(self._deadline(idle_s))
                 moved += n
             while not body.done:
                 if not self.buf:
@@ -354,7 +375,8 @@ class Peer(asyncio.Protocol):
                             return moved
                         raise PeerClosed("peer closed inside a body")
                 n = body.feed(self.buf)
-                await dst.send(self.take(n), self._deadline(idle_s))
+                if dst.write(self.take(n)):
+                    await dst.drain(self._deadline(idle_s))
                 moved += n
         except TimeoutError:
             raise IdleTimeout(moved + (passing.moved if passing is not None else 0)) from None
