@@ -136,7 +136,14 @@ class Peer(asyncio.Protocol):
         if self.relay is not None:
             self.relay.forward(self, data)
             return
-        self.keep(data)
+        # ``keep``, inline: every read of a request or response head comes here.
+        buf = self.buf
+        buf += data
+        if len(buf) > HIGH_WATER:
+            self.hold_reading()
+        waiter = self._read_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def keep(self, data: bytes) -> None:
         """Add ``data`` to the read buffer (pausing the peer past ``HIGH_WATER``) and wake its reader."""
@@ -151,19 +158,24 @@ class Peer(asyncio.Protocol):
             self._on_gone(False)
         if self.relay is not None:
             self.relay.peer_eof(self)
-        self._wake_reader()
+        if self._read_waiter is not None:
+            self._wake_reader()
         return True  # keep our side open: a half-closed peer may still read
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.eof = True
-        self.stop_timer()
+        if self._timer is not None:
+            self.stop_timer()
         if self._on_gone is not None:
             self._on_gone(True)
         if self.relay is not None:
             self.relay.peer_lost(self, exc)
-        self._wake_reader()
-        self._wake_writer()
+        # Each wake is called only when a coroutine waits: a spliced peer's (most) has none.
+        if self._read_waiter is not None:
+            self._wake_reader()
+        if self._write_waiter is not None:
+            self._wake_writer()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -255,6 +267,15 @@ class Peer(asyncio.Protocol):
             waiter.set_exception(TimeoutError())
         else:
             self._arm(loop, deadline)
+
+    def splice(self, relay: Relay) -> None:
+        """From now on ``relay`` takes this peer's callbacks, and no coroutine waits on it again:
+        reading resumes (a coroutine may have paused it) and the read timer stops."""
+        self.relay = relay
+        if self._read_paused:
+            self.read_again()
+        if self._timer is not None:
+            self.stop_timer()
 
     def stop_timer(self) -> None:
         """Cancel the read timer (the connection is closed or spliced: no ``fill`` will wait again)."""

@@ -85,11 +85,8 @@ class Tunnel:
 
     def start(self) -> None:
         """Begin relaying; bytes already buffered on either side go first (or to the check)."""
-        self.client.relay = self
-        self.upstream.relay = self
-        for peer in (self.client, self.upstream):
-            peer.read_again()  # a coroutine may have paused it; we read from here on
-            peer.stop_timer()  # and no coroutine will wait on it again
+        self.client.splice(self)
+        self.upstream.splice(self)
         if self.upstream.buf:
             self.forward(self.upstream, self.upstream.take())  # the upstream spoke first
         if self.client.buf and not self.ended:
