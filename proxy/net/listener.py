@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 
 from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mode, Reads
 from egressd.proxy.core.reasons import Reason
@@ -66,8 +67,9 @@ class Listener:
 
     async def start(self, host: str, port: int) -> None:
         loop = self._loop = asyncio.get_running_loop()
+        # A partial, not a lambda: the factory runs at every accept, and a partial is called in C.
         self._server = await loop.create_server(
-            lambda: Peer(on_connect=self._accepted, loop=loop), host, port, backlog=1024, reuse_address=True
+            functools.partial(Peer, self._accepted, loop), host, port, backlog=1024, reuse_address=True
         )
         bound = self._server.sockets[0].getsockname()
         self._address = (bound[0], bound[1])

@@ -49,7 +49,7 @@ from egressd.proxy.core.modes import (
 )
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.responses import CONNECT_ESTABLISHED, refusal, tls_refusal
-from egressd.proxy.core.runs import NOT_WAITING, Run, source_address
+from egressd.proxy.core.runs import Run, source_address
 from egressd.proxy.net.gate import Admission, Attempt, DialError, Gate, Seen
 from egressd.proxy.net.stream import IdleTimeout, Peer, PeerClosed
 from egressd.proxy.net.tunnel import Tunnel
@@ -133,8 +133,11 @@ class _HttpConnection:
             return False
         try:
             deadline = client.loop.time() + self.limits.head_timeout_s
-            with holder.waiting_head() if holder is not None else NOT_WAITING:
+            if holder is None:  # no run to count the wait against (no ``with``: every request comes here)
                 head = await client.read_head(exchange.read_request, deadline)
+            else:
+                with holder.waiting_head():
+                    head = await client.read_head(exchange.read_request, deadline)
         except TimeoutError:
             if not first and not client.buf:
                 return False  # an idle keep-alive connection, not an attempt
@@ -202,7 +205,8 @@ class _HttpConnection:
         if upstream is None:
             return
         try:
-            await self.client.send(CONNECT_ESTABLISHED)
+            if self.client.write(CONNECT_ESTABLISHED):
+                await self.client.drain()
         except BaseException:
             upstream.close()
             raise

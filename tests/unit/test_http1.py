@@ -636,6 +636,46 @@ def test_body_kind_of_a_hand_built_ambiguous_head_raises() -> None:
     assert caught.value.status == 502
 
 
+PARSED_AS_BUILT = [
+    pytest.param(version, fields, id=f"{version} {name}")
+    for version in ("HTTP/1.1", "HTTP/1.0")
+    for name, fields in [
+        ("no fields", []),
+        ("a length", [("Content-Length", "5")]),
+        ("a repeated length", [("Content-Length", "5, 5"), ("content-length", "5")]),
+        ("chunked", [("Transfer-Encoding", "gzip, chunked")]),
+        ("Connection: close", [("Connection", "close")]),
+        ("Connection: keep-alive", [("connection", "Keep-Alive")]),
+        ("a length and close", [("Content-Length", "0"), ("Connection", "keep-alive, close")]),
+        ("Proxy-Connection only", [("Proxy-Connection", "close")]),
+    ]
+    if not (version == "HTTP/1.0" and name == "chunked")
+]
+
+
+@pytest.mark.parametrize(("version", "fields"), PARSED_AS_BUILT)
+def test_a_parsed_head_answers_as_the_same_head_built_by_hand(version: str, fields: list[tuple[str, str]]) -> None:
+    """The framing and keep-alive a parse keeps on the head are what its fields say, worked out anew."""
+    lines = "".join(f"{name}: {value}\r\n" for name, value in fields)
+    request = parse(f"POST http://a/ {version}\r\nHost: a\r\n{lines}\r\n".encode())
+    assert request.framing is not None  # kept by the parse: the fast path took it
+    built = RequestHead("POST", "http://a/", version, [("Host", "a"), *fields])
+    assert (request_body_kind(request), request.keep_alive) == (request_body_kind(built), built.keep_alive)
+    response = parse_response(f"{version} 200 OK\r\n{lines}\r\n".encode())
+    assert response.framing is not None
+    built_response = ResponseHead(version, 200, "OK", list(fields))
+    for method in ("GET", "HEAD"):
+        assert response_body_kind(response, method) == response_body_kind(built_response, method)
+    assert response.keep_alive is built_response.keep_alive
+
+
+def test_keep_alive_is_known_at_parse_only_without_a_connection_field() -> None:
+    assert parse(b"GET http://a/ HTTP/1.1\r\nHost: a\r\n\r\n").persists is True
+    assert parse(b"GET http://a/ HTTP/1.0\r\nHost: a\r\n\r\n").persists is False
+    assert parse(b"GET http://a/ HTTP/1.1\r\nConnection: close\r\n\r\n").persists is None
+    assert parse_response(b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n").keep_alive is False
+
+
 # --- chunked bodies ----------------------------------------------------------------
 
 
