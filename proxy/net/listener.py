@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+from typing import Final
 
 from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mode, Reads
 from egressd.proxy.core.reasons import Reason
@@ -37,6 +38,10 @@ from egressd.proxy.net.socks import serve_socks
 from egressd.proxy.net.stream import Peer, PeerClosed
 from egressd.proxy.net.transparent import serve_tls
 from egressd.proxy.net.tunnel import ClientCheck, Tunnel
+
+# Module constants: an Enum member's lookup on its class costs ten times a global's (every accept).
+_HTTP: Final = Reads.HTTP
+_TLS: Final = Reads.TLS
 
 
 class Listener:
@@ -77,7 +82,7 @@ class Listener:
     def _accepted(self, client: Peer) -> None:
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.
         reads = self.mode.reads  # `is`, not a dict: an Enum's hash is a Python call
-        serve = serve_http if reads is Reads.HTTP else serve_tls if reads is Reads.TLS else serve_socks
+        serve = serve_http if reads is _HTTP else serve_tls if reads is _TLS else serve_socks
         loop = self._loop
         assert loop is not None  # set by start(), before any accept
         task = loop.create_task(serve(self, client))

@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from egressd.audit.records import EgressKind
 from egressd.names.addresses import IPAddress
@@ -58,6 +58,10 @@ if TYPE_CHECKING:
     from egressd.proxy.net.listener import Held, Listener
 
 log = logging.getLogger("egressd.proxy")
+
+# The record kinds, as module constants: an Enum member's lookup on its class costs ten times a global's.
+_HTTP: Final = EgressKind.HTTP
+_CONNECT: Final = EgressKind.CONNECT
 
 
 def serve_http(listener: Listener, client: Peer) -> Coroutine[object, object, None]:
@@ -92,14 +96,14 @@ class _HttpConnection:
         seen: Seen | None = None
         try:
             if self.gate.metrics.connections_open > self.limits.max_connections:
-                seen = self.gate.begin(EgressKind.HTTP, client_text)
+                seen = self.gate.begin(_HTTP, client_text)
                 await self._refuse(seen, too_many_connections(self.mode.reads))
                 return
             first = True
             holder = self.listener.runs.bound(source)  # once per connection: its address's run does not change
             exchange = Exchange(self.limits.max_head_bytes)  # the connection's HTTP, request after request
             while True:
-                seen = self.gate.begin(EgressKind.HTTP, client_text)
+                seen = self.gate.begin(_HTTP, client_text)
                 keep_going = await self._serve_request(seen, source, holder, first, exchange)
                 first = False
                 if not keep_going:
@@ -150,7 +154,7 @@ class _HttpConnection:
             return False
         connect = head.method == "CONNECT"
         self.gate.metrics.connections_total[("connect" if connect else "http")] += 1
-        kind = EgressKind.CONNECT if connect else EgressKind.HTTP
+        kind = _CONNECT if connect else _HTTP
         # What is learnt from here on is made into a new ``Seen`` only where a refusal needs it:
         # on the way to a decision it goes into the gate's attempt directly.
         try:
