@@ -222,12 +222,14 @@ class Exchange:
             raise self._out_of_turn(_DECIDING)
         head = self.request
         assert head is not None
-        expects = head.get_all("Expect")
-        if expects and any(value.lower() == "100-continue" for value in expects):
-            head.headers = [(k, v) for k, v in head.headers if k.lower() != "expect"]
-            self.interim = CONTINUE
-        else:
-            self.interim = b""
+        self.interim = b""
+        lowered = head.lowered
+        if lowered is None or "\nexpect:" in lowered:  # no scan of the fields when the parse saw none
+            expects = head.get_all("Expect")
+            if expects and any(value.lower() == "100-continue" for value in expects):
+                head.headers = [(k, v) for k, v in head.headers if k.lower() != "expect"]
+                head.lowered = None
+                self.interim = CONTINUE
         kind, length = request_body_kind(head)
         body = self.request_body = None if kind is _NO_BODY else _framer(kind, length, 400)
         self.state = _SENDING if body is not None else _WAITING

@@ -139,6 +139,10 @@ class RequestHead(_Fields):
     # decides it; None when not known (a head built otherwise): worked out from ``headers``.
     framing: tuple[BodyKind, int] | None = field(default=None, compare=False, repr=False)
     persists: bool | None = field(default=None, compare=False, repr=False)
+    # The head's text lowercased, from the fast path (None otherwise): a field's absence is one
+    # substring test (``"\nexpect:" not in lowered``), no scan of ``headers``. Whoever changes
+    # ``headers`` sets it to None.
+    lowered: str | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -167,6 +171,8 @@ _TCHARS: Final = r"[!#$%&'*+\-.^_`|~0-9A-Za-z]"
 _REQUEST_LINE: Final = re.compile(rf"({_TCHARS}++) ([!-~]++) (HTTP/1\.[01])\r\n")
 _STATUS_LINE: Final = re.compile(r"(HTTP/1\.[01]) ([1-5][0-9][0-9])(?: ([\t -~\x80-\xff]*+))?\r\n")
 # A value without its OWS: runs of VCHAR or obs-text, single-spaced or not (RFC 9110 §5.5).
+# The status line's three digits as a number, by lookup: ``int()`` costs several times more.
+_STATUS_CODES: Final = {str(code): code for code in range(100, 600)}
 _FIELD_LINE: Final = re.compile(
     rf"(?<=\n)({_TCHARS}++):[ \t]*+((?:[!-~\x80-\xff]++(?:[ \t]++[!-~\x80-\xff]++)*+)?)[ \t]*+\r\n"
 )
@@ -189,6 +195,7 @@ def parse_request_head(
         if lowered.count("\nhost:") < 2:
             version = line[3]
             head = RequestHead(line[1], line[2], version, headers)
+            head.lowered = lowered
             if "\ncontent-length:" in lowered or "\ntransfer-encoding:" in lowered:
                 head.framing = _framing(head, _CLIENT)
             else:
@@ -264,7 +271,7 @@ def parse_response_head(
     if common is not None:
         line, headers, lowered, consumed = common
         version = line[1]
-        head = ResponseHead(version, int(line[2]), line[3] or "", headers)
+        head = ResponseHead(version, _STATUS_CODES[line[2]], line[3] or "", headers)
         if "\ncontent-length:" in lowered or "\ntransfer-encoding:" in lowered:
             head.framing = _framing(head, _UPSTREAM)
         else:

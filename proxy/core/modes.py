@@ -118,6 +118,9 @@ class Mode:
         """The credentials a run is attributed by (``runs.RunRegistry.attribute``); None: source address only."""
         if not self.credentials or head is None:
             return None
+        lowered = head.lowered
+        if lowered is not None and "\nproxy-authorization:" not in lowered:
+            return None  # the parse saw no such field: no scan of the fields
         return head.get("Proxy-Authorization")
 
     def status(self, refusal: Refusal) -> int | None:

@@ -305,6 +305,24 @@ def test_expect_100_continue_is_answered_here_and_not_forwarded() -> None:
     assert wire.request_body(b"hi")
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param(b"PUT http://example.com/ HTTP/1.1\r\nEXPECT: 100-continue\r\nContent-Length: 2\r\n\r\n",
+                     id="the name in capitals"),
+        pytest.param(b"PUT http://example.com/ HTTP/1.1\nExpect: 100-continue\nContent-Length: 2\n\n",
+                     id="bare LF line ends (the general parser's head)"),
+    ],
+)  # fmt: skip
+def test_expect_100_continue_is_found_however_the_head_was_parsed(raw: bytes) -> None:
+    wire = Wire()
+    wire.client_sends(raw)
+    out = wire.forward()
+    assert wire.exchange.interim == CONTINUE
+    assert b"expect" not in out.lower()
+    assert wire.request_body(b"hi")
+
+
 def test_the_client_hears_one_100_continue_even_when_the_origin_sends_its_own() -> None:
     wire = Wire()
     wire.client_sends(

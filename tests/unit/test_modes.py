@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from egressd.proxy.core.clienthello import Alert
-from egressd.proxy.core.http1 import HttpError, RequestHead
+from egressd.proxy.core.http1 import HttpError, RequestHead, parse_request_head
 from egressd.proxy.core.modes import (
     EXPLICIT,
     RETRY_AFTER_S,
@@ -97,3 +97,19 @@ def test_a_head_too_large_is_a_limit_and_any_other_bad_head_a_bad_request() -> N
 def test_a_refusal_carries_no_alert_unless_told() -> None:
     assert Refusal(Reason.BAD_REQUEST).alert is None
     assert Refusal(Reason.BAD_REQUEST, alert=Alert.DECODE_ERROR).alert is Alert.DECODE_ERROR
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\nProxy-Authorization: Basic eDp5\r\n\r\n", "Basic eDp5"),
+        (b"GET http://a.test/ HTTP/1.1\r\nproxy-authorization: Basic eDp5\r\n\r\n", "Basic eDp5"),
+        (b"GET http://a.test/ HTTP/1.1\nHost: a.test\nProxy-Authorization: Basic eDp5\n\n", "Basic eDp5"),
+        (b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\nX-Proxy-Authorization: no\r\n\r\n", None),
+        (b"GET http://a.test/ HTTP/1.1\r\nHost: a.test\r\n\r\n", None),
+    ],
+)
+def test_proxy_credentials_of_a_parsed_head(raw: bytes, expected: str | None) -> None:
+    parsed = parse_request_head(raw, 65536)
+    assert parsed is not None
+    assert EXPLICIT.proxy_credentials(parsed[0]) == expected
