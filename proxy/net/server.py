@@ -51,7 +51,7 @@ from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.responses import CONNECT_ESTABLISHED, refusal, tls_refusal
 from egressd.proxy.core.runs import Run, source_address
 from egressd.proxy.net.gate import Admission, Attempt, DialError, Gate, Seen
-from egressd.proxy.net.stream import IdleTimeout, Peer, PeerClosed
+from egressd.proxy.net.stream import GoneCancels, IdleTimeout, Peer, PeerClosed
 from egressd.proxy.net.tunnel import Tunnel
 
 if TYPE_CHECKING:
@@ -76,9 +76,11 @@ def serve_http(listener: Listener, client: Peer) -> Coroutine[object, object, No
 class _HttpConnection:
     """One client connection of an HTTP mode (``listener.mode``)."""
 
-    __slots__ = ("listener", "gate", "limits", "mode", "held", "client")
+    __slots__ = ("listener", "gate", "limits", "mode", "held", "client", "gone")
 
     held: Held
+    # Entered around each request's decision (``stream.gone_cancels``): one per connection.
+    gone: GoneCancels
 
     def __init__(self, listener: Listener, client: Peer) -> None:
         self.listener = listener
@@ -101,6 +103,7 @@ class _HttpConnection:
                 return
             first = True
             holder = self.listener.runs.bound(source)  # once per connection: its address's run does not change
+            self.gone = client.gone_cancels(on_eof=False)
             exchange = Exchange(self.limits.max_head_bytes)  # the connection's HTTP, request after request
             while True:
                 seen = self.gate.begin(_HTTP, client_text)
@@ -180,8 +183,10 @@ class _HttpConnection:
             with self.held.slot(run):
                 try:
                     # A client that gives up while its request is held (asked about) stops the wait
-                    # (stream.gone_cancels).
-                    with client.gone_cancels(on_eof=connect):
+                    # (stream.gone_cancels): its FIN too for a CONNECT, which cannot go on without sending.
+                    gone = self.gone
+                    gone.on_eof = connect
+                    with gone:
                         admission = await self.gate.admit(attempt)
                 except PeerClosed:
                     attempt.extra["detail"] = GONE_DETAIL

@@ -534,29 +534,37 @@ class _PassOn:
 
 
 class GoneCancels:
-    """``Peer.gone_cancels``: a class, not a generator, since every request enters one (half the cost)."""
+    """``Peer.gone_cancels``: a class, not a generator, since every request enters one (half the cost).
 
-    __slots__ = ("_peer", "_on_eof", "_task", "_cancelling", "_fired")
+    It may be entered again, one ``with`` after another, by the task that entered it first (a
+    connection's requests: one object per connection, its task asked for once); ``on_eof`` may
+    change between them.
+    """
+
+    __slots__ = ("_peer", "on_eof", "_task", "_cancelling", "_fired")
 
     def __init__(self, peer: Peer, on_eof: bool) -> None:
         self._peer = peer
-        self._on_eof = on_eof
+        self.on_eof = on_eof
         self._task: asyncio.Task[Any] | None = None
         self._cancelling = 0
         self._fired = False
 
     def __enter__(self) -> None:
         peer = self._peer
-        if peer.closed or (self._on_eof and peer.eof):
+        if peer.closed or (self.on_eof and peer.eof):
             raise PeerClosed(GONE)
-        task = self._task = asyncio.current_task(peer.loop)
-        assert task is not None
+        task = self._task
+        if task is None:
+            task = self._task = asyncio.current_task(peer.loop)
+            assert task is not None
         self._cancelling = task.cancelling()  # cancellations requested before ours are not ours
+        self._fired = False
         peer._on_gone = self._gone
 
     def _gone(self, lost: bool) -> None:
         task = self._task
-        if task is not None and not self._fired and (lost or self._on_eof):
+        if task is not None and not self._fired and (lost or self.on_eof):
             self._fired = True
             task.cancel()
 

@@ -181,3 +181,22 @@ async def test_splice_reads_again_stops_the_read_timer_and_hands_bytes_to_the_re
     await asyncio.wait_for(relay.ended, 5)
     assert relay.got == b"spliced"
     assert not ours.buf
+
+
+async def test_gone_cancels_is_entered_again_by_its_task_each_time_as_on_eof_says(pair: tuple[Peer, Peer]) -> None:
+    ours, theirs = pair
+    assert theirs.transport is not None
+    gone = ours.gone_cancels(on_eof=False)
+    with gone:  # a plain HTTP client's FIN: it may still read the answer, so the wait goes on
+        theirs.transport.write_eof()
+        await asyncio.sleep(0.1)
+    assert ours.eof
+    gone.on_eof = True  # a CONNECT's: it cannot go on without sending, so it is gone already
+    with pytest.raises(PeerClosed), gone:
+        pytest.fail("entered after the FIN")
+    gone.on_eof = False
+    with pytest.raises(PeerClosed), gone:  # the connection lost (here, closed at our end): the wait is cancelled
+        ours.close()
+        await asyncio.sleep(5)
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0  # the cancellation was taken back, not left pending
