@@ -267,12 +267,17 @@ class Exchange:
         request = self.request
         assert request is not None
         kind, length = response_body_kind(response, request.method)
-        keep_client = request.keep_alive and kind is not _UNTIL_CLOSE
+        # ``keep_alive`` as the parse knew it (``persists``), else asked: a property's call less per message.
+        persists = request.persists
+        keep_client = (request.keep_alive if persists is None else persists) and kind is not _UNTIL_CLOSE
         self.response = response
         self.response_out = forward_response_head(response, keep_client)
         self.response_body = LengthBody(length) if kind is _LENGTH else _framer(kind, length, 502)
         self.keep_client = keep_client
-        self.keep_upstream = keep_client and response.keep_alive and response.status != 101
+        persists = response.persists
+        self.keep_upstream = (
+            keep_client and (response.keep_alive if persists is None else persists) and response.status != 101
+        )
         self.state = _RELAYING
         return response, used
 
