@@ -14,6 +14,12 @@ total less the idle run's, divided by N. ``--egressd`` names another build
 (e.g. a worktree's ``.venv/bin/egressd``) for an A/B comparison. Origins are
 on 127.0.0.2 (loopback) in this process; every load is bounded in count and
 time. Needs valgrind (Debian: ``apt install valgrind``).
+
+``--profile PREFIX`` runs the same loads under cProfile instead (no valgrind;
+wall times there are the profiler's, calls are what to read): it writes
+``PREFIX.idle.prof``, ``PREFIX.tunnels.prof`` and ``PREFIX.requests.prof``
+and prints, per tunnel and per request, the functions called, by calls per
+operation (the idle run's calls taken off).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pstats
 import re
 import shutil
 import signal
@@ -101,21 +108,26 @@ async def _requests(port: int, origin: int, n: int) -> None:
 
 
 async def measure(
-    egressd: str, *, tunnels: int, requests: int, echo_port: int, http_port: int, pycache: str
+    egressd: str, *, tunnels: int, requests: int, echo_port: int, http_port: int, pycache: str,
+    profile: str | None = None,
 ) -> int:
     """Total instructions of one egressd run doing this work, start-up and shutdown included.
 
     ``pycache``: the runs' own bytecode cache (``PYTHONPYCACHEPREFIX``), filled by the warm-up
     run: a ``.pyc`` another process wrote between two runs once moved one by 350 M instructions.
+    ``profile``: run under cProfile instead, its stats written there (0 is returned).
     """
     with tempfile.TemporaryDirectory(prefix="egressd-instr-") as tmp:
         out, err = Path(tmp) / "cachegrind.out", Path(tmp) / "stderr"
         env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_") and k != "PYTHONDONTWRITEBYTECODE"}
         env |= {"PYTHONHASHSEED": "0", "XDG_STATE_HOME": tmp, "PYTHONPYCACHEPREFIX": pycache}
+        if profile is None:
+            runner = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}", egressd]
+        else:  # the build's own interpreter, with cProfile around its egressd script
+            runner = [str(Path(egressd).with_name("python")), "-m", "cProfile", "-o", profile, egressd]
         with open(err, "wb") as stderr:  # noqa: ASYNC230 - opened once, handed to the child
             proc = await asyncio.create_subprocess_exec(
-                "valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",
-                egressd, "serve", "--listen", "127.0.0.1:0", "--control", "unix:" + str(Path(tmp) / "control.sock"),
+                *runner, "serve", "--listen", "127.0.0.1:0", "--control", "unix:" + str(Path(tmp) / "control.sock"),
                 "--allow", f"{ORIGIN}:*", "--allow-private", f"{ORIGIN}/32", "--audit-log", str(Path(tmp) / "a.jsonl"),
                 "--log-level", "info",  # serve's default, and how its "serving:" line (the bound port) is seen
                 stdout=asyncio.subprocess.DEVNULL, stderr=stderr, env=env,
@@ -131,6 +143,8 @@ async def measure(
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+        if profile is not None:
+            return 0
         summary = re.search(r"^summary:\s+(\d+)", out.read_text(), re.M)
         if summary is None:
             raise SystemExit(f"no cachegrind summary: {err.read_text(errors='replace')[-2000:]}")
@@ -142,7 +156,10 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tunnels", type=int, default=2000)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--egressd", default=str(Path(sys.executable).with_name("egressd")))
+    parser.add_argument("--profile", metavar="PREFIX", help="cProfile the loads instead; stats to PREFIX.*.prof")
     args = parser.parse_args(argv)
+    if args.profile is not None:
+        return await _profile(args.egressd, args.profile, tunnels=args.tunnels, requests=args.requests)
     if shutil.which("valgrind") is None:
         print("bench/instructions.py needs valgrind (apt install valgrind)", file=sys.stderr)
         return 2
@@ -169,6 +186,36 @@ async def main(argv: list[str] | None = None) -> int:
     if args.requests:
         print(f"per small plain-HTTP request (keep-alive; {args.requests}): "
               f"{(with_requests - idle) / args.requests:,.0f} instructions")  # fmt: skip
+    return 0
+
+
+async def _profile(egressd: str, prefix: str, *, tunnels: int, requests: int) -> int:
+    """``--profile``: each load under cProfile, and the calls per operation beyond the idle run's."""
+    echo = await asyncio.start_server(_echo, ORIGIN, 0)
+    http = await asyncio.start_server(_http, ORIGIN, 0)
+    pycache = tempfile.TemporaryDirectory(prefix="egressd-instr-pycache-")
+    ports = {"echo_port": echo.sockets[0].getsockname()[1], "http_port": http.sockets[0].getsockname()[1]}
+    runs = {**ports, "pycache": pycache.name}
+    loads = {"idle": (0, 0), "tunnels": (tunnels, 0), "requests": (0, requests)}
+    try:
+        for name, (n_tunnels, n_requests) in loads.items():
+            await measure(egressd, tunnels=n_tunnels, requests=n_requests, profile=f"{prefix}.{name}.prof", **runs)
+    finally:
+        echo.close()
+        http.close()
+        pycache.cleanup()
+    idle = pstats.Stats(f"{prefix}.idle.prof").stats  # type: ignore[attr-defined]
+    for name, n in (("tunnels", tunnels), ("requests", requests)):
+        if not n:
+            continue
+        stats = pstats.Stats(f"{prefix}.{name}.prof").stats  # type: ignore[attr-defined]
+        rows = sorted(
+            ((calls - idle.get(where, (0, 0))[1]) / n, where) for where, (_, calls, *_rest) in stats.items()
+        )
+        print(f"per {name[:-1]}: {sum(max(0.0, per) for per, _ in rows):.1f} calls")
+        for per, (file, line, function) in reversed(rows):
+            if per >= 0.5:
+                print(f"  {per:6.2f}  {function}  {file}:{line}")
     return 0
 
 
