@@ -352,8 +352,13 @@ class ApprovalBroker:
         channel: str,
         by: str | None,
         scope: ApprovalScope = ApprovalScope.RUN,
+        auth: str | None = None,
     ) -> Answered:
         """A person's answer from a channel or the control API; the first one decides.
+
+        ``by`` is the answerer's own words (shown, escaped and bounded);
+        ``auth`` the credential the channel checked (recorded apart, as
+        ``approval.decided``'s ``auth``).
 
         An allow whose ``scope`` the approval does not offer (*always* with
         no allowlist file) is ``NOT_OFFERED``: nothing is decided, the
@@ -374,7 +379,13 @@ class ApprovalBroker:
                 return Answered(AnswerResult.NOT_OFFERED)
         shown_by = bounded(by, MAX_BY_CHARS) if by else None
         answered = self._ledger.answer(
-            approval_id, decision, channel=channel, by=shown_by, now=self._clock(), scope=scope
+            approval_id,
+            decision,
+            channel=channel,
+            by=shown_by,
+            now=self._clock(),
+            scope=scope,
+            auth=bounded(auth, MAX_BY_CHARS) if auth else None,
         )
         if answered.result is AnswerResult.ACCEPTED:
             return Answered(AnswerResult.ACCEPTED, self._settled(approval_id, answered.settlement))
@@ -417,6 +428,7 @@ class ApprovalBroker:
                     scope=settlement.scope.value if settlement.scope is not None else None,
                     entry=settlement.entry,
                     scope_error=settlement.scope_error,
+                    auth=settlement.auth,
                 )
             )
         except AuditError:

@@ -22,7 +22,13 @@ every run; a run's own control token's is that run, so the list holds its
 approvals alone and an answer to another run's approval is refused with 403
 (nothing is answered). To a run's token an approval no longer pending is
 unknown (404), whoever's it was: its settlement is not shown, since it may
-be another run's.
+be another run's. Nor may a run's token answer *always* (403, nothing
+decided): that outlives the run, appending to the operator's allow file for
+every run, so only the global token may.
+
+``by`` is the caller's free text; the ``approval.decided`` record names the
+credential apart from it, as ``auth`` (``Scope.auth``: ``global token`` or
+``run token of r-1``).
 """
 
 from __future__ import annotations
@@ -52,6 +58,16 @@ class Scope:
 
     def covers(self, run_id: str) -> bool:
         return self.run_id is None or self.run_id == run_id
+
+    @property
+    def outlives_runs(self) -> bool:
+        """Whether it may decide what lasts beyond one run (an *always* answer): the global token only."""
+        return self.run_id is None
+
+    @property
+    def auth(self) -> str:
+        """The credential, as the audit log's ``approval.decided`` names it (never the caller's own words)."""
+        return "global token" if self.run_id is None else f"run token of {self.run_id}"
 
 
 SCOPE = web.RequestKey("scope", Scope)
@@ -103,6 +119,8 @@ def control_routes(answerer: Answerer) -> list[Route]:
                     return _error(400, "scope must be once, run or always")
                 scope = chosen
         reach = request[SCOPE]
+        if decision is Choice.ALLOW and scope is ApprovalScope.ALWAYS and not reach.outlives_runs:
+            return _error(403, f"scope always outlives run {reach.run_id}: it needs the global control token")
         if reach.run_id is not None:
             # Checked after the body is read, with no await until answer(): nothing is settled in between.
             runs = {a.id: a.request.run_id for a in answerer.pending()}
@@ -111,7 +129,7 @@ def control_routes(answerer: Answerer) -> list[Route]:
             if runs[approval_id] != reach.run_id:
                 return _error(403, f"approval {approval_id} is not of run {reach.run_id}: "
                                    "this token acts on its own run only")
-        answered = answerer.answer(approval_id, decision, channel=CHANNEL, by=by, scope=scope)
+        answered = answerer.answer(approval_id, decision, channel=CHANNEL, by=by, scope=scope, auth=reach.auth)
         if answered.result is AnswerResult.NOT_OFFERED:
             why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
             return _error(400, f"scope {scope.value} is not offered for approval {approval_id}{why}")

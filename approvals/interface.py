@@ -155,7 +155,11 @@ class Settlement:
     """How one approval ended: the answer, who gave it where, when, after how long.
 
     ``channel`` and ``by`` are None when nobody answered (timeout, no
-    approver, shutdown). ``at`` is epoch seconds. ``scope`` is how far an
+    approver, shutdown); ``by`` is the answerer's own words, while ``auth``
+    names the credential that answered (``global token``, ``run token of
+    r-1``, a page session), set by the channel, never by the answerer's text;
+    None when the channel's own check is the credential (Slack's signature,
+    the terminal). ``at`` is epoch seconds. ``scope`` is how far an
     allow reaches as applied (None for a denial); ``entry`` the line appended
     to the allowlist file for an *always*; ``scope_error`` why an *always*
     answer applies to the run only (the entry was refused, or could not be
@@ -170,6 +174,7 @@ class Settlement:
     scope: ApprovalScope | None = None
     entry: str | None = None
     scope_error: str | None = None
+    auth: str | None = None
 
     @property
     def reason(self) -> str | None:
@@ -266,11 +271,13 @@ class Answerer(Protocol):
         channel: str,
         by: str | None,
         scope: ApprovalScope = ApprovalScope.RUN,
+        auth: str | None = None,
     ) -> Answered:
         """Pass on a person's answer. The first valid answer decides; any
         later one gets ``SETTLED``; an allow with a scope the approval does
         not offer gets ``NOT_OFFERED`` and decides nothing. ``scope`` is
-        ignored for a denial. Never raises for a bad id."""
+        ignored for a denial; ``auth`` is recorded as ``Settlement.auth``.
+        Never raises for a bad id."""
         ...
 
     def pending(self) -> Sequence[PendingApproval]:
@@ -287,12 +294,15 @@ class Route:
 
     ``public`` routes skip the bearer token: their own signature check is the
     credential (the webhook callback, Slack's interactivity endpoint).
+    ``page``: the address a person opens in a browser (the approvals page),
+    printed at start-up.
     """
 
     method: str
     path: str
     handler: Handler
     public: bool = False
+    page: bool = False
 
 
 class SetupError(Exception):

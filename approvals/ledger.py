@@ -180,8 +180,12 @@ class Ledger:
         by: str | None,
         now: float,
         scope: ApprovalScope = ApprovalScope.RUN,
+        auth: str | None = None,
     ) -> Answered:
-        """A person's answer: the first one decides. An allow carries its ``scope``; a denial none."""
+        """A person's answer: the first one decides. An allow carries its ``scope``; a denial none.
+
+        ``auth``: the credential that answered (``Settlement.auth``).
+        """
         approval = self._open.get(approval_id)
         if approval is None:
             settled = self._settled.get(approval_id)
@@ -189,8 +193,10 @@ class Ledger:
                 return Answered(AnswerResult.SETTLED, settled)
             return Answered(AnswerResult.UNKNOWN)
         if decision is Choice.ALLOW:
-            return Answered(AnswerResult.ACCEPTED, self._settle(approval, Answer.ALLOW, channel, by, now, scope))
-        return Answered(AnswerResult.ACCEPTED, self._settle(approval, Answer.DENY, channel, by, now))
+            settled = self._settle(approval, Answer.ALLOW, channel, by, now, scope, auth)
+        else:
+            settled = self._settle(approval, Answer.DENY, channel, by, now, auth=auth)
+        return Answered(AnswerResult.ACCEPTED, settled)
 
     def expire(self, approval_id: str, *, now: float) -> Settlement | None:
         """The deadline passed: TIMEOUT (a delivery reached a person or was still in flight)."""
@@ -222,9 +228,11 @@ class Ledger:
         by: str | None,
         now: float,
         scope: ApprovalScope | None = None,
+        auth: str | None = None,
     ) -> Settlement:
+        waited_s = max(0.0, now - approval.opened_at)
         settlement = Settlement(
-            answer=answer, channel=channel, by=by, at=now, waited_s=max(0.0, now - approval.opened_at), scope=scope
+            answer=answer, channel=channel, by=by, at=now, waited_s=waited_s, scope=scope, auth=auth
         )
         approval.settlement = settlement
         del self._open[approval.id]

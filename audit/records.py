@@ -559,7 +559,10 @@ class ApprovalSettled:
     After the design's fields: ``scope``, how far an allow reaches as
     applied (``once|run|always``; None for a denial); ``entry``, the line an
     *always* answer appended to the allowlist file; ``scope_error``, why an
-    *always* answer was applied to the run only.
+    *always* answer was applied to the run only. Last, when known,
+    ``auth``: the credential that answered (``global token``, ``run token
+    of r-1``, ``page session "alice" (global token)``), set by egressd,
+    never by the answerer's own text as ``by`` is.
     """
 
     id: str  # the design's field name, shadowing the builtin
@@ -573,6 +576,7 @@ class ApprovalSettled:
     scope: str | None = None
     entry: str | None = None
     scope_error: str | None = None
+    auth: str | None = None
 
     def __post_init__(self) -> None:
         if self.decision.__class__ is not Decision:
@@ -580,7 +584,7 @@ class ApprovalSettled:
 
     def record(self) -> dict[str, object]:
         reason = self.reason
-        return {
+        record: dict[str, object] = {
             "event": APPROVAL_DECIDED,
             "id": self.id,
             "ts": rfc3339(self.ts),
@@ -594,6 +598,9 @@ class ApprovalSettled:
             "entry": _plain(self.entry),
             "scope_error": _plain(self.scope_error),
         }
+        if self.auth is not None:
+            record["auth"] = self.auth
+        return record
 
 
 @dataclass(frozen=True, slots=True)
@@ -651,6 +658,7 @@ def approval_decided_record(
     scope: str | None = None,
     entry: str | None = None,
     scope_error: str | None = None,
+    auth: str | None = None,
 ) -> dict[str, object]:
     """The ``approval.decided`` record of an ``ApprovalSettled`` built from these fields (``RecordError``)."""
     return ApprovalSettled(
@@ -665,6 +673,7 @@ def approval_decided_record(
         scope=scope,
         entry=entry,
         scope_error=scope_error,
+        auth=auth,
     ).record()
 
 

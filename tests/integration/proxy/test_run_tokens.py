@@ -55,6 +55,7 @@ class Bed:
     svc: Any
     channel: RecordingChannel
     audit_path: Path
+    allow_file: Path
     runs: dict[str, dict[str, Any]]  # name -> POST /runs answer
     held: list[asyncio.Task[Any]]
 
@@ -69,7 +70,7 @@ async def bed(dns: FakeDns, echo_origin: Listener, tmp_path: Path) -> AsyncItera
     audit_path = tmp_path / "audit.jsonl"
     sink = JsonlAuditSink(audit_path)
     channel = RecordingChannel()
-    broker = ApprovalBroker([channel], audit=sink)
+    broker = ApprovalBroker([channel], audit=sink, allow_file=tmp_path / "allow.toml")
     await broker.start()
     settings = load_settings({
         "listen": "127.0.0.1:0", "control": "127.0.0.1:0", "control_token": GLOBAL, "require_auth": True,
@@ -91,7 +92,7 @@ async def bed(dns: FakeDns, echo_origin: Listener, tmp_path: Path) -> AsyncItera
             connect_via(svc, f"origin.test:{echo_origin.port}", f"Proxy-Authorization: Basic {creds}\r\n")
         ))
     await wait_until(lambda: len({a.request.run_id for a in channel.delivered}) == 2)
-    yield Bed(svc, channel, audit_path, runs, held)
+    yield Bed(svc, channel, audit_path, tmp_path / "allow.toml", runs, held)
     await broker.close()  # settles what is still held
     await svc.close(grace_s=0)
     for result in await asyncio.gather(*held, return_exceptions=True):
@@ -176,6 +177,36 @@ async def test_the_global_token_keeps_full_power(bed: Bed) -> None:
     status, answer = await call(svc, "POST", f"/approvals/{bed.approval_of('B')}/allow", GLOBAL, {"by": "op"})
     assert (status, answer["decision"]) == (200, "allow")
     assert (await call(svc, "DELETE", f"/runs/{b_id}", GLOBAL))[0] == 200
+
+
+def decided_records(bed: Bed) -> list[dict[str, Any]]:
+    lines = bed.audit_path.read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "approval.decided"]
+
+
+async def test_a_run_token_cannot_answer_always_nor_pass_for_the_operator(bed: Bed) -> None:
+    """*always* outlives the run: only the global token may; ``by`` is free text, ``auth`` says who it was."""
+    svc, a = bed.svc, control_token(bed, "A")
+    a_approval = bed.approval_of("A")
+    status, answer = await call(
+        svc, "POST", f"/approvals/{a_approval}/allow", a, {"scope": "always", "by": "alice (operator)"}
+    )
+    assert status == 403 and "global control token" in answer["error"], (status, answer)
+    await asyncio.sleep(0.05)
+    assert a_approval in [p.id for p in svc.gate.approver.pending()]  # nothing decided
+    assert not bed.allow_file.exists() or "[[approved]]" not in bed.allow_file.read_text()
+    assert not decided_records(bed)
+    # For its own run it may allow; the record names the run's token, whatever ``by`` claims.
+    status, answer = await call(svc, "POST", f"/approvals/{a_approval}/allow", a, {"by": "alice (operator)"})
+    assert (status, answer["scope"]) == (200, "run"), answer
+    [record] = decided_records(bed)
+    assert record["by"] == "alice (operator)" and record["auth"] == f"run token of {bed.runs['A']['id']}"
+    # The global token may answer *always*; its record says so.
+    b_approval = bed.approval_of("B")
+    status, answer = await call(svc, "POST", f"/approvals/{b_approval}/allow", GLOBAL, {"scope": "always"})
+    assert (status, answer["scope"]) == (200, "always"), answer
+    assert decided_records(bed)[-1]["auth"] == "global token"
+    assert "[[approved]]" in bed.allow_file.read_text()
 
 
 async def test_run_tokens_are_never_in_the_audit_log_nor_the_log_output(
