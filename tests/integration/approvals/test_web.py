@@ -74,6 +74,7 @@ async def page_egressd(make_egressd: MakeEgressd) -> AsyncIterator[Callable[...,
         brokers.append(broker)
         svc = await make_egressd(approver=broker, audit=sink, **values)
         svc.web_clock = clock  # type: ignore[attr-defined]
+        svc.web_channel = channel  # type: ignore[attr-defined]
         return svc
 
     yield make
@@ -83,7 +84,7 @@ async def page_egressd(make_egressd: MakeEgressd) -> AsyncIterator[Callable[...,
 
 @contextlib.asynccontextmanager
 async def events(page: PageClient) -> AsyncIterator[EventReader]:
-    async with page.http.get(page.base + "/web/events") as resp:
+    async with page.http.get(page.url("events")) as resp:
         assert resp.status == 200 and resp.headers["Content-Type"].startswith("text/event-stream")
         reader = EventReader(resp)
         await reader.until("ready")

@@ -13,13 +13,25 @@ TOKEN = "test-token"
 
 
 class PageClient:
-    """One browser: a cookie jar, the page's origin, the CSRF token read from the page."""
+    """One browser: a cookie jar, the page's origin and path, the CSRF token read from the page.
 
-    def __init__(self, base: str) -> None:
+    Paths not starting with ``/`` are the page's own (under ``prefix``, its
+    random ``/web/…``); ``local_address``: the source address to connect from.
+    """
+
+    def __init__(self, base: str, prefix: str = "/web", *, local_address: str | None = None) -> None:
         self.base = base
+        self.prefix = prefix
+        connector = aiohttp.TCPConnector(local_addr=(local_address, 0)) if local_address else None
         # unsafe: a cookie jar keeps cookies of IP-address hosts only when told to (127.0.0.1 is one).
-        self.http = aiohttp.ClientSession(trust_env=False, cookie_jar=aiohttp.CookieJar(unsafe=True))
+        self.http = aiohttp.ClientSession(
+            trust_env=False, cookie_jar=aiohttp.CookieJar(unsafe=True), connector=connector
+        )
         self.csrf: str | None = None
+
+    def url(self, path: str = "") -> str:
+        """The address of ``path``: the page's own (``answer``) unless it starts with ``/``."""
+        return self.base + (path if path.startswith("/") else f"{self.prefix}/{path}")
 
     async def close(self) -> None:
         await self.http.close()
@@ -30,8 +42,8 @@ class PageClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def get(self, path: str = "/web/", headers: dict[str, str] | None = None) -> tuple[int, Any, str]:
-        async with self.http.get(self.base + path, headers=headers or {}, allow_redirects=False) as resp:
+    async def get(self, path: str = "", headers: dict[str, str] | None = None) -> tuple[int, Any, str]:
+        async with self.http.get(self.url(path), headers=headers or {}, allow_redirects=False) as resp:
             text = await resp.text()
             found = re.search(r'<meta name="csrf" content="([^"]+)">', text)
             if found:
@@ -44,21 +56,24 @@ class PageClient:
         sent = dict(headers or {})
         if origin is not None:
             sent["Origin"] = origin or self.base
-        async with self.http.post(self.base + path, data=form, headers=sent, allow_redirects=False) as resp:
+        async with self.http.post(self.url(path), data=form, headers=sent, allow_redirects=False) as resp:
             return resp.status, resp.headers, await resp.text()
 
     async def sign_in(self, token: str = TOKEN, name: str = "alice") -> tuple[int, Any, str]:
-        result = await self.post("/web/signin", {"token": token, "name": name})
+        result = await self.post("signin", {"token": token, "name": name})
         await self.get()
         return result
 
-    async def answer(self, approval_id: str, decision: str, **form: str) -> tuple[int, Any, str]:
+    async def answer(
+        self, approval_id: str, decision: str, headers: dict[str, str] | None = None, **form: str
+    ) -> tuple[int, Any, str]:
         assert self.csrf is not None
-        return await self.post("/web/answer", {"csrf": self.csrf, "id": approval_id, "decision": decision, **form})
+        form = {"csrf": self.csrf, "id": approval_id, "decision": decision, **form}
+        return await self.post("answer", form, headers=headers)
 
 
 class EventReader:
-    """The page's event stream (``GET /web/events``), read event by event."""
+    """The page's event stream (``GET <page>/events``), read event by event."""
 
     def __init__(self, resp: aiohttp.ClientResponse) -> None:
         self.resp = resp
