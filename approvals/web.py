@@ -1,31 +1,48 @@
 """The web channel: the approvals page of the control server (``--approver web``).
 
-Routes (all under ``/web``; public to the control API's bearer check, each
-guarded here instead):
+Routes (all under the page's own path ``P`` = ``/web/<random>``, 128 bits
+drawn when egressd starts and printed with the page's URL; public to the
+control API's bearer check, each guarded here instead; nothing answers at
+``/web/`` itself):
 
-- ``GET  /web/``          the page, or the sign-in form without a session
-- ``POST /web/signin``    ``token`` (the control token) and ``name``: a session cookie, 303 to the page
-- ``POST /web/signout``   ``csrf``: the session ends, the cookie is cleared
-- ``POST /web/answer``    ``csrf``, ``id``, ``decision`` (allow|deny): answered through the
-                          ``Answerer`` with channel ``web`` and ``by`` the name given at sign-in
-- ``GET  /web/events``    server-sent events: the waiting approvals, their settlements,
-                          the runs, and the egress records as they happen
-- ``GET  /web/app.js``, ``/web/style.css``  the page's only script and style (shipped in the package)
+- ``GET  P/``          the page, or the sign-in form without a session
+- ``POST P/signin``    ``token`` (the control token) and ``name``: the session cookies, 303 to the page
+- ``POST P/signout``   ``csrf``: the session ends, the cookies are cleared
+- ``POST P/answer``    ``csrf``, ``id``, ``decision`` (once|allow|always|deny): answered through the
+                       ``Answerer`` with channel ``web``, ``by`` the name given at sign-in and
+                       ``auth`` naming the session and the token it signed in with
+- ``GET  P/events``    server-sent events: the waiting approvals, their settlements,
+                       the runs, and the egress records as they happen
+- ``GET  P/app.js``, ``P/style.css``  the page's only script and style (shipped in the package)
 
 Who may sign in: the global control token (every run), or a run's own
 control token, narrowed to that run like the control API's ``Scope`` (its
-approvals, its runs row, its egress; the session ends with the run). The
-token is compared in constant time; failed sign-ins are limited per client
-address and in all (429). A session is server-side (``webpage.SessionStore``):
-the cookie ``egressd_session`` holds only its 256-bit random id, HttpOnly,
-SameSite=Strict, ``Path=/web``, Secure when the page is reached over https;
-it ends after an hour unused or twelve hours in all, at sign-out, or when
-egressd stops.
+approvals, its runs row, its egress; the session ends with the run). A run's
+session is never offered *always* and is refused it (403): it outlives the
+run. The token is compared in constant time; failed sign-ins are limited per
+client address (429), never in all, so nobody's failures lock out the
+operator. A session is server-side (``webpage.SessionStore``): the browser
+holds two cookies, both needed, its 256-bit random id and its 256-bit key
+(``webpage.cookie_names``), HttpOnly, SameSite=Strict, ``Path=P`` (the id's
+``Path=/`` over https, where it carries the ``__Host-`` prefix). Cookies are
+not isolated by port and a page on another port of the host is same-site:
+the key reaches no path but ``P``, which such a page does not know. A
+session ends after an hour unused or twelve hours in all, at sign-out, or
+when egressd stops. Sessions are capped per scope (``MAX_SESSIONS_PER_SCOPE``:
+one token's sign-ins never push out another's; past the cap the one seen
+longest ago without an open page goes, and when all have their page open the
+sign-in is refused, 503); event streams per session (``MAX_STREAMS_PER_SESSION``,
+503 past it).
 
 Every state change (sign-in, sign-out, an answer) is a POST whose ``Origin``
-must be the page's own; all but the sign-in also carry the session's CSRF
-token (256 random bits, compared in constant time): anything else is 403 and
-changes nothing. A GET never decides anything. Every request's Host must
+must be the page's own and whose ``Sec-Fetch-Site``, when sent, is
+``same-origin``; all but the sign-in also carry the session's CSRF token (256
+random bits, drawn with the session, compared in constant time): anything
+else is 403 and changes nothing. The page with its CSRF token, and the event
+stream, are served to a session only when ``Sec-Fetch-Site`` is
+``same-origin`` or ``none`` (a typed address) and any ``Origin`` is the
+page's own: another origin's page carrying the cookies gets 403 and no
+token. A GET never decides anything. Every request's Host must
 name the control server itself (``webpage.host_allowed``), else 421: a
 rebound DNS name cannot reach the page. Every response carries a strict
 Content-Security-Policy (no inline script or style; the script and style
@@ -68,6 +85,7 @@ from urllib.parse import parse_qsl
 from aiohttp import web
 
 from egressd.audit.records import rfc3339
+from egressd.names.shown import escape
 
 from .control import Scope
 from .interface import (
@@ -84,18 +102,22 @@ from .interface import (
 )
 from .message import ABANDONED_TEXT, settled_text
 from .webpage import (
-    COOKIE,
+    CHANGE_SITES,
     DECISIONS,
     MAX_NAME_CHARS,
-    PREFIX,
+    MAX_STREAMS_PER_SESSION,
+    PAGE_SITES,
     Session,
     SessionStore,
     SignInLimiter,
     approval_event,
+    cookie_names,
     expected_origin,
+    fetch_site_ok,
     host_allowed,
     message_html,
     page_html,
+    page_path,
     public_https,
     run_row,
     signin_html,
@@ -118,8 +140,6 @@ KEEPALIVE_S = 5.0
 STREAM_QUEUE = 1024
 # Egress records a new stream starts with (and a page keeps).
 TAIL_BACKLOG = 100
-# Streams open at once, all sessions together.
-MAX_STREAMS = 32
 # What a page is told of an approval that stopped waiting without this channel being told how.
 NO_LONGER_WAITING = "no longer waiting (answered elsewhere, or expired)"
 # Sign-in and answer forms are a few short fields.
@@ -198,12 +218,15 @@ class WebChannel:
         public_url: str | None = None,
         clock: Callable[[], float] = time.time,
         new_secret: Callable[[], str] = lambda: secrets.token_urlsafe(32),
+        path_secret: str | None = None,
         sessions: SessionStore | None = None,
         limiter: SignInLimiter | None = None,
         presence_grace_s: float = PRESENCE_GRACE_S,
         keepalive_s: float = KEEPALIVE_S,
     ) -> None:
         self._public_url = public_url
+        # The page's own path, drawn per instance (module docstring): 128 bits.
+        self.prefix = page_path(path_secret or secrets.token_urlsafe(16))
         self._clock = clock
         self._sessions = sessions or SessionStore(new_secret=new_secret)
         self._limiter = limiter or SignInLimiter()
@@ -228,7 +251,7 @@ class WebChannel:
     async def deliver(self, approval: PendingApproval) -> None:
         if self._closed or not self.attached_for(approval.request.run_id):
             raise ChannelUnavailable("nobody who may answer has the approvals page open")
-        self._publish("approval", approval_event(approval), approval.request.run_id)
+        self._publish("approval", approval, approval.request.run_id)
 
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
         self._publish("settled", {"id": approval.id, "text": settled_text(settlement)}, approval.request.run_id)
@@ -247,25 +270,31 @@ class WebChannel:
         self._sessions.clear()
 
     def routes(self) -> Sequence[Route]:
+        prefix = self.prefix
         guarded = [
-            ("GET", PREFIX, self._to_page),
-            ("GET", f"{PREFIX}/", self._page),
-            ("POST", f"{PREFIX}/signin", self._signin),
-            ("POST", f"{PREFIX}/signout", self._signout),
-            ("POST", f"{PREFIX}/answer", self._answer),
-            ("GET", f"{PREFIX}/events", self._events),
-            ("GET", f"{PREFIX}/app.js", self._app_js),
-            ("GET", f"{PREFIX}/style.css", self._style_css),
+            ("GET", prefix, self._to_page),
+            ("GET", f"{prefix}/", self._page),
+            ("POST", f"{prefix}/signin", self._signin),
+            ("POST", f"{prefix}/signout", self._signout),
+            ("POST", f"{prefix}/answer", self._answer),
+            ("GET", f"{prefix}/events", self._events),
+            ("GET", f"{prefix}/app.js", self._app_js),
+            ("GET", f"{prefix}/style.css", self._style_css),
         ]
-        # Public to the bearer check: the cookie, the CSRF token and the Host rule are this page's credentials.
-        return [Route(method, path, self._guard(handler), public=True) for method, path, handler in guarded]
+        # Public to the bearer check: the cookies, the CSRF token and the Host rule are this page's credentials.
+        return [
+            Route(method, path, self._guard(handler), public=True, page=path == f"{prefix}/")
+            for method, path, handler in guarded
+        ]
 
     # -- the event streams ---------------------------------------------------------------
 
     def _publish(self, event: str, data: Any, run_id: str | None) -> None:
+        """``data`` to every stream whose scope covers ``run_id``; an approval as that scope sees it."""
         for stream in list(self._streams):
             if run_id is None or stream.scope.covers(run_id):
-                if not stream.put(event, data):
+                shown = approval_event(data, stream.scope) if isinstance(data, PendingApproval) else data
+                if not stream.put(event, shown):
                     self._cut(stream)
 
     def _cut(self, stream: _Stream) -> None:
@@ -302,18 +331,35 @@ class WebChannel:
     def _secure(self, request: web.Request) -> bool:
         return request.secure or public_https(request.headers.get("Host"), self._public_url)
 
-    def _origin_ok(self, request: web.Request) -> bool:
-        """A state change must come from the page itself: ``Origin`` equal to the page's own origin."""
+    def _origin_ok(self, request: web.Request, *, required: bool = True) -> bool:
+        """A request from the page itself: ``Origin`` equal to the page's own origin (or absent, if not ``required``).
+
+        A state change requires it, with ``Sec-Fetch-Site`` (when sent) ``same-origin``.
+        """
         origin = request.headers.get("Origin")
+        if origin is None:
+            return not required
         host = request.headers.get("Host", "")
         want = expected_origin(host, secure=self._secure(request), public_url=self._public_url)
-        return origin is not None and hmac.compare_digest(origin.strip().lower().encode(), want.encode())
+        return hmac.compare_digest(origin.strip().lower().encode(), want.encode())
+
+    def _change_ok(self, request: web.Request) -> bool:
+        """A state change: from the page itself (``Origin``, ``Sec-Fetch-Site``)."""
+        return self._origin_ok(request) and fetch_site_ok(request.headers.get("Sec-Fetch-Site"), CHANGE_SITES)
+
+    def _read_ok(self, request: web.Request, sites: frozenset[str]) -> bool:
+        """A GET that hands a session's page (its CSRF token) or stream out: not made by another origin's page."""
+        return self._origin_ok(request, required=False) and fetch_site_ok(request.headers.get("Sec-Fetch-Site"), sites)
 
     def _session_id(self, request: web.Request) -> str | None:
-        return request.cookies.get(COOKIE)
+        return request.cookies.get(cookie_names(self._secure(request))[0])
 
     def _session(self, request: web.Request) -> Session | None:
-        session = self._sessions.get(self._session_id(request), self._clock())
+        """The request's session: its id cookie and its key cookie, both, or None."""
+        key = request.cookies.get(cookie_names(self._secure(request))[1])
+        if not key:
+            return None
+        session = self._sessions.get(self._session_id(request), self._clock(), key=key)
         if session is None:
             return None
         if session.scope.run_id is not None and not self._view(request).sign_in_alive(session.scope.run_id):
@@ -356,7 +402,7 @@ class WebChannel:
     # -- handlers ----------------------------------------------------------------------
 
     async def _to_page(self, request: web.Request) -> web.StreamResponse:
-        return _redirect(f"{PREFIX}/", 302)
+        return _redirect(f"{self.prefix}/", 302)
 
     async def _app_js(self, request: web.Request) -> web.StreamResponse:
         return web.Response(body=self._script, content_type="text/javascript", charset="utf-8")
@@ -368,11 +414,16 @@ class WebChannel:
         session = self._session(request)
         if session is None:
             return web.Response(text=signin_html(), content_type="text/html", charset="utf-8")
+        if not self._read_ok(request, PAGE_SITES):
+            # Another origin's page (another port of this host is same-site) sent the cookies: no CSRF token.
+            return self._html(403, "Refused", "Open the approvals page from its own address.")
         view = self._view(request)
         scope = session.scope
         answerer = self._answerer
         approvals = [
-            approval_event(a) for a in (answerer.pending() if answerer else ()) if scope.covers(a.request.run_id)
+            approval_event(a, scope)
+            for a in (answerer.pending() if answerer else ())
+            if scope.covers(a.request.run_id)
         ]
         flash, session.flash = session.flash, None
         body = page_html(
@@ -386,7 +437,7 @@ class WebChannel:
         return web.Response(text=body, content_type="text/html", charset="utf-8")
 
     async def _signin(self, request: web.Request) -> web.StreamResponse:
-        if not self._origin_ok(request):
+        if not self._change_ok(request):
             return self._html(403, "Refused", "A sign-in must come from this page (its Origin did not match).")
         address = request.remote or "?"
         now = self._clock()
@@ -401,40 +452,55 @@ class WebChannel:
             self._limiter.failed(address, now)
             log.warning("approvals page: a failed sign-in from %s", address)
             return web.Response(status=401, text=signin_html("That is not a control token."), content_type="text/html")
-        name = " ".join((form or {}).get("name", "").split())[:MAX_NAME_CHARS] or CHANNEL
-        sid, _ = self._sessions.open(name, scope, now)
+        name = escape(" ".join((form or {}).get("name", "").split())[:MAX_NAME_CHARS]) or CHANNEL
+        opened = self._sessions.open(name, scope, now)
+        if opened is None:
+            log.warning("approvals page: a sign-in from %s refused: every session of its token has its page open",
+                        address)
+            return web.Response(
+                status=503,
+                text=signin_html("Too many open pages signed in with this token: close one first."),
+                content_type="text/html",
+            )
+        sid, session = opened
         log.info(
             "approvals page: %s signed in from %s (%s)",
             name,
             address,
             "every run" if scope.run_id is None else f"run {scope.run_id}",
         )
-        response = _redirect(f"{PREFIX}/")
-        response.set_cookie(
-            COOKIE,
-            sid,
-            path=PREFIX,
-            httponly=True,
-            samesite="Strict",
-            secure=self._secure(request),
-            max_age=int(self._sessions.max_s),
-        )
+        response = _redirect(f"{self.prefix}/")
+        secure = self._secure(request)
+        id_name, key_name = cookie_names(secure)
+        for name_, value, path in ((id_name, sid, "/" if secure else self.prefix), (key_name, session.key, self.prefix)):
+            response.set_cookie(
+                name_,
+                value,
+                path=path,
+                httponly=True,
+                samesite="Strict",
+                secure=secure,
+                max_age=int(self._sessions.max_s),
+            )
         return response
 
     async def _signout(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         form = await self._form(request)
-        if session is None or form is None or not self._origin_ok(request) or not self._csrf_ok(session, form):
+        if session is None or form is None or not self._change_ok(request) or not self._csrf_ok(session, form):
             return self._html(403, "Refused", "Sign-out needs this page's session and its CSRF token.")
         self._sessions.close(self._session_id(request))
-        response = _redirect(f"{PREFIX}/")
-        response.del_cookie(COOKIE, path=PREFIX)
+        response = _redirect(f"{self.prefix}/")
+        secure = self._secure(request)
+        id_name, key_name = cookie_names(secure)
+        response.del_cookie(id_name, path="/" if secure else self.prefix)
+        response.del_cookie(key_name, path=self.prefix)
         return response
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         form = await self._form(request)
-        if session is None or form is None or not self._origin_ok(request) or not self._csrf_ok(session, form):
+        if session is None or form is None or not self._change_ok(request) or not self._csrf_ok(session, form):
             return self._html(403, "Refused", "An answer needs this page's session and its CSRF token.")
         approval_id = form.get("id", "")
         decided = DECISIONS.get(form.get("decision", ""))
@@ -442,6 +508,11 @@ class WebChannel:
             return self._html(400, "Bad answer", "An answer names an approval and once, allow, always or deny.")
         choice = Choice.ALLOW if decided[0] else Choice.DENY
         scope = parse_scope(decided[1]) or ApprovalScope.RUN
+        if choice is Choice.ALLOW and scope is ApprovalScope.ALWAYS and not session.scope.outlives_runs:
+            return self._html(
+                403, "Refused", "Allow always outlives this run: it needs a session signed in with the global token."
+            )
+        approval_id = escape(approval_id)  # shown back in a flash: no invisible or bidi characters
         answerer = self._answerer
         if answerer is None:
             return self._html(503, "Not ready", "The approvals page is not started.")
@@ -452,8 +523,10 @@ class WebChannel:
                 return self._html(403, "Refused", f"This session acts on run {session.scope.run_id} only.")
             if approval_id not in runs:
                 session.flash = f"No pending approval {approval_id}."
-                return _redirect(f"{PREFIX}/")
-        answered = answerer.answer(approval_id, choice, channel=CHANNEL, by=session.name, scope=scope)
+                return _redirect(f"{self.prefix}/")
+        answered = answerer.answer(
+            approval_id, choice, channel=CHANNEL, by=session.name, scope=scope, auth=session.auth
+        )
         if answered.result is AnswerResult.NOT_OFFERED:
             why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
             session.flash = f"Not answered: {scope.value} is not offered for {approval_id}{why}."
@@ -466,21 +539,22 @@ class WebChannel:
             session.flash = f"Approval {approval_id} was already settled: {how}."
         else:
             session.flash = f"No pending approval {approval_id}."
-        return _redirect(f"{PREFIX}/")
+        return _redirect(f"{self.prefix}/")
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         if session is None:
             # 204 stops an EventSource from reconnecting; the page then reloads into the sign-in form.
             return web.Response(status=204)
-        if len(self._streams) >= MAX_STREAMS or self._closed:
+        if not self._read_ok(request, CHANGE_SITES):
+            return web.Response(status=403, text="the event stream is the page's own")
+        if session.streams >= MAX_STREAMS_PER_SESSION or self._closed:
             return web.Response(status=503, text="too many open pages")
         bound = self._view(request)
         sid = self._session_id(request) or ""
         scope = session.scope
         stream = _Stream(sid, scope)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **SECURITY_HEADERS})
-        await response.prepare(request)
 
         def on_egress(record: dict[str, Any]) -> None:
             # Called inside the gate, for every egress record: never raises into it.
@@ -491,16 +565,18 @@ class WebChannel:
             except Exception:
                 log.exception("approvals page: an egress record could not be shown")
 
+        # Counted before the first await: concurrent requests cannot all pass the cap.
         self._streams.add(stream)
         session.streams += 1
         bound.view.observers.append(on_egress)
         try:
+            await response.prepare(request)
             await response.write(f"retry: {RETRY_MS}\n\n".encode())
             answerer = self._answerer
             shown: set[str] = set()  # the approvals this page shows as waiting
             for approval in answerer.pending() if answerer else ():
                 if scope.covers(approval.request.run_id):
-                    await response.write(_frame("approval", approval_event(approval)))
+                    await response.write(_frame("approval", approval_event(approval, scope)))
                     shown.add(approval.id)
             # The latest records again: one written between the page's first view and this stream is not lost
             # (the page shows each record once, by its id).

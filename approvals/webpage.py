@@ -5,13 +5,20 @@ passed in. ``egressd.approvals.web`` is the asyncio shell around them.
 
 Everything that came from a sandbox (a command, a task, a host name, a run's
 entries, who answered) reaches the page only through ``esc`` (HTML escaping
-of ``& < > " '``), on top of the message's own escaping of invisible
-characters (``egressd.approvals.message``). The page's script adds text with
-``textContent`` only, so it needs no escaping of its own.
+of ``& < > " '``), on top of the escaping of invisible and bidi characters
+every channel uses (``egressd.names.shown.escape``: the approval's message
+has it already; ``run_row`` and ``tail_row`` apply it to what the runs table
+and the egress tail show). The page's script adds text with ``textContent``
+only, so it needs no escaping of its own.
+
+The page's URLs are relative (``answer``, ``events``, ``app.js``): it is
+served under a random per-instance path (``page_path``), and so is every
+link it holds.
 """
 
 from __future__ import annotations
 
+import hmac
 import html
 import ipaddress
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -20,6 +27,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from egressd.audit.records import rfc3339
+from egressd.names.shown import escape
 
 from .control import Scope
 from .interface import PendingApproval
@@ -28,21 +36,62 @@ from .interface import PendingApproval
 # keeps it alive); and at most, whatever it does: a stolen cookie ends.
 SESSION_IDLE_S = 3600.0
 SESSION_MAX_S = 12 * 3600.0
-# Sessions held at once: more browsers than one person uses; past it the one
-# seen longest ago is signed out, so a flood of sign-ins cannot grow memory.
-MAX_SESSIONS = 64
-# Failed sign-ins: per client address and in all, within a window. A 256-bit
-# token cannot be guessed anyway; this keeps the log and the CPU quiet.
+# Sessions held at once, per scope (the global token's; each run's own), so
+# that sign-ins with one token never push out another's: more browsers than
+# one person uses. Past it the one seen longest ago *without an open page* is
+# signed out; when every one has its page open, the sign-in is refused.
+MAX_SESSIONS_PER_SCOPE = 16
+# Event streams (open pages) one session may hold at once: a few tabs.
+MAX_STREAMS_PER_SESSION = 4
+# Failed sign-ins per client address (an IPv6 client by its /64) within a
+# window, never in all: an attacker's addresses must not lock out the
+# operator's. A 256-bit token cannot be guessed anyway; this keeps the log
+# and the CPU quiet.
 FAILED_SIGNINS_PER_ADDRESS = 5
-FAILED_SIGNINS_TOTAL = 50
 FAILED_SIGNIN_WINDOW_S = 60.0
 # Client addresses remembered by the limiter; the oldest is forgotten first.
-MAX_LIMITED_ADDRESSES = 1024
+MAX_LIMITED_ADDRESSES = 4096
 # A name typed at sign-in, shown to others as who answered.
 MAX_NAME_CHARS = 64
 
-COOKIE = "egressd_session"
+# The session is two cookies, both needed: its id, and a key scoped to the
+# page's random path. Cookies are not isolated by port, and a page on another
+# port of the host is same-site: the key never reaches any path but the
+# page's own, which such a page does not know. Over https the id cookie
+# carries the ``__Host-`` prefix (Secure, this host only; the prefix demands
+# ``Path=/``) and the key ``__Secure-``.
+SESSION_COOKIE = "egressd_session"
+KEY_COOKIE = "egressd_key"
+SECURE_SESSION_COOKIE = "__Host-egressd_session"
+SECURE_KEY_COOKIE = "__Secure-egressd_key"
+# Every page lives under /web/<random>: ``page_path``.
 PREFIX = "/web"
+# Fetch Metadata (W3C): what a browser says of who made a request. Only the
+# page itself ("same-origin") and a person typing or following a bookmark
+# ("none") may read the page with its CSRF token; only the page may change
+# anything. Another port of the host is "same-site": refused.
+PAGE_SITES = frozenset({"same-origin", "none"})
+CHANGE_SITES = frozenset({"same-origin"})
+
+
+def page_path(secret: str) -> str:
+    """The page's own path: ``/web/`` and a random secret (printed with its URL at start)."""
+    return f"{PREFIX}/{secret}"
+
+
+def cookie_names(secure: bool) -> tuple[str, str]:
+    """The session's (id, key) cookie names, over https or not."""
+    return (SECURE_SESSION_COOKIE, SECURE_KEY_COOKIE) if secure else (SESSION_COOKIE, KEY_COOKIE)
+
+
+def fetch_site_ok(sec_fetch_site: str | None, allowed: frozenset[str]) -> bool:
+    """Whether a request's ``Sec-Fetch-Site`` is one of ``allowed``; a client that sends none passes.
+
+    Every browser this page supports sends it; a client without it (curl)
+    is no other page's tool: ``Origin``, the CSRF token and the cookie's
+    path are the checks that still hold for it.
+    """
+    return sec_fetch_site is None or sec_fetch_site.strip().lower() in allowed
 
 
 def esc(text: object) -> str:
@@ -66,6 +115,7 @@ class Session:
     csrf: str
     created: float
     seen: float
+    key: str = ""
     streams: int = 0
     stream_ended: float | None = None
     flash: str | None = None
@@ -74,6 +124,11 @@ class Session:
         if now - self.created >= max_s:
             return True
         return self.streams == 0 and now - self.seen >= idle_s
+
+    @property
+    def auth(self) -> str:
+        """The credential, as ``approval.decided`` names it: this session, and the token it signed in with."""
+        return f'page session "{self.name}" ({self.scope.auth})'
 
     def present(self, now: float, grace_s: float) -> bool:
         """Someone has the page open: an event stream now, or one that closed within ``grace_s`` (a reconnect)."""
@@ -84,35 +139,54 @@ class Session:
 
 @dataclass(slots=True)
 class SessionStore:
-    """Server-side sessions by id. Ids and CSRF tokens come from ``new_secret`` (256 random bits).
+    """Server-side sessions by id. Ids, keys and CSRF tokens come from ``new_secret`` (256 random bits).
 
-    The browser holds only the id (the cookie); everything else stays here,
-    so signing out or expiring ends the session wherever its cookie is.
+    The browser holds only the id and the key (two cookies); everything else
+    stays here, so signing out or expiring ends the session wherever its
+    cookies are. ``limit`` is per scope (``MAX_SESSIONS_PER_SCOPE``).
     """
 
     new_secret: Callable[[], str]
     idle_s: float = SESSION_IDLE_S
     max_s: float = SESSION_MAX_S
-    limit: int = MAX_SESSIONS
+    limit: int = MAX_SESSIONS_PER_SCOPE
     _sessions: dict[str, Session] = field(default_factory=dict)
 
-    def open(self, name: str, scope: Scope, now: float) -> tuple[str, Session]:
-        """A new session; past ``limit`` the one seen longest ago is dropped first."""
+    def open(self, name: str, scope: Scope, now: float) -> tuple[str, Session] | None:
+        """A new session, or None when its scope is full of sessions with their page open.
+
+        Past ``limit`` sessions of the same scope, the one of them seen
+        longest ago with no open stream is dropped first; sessions of other
+        scopes are never touched, nor one whose page is open.
+        """
         self.sweep(now)
-        while len(self._sessions) >= self.limit:
-            oldest = min(self._sessions, key=lambda sid: self._sessions[sid].seen)
+        same = [sid for sid, s in self._sessions.items() if s.scope == scope]
+        while len(same) >= self.limit:
+            idle = [sid for sid in same if self._sessions[sid].streams == 0]
+            if not idle:
+                return None
+            oldest = min(idle, key=lambda sid: self._sessions[sid].seen)
             del self._sessions[oldest]
+            same.remove(oldest)
         sid = self.new_secret()
-        session = Session(name=name, scope=scope, csrf=self.new_secret(), created=now, seen=now)
+        session = Session(
+            name=name, scope=scope, csrf=self.new_secret(), created=now, seen=now, key=self.new_secret()
+        )
         self._sessions[sid] = session
         return sid, session
 
-    def get(self, sid: str | None, now: float, *, touch: bool = True) -> Session | None:
-        """The live session with this id (its idle clock restarted), or None."""
+    def get(self, sid: str | None, now: float, *, key: str | None = None, touch: bool = True) -> Session | None:
+        """The live session with this id (its idle clock restarted), or None.
+
+        ``key``: the session's key as the browser sent it; given, it must
+        match (compared in constant time).
+        """
         if not sid:
             return None
         session = self._sessions.get(sid)
         if session is None:
+            return None
+        if key is not None and not hmac.compare_digest(key.encode(), session.key.encode()):
             return None
         if session.expired(now, self.idle_s, self.max_s):
             del self._sessions[sid]
@@ -140,12 +214,29 @@ class SessionStore:
         return len(self._sessions)
 
 
+def client_key(address: str) -> str:
+    """Who a failed sign-in is counted against: the address, an IPv6 one by its /64 (one host's many)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%")[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
+
+
 @dataclass(slots=True)
 class SignInLimiter:
-    """Failed sign-ins within a sliding window, per client address and in all."""
+    """Failed sign-ins within a sliding window, per client (``client_key``); never in all.
+
+    A count in all would let one attacker's addresses lock out everyone,
+    the operator with the right token too. Memory is bounded by forgetting
+    the client seen longest ago (``MAX_LIMITED_ADDRESSES``).
+    """
 
     per_address: int = FAILED_SIGNINS_PER_ADDRESS
-    total: int = FAILED_SIGNINS_TOTAL
     window_s: float = FAILED_SIGNIN_WINDOW_S
     _failures: dict[str, list[float]] = field(default_factory=dict)
 
@@ -160,15 +251,14 @@ class SignInLimiter:
     def allowed(self, address: str, now: float) -> bool:
         """Whether a sign-in from ``address`` may be tried now."""
         self._recent(now)
-        if sum(len(t) for t in self._failures.values()) >= self.total:
-            return False
-        return len(self._failures.get(address, ())) < self.per_address
+        return len(self._failures.get(client_key(address), ())) < self.per_address
 
     def failed(self, address: str, now: float) -> None:
         self._recent(now)
-        if address not in self._failures and len(self._failures) >= MAX_LIMITED_ADDRESSES:
+        key = client_key(address)
+        if key not in self._failures and len(self._failures) >= MAX_LIMITED_ADDRESSES:
             del self._failures[next(iter(self._failures))]
-        self._failures.setdefault(address, []).append(now)
+        self._failures.setdefault(key, []).append(now)
 
 
 # -- the Host and Origin rules ---------------------------------------------------
@@ -267,15 +357,20 @@ def public_https(host_header: str | None, public_url: str | None) -> bool:
 # -- what the page shows (JSON for the script, HTML for the first view) ----------------
 
 
-def approval_event(approval: PendingApproval) -> dict[str, Any]:
-    """An approval as the page's script gets it: the message's lines as rendered for every channel."""
+def approval_event(approval: PendingApproval, scope: Scope) -> dict[str, Any]:
+    """An approval as the page's script gets it: the message's lines as rendered for every channel.
+
+    ``scopes``: the answers offered to a session of ``scope``; *always*
+    outlives the run, so a run's own session is never offered it.
+    """
+    offered = [s.value for s in approval.scopes if scope.outlives_runs or s.value != "always"]
     return {
         "id": approval.id,
         "run": approval.request.run_id,
         "lines": [[kind, text] for kind, text in approval.message.lines],
         "expires_at": approval.expires_at,
         "abandoned": approval.abandoned,
-        "scopes": [scope.value for scope in approval.scopes],
+        "scopes": offered,
     }
 
 
@@ -305,11 +400,20 @@ def offered_answers(scopes: Sequence[str]) -> list[tuple[str, str]]:
 TAIL_FIELDS = ("ts", "run", "kind", "host", "port", "decision", "reason")
 
 
+def shown(value: object) -> object:
+    """Sandbox text as the page shows it: every invisible or bidi character a visible escape (as the card's)."""
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, list | tuple):
+        return [shown(v) for v in value]
+    return value
+
+
 def tail_row(record: Mapping[str, Any]) -> dict[str, Any]:
     """An egress record as a row of the live tail (``ts`` as RFC 3339; ``id``, the record's, to show it once)."""
-    row = {name: record.get(name) for name in ("id", *TAIL_FIELDS)}
-    ts = row["ts"]
-    row["ts"] = rfc3339(ts) if isinstance(ts, int | float) else ts
+    row = {name: shown(record.get(name)) for name in ("id", *TAIL_FIELDS)}
+    ts = record.get("ts")
+    row["ts"] = rfc3339(ts) if isinstance(ts, int | float) else row["ts"]
     return row
 
 
@@ -320,8 +424,8 @@ LIST_COLUMNS = tuple("allow approved denied deny".split())
 
 
 def run_row(run: Mapping[str, Any]) -> dict[str, Any]:
-    """A run as the page shows it."""
-    return {name: run.get(name) for name in RUN_FIELDS}
+    """A run as the page shows it, its texts escaped as the approval card's (``shown``)."""
+    return {name: shown(run.get(name)) for name in RUN_FIELDS}
 
 
 def countdown(seconds_left: float) -> str:
@@ -343,7 +447,7 @@ def answer_form(approval_id: str, csrf: str, scopes: Sequence[str] = ("once", "r
         for value, label in offered_answers(scopes)
     )
     return (
-        f'<form class="answer" method="post" action="{PREFIX}/answer">'
+        '<form class="answer" method="post" action="answer">'
         f'<input type="hidden" name="csrf" value="{esc(csrf)}">'
         f'<input type="hidden" name="id" value="{esc(approval_id)}">'
         f"{buttons}</form>"
@@ -400,12 +504,12 @@ def tail_html(rows: Sequence[Mapping[str, Any]]) -> str:
 
 def _document(title: str, body: str, csrf: str | None = None) -> str:
     meta = f'<meta name="csrf" content="{esc(csrf)}">' if csrf is not None else ""
-    script = f'<script src="{PREFIX}/app.js" defer></script>' if csrf is not None else ""
+    script = '<script src="app.js" defer></script>' if csrf is not None else ""
     return (
         '<!doctype html><html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>{esc(title)}</title>{meta}"
-        f'<link rel="stylesheet" href="{PREFIX}/style.css">{script}</head>'
+        f'<link rel="stylesheet" href="style.css">{script}</head>'
         f"<body>{body}</body></html>"
     )
 
@@ -417,7 +521,7 @@ def signin_html(error: str | None = None) -> str:
         "egressd approvals: sign in",
         '<main class="signin"><h1>egressd approvals</h1>'
         f"{note}"
-        f'<form method="post" action="{PREFIX}/signin">'
+        '<form method="post" action="signin">'
         '<label>Control token <input type="password" name="token" autocomplete="off" required autofocus></label>'
         f'<label>Your name (shown as who answered) <input type="text" name="name" maxlength="{MAX_NAME_CHARS}">'
         "</label>"
@@ -443,7 +547,7 @@ def page_html(
     body = (
         '<header><h1>egressd approvals</h1><span class="who">signed in as '
         f"{esc(who)}</span>"
-        f'<form method="post" action="{PREFIX}/signout"><input type="hidden" name="csrf" value="{esc(session.csrf)}">'
+        f'<form method="post" action="signout"><input type="hidden" name="csrf" value="{esc(session.csrf)}">'
         '<button type="submit">Sign out</button></form></header>'
         f'<p id="status" class="status">Live updates: connecting…</p>{note}'
         "<section><h2>Waiting approvals</h2>"
@@ -464,4 +568,4 @@ def page_html(
 
 def message_html(title: str, text: str) -> str:
     """A short page for a refusal (no session, bad CSRF token, wrong Host)."""
-    return _document(title, f'<main><h1>{esc(title)}</h1><p>{esc(text)}</p><p><a href="{PREFIX}/">Back</a></p></main>')
+    return _document(title, f'<main><h1>{esc(title)}</h1><p>{esc(text)}</p><p><a href="./">Back</a></p></main>')

@@ -1,4 +1,4 @@
-// The egressd approvals page: keeps the page current from /web/events (server-sent events).
+// The egressd approvals page: keeps the page current from its events stream (server-sent events).
 // Every text that came from a sandbox is added with textContent, never as HTML.
 "use strict";
 
@@ -55,7 +55,7 @@
   function buildForm(id, scopes) {
     const form = el("form", "answer");
     form.method = "post";
-    form.action = "/web/answer";
+    form.action = "answer";  // relative: the page lives under its own random path
     form.appendChild(hidden("csrf", csrf));
     form.appendChild(hidden("id", id));
     for (const [value, label, scope] of ANSWERS) {
@@ -166,7 +166,7 @@
     list.parentNode.insertBefore(p, list);
   }
 
-  const events = new EventSource("/web/events");
+  const events = new EventSource("events");
   const on = function (name, fn) {
     events.addEventListener(name, function (e) { fn(JSON.parse(e.data)); });
   };

@@ -540,6 +540,7 @@ class EgressService:
             except TokenFileError as exc:
                 raise StartupError(f"bad setting control: cannot write the token file {path}: {exc}") from None
         app = build_app(gate=self.gate, runs=self.runs, proxy_address=self.proxy_address, token=self.control_token)
+        pages: list[str] = []  # the approvals page's own random path, printed with its URL
         if isinstance(self.gate.approver, ManagedApprover):
             # /approvals for `egressd pending|allow|deny`; the webhook callback and
             # Slack's interactivity endpoint are public: their signature is the credential.
@@ -547,6 +548,8 @@ class EgressService:
                 app.router.add_route(route.method, route.path, route.handler)
                 if route.public:
                     app[PUBLIC_PATHS].add(route.path)
+                if route.page:
+                    pages.append(route.path)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await runner.setup()
         self._control_runner = runner
@@ -570,10 +573,11 @@ class EgressService:
                 self._listening("control", bound_port)
                 shown = f"[{host}]" if ":" in host else host
                 self.control_address = f"http://{shown}:{bound_port}"
-                if "web" in s.approver:
+                for page in pages:
                     log.info(
-                        "approvals page: %s/web/ (sign in with the control token)",
+                        "approvals page: %s%s (sign in with the control token)",
                         (s.public_url or self.control_address).rstrip("/"),
+                        page,
                     )
         except OSError as exc:
             raise StartupError(f"bad setting control: cannot listen on {s.control}: {exc.strerror}") from None

@@ -613,7 +613,7 @@ class PageDriver(Driver):
         return broker
 
     async def _open_page(self, token: str = "global-token") -> PageClient:
-        page = PageClient(self.base)
+        page = PageClient(self.base, self.web.prefix)
         self.stack.push_async_callback(page.close)
         await page.sign_in(token=token, name="alice")
         assert page.csrf is not None
@@ -622,7 +622,7 @@ class PageDriver(Driver):
     async def start(self, timeout_s: float) -> ApprovalBroker:
         broker = await self._serve(timeout_s)
         self.page = await self._open_page()
-        self.stream = await self.stack.enter_async_context(self.page.http.get(self.base + "/web/events"))
+        self.stream = await self.stack.enter_async_context(self.page.http.get(self.page.url("events")))
         self.events = EventReader(self.stream)
         await self.events.until("ready")
         self.reading = asyncio.create_task(self._read())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -10,6 +11,8 @@ from egressd.approvals.control import Scope
 from egressd.approvals.interface import ApprovalRequest, PendingApproval
 from egressd.approvals.message import render
 from egressd.approvals.webpage import (
+    CHANGE_SITES,
+    PAGE_SITES,
     Session,
     SessionStore,
     SignInLimiter,
@@ -17,8 +20,10 @@ from egressd.approvals.webpage import (
     approval_html,
     countdown,
     expected_origin,
+    fetch_site_ok,
     host_allowed,
     page_html,
+    run_row,
     runs_html,
     tail_html,
     tail_row,
@@ -105,15 +110,52 @@ def test_a_page_counts_as_open_for_the_grace_after_its_stream_closed() -> None:
     assert session.present(40.0, 30.0) and not session.present(40.1, 30.0)
 
 
-def test_failed_sign_ins_are_limited_per_address_and_in_all() -> None:
-    limiter = SignInLimiter(per_address=2, total=3, window_s=60.0)
+def test_failed_sign_ins_are_limited_per_address_never_in_all() -> None:
+    limiter = SignInLimiter(per_address=2, window_s=60.0)
     for _ in range(2):
         assert limiter.allowed("10.0.0.1", 0.0)
         limiter.failed("10.0.0.1", 0.0)
     assert not limiter.allowed("10.0.0.1", 1.0) and limiter.allowed("10.0.0.2", 1.0)
-    limiter.failed("10.0.0.2", 1.0)
-    assert not limiter.allowed("10.0.0.3", 2.0)  # three failures in all
+    for address in (f"10.0.1.{i}" for i in range(50)):  # many addresses' failures lock out none but themselves
+        limiter.failed(address, 1.0)
+        limiter.failed(address, 1.0)
+    assert limiter.allowed("10.0.0.3", 2.0)
     assert limiter.allowed("10.0.0.1", 61.0)  # the window moved on
+    # One IPv6 host has a /64 of addresses: counted as one client.
+    limiter.failed("2001:db8::1", 0.0)
+    limiter.failed("2001:db8::2", 0.0)
+    assert not limiter.allowed("2001:db8::ffff", 1.0) and limiter.allowed("2001:db8:0:1::1", 1.0)
+
+
+def test_sessions_are_capped_per_scope_and_one_with_an_open_page_is_never_evicted() -> None:
+    store = secrets_counter()  # limit 3 per scope
+    operator, session = store.open("op", Scope(None), now=0.0)  # type: ignore[misc]
+    for i in range(20):  # a run's token signs in again and again
+        assert store.open(f"x{i}", Scope("r-1"), now=1.0 + i) is not None
+    assert store.get(operator, 30.0) is session  # another scope's sign-ins never push it out
+    session.streams = 1
+    for i in range(2):
+        store.open(f"op{i}", Scope(None), now=31.0 + i)
+    assert store.open("op-3", Scope(None), now=40.0) is not None  # an idle global session went
+    assert store.get(operator, 41.0) is session  # not the one with its page open
+    others = [s for s in store.live(41.0) if s.scope == Scope(None) and s is not session]
+    for other in others:
+        other.streams = 1
+    assert store.open("op-4", Scope(None), now=42.0) is None  # all open: refused, nobody evicted
+    assert store.get(operator, 43.0) is session
+
+
+def test_a_session_needs_its_key() -> None:
+    store = secrets_counter()
+    sid, session = store.open("a", Scope(None), now=0.0)  # type: ignore[misc]
+    assert store.get(sid, 1.0, key=session.key) is session
+    assert store.get(sid, 1.0, key="wrong") is None and store.get(sid, 1.0, key="") is None
+
+
+def test_fetch_metadata_rule() -> None:
+    assert fetch_site_ok(None, PAGE_SITES) and fetch_site_ok("same-origin", CHANGE_SITES)
+    assert fetch_site_ok("none", PAGE_SITES) and not fetch_site_ok("none", CHANGE_SITES)
+    assert not fetch_site_ok("same-site", PAGE_SITES) and not fetch_site_ok("cross-site", PAGE_SITES)
 
 
 HOSTILE = "curl <script>alert(1)</script> \"><img src=x onerror=alert(2)> 'x'"
@@ -130,7 +172,7 @@ def pending(command: str, task: str, host: str = "xn--l-7sba6dbr.com") -> Pendin
 
 
 def test_approval_html_escapes_every_text_from_the_sandbox() -> None:
-    html = approval_html(approval_event(pending(HOSTILE, "<i>task</i> & more")), csrf='c"srf', now=0.0)
+    html = approval_html(approval_event(pending(HOSTILE, "<i>task</i> & more"), Scope(None)), csrf='c"srf', now=0.0)
     for raw in ("<script>", "<img", "<i>", "<b>", "<run>", "'x'"):
         assert raw not in html, raw
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &quot;&gt;&lt;img src=x onerror=alert(2)&gt; &#x27;x&#x27;" in html
@@ -138,7 +180,7 @@ def test_approval_html_escapes_every_text_from_the_sandbox() -> None:
     assert "Domain: xn--l-7sba6dbr.com:443 (shown as раураl.com; registered domain xn--l-7sba6dbr.com)" in html
     assert 'class="line unrelated"' in html
     assert 'value="c&quot;srf"' in html and 'value="a-&quot;x&quot;"' in html
-    assert 'action="/web/answer"' in html and 'method="post"' in html
+    assert 'action="answer"' in html and 'method="post"' in html  # relative: the page's path is random
     assert "expires in 10:00" in html
 
 
@@ -157,8 +199,31 @@ def test_the_page_holds_no_inline_script_or_style() -> None:
     session = Session(name="<n>", scope=Scope("run-1"), csrf="tok", created=0.0, seen=0.0)
     html = page_html(session=session, approvals=[], runs=[], tail=[], now=0.0, flash="<f>")
     assert "<script>" not in html and "<style" not in html and " style=" not in html and " on" not in html.lower()
-    assert '<script src="/web/app.js" defer></script>' in html
+    assert '<script src="app.js" defer></script>' in html
     assert "&lt;n&gt; · run run-1" in html and "&lt;f&gt;" in html and "<f>" not in html
+
+
+BIDI = "safe\u202egpj.exe\u200b\u3164"
+
+
+def test_the_runs_table_and_the_tail_escape_bidi_and_invisible_characters_as_the_card_does() -> None:
+    row = run_row({"id": "r", "task": BIDI, "command": BIDI, "allow": [BIDI], "approved": [BIDI], "denied": []})
+    html = runs_html([row])
+    for text in (html, str(row)):
+        assert "\u202e" not in text and "\u200b" not in text and "\u3164" not in text
+    assert html.count("safe\\u202egpj.exe\\u200b\\u3164") == 4
+    tail = tail_row({"ts": 0.0, "run": BIDI, "host": "x.test", "kind": "connect", "reason": BIDI, "port": 443})
+    assert "\u202e" not in tail_html([tail]) and tail["reason"] == "safe\\u202egpj.exe\\u200b\\u3164"
+
+
+def test_a_run_session_is_never_offered_always() -> None:
+    from egressd.approvals.interface import ApprovalScope
+
+    approval = pending("c", "t")
+    offered = replace(approval, scopes=(ApprovalScope.ONCE, ApprovalScope.RUN, ApprovalScope.ALWAYS))
+    assert approval_event(offered, Scope(None))["scopes"] == ["once", "run", "always"]
+    assert approval_event(offered, Scope("<run>"))["scopes"] == ["once", "run"]
+    assert 'value="always"' not in approval_html(approval_event(offered, Scope("<run>")), csrf="c", now=0.0)
 
 
 def test_countdown_says_minutes_and_seconds() -> None:

@@ -111,57 +111,64 @@ async def held(svc: EgressService, authority: str, extra: str = "") -> asyncio.T
 
 async def test_a_wrong_token_is_refused_and_gets_no_cookie(page_egressd: Callable[..., Any]) -> None:
     svc = await page_egressd()
-    async with PageClient(svc.control_address) as page:
-        status, headers, text = await page.post("/web/signin", {"token": "not-the-token", "name": "mallory"})
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
+        status, headers, text = await page.post("signin", {"token": "not-the-token", "name": "mallory"})
         assert status == 401 and "Set-Cookie" not in headers and "not a control token" in text
         status, _, text = await page.get()
         assert status == 200 and 'name="token"' in text and page.csrf is None  # still the sign-in form
-        status, _, _ = await page.get("/web/events")
+        status, _, _ = await page.get("events")
         assert status == 204  # no session: no stream
 
 
-async def test_sign_in_sets_a_strict_http_only_cookie_scoped_to_the_page(page_egressd: Callable[..., Any]) -> None:
+async def test_sign_in_sets_strict_http_only_cookies_scoped_to_the_page(page_egressd: Callable[..., Any]) -> None:
     svc = await page_egressd()
-    async with PageClient(svc.control_address) as page:
-        status, headers, _ = await page.post("/web/signin", {"token": TOKEN, "name": "alice"})
-        assert status == 303 and headers["Location"] == "/web/"
-        cookie = headers["Set-Cookie"]
-        attributes = {part.strip().split("=")[0].lower() for part in cookie.split(";")}
-        assert {"httponly", "path", "samesite"} <= attributes
-        assert "SameSite=Strict" in cookie and "Path=/web" in cookie
-        assert "secure" not in attributes  # plain http on loopback; Secure is set when the page is reached over https
-        value = re.match(r"egressd_session=([^;]+)", cookie)
-        assert value is not None and len(value.group(1)) >= 43  # 32 random bytes, base64url
-        assert TOKEN not in cookie
+    prefix = svc.web_channel.prefix
+    async with PageClient(svc.control_address, prefix) as page:
+        status, headers, _ = await page.post("signin", {"token": TOKEN, "name": "alice"})
+        assert status == 303 and headers["Location"] == prefix + "/"
+        cookies = {c.split("=", 1)[0]: c for c in headers.getall("Set-Cookie")}
+        assert set(cookies) == {"egressd_session", "egressd_key"}
+        for cookie in cookies.values():
+            attributes = {part.strip().split("=")[0].lower() for part in cookie.split(";")}
+            assert {"httponly", "path", "samesite"} <= attributes
+            assert "SameSite=Strict" in cookie and f"Path={prefix}" in cookie
+            assert "secure" not in attributes  # plain http on loopback; Secure when the page is reached over https
+            value = re.match(r"egressd_\w+=([^;]+)", cookie)
+            assert value is not None and len(value.group(1)) >= 43  # 32 random bytes, base64url
+            assert TOKEN not in cookie
         status, _, text = await page.get()
         assert status == 200 and "signed in as alice" in text and page.csrf
+        # The id alone is no session: the key, scoped to the page's path, is needed too.
+        page.http.cookie_jar.clear(lambda morsel: morsel.key == "egressd_key")
+        status, _, text = await page.get()
+        assert status == 200 and "signed in as" not in text
 
 
 async def test_failed_sign_ins_are_limited_even_before_the_right_token(page_egressd: Callable[..., Any]) -> None:
     svc = await page_egressd()
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         for _ in range(5):
-            status, _, _ = await page.post("/web/signin", {"token": "guess"})
+            status, _, _ = await page.post("signin", {"token": "guess"})
             assert status == 401
-        status, headers, _ = await page.post("/web/signin", {"token": TOKEN})
+        status, headers, _ = await page.post("signin", {"token": TOKEN})
         assert status == 429 and "Set-Cookie" not in headers
         svc.web_clock.offset += 61  # type: ignore[attr-defined]
-        status, _, _ = await page.post("/web/signin", {"token": TOKEN})
+        status, _, _ = await page.post("signin", {"token": TOKEN})
         assert status == 303
 
 
 async def test_a_session_expires_when_unused_and_sign_out_ends_it(page_egressd: Callable[..., Any]) -> None:
     svc = await page_egressd()
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         await page.sign_in()
         old_csrf = page.csrf
         svc.web_clock.offset += 3601  # type: ignore[attr-defined]
         status, _, text = await page.get()
         assert 'name="token"' in text and "signed in as" not in text
-        status, _, _ = await page.post("/web/signout", {"csrf": old_csrf or ""})
+        status, _, _ = await page.post("signout", {"csrf": old_csrf or ""})
         assert status == 403
         await page.sign_in()
-        status, headers, _ = await page.post("/web/signout", {"csrf": page.csrf or ""})
+        status, headers, _ = await page.post("signout", {"csrf": page.csrf or ""})
         assert status == 303 and "egressd_session=" in headers["Set-Cookie"]
         page.csrf = None
         status, _, text = await page.get()
@@ -177,7 +184,7 @@ async def test_a_run_token_signs_in_to_its_own_run_only(
             svc.control_address + "/runs", json={"task": "run b"}, headers={"Authorization": f"Bearer {TOKEN}"}
         ) as resp:
             created = await resp.json()
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         await page.sign_in(token=created["control_token"], name="bob")
         _, _, text = await page.get()
         assert f"run {created['id']}" in text and 'data-run="default"' not in text
@@ -194,12 +201,12 @@ async def test_a_run_token_signs_in_to_its_own_run_only(
 async def test_a_host_header_of_another_name_is_refused(page_egressd: Callable[..., Any]) -> None:
     svc = await page_egressd()
     port = svc.control_address.rsplit(":", 1)[1]
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         for host in (f"rebound.attacker.test:{port}", f"127.0.0.1:{int(port) + 1}", "localhost", ""):
             status, headers, _ = await page.get(headers={"Host": host})
             assert status in (421, 400), host
             status, headers, _ = await page.post(
-                "/web/signin", {"token": TOKEN}, headers={"Host": host}, origin=f"http://{host}"
+                "signin", {"token": TOKEN}, headers={"Host": host}, origin=f"http://{host}"
             )
             assert status in (421, 400) and "Set-Cookie" not in headers, host
         status, headers, _ = await page.get(headers={"Host": f"localhost:{port}"})
@@ -208,12 +215,12 @@ async def test_a_host_header_of_another_name_is_refused(page_egressd: Callable[.
 
 async def test_every_response_carries_the_strict_headers(page_egressd: Callable[..., Any]) -> None:
     svc = await page_egressd()
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         for path, headers in (
-            ("/web/", {}),
-            ("/web/app.js", {}),
-            ("/web/style.css", {}),
-            ("/web/", {"Host": "x.test"}),
+            ("", {}),
+            ("app.js", {}),
+            ("style.css", {}),
+            ("", {"Host": "x.test"}),
         ):
             _, got, _ = await page.get(path, headers=headers)
             assert got["Content-Security-Policy"] == CSP
@@ -229,7 +236,7 @@ async def test_an_answer_without_its_csrf_token_or_origin_is_refused_and_nothing
     page_egressd: Callable[..., Any], echo_origin: Listener
 ) -> None:
     svc = await page_egressd()
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         await page.sign_in()
         async with events(page):
             task = await held(svc, f"origin.test:{echo_origin.port}")
@@ -242,14 +249,14 @@ async def test_an_answer_without_its_csrf_token_or_origin_is_refused_and_nothing
                 ({"id": approval_id, "decision": "allow", "csrf": page.csrf or ""}, None),
             ]
             for form, origin in attempts:
-                status, _, _ = await page.post("/web/answer", form, origin=origin)
+                status, _, _ = await page.post("answer", form, origin=origin)
                 assert status == 403, (form, origin)
             # Another browser with no session, holding the token it saw: refused too.
-            async with PageClient(svc.control_address) as stranger:
-                status, _, _ = await stranger.post("/web/answer", attempts[2][0])
+            async with PageClient(svc.control_address, svc.web_channel.prefix) as stranger:
+                status, _, _ = await stranger.post("answer", attempts[2][0])
                 assert status == 403
             # Nothing decides by a GET, whatever it carries.
-            query = f"/web/answer?id={approval_id}&decision=allow&csrf={page.csrf}"
+            query = f"answer?id={approval_id}&decision=allow&csrf={page.csrf}"
             status, _, _ = await page.get(query)
             assert status == 405
             await asyncio.sleep(0.1)
@@ -272,7 +279,7 @@ async def test_the_event_stream_delivers_a_new_approval_and_its_settlement(
     page_egressd: Callable[..., Any], echo_origin: Listener
 ) -> None:
     svc = await page_egressd()
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         await page.sign_in()
         async with events(page) as stream:
             task = await held(svc, f"origin.test:{echo_origin.port}")
@@ -302,9 +309,9 @@ async def test_an_approval_held_by_another_channel_shows_and_is_marked_when_sett
     svc = await page_egressd(grace_s=0.0, others=[terminal])
     task = await held(svc, f"origin.test:{echo_origin.port}")  # nobody has the page open: the terminal holds it
     await wait_until(lambda: terminal.delivered)
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         await page.sign_in()
-        async with page.http.get(page.base + "/web/events") as resp:
+        async with page.http.get(page.url("events")) as resp:
             stream = EventReader(resp)
             shown = await stream.until("approval")  # the page shows every waiting approval of its scope
             assert shown["id"] == terminal.delivered[0].id
@@ -322,21 +329,27 @@ async def test_behind_an_https_public_url_the_cookie_is_secure_and_the_origin_is
 ) -> None:
     svc = await page_egressd(public_url="https://egressd.example.test/")
     host = {"Host": "egressd.example.test"}
-    async with PageClient(svc.control_address) as page:
-        status, _, _ = await page.post("/web/signin", {"token": TOKEN}, headers=host)
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
+        status, _, _ = await page.post("signin", {"token": TOKEN}, headers=host)
         assert status == 403  # the Origin a browser there sends is https://egressd.example.test
         status, headers, _ = await page.post(
-            "/web/signin", {"token": TOKEN}, headers=host, origin="https://egressd.example.test"
+            "signin", {"token": TOKEN}, headers=host, origin="https://egressd.example.test"
         )
         assert status == 303
-        assert "secure" in {part.strip().lower() for part in headers["Set-Cookie"].split(";")}
+        cookies = {c.split("=", 1)[0]: c for c in headers.getall("Set-Cookie")}
+        # __Host-: Secure, this host only, Path=/ (the prefix demands it); the key stays on the page's path.
+        assert set(cookies) == {"__Host-egressd_session", "__Secure-egressd_key"}
+        assert "Path=/;" in cookies["__Host-egressd_session"] + ";" and "Domain" not in cookies["__Host-egressd_session"]
+        assert f"Path={svc.web_channel.prefix}" in cookies["__Secure-egressd_key"]
+        for cookie in cookies.values():
+            assert "secure" in {part.strip().lower() for part in cookie.split(";")}
 
 
 async def test_nobody_with_the_page_open_means_no_approver(
     page_egressd: Callable[..., Any], echo_origin: Listener
 ) -> None:
     svc = await page_egressd(grace_s=0.0)
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         status, _, _, _, writer = await connect_via(svc, f"origin.test:{echo_origin.port}")
         writer.close()
         assert status == 403 and egress(svc)[-1]["reason"] == "no_approver"
@@ -368,7 +381,8 @@ async def test_web_from_settings_alone_refuses_as_no_approver_until_someone_watc
         status, _, _, _, writer = await connect_via(svc, f"origin.test:{echo_origin.port}")
         writer.close()
         assert status == 403
-        async with PageClient(svc.control_address) as page:
+        [page_path] = [r.path for r in svc.gate.approver.routes() if r.page]  # type: ignore[union-attr]
+        async with PageClient(svc.control_address, page_path.rstrip("/")) as page:
             await page.sign_in()
             async with events(page):
                 task = await held(svc, f"origin.test:{echo_origin.port}")
@@ -391,7 +405,7 @@ async def test_hostile_commands_tasks_and_look_alike_names_are_shown_as_text(
     assert run is not None
     run.command = HOSTILE_COMMAND
     run.task = HOSTILE_TASK
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         await page.sign_in(name='<img src=x onerror=alert("name")>')
         async with events(page) as stream:
             task = await held(svc, f"{LOOKALIKE_ACE}:443")
@@ -423,7 +437,7 @@ async def test_a_held_connect_allowed_on_the_page_tunnels_and_is_recorded_as_web
     page_egressd: Callable[..., Any], echo_origin: Listener
 ) -> None:
     svc = await page_egressd()
-    async with PageClient(svc.control_address) as page:
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as page:
         await page.sign_in(name="alice")
         async with events(page) as stream:
             task = await held(svc, f"origin.test:{echo_origin.port}")
@@ -431,7 +445,7 @@ async def test_a_held_connect_allowed_on_the_page_tunnels_and_is_recorded_as_web
             await asyncio.sleep(0.1)
             assert echo_origin.connections == 0
             status, headers, _ = await page.answer(shown["id"], "allow")
-            assert status == 303 and headers["Location"] == "/web/"
+            assert status == 303 and headers["Location"] == svc.web_channel.prefix + "/"
             status, _, _, reader, writer = await task
             assert status == 200
             writer.write(b"ping")
@@ -555,15 +569,17 @@ async def test_the_page_in_chromium_shows_a_hostile_request_as_text_and_allows_i
     out = artifacts()
     base = svc.control_address
 
-    await run(browser.get, base + "/web/")
+    await run(browser.get, base + svc.web_channel.prefix + "/")
     await run(lambda: browser.find_element(By.NAME, "token").send_keys(TOKEN))
     await run(lambda: browser.find_element(By.NAME, "name").send_keys("alice"))
     await run(browser.save_screenshot, str(out / "web-01-sign-in.png"))
     await run(lambda: browser.find_element(By.CSS_SELECTOR, "form button[type=submit]").click())
     await until(browser, "document.querySelector('.who') && document.querySelector('.who').textContent")
     cookies = await run(browser.get_cookies)
-    [session] = [c for c in cookies if c["name"] == "egressd_session"]
-    assert session["httpOnly"] and session["sameSite"] == "Strict" and session["path"] == "/web"
+    named = {c["name"]: c for c in cookies}
+    for name in ("egressd_session", "egressd_key"):
+        assert named[name]["httpOnly"] and named[name]["sameSite"] == "Strict"
+        assert named[name]["path"] == svc.web_channel.prefix
     # The event stream is open: the page counts as watched.
     await until(browser, "document.getElementById('status').textContent === 'Live updates: on'")
 
@@ -586,7 +602,7 @@ async def test_the_page_in_chromium_shows_a_hostile_request_as_text_and_allows_i
     assert shown["command"] == f"Command: curl origin.test {HOSTILE_COMMAND}"
     assert shown["task"] == f"Task: {HOSTILE_TASK}"
     assert shown["images"] == 0 and shown["bold"] == 0  # nothing the sandbox wrote became an element
-    assert shown["scripts"] == [base + "/web/app.js"]
+    assert shown["scripts"] == [base + svc.web_channel.prefix + "/app.js"]
     assert shown["countdown"].startswith("expires in ")
     assert await run(no_alert, browser)
 
@@ -624,7 +640,7 @@ async def test_the_page_offers_every_scope_with_an_allow_file_and_always_appends
     run_.command = "pip install -r requirements.txt"
     run_.task = "Package the report tool and run its tests"
     base = svc.control_address
-    await run(browser.get, base + "/web/")
+    await run(browser.get, base + svc.web_channel.prefix + "/")
     await run(lambda: browser.find_element(By.NAME, "token").send_keys(TOKEN))
     await run(lambda: browser.find_element(By.NAME, "name").send_keys("alice"))
     await run(lambda: browser.find_element(By.CSS_SELECTOR, "form button[type=submit]").click())

@@ -45,7 +45,7 @@ from tests.integration.approvals.webclient import TOKEN, PageClient
 
 def prefix_of(svc: Any) -> str:
     """The page's own path (``/web/<random>``) of this egressd."""
-    return str(getattr(svc.web_channel, "prefix", "/web"))
+    return str(svc.web_channel.prefix)
 
 
 @contextlib.asynccontextmanager
@@ -154,10 +154,19 @@ async def test_a_page_on_another_port_cannot_use_the_approvers_session_in_chromi
     await asyncio.sleep(0.2)
     assert cookies_seen and not [c for c in cookies_seen if "egressd" in c], cookies_seen
     assert not replayed
-    assert not [line for line in log if line.endswith(" true")], log  # never read a CSRF token
+    assert log and not [line for line in log if line.endswith(" true")], log  # never read a CSRF token
     assert [a.id for a in pending(svc)] == [approval_id] and not task.done()
     assert not decided(svc) and not allow_file.exists()
     assert echo_origin.connections == 0
+    # The approver's own page still answers.
+    await run(lambda: browser.get(base + prefix + "/"))
+    await until(browser, f"document.querySelector('#approval-{approval_id} button[value=deny]')")
+    await run(lambda: browser.find_element(By.CSS_SELECTOR, f"#approval-{approval_id} button[value=deny]").click())
+    status, _, _, _, writer = await asyncio.wait_for(task, STEP_S)
+    writer.close()
+    assert status == 403
+    [record] = decided(svc)
+    assert (record["decision"], record["by"], record["auth"]) == ("deny", "alice", 'page session "alice" (global token)')
 
 
 async def test_a_cookie_alone_gets_no_csrf_token_from_another_site_nor_answers(
