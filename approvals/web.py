@@ -421,9 +421,7 @@ class WebChannel:
         scope = session.scope
         answerer = self._answerer
         approvals = [
-            approval_event(a, scope)
-            for a in (answerer.pending() if answerer else ())
-            if scope.covers(a.request.run_id)
+            approval_event(a, scope) for a in (answerer.pending() if answerer else ()) if scope.covers(a.request.run_id)
         ]
         flash, session.flash = session.flash, None
         body = page_html(
@@ -453,10 +451,13 @@ class WebChannel:
             log.warning("approvals page: a failed sign-in from %s", address)
             return web.Response(status=401, text=signin_html("That is not a control token."), content_type="text/html")
         name = escape(" ".join((form or {}).get("name", "").split())[:MAX_NAME_CHARS]) or CHANNEL
+        live_runs = {str(r.get("id")) for r in self._view(request).view.runs()}
+        self._sessions.drop_runs(live_runs.__contains__)
         opened = self._sessions.open(name, scope, now)
         if opened is None:
-            log.warning("approvals page: a sign-in from %s refused: every session of its token has its page open",
-                        address)
+            log.warning(
+                "approvals page: a sign-in from %s refused: every session of its token has its page open", address
+            )
             return web.Response(
                 status=503,
                 text=signin_html("Too many open pages signed in with this token: close one first."),
@@ -472,9 +473,11 @@ class WebChannel:
         response = _redirect(f"{self.prefix}/")
         secure = self._secure(request)
         id_name, key_name = cookie_names(secure)
-        for name_, value, path in ((id_name, sid, "/" if secure else self.prefix), (key_name, session.key, self.prefix)):
+        # Over https the id's __Host- prefix demands Path=/; the key stays on the page's own path.
+        cookies = ((id_name, sid, "/" if secure else self.prefix), (key_name, session.key, self.prefix))
+        for cookie, value, path in cookies:
             response.set_cookie(
-                name_,
+                cookie,
                 value,
                 path=path,
                 httponly=True,

@@ -169,9 +169,7 @@ class SessionStore:
             del self._sessions[oldest]
             same.remove(oldest)
         sid = self.new_secret()
-        session = Session(
-            name=name, scope=scope, csrf=self.new_secret(), created=now, seen=now, key=self.new_secret()
-        )
+        session = Session(name=name, scope=scope, csrf=self.new_secret(), created=now, seen=now, key=self.new_secret())
         self._sessions[sid] = session
         return sid, session
 
@@ -198,6 +196,11 @@ class SessionStore:
     def close(self, sid: str | None) -> None:
         if sid:
             self._sessions.pop(sid, None)
+
+    def drop_runs(self, alive: Callable[[str], bool]) -> None:
+        """Sign out every session of a run that ended (its token died with it): their slots are free again."""
+        for sid in [s for s, v in self._sessions.items() if v.scope.run_id is not None and not alive(v.scope.run_id)]:
+            del self._sessions[sid]
 
     def sweep(self, now: float) -> None:
         for sid in [s for s, v in self._sessions.items() if v.expired(now, self.idle_s, self.max_s)]:

@@ -237,6 +237,8 @@ class TerminalRelay:
         self.secret = "whsec_" + base64.b64encode(self.key).decode()
         self.terminal = TerminalChannel(tty_path=tty_path, output=output)
         self.control: ControlClient | None = None  # set once the run is registered
+        # Answering with the run's own token: *always* outlives the run, which that token may not decide (403).
+        self.run_scoped = False
         self.url = ""
         self._pending: dict[str, PendingApproval] = {}
         self._answers: asyncio.Queue[tuple[str, Choice, str | None, ApprovalScope]] = asyncio.Queue()
@@ -272,8 +274,9 @@ class TerminalRelay:
 
     def answer(
         self, approval_id: str, decision: Choice, *, channel: str, by: str | None,
-        scope: ApprovalScope = ApprovalScope.RUN,
+        scope: ApprovalScope = ApprovalScope.RUN, auth: str | None = None,
     ) -> Answered:
+        # ``auth`` is egressd's to record: the answer goes on through the control API, which names our token.
         pending = self._pending.get(approval_id)
         if pending is None:
             return Answered(AnswerResult.UNKNOWN)
@@ -339,7 +342,10 @@ class TerminalRelay:
             created_at=now,
             expires_at=expires,
             deadline=asyncio.get_running_loop().time() + max(0.0, expires - now),
-            scopes=tuple(s for s in map(parse_scope, payload.get("scopes") or ("once", "run")) if s is not None),
+            scopes=tuple(
+                s for s in map(parse_scope, payload.get("scopes") or ("once", "run"))
+                if s is not None and not (self.run_scoped and s is ApprovalScope.ALWAYS)
+            ),
         )
         self._pending[approval_id] = approval
         await self.terminal.deliver(approval)
@@ -627,6 +633,7 @@ class DockerSession(SessionBase[_SessionBox]):
                 self._stack.callback(registration.remove)
         if self.relay is not None:
             self.relay.control = control
+            self.relay.run_scoped = isinstance(run_token, str) and bool(run_token)
         self.run_id = str(created["id"])
         self._proxy_url = str(created["proxy_url"])
         self.run = RemoteRun(self.run_id, self._proxy_url)

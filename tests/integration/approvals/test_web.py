@@ -339,7 +339,8 @@ async def test_behind_an_https_public_url_the_cookie_is_secure_and_the_origin_is
         cookies = {c.split("=", 1)[0]: c for c in headers.getall("Set-Cookie")}
         # __Host-: Secure, this host only, Path=/ (the prefix demands it); the key stays on the page's path.
         assert set(cookies) == {"__Host-egressd_session", "__Secure-egressd_key"}
-        assert "Path=/;" in cookies["__Host-egressd_session"] + ";" and "Domain" not in cookies["__Host-egressd_session"]
+        host_cookie = cookies["__Host-egressd_session"]
+        assert "Path=/;" in host_cookie + ";" and "Domain" not in host_cookie
         assert f"Path={svc.web_channel.prefix}" in cookies["__Secure-egressd_key"]
         for cookie in cookies.values():
             assert "secure" in {part.strip().lower() for part in cookie.split(";")}

@@ -166,7 +166,8 @@ async def test_a_page_on_another_port_cannot_use_the_approvers_session_in_chromi
     writer.close()
     assert status == 403
     [record] = decided(svc)
-    assert (record["decision"], record["by"], record["auth"]) == ("deny", "alice", 'page session "alice" (global token)')
+    by_page = ("deny", "alice", 'page session "alice" (global token)')
+    assert (record["decision"], record["by"], record["auth"]) == by_page
 
 
 async def test_a_cookie_alone_gets_no_csrf_token_from_another_site_nor_answers(
