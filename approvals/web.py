@@ -515,7 +515,7 @@ class WebChannel:
             return self._html(
                 403, "Refused", "Allow always outlives this run: it needs a session signed in with the global token."
             )
-        approval_id = escape(approval_id)  # shown back in a flash: no invisible or bidi characters
+        shown_id = escape(approval_id)  # shown back in a flash: no invisible or bidi characters
         answerer = self._answerer
         if answerer is None:
             return self._html(503, "Not ready", "The approvals page is not started.")
@@ -525,23 +525,23 @@ class WebChannel:
             if runs.get(approval_id, session.scope.run_id) != session.scope.run_id:
                 return self._html(403, "Refused", f"This session acts on run {session.scope.run_id} only.")
             if approval_id not in runs:
-                session.flash = f"No pending approval {approval_id}."
+                session.flash = f"No pending approval {shown_id}."
                 return _redirect(f"{self.prefix}/")
         answered = answerer.answer(
             approval_id, choice, channel=CHANNEL, by=session.name, scope=scope, auth=session.auth
         )
         if answered.result is AnswerResult.NOT_OFFERED:
             why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
-            session.flash = f"Not answered: {scope.value} is not offered for {approval_id}{why}."
+            session.flash = f"Not answered: {scope.value} is not offered for {shown_id}{why}."
         elif answered.result is AnswerResult.ACCEPTED:
-            session.flash = f"{choice.value.capitalize()}ed {approval_id}."
+            session.flash = f"{choice.value.capitalize()}ed {shown_id}."
             if answered.settlement is not None:
-                session.flash = f"Approval {approval_id}: {settled_text(answered.settlement)}."
+                session.flash = f"Approval {shown_id}: {settled_text(answered.settlement)}."
         elif answered.result is AnswerResult.SETTLED:
             how = settled_text(answered.settlement) if answered.settlement else "settled"
-            session.flash = f"Approval {approval_id} was already settled: {how}."
+            session.flash = f"Approval {shown_id} was already settled: {how}."
         else:
-            session.flash = f"No pending approval {approval_id}."
+            session.flash = f"No pending approval {shown_id}."
         return _redirect(f"{self.prefix}/")
 
     async def _events(self, request: web.Request) -> web.StreamResponse:
