@@ -416,7 +416,9 @@ async def test_on_docker_a_command_cannot_paint_over_the_prompt_either(
 
 # -- `egressd serve` for real: its own log lines while a prompt is up ------------------------------------
 
-LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d egressd DENY  connect blocked\.test:443 run=default reason=denylisted$")
+LOG_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d egressd DENY  connect blocked\.test:443 run=default reason=denylisted$"
+)
 
 
 async def _refused(port: int, authority: str) -> int:
