@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import logging
 import os
 import re
 import signal
@@ -317,6 +318,41 @@ async def test_relayed_output_waits_while_the_prompt_is_shown(screen: Screen) ->
     assert not any(line.startswith("Domain: pypi.org") for line in screen.lines)
     assert screen.screen.margins is None
     await broker.close()
+
+
+async def test_log_lines_to_the_prompts_terminal_go_above_the_input_line_escaped(screen: Screen) -> None:
+    """A logging handler writing to the same terminal by another descriptor (the pty's path, not /dev/tty)."""
+    clock = Clock()
+    channel = TerminalChannel(tty_path=screen.path, clock=clock, who="alice", tick_s=0.02)
+    with open(screen.path, "w") as stream:  # noqa: ASYNC230 - a pty, written at once
+        handler = logging.StreamHandler(stream)
+        root = logging.getLogger()
+        root.addHandler(handler)
+        try:
+            broker = ApprovalBroker([channel], audit=MemoryAuditSink(), clock=clock)
+            await broker.start()
+            held = asyncio.create_task(broker.ask(request()))
+            await screen.shows("allow or deny evil.example:443?")
+            screen.type("all")
+            await screen.shows("Enter = deny] > all")
+            for n in range(3):
+                logging.getLogger("egressd").warning("log line %d \x1b[2J", n)
+                clock.now += 1  # the countdown changes: redrawn at the next tick
+                await asyncio.sleep(0.06)
+            shown = "\n".join(screen.lines)
+            logged = [screen.row(f"log line {n} \\x1b[2J") for n in range(3)]  # whole, escaped
+            assert all(screen.lines[y] == f"log line {n} \\x1b[2J" for n, y in enumerate(logged)), shown
+            prompt = screen.row("allow or deny evil.example:443?")
+            assert logged == sorted(logged) and logged[-1] < prompt, shown
+            assert screen.lines[prompt].endswith("Enter = deny] > all") and "9:57 left" in screen.lines[prompt]
+            screen.type("\x15deny\r")
+            assert (await asyncio.wait_for(held, 5)).answer is Answer.DENY
+            await broker.close()
+            assert handler.filters == []  # taken off when the channel closed
+            logging.getLogger("egressd").warning("after the prompt")
+            await screen.shows("after the prompt")
+        finally:
+            root.removeHandler(handler)
 
 
 # -- `egressd run` for real: bubblewrap, a held approval, a hostile command ------------------------------
