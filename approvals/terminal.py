@@ -40,6 +40,14 @@ countdown can be redrawn every second without garbling what is typed:
    answerable;
 7. when the queue is empty the terminal's modes are restored.
 
+egressd's own log lines, when its stderr is this terminal (``egressd
+serve`` run by a person), go above the input line while a prompt is shown:
+the channel puts a filter on each logging handler that writes to this
+terminal (``_LogLinesAbove``), which, while the input line is on screen,
+clears it, writes the log line (escaped) and draws the input line again
+below it, so a log line never lands after the ``> `` and the countdown,
+redrawn in place, never writes over one.
+
 A command's output relayed to the same terminal goes through a
 ``TerminalOutput``: escaped (``egressd.names.shown.TerminalText``), and held back from
 the moment a prompt is shown until the channel has finished drawing, so no
@@ -438,6 +446,50 @@ class _Drawn:
     left: str
 
 
+def same_terminal(fd: int, other: int) -> bool:
+    """Whether two descriptors are one terminal: the same device, or both the controlling terminal.
+
+    ``/dev/tty`` opened is a device of its own (5, 0), standing for the
+    controlling terminal; ``tcgetpgrp`` answers only on the controlling
+    terminal (ENOTTY on any other).
+    """
+    try:
+        if not os.isatty(other):
+            return False
+        if os.fstat(fd).st_rdev == os.fstat(other).st_rdev:
+            return True
+        os.tcgetpgrp(fd)
+        os.tcgetpgrp(other)
+    except OSError:
+        return False
+    return True
+
+
+class _LogLinesAbove(logging.Filter):
+    """On a logging handler that writes to the channel's terminal: its lines go above a shown input line.
+
+    A filter, so the handler itself is left as it is: while the channel's
+    input line is on screen, the record is formatted by the handler, written
+    by the channel (``TerminalChannel.log_line``) and not emitted again;
+    otherwise the handler writes it as ever.
+    """
+
+    def __init__(self, channel: TerminalChannel, handler: logging.Handler) -> None:
+        super().__init__()
+        self.channel = channel
+        self.handler = handler
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.channel.prompting():
+            return True
+        try:
+            text = self.handler.format(record)
+        except Exception:  # the handler's own error path reports it
+            return True
+        self.channel.log_line(text)
+        return False
+
+
 class TerminalChannel:
     """The module docstring, as a ``Channel``."""
 
@@ -479,6 +531,8 @@ class TerminalChannel:
         self._reading = False
         self._timer: asyncio.TimerHandle | None = None
         self._broken = False
+        # The filters put on the logging handlers that write to this terminal (start), taken off at close.
+        self._log_filters: list[_LogLinesAbove] = []
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -493,6 +547,7 @@ class TerminalChannel:
         self._fd = fd
         self._answerer = answerer
         self._loop = asyncio.get_running_loop()
+        self._route_log_lines()
         if self._who is None:
             try:
                 self._who = getpass.getuser()
@@ -502,6 +557,9 @@ class TerminalChannel:
     async def close(self) -> None:
         if self._fd is None:
             return
+        for log_filter in self._log_filters:
+            log_filter.handler.removeFilter(log_filter)
+        self._log_filters.clear()
         self._stop_timer()
         self._stop_reading()
         if self._current is not None or self._queue:
@@ -565,6 +623,41 @@ class TerminalChannel:
         notices, self._notices = self._notices, []
         for text in notices:
             self._write(f"{CLEAR_LINE}{WARN}{text}{RESET}\r\n")
+
+    # -- egressd's own log lines ----------------------------------------------------
+
+    def _route_log_lines(self) -> None:
+        """Put ``_LogLinesAbove`` on every logging handler (the root logger's) that writes to this terminal."""
+        assert self._fd is not None
+        for handler in logging.getLogger().handlers:
+            stream = getattr(handler, "stream", None)
+            try:
+                other = stream.fileno() if stream is not None else -1
+            except (AttributeError, OSError, ValueError):
+                continue
+            if other >= 0 and same_terminal(self._fd, other):
+                log_filter = _LogLinesAbove(self, handler)
+                handler.addFilter(log_filter)
+                self._log_filters.append(log_filter)
+
+    def prompting(self) -> bool:
+        """Whether the input line is on screen with the cursor at its end, on the event loop's thread.
+
+        Only then is a log line written above it; while a prompt is being
+        drawn or closed, or from another thread, the handler writes as ever.
+        """
+        if self._current is None or self._drawn is None or self._fd is None or self._broken:
+            return False
+        try:
+            return asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            return False
+
+    def log_line(self, text: str) -> None:
+        """One of egressd's log lines, above the input line: clear it, write the line, draw the input line again."""
+        shown = escape(text, keep_layout=True).replace("\n", "\r\n")
+        self._write(f"{CLEAR_LINE}{shown}\r\n")
+        self._draw_prompt()
 
     # -- screen -------------------------------------------------------------------
 

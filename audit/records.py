@@ -435,6 +435,8 @@ def policy_reloaded_record(
     removed: Mapping[str, Sequence[str]] | None = None,
     changed: Sequence[str] | None = None,
     needs_restart: Sequence[str] | None = None,
+    live_kept: Mapping[str, Mapping[str, Sequence[str]]] | None = None,
+    live_in_files: Mapping[str, Mapping[str, Sequence[str]]] | None = None,
     error: str | None = None,
 ) -> dict[str, object]:
     """Build the ``policy.reloaded`` record: ``egressd serve`` re-read its config and allow file (SIGHUP).
@@ -445,9 +447,13 @@ def policy_reloaded_record(
     that the reload added or removed; ``changed``, the other live settings
     whose value changed (``allow_private``, ``ask``); ``needs_restart``, the
     settings that changed but apply only at start-up (kept as they were);
-    ``error``, why the reload was refused. ``ok`` true: ``error`` is null.
-    ``ok`` false (nothing was applied): ``error`` says why, and ``added``,
-    ``removed``, ``changed`` and ``needs_restart`` are null.
+    ``live_kept``, the default run's live edits (``egressd policy``, ``PATCH
+    /runs/default``) laid on top of the configured entries again, and
+    ``live_in_files``, those the configured entries now say themselves (the
+    files rule them from now on), each ``{"allow": {"added": [...],
+    "removed": [...]}, "deny": {...}}``; ``error``, why the reload was
+    refused. ``ok`` true: ``error`` is null. ``ok`` false (nothing was
+    applied): ``error`` says why, and every other field is null.
     """
     if ok == (error is not None):
         raise RecordError("a policy.reloaded record has an error exactly when it is not ok")
@@ -459,8 +465,26 @@ def policy_reloaded_record(
         "removed": _entry_lists(removed) if ok else None,
         "changed": [str(name) for name in changed or ()] if ok else None,
         "needs_restart": [str(name) for name in needs_restart or ()] if ok else None,
+        "live_kept": _edit_lists(live_kept) if ok else None,
+        "live_in_files": _edit_lists(live_in_files) if ok else None,
         "error": error,
     }
+
+
+def _edit_lists(value: Mapping[str, Mapping[str, Sequence[str]]] | None) -> dict[str, dict[str, list[str]]]:
+    """``{"allow": {"added": [...], "removed": [...]}, "deny": {...}}``, every key present; RecordError otherwise."""
+    value = value or {}
+    strange = sorted(set(value) - {"allow", "deny"})
+    if strange:
+        raise RecordError(f"entry edits are allow and deny, not {', '.join(strange)}")
+    lists: dict[str, dict[str, list[str]]] = {}
+    for kind in ("allow", "deny"):
+        part = value.get(kind) or {}
+        strange = sorted(set(part) - {"added", "removed"})
+        if strange:
+            raise RecordError(f"{kind} edits are added and removed, not {', '.join(strange)}")
+        lists[kind] = {key: [str(text) for text in part.get(key, ())] for key in ("added", "removed")}
+    return lists
 
 
 def run_changed_record(

@@ -283,6 +283,19 @@ def default_approvers(settings: Settings, *, serve: bool, at_terminal: bool) -> 
     return settings.model_copy(update={"approver": chosen})
 
 
+def refuse_page_approver(settings: Settings, command: str, *, connected: bool) -> None:
+    """``run`` and ``agent`` serve no approvals page (their control API is a private unix socket):
+    ``--approver web`` there would refuse every new domain at once, so it is refused at start instead.
+
+    Not with ``--connect``: the egressd connected to decides, with its own approvers (and page).
+    """
+    if "web" in settings.approver and not connected:
+        raise SettingsError(
+            f"bad setting approver: egressd {command} serves no approvals page, so web could never answer; "
+            "use terminal (or `egressd pending|allow|deny` from another shell), or start `egressd serve --approver web`"
+        )
+
+
 class _LineFormatter(logging.Formatter):
     """``TIME egressd MESSAGE``, the time made once per second: serve logs a line per decision."""
 
@@ -434,6 +447,7 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     settings = default_approvers(_settings(args), serve=False, at_terminal=person_at_terminal())
+    refuse_page_approver(settings, "run", connected=bool(getattr(args, "connect", None)))
     _setup_logging(settings.log_level if args.log_level else "warning")
     return cmd_run(args, settings)
 
@@ -454,6 +468,7 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
     from .commands.agent import cmd_agent
 
     settings = default_approvers(_settings(args), serve=False, at_terminal=person_at_terminal())
+    refuse_page_approver(settings, "agent", connected=bool(getattr(args, "connect", None)))
     _setup_logging(settings.log_level if args.log_level else "warning")
     return cmd_agent(args, settings)
 

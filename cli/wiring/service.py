@@ -42,7 +42,15 @@ from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, SOCKS, ListenerLimits, transparent_http, transparent_tls
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
-from egressd.proxy.core.runs import DEFAULT_RUN_ID, EntryChange, Run, RunRegistry, entry_diff, new_control_token
+from egressd.proxy.core.runs import (
+    DEFAULT_RUN_ID,
+    EntryChange,
+    LiveMerge,
+    Run,
+    RunRegistry,
+    entry_diff,
+    new_control_token,
+)
 from egressd.proxy.net.control import PUBLIC_PATHS, build_app
 from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.gate import Gate
@@ -85,12 +93,14 @@ LIVE_SETTINGS = frozenset({"allow", "deny", "preset", "allow_private", "ask"})
 
 @dataclass(frozen=True, slots=True)
 class PolicyReload:
-    """What a reload changed: configured entries added and removed, other live settings changed, and the
-    settings that changed but need a restart (kept as they were)."""
+    """What a reload changed: configured entries added and removed, other live settings changed, the
+    settings that changed but need a restart (kept as they were), and what became of the default run's
+    live edits (kept on top of the files, or now said by them)."""
 
     entries: EntryChange
     changed: tuple[str, ...]
     needs_restart: tuple[str, ...]
+    live: LiveMerge = LiveMerge()
 
 
 def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
@@ -322,8 +332,10 @@ class EgressService:
            the allow file, each entry parsed); anything wrong → ReloadError
            naming the setting or file, the ``policy.reloaded`` record says
            why, and the old policy stays whole.
-        2. The default run's entries become the configured ones (an edit by
-           ``PATCH /runs/default`` lasts until here) and its ``ask`` follows
+        2. The default run's entries become the configured ones with its
+           live edits on top (``egressd policy default``, ``PATCH
+           /runs/default``: ``Run.reconfigure``; an edit the files now say
+           is theirs from then on) and its ``ask`` follows
            the setting when the setting changed; runs created through the
            control API keep their own entries, and the configured deny
            entries replace their ``global_deny``; ``allow_private`` applies
@@ -357,10 +369,12 @@ class EgressService:
         # Everything is checked: from here on nothing can fail half-way.
         self._allow, self._deny = allow, deny
         default = self.runs.default
+        live = LiveMerge()
         if default is not None:
             if "ask" in changed:
                 default.ask = settings.ask
-            default.set_entries(allow, deny)  # also forgets the decisions made under the old ``ask``
+            # The operator's live edits stay on top; also forgets the decisions made under the old ``ask``.
+            live = default.reconfigure(allow, deny)
         self.runs.set_global_deny(deny)
         if "allow_private" in changed:
             self.gate.set_allow_private(settings.allow_private_networks)
@@ -372,6 +386,11 @@ class EgressService:
                 ", ".join(needs_restart),
             )
         log.info("policy reloaded: %s", _describe_change(entries, changed))
+        if live.kept:
+            log.warning("reload: live edits kept on top of the files: %s", _describe_change(live.kept, ()))
+        if live.in_files:
+            log.info("reload: live edits the files now say (the files rule them): %s",
+                     _describe_change(live.in_files, ()))
         self._write_run_record(
             policy_reloaded_record(
                 ts=time.time(),
@@ -380,9 +399,11 @@ class EgressService:
                 removed=entries.removed,
                 changed=changed,
                 needs_restart=needs_restart,
+                live_kept=live.kept.by_kind,
+                live_in_files=live.in_files.by_kind,
             )
         )
-        return PolicyReload(entries, changed, needs_restart)
+        return PolicyReload(entries, changed, needs_restart, live)
 
     def refuse_reload(self, error: str) -> None:
         """A reload was refused (``error`` names the setting or file): one log line, one record; nothing changes."""

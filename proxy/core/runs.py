@@ -21,9 +21,12 @@ Attribution order (``RunRegistry.attribute``):
 4. nothing: the caller refuses with ``auth_required``.
 
 Entries change while a run lives (``egressd serve`` on SIGHUP, ``PATCH
-/runs/ID``): ``Run.set_entries``, ``Run.change_entries`` and the registry's
+/runs/ID``): ``Run.reconfigure``, ``Run.change_entries`` and the registry's
 ``global_deny`` replace the values ``decide`` reads and forget the decisions
 remembered under the old ones, so the change applies to the next request.
+A run remembers the edits made through the control API (its live edits), so
+a reload of the configured entries (``Run.reconfigure``) lays them on top of
+what the files say now instead of dropping them (``LiveMerge``).
 A connection already decided is not decided again; approvals and denials
 made during the run stay. An entry's identity is what it matches
 (``entry_key``), so ``Example.com`` removes ``example.com``.
@@ -100,6 +103,29 @@ class EntryChange:
     def removed(self) -> dict[str, list[str]]:
         return {"allow": list(self.allow_removed), "deny": list(self.deny_removed)}
 
+    @property
+    def by_kind(self) -> dict[str, dict[str, list[str]]]:
+        """``{"allow": {"added": [...], "removed": [...]}, "deny": {...}}``."""
+        return {
+            "allow": {"added": list(self.allow_added), "removed": list(self.allow_removed)},
+            "deny": {"added": list(self.deny_added), "removed": list(self.deny_removed)},
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class LiveMerge:
+    """What ``Run.reconfigure`` did with the run's live edits (control-API edits), as their texts.
+
+    ``kept``: the edits still laid on top of the configured entries (the files
+    do not say them). ``in_files``: the edits the configured entries now say
+    themselves (an added entry the files have, a removed one they no longer
+    have); the files rule those from now on, so taking one out of a file
+    takes effect at the next reload.
+    """
+
+    kept: EntryChange = EntryChange()
+    in_files: EntryChange = EntryChange()
+
 
 def entry_diff(old: Sequence[Entry], new: Sequence[Entry]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(added, removed): the texts of ``new``'s entries no entry of ``old`` matches as, and the reverse."""
@@ -164,6 +190,8 @@ class Run:
     _policy: RunPolicy | None = None
     # decide() is pure, so its answers for this policy are kept until the policy changes.
     _decisions: dict[tuple[str, int], PolicyDecision] = field(default_factory=dict)
+    # The live edits (``change_entries``), the last one per entry: (kind, entry_key) → (entry, added).
+    _live: dict[tuple[str, tuple[object, ...]], tuple[Entry, bool]] = field(default_factory=dict)
 
     def policy(self) -> RunPolicy:
         """The pure decision input; rebuilt only after an approval, a denial or an entry change."""
@@ -225,9 +253,39 @@ class Run:
         self._changed()
 
     def set_entries(self, allow: Sequence[Entry], deny: Sequence[Entry]) -> None:
-        """Replace the run's own entries (a reload of the default run); approvals and denials stay."""
+        """Replace the run's own entries; approvals, denials and the record of live edits stay."""
         self.allow, self.deny = tuple(allow), tuple(deny)
         self._changed()
+
+    def reconfigure(self, allow: Sequence[Entry], deny: Sequence[Entry]) -> LiveMerge:
+        """The configured entries changed (a reload): they become the run's, with its live edits on top.
+
+        An edit the configured entries now say themselves is dropped from
+        the live edits (``LiveMerge.in_files``); every other one is applied
+        again (an added entry added, a removed one removed) and kept. So an
+        operator's deny made through the control API outlives every reload,
+        until the files say it too.
+        """
+        configured = {"allow": tuple(allow), "deny": tuple(deny)}
+        kept: dict[str, tuple[list[str], list[str]]] = {"allow": ([], []), "deny": ([], [])}
+        in_files: dict[str, tuple[list[str], list[str]]] = {"allow": ([], []), "deny": ([], [])}
+        for (kind, key), (entry, added) in list(self._live.items()):
+            said = any(entry_key(e) == key for e in configured[kind])
+            where = in_files if said == added else kept
+            where[kind][0 if added else 1].append(entry.text)
+            if said == added:
+                del self._live[(kind, key)]
+        merged: dict[str, tuple[Entry, ...]] = {}
+        for kind, entries in configured.items():
+            removed = {key for (k, key), (_, added) in self._live.items() if k == kind and not added}
+            adds = [entry for (k, _), (entry, added) in self._live.items() if k == kind and added]
+            merged[kind] = tuple(e for e in entries if entry_key(e) not in removed) + tuple(adds)
+        self.set_entries(merged["allow"], merged["deny"])
+
+        def change(lists: dict[str, tuple[list[str], list[str]]]) -> EntryChange:
+            return EntryChange(*(tuple(texts) for kind in ("allow", "deny") for texts in lists[kind]))
+
+        return LiveMerge(kept=change(kept), in_files=change(in_files))
 
     def set_global_deny(self, deny: Sequence[Entry]) -> None:
         self.global_deny = tuple(deny)
@@ -252,7 +310,16 @@ class Run:
         deny, deny_added, deny_removed = _edited(self.deny, deny_add, deny_remove, "deny.remove")
         change = EntryChange(allow_added, allow_removed, deny_added, deny_removed)
         if change:
+            by_text = {e.text: e for e in (*self.allow, *self.deny, *allow, *deny)}  # the old and the new entries
             self.set_entries(allow, deny)
+            # Removals first, as applied: an entry removed and added again in one edit ends up added.
+            for kind, texts, added in (
+                ("allow", allow_removed, False), ("deny", deny_removed, False),
+                ("allow", allow_added, True), ("deny", deny_added, True),
+            ):  # fmt: skip
+                for text in texts:
+                    entry = by_text[text]
+                    self._live[(kind, entry_key(entry))] = (entry, added)
         return change
 
     def _changed(self) -> None:

@@ -82,10 +82,14 @@ def test_policy_reloaded_records_have_fixed_fields_and_null_for_what_does_not_ap
     ok = policy_reloaded_record(
         ts=0, ok=True, added={"allow": ["a.example"]}, removed={}, changed=["ask"], needs_restart=["listen"]
     )
-    assert list(ok) == ["event", "ts", "ok", "added", "removed", "changed", "needs_restart", "error"]
+    assert list(ok) == [
+        "event", "ts", "ok", "added", "removed", "changed", "needs_restart", "live_kept", "live_in_files", "error"
+    ]  # fmt: skip
+    assert ok["live_kept"] == {"allow": {"added": [], "removed": []}, "deny": {"added": [], "removed": []}}
     assert ok["added"] == {"allow": ["a.example"], "deny": []} and ok["removed"] == {"allow": [], "deny": []}
     bad = policy_reloaded_record(ts=0, ok=False, error="bad setting allow_file: ...")
     assert bad["event"] == "policy.reloaded" and bad["added"] is None and bad["needs_restart"] is None
+    assert bad["live_kept"] is None and bad["live_in_files"] is None
     with pytest.raises(RecordError):
         policy_reloaded_record(ts=0, ok=False)
     with pytest.raises(RecordError):
@@ -112,3 +116,39 @@ def test_the_allowlist_a_prompt_shows_keeps_an_approvals_port() -> None:
     assert r.allowed_texts() == (
         "ok.example", "api.example:8080", "svc.example:8443", "svc.example:9000", "web.example",
     )  # fmt: skip
+
+
+def test_a_reload_keeps_the_live_edits_on_top_of_the_configured_entries() -> None:
+    """An operator's live deny (and every other live edit) outlives a reload of unchanged files."""
+    r = run(allow=("a.example", "b.example"), deny=("d.example",))
+    r.change_entries(deny_add=entries("a.example"), allow_remove=entries("b.example"), deny_remove=entries("d.example"))
+    r.change_entries(allow_add=entries("new.example"))
+    merge = r.reconfigure(entries("a.example", "b.example", "c.example"), entries("d.example"))
+    assert [e.text for e in r.allow] == ["a.example", "c.example", "new.example"]
+    assert [e.text for e in r.deny] == ["a.example"]
+    assert r.decide("a.example", 443).reason is Reason.DENYLISTED
+    assert merge.kept.by_kind == {
+        "allow": {"added": ["new.example"], "removed": ["b.example"]},
+        "deny": {"added": ["a.example"], "removed": ["d.example"]},
+    }
+    assert not merge.in_files
+
+
+def test_a_live_edit_the_files_now_say_becomes_theirs() -> None:
+    r = run(allow=("a.example",))
+    r.change_entries(deny_add=entries("a.example"), allow_remove=entries("a.example"))
+    merge = r.reconfigure((), entries("A.example."))  # the files now say both, spelled their way
+    assert merge.in_files.by_kind["deny"]["added"] == ["a.example"]
+    assert merge.in_files.by_kind["allow"]["removed"] == ["a.example"]
+    assert not merge.kept
+    # No longer a live edit: the files' next word is the last.
+    assert not r.reconfigure(entries("a.example"), ()).kept
+    assert r.decide("a.example", 443).verdict is Verdict.ALLOW
+
+
+def test_the_last_live_edit_of_an_entry_is_the_one_kept() -> None:
+    r = run(allow=("a.example",))
+    r.change_entries(allow_remove=entries("a.example"))
+    r.change_entries(allow_add=entries("a.example"))  # back as it was: the files say it, nothing to keep
+    merge = r.reconfigure(entries("a.example"), ())
+    assert not merge.kept and [e.text for e in r.allow] == ["a.example"]

@@ -8,9 +8,14 @@ pyte, a terminal emulator, from a real pseudo-terminal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
+import logging
 import os
+import re
+import signal
 import struct
+import subprocess
 import sys
 import termios
 import unicodedata
@@ -29,7 +34,7 @@ from egressd.approvals.terminal import MAX_HELD_OUTPUT, TerminalChannel, Termina
 from egressd.audit.log import MemoryAuditSink
 from egressd.names.shown import TerminalText, escape, is_invisible
 from tests.fakes.dockerbed import ORIGIN_NAME, ORIGIN_PORT
-from tests.harness import ORIGIN_RANGE, have, require, wait_until
+from tests.harness import ORIGIN_RANGE, free_port, have, require, serve_ports, wait_until
 from tests.integration.approvals.test_broker import Clock, request
 from tests.integration.sandbox.test_docker import engine, make_bed  # noqa: F401 - the Docker test bed, as fixtures
 
@@ -315,6 +320,41 @@ async def test_relayed_output_waits_while_the_prompt_is_shown(screen: Screen) ->
     await broker.close()
 
 
+async def test_log_lines_to_the_prompts_terminal_go_above_the_input_line_escaped(screen: Screen) -> None:
+    """A logging handler writing to the same terminal by another descriptor (the pty's path, not /dev/tty)."""
+    clock = Clock()
+    channel = TerminalChannel(tty_path=screen.path, clock=clock, who="alice", tick_s=0.02)
+    with open(screen.path, "w") as stream:  # noqa: ASYNC230 - a pty, written at once
+        handler = logging.StreamHandler(stream)
+        root = logging.getLogger()
+        root.addHandler(handler)
+        try:
+            broker = ApprovalBroker([channel], audit=MemoryAuditSink(), clock=clock)
+            await broker.start()
+            held = asyncio.create_task(broker.ask(request()))
+            await screen.shows("allow or deny evil.example:443?")
+            screen.type("all")
+            await screen.shows("Enter = deny] > all")
+            for n in range(3):
+                logging.getLogger("egressd").warning("log line %d \x1b[2J", n)
+                clock.now += 1  # the countdown changes: redrawn at the next tick
+                await asyncio.sleep(0.06)
+            shown = "\n".join(screen.lines)
+            logged = [screen.row(f"log line {n} \\x1b[2J") for n in range(3)]  # whole, escaped
+            assert all(screen.lines[y] == f"log line {n} \\x1b[2J" for n, y in enumerate(logged)), shown
+            prompt = screen.row("allow or deny evil.example:443?")
+            assert logged == sorted(logged) and logged[-1] < prompt, shown
+            assert screen.lines[prompt].endswith("Enter = deny] > all") and "9:57 left" in screen.lines[prompt]
+            screen.type("\x15deny\r")
+            assert (await asyncio.wait_for(held, 5)).answer is Answer.DENY
+            await broker.close()
+            assert handler.filters == []  # taken off when the channel closed
+            logging.getLogger("egressd").warning("after the prompt")
+            await screen.shows("after the prompt")
+        finally:
+            root.removeHandler(handler)
+
+
 # -- `egressd run` for real: bubblewrap, a held approval, a hostile command ------------------------------
 
 
@@ -408,3 +448,80 @@ async def test_on_docker_a_command_cannot_paint_over_the_prompt_either(
         assert b"\\x9b2J\\x9bH\\u202e\\x1b[2J\\x1b[HDomain: pypi.org:443" in screen.raw
         assert screen.screen.margins is None  # and all but the prompt's own warning in the terminal's colours:
         assert all(screen.plain(y) for y, line in enumerate(screen.lines) if not line.startswith("Unrelated:"))
+
+
+# -- `egressd serve` for real: its own log lines while a prompt is up ------------------------------------
+
+LOG_LINE = re.compile(
+    r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d egressd DENY  connect blocked\.test:443 run=default reason=denylisted$"
+)
+
+
+async def _refused(port: int, authority: str) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        return int(head.split(b" ")[1])
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
+async def test_serves_log_lines_go_above_the_prompt_and_no_countdown_redraw_writes_over_one(
+    tmp_path: Path, screen: Screen
+) -> None:
+    """Issue 26 item 10: log lines were printed after the prompt's ``> ``, and each countdown redraw wrote over them.
+
+    ``egressd serve`` on a pty that is its controlling terminal (stderr too, as a
+    person runs it), a request held at its prompt, and traffic that logs a line
+    at a time, each followed by a countdown redraw (every second): every log
+    line stays whole, above the input line, which stays whole below them.
+    """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    env |= {"XDG_STATE_HOME": str(tmp_path / "state"), "TERM": "xterm"}
+    args = [
+        EGRESSD, "serve", "--approver", "terminal", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
+        "--deny", "blocked.test", "--upstream-dns", f"127.0.0.1:{free_port()}",
+        "--audit-log", str(tmp_path / "audit.jsonl"),
+    ]  # fmt: skip
+
+    def controlling_terminal() -> None:
+        fcntl.ioctl(screen.slave, termios.TIOCSCTTY, 0)
+
+    proc = subprocess.Popen(  # noqa: ASYNC220 - preexec_fn (the controlling terminal) needs Popen
+        args, stdin=screen.slave, stdout=screen.slave, stderr=screen.slave, env=env,
+        start_new_session=True, preexec_fn=controlling_terminal,
+    )  # fmt: skip
+    try:
+        await wait_until(lambda: serve_ports(bytes(screen.raw).decode(errors="replace").replace("\r\n", "\n")), 20)
+        ports = serve_ports(bytes(screen.raw).decode(errors="replace").replace("\r\n", "\n"))
+        assert ports is not None
+        held = asyncio.create_task(_refused(ports["proxy"], "unlisted.example:443"))
+        await screen.shows("allow or deny unlisted.example:443?")
+        screen.type("al")  # typed, not yet answered: must stay on the input line
+        await screen.shows("Enter = deny] > al")
+        for _ in range(3):
+            assert await _refused(ports["proxy"], "blocked.test:443") == 403
+            await asyncio.sleep(1.2)  # a countdown redraw (every second) after each log line
+        shown = "\n".join(screen.lines)
+        logged = [y for y, line in enumerate(screen.lines) if "blocked.test" in line]
+        assert len(logged) == 3, shown
+        assert all(LOG_LINE.match(screen.lines[y]) for y in logged), shown  # whole: nothing written over them
+        prompt = screen.row("allow or deny unlisted.example:443?")
+        assert screen.lines[prompt].endswith("Enter = deny] > al"), shown
+        assert max(logged) < prompt, shown  # above the input line, which is redrawn below them
+        assert all(not line for line in screen.lines[prompt + 1:]), shown
+        assert screen.row("Domain: unlisted.example:443") < min(logged)
+        screen.type("\x15deny\r")
+        assert await asyncio.wait_for(held, 10) == 403
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

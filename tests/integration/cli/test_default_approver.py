@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from egressd.cli.main import default_approvers
-from egressd.config.settings import load_settings
+from egressd.cli.main import default_approvers, refuse_page_approver
+from egressd.config.settings import SettingsError, load_settings
 from tests.harness import free_port, serve_ports, wait_until
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
@@ -43,6 +43,14 @@ def test_nobody_at_a_terminal_or_an_approver_named_leaves_the_setting_alone() ->
     assert default_approvers(load_settings({}), serve=True, at_terminal=False).approver == []
     named = load_settings({"approver": ["slack"]})
     assert default_approvers(named, serve=True, at_terminal=True).approver == ["slack"]
+
+
+def test_run_and_agent_refuse_the_page_unless_another_egressd_decides() -> None:
+    web = load_settings({"approver": ["terminal", "web"]})
+    with pytest.raises(SettingsError, match="egressd run serves no approvals page"):
+        refuse_page_approver(web, "run", connected=False)
+    refuse_page_approver(web, "agent", connected=True)  # --connect: the egressd it connects to has the page
+    refuse_page_approver(load_settings({"approver": ["terminal"]}), "run", connected=False)
 
 
 def _env(tmp_path: Path) -> dict[str, str]:

@@ -121,3 +121,25 @@ def test_every_setting_flag_names_its_variable_and_the_token_file_is_named(tmp_p
         assert {"policy", "approvals", "audit log"} <= set(headings), headings
     shown = _egressd(tmp_path, "serve", "--help").stdout
     assert "written to a file" not in shown and "control.token" in " ".join(shown.split())
+
+
+@pytest.mark.parametrize("command", ["run", "agent"])
+@pytest.mark.parametrize("how", [["--approver", "web"], ["--approver", "terminal", "--approver", "web"], ["env"]])
+def test_run_and_agent_refuse_a_web_approver_they_have_no_page_for(
+    tmp_path: Path, command: str, how: list[str]
+) -> None:
+    """Issue 26 item 10: `--approver web` was accepted, no page was served, and every new domain refused at once.
+
+    Refused at start with one line naming the setting, before any sandbox is made (no approvals hint).
+    """
+    script = tmp_path / "script.json"
+    script.write_text('[{"final": "done"}]')
+    needed = ["--task", "t", "--model", f"script:{script}"] if command == "agent" else ["--", "true"]
+    env = _env(tmp_path)
+    if how == ["env"]:
+        env["EGRESSD_APPROVER"] = "web"
+        how = []
+    done = subprocess.run([EGRESSD, command, *how, *needed], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith("egressd: bad setting approver: ") and "web" in line and "egressd serve" in line, line

@@ -199,3 +199,90 @@ async def test_a_bad_setting_in_the_config_file_is_refused_on_sighup(tmp_path: P
         assert len(lines) == 2
     finally:
         await _stop(proc)
+
+
+async def _policy(control_port: int, env: dict[str, str], *args: str) -> tuple[int, str]:
+    """``egressd policy default ARGS`` against the serve's control API; its exit status and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        EGRESSD, "policy", "default", "--control", f"127.0.0.1:{control_port}", *args,
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 15)
+    assert proc.returncode is not None
+    return proc.returncode, err.decode(errors="replace")
+
+
+async def test_an_operators_live_deny_survives_sighup_and_the_reload_record_says_it_was_kept(
+    tmp_path: Path, dns: Any, echo_origin: Any
+) -> None:
+    """The attack: an emergency ``egressd policy default --deny`` silently undone by the next SIGHUP.
+
+    The allow file allows the origin; the operator denies it through the control
+    API; a reload (the files unchanged, then changed elsewhere) must keep the
+    deny in force (nothing reaches the origin), and each ``policy.reloaded``
+    record names the live edit it kept. Once the allow file says the same deny,
+    the edit is the file's: removing it from the file then takes effect.
+    """
+    target = f"origin.test:{echo_origin.port}"
+    audit, stderr_path = tmp_path / "audit.jsonl", tmp_path / "serve.stderr"
+    allow_file, config = tmp_path / "allow.toml", tmp_path / "egressd.toml"
+    allow_file.write_text(f'allow = ["{target}"]\n')
+    config.write_text(
+        f'allow_file = "{allow_file}"\nask = false\nallow_private = ["{ORIGIN_RANGE}"]\n'
+        f'upstream_dns = "127.0.0.1:{dns.address[1]}"\n'
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
+    env["XDG_STATE_HOME"] = str(tmp_path / "state")
+    env["EGRESSD_CONTROL_TOKEN"] = "live-edit-test-token"
+    proc, ports = await _serve(["--config", str(config), "--audit-log", str(audit)], env, stderr_path)
+
+    async def hup(expect_records: int) -> dict[str, Any]:
+        proc.send_signal(signal.SIGHUP)
+        await _until(lambda: len(_records(audit, "policy.reloaded")) == expect_records, "policy.reloaded")
+        return _records(audit, "policy.reloaded")[-1]
+
+    try:
+        port = ports["proxy"]
+        assert await _status(port, target) == 200
+        reached = echo_origin.connections
+        assert reached == 1
+
+        status, err = await _policy(ports["control"], env, "--deny", "origin.test")
+        assert status == 0, err
+        assert await _status(port, target) == 403
+        assert echo_origin.connections == reached
+
+        # 1. SIGHUP with the files unchanged: the deny stays, and the record says it was kept.
+        record = await hup(1)
+        assert await _status(port, target) == 403
+        assert echo_origin.connections == reached  # nothing reached the origin after the reload
+        assert record["ok"] is True
+        assert record["live_kept"] == {"allow": {"added": [], "removed": []},
+                                       "deny": {"added": ["origin.test"], "removed": []}}
+
+        # 2. Another change in the allow file: still kept.
+        allow_file.write_text(f'allow = ["{target}", "other.test"]\n')
+        record = await hup(2)
+        assert record["added"] == {"allow": ["other.test"], "deny": []}
+        assert record["live_kept"]["deny"]["added"] == ["origin.test"]
+        assert await _status(port, target) == 403
+        assert echo_origin.connections == reached
+
+        # 3. The allow file now says the deny too: the edit is the file's from here on.
+        allow_file.write_text(f'allow = ["{target}"]\ndeny = ["origin.test"]\n')
+        record = await hup(3)
+        assert record["live_in_files"]["deny"]["added"] == ["origin.test"]
+        assert record["live_kept"]["deny"]["added"] == []
+        assert await _status(port, target) == 403
+
+        # 4. ... so taking it out of the file lets the origin in again.
+        allow_file.write_text(f'allow = ["{target}"]\n')
+        record = await hup(4)
+        assert record["removed"] == {"allow": [], "deny": ["origin.test"]}
+        assert await _status(port, target) == 200
+
+        denied = [r for r in _records(audit, "egress") if r.get("reason") == "denylisted"]
+        assert len(denied) >= 3 and all(r["rule"] == "origin.test" for r in denied)
+        assert await _stop(proc) == 0
+    finally:
+        await _stop(proc)
