@@ -677,6 +677,7 @@ async def egressd_run(tmp_path: Path, *args: str, limit_s: float = 90) -> tuple[
     assert proc.returncode is not None
     async with DockerEngine.connect() as engine:
         assert await leftovers(engine, "egressd.run", owner_pid=proc.pid) == []
+    assert [t for t in await fence_tables() if f"-{proc.pid}-" in t] == []
     return proc.returncode, out.decode(), err.decode()
 
 
@@ -808,6 +809,7 @@ async def test_leftovers_of_a_killed_run_are_removed_by_doctor_clean_and_at_the_
         await proc.wait()
         left = await leftovers(engine, "egressd.run", owner_pid=proc.pid)
         assert len(left) == 5  # two containers, two networks, one volume, left behind
+        assert [t for t in await fence_tables() if f"-{proc.pid}-" in t]  # and the fence on the host
         if cleaner == "doctor --clean":
             doctor = await asyncio.create_subprocess_exec(
                 EGRESSD, "doctor", "--clean", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
@@ -819,6 +821,7 @@ async def test_leftovers_of_a_killed_run_are_removed_by_doctor_clean_and_at_the_
             code, _, err = await egressd_run(tmp_path, "--", "true")
             assert code == 0, err
         assert await leftovers(engine, "egressd.run", owner_pid=proc.pid) == []
+        assert [t for t in await fence_tables() if f"-{proc.pid}-" in t] == []
 
 
 # -- the compose example -------------------------------------------------------------------------
