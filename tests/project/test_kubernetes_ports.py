@@ -63,8 +63,8 @@ _PROBE = textwrap.dedent(
     client.sendto(b"q", ("127.0.0.1", 10053))
     try:
         data, peer = dns.recvfrom(64)
-        dns.sendto(b"a", peer)  # the impostor answers
         cases["dns asked"] = "yes"
+        dns.sendto(b"a", peer)  # the impostor answers (a dropped datagram: EPERM here)
         cases["dns"] = "reply " + client.recvfrom(64)[0].decode()
     except OSError as exc:
         cases["dns"] = f"error {exc.errno}"
