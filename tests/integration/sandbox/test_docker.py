@@ -490,7 +490,8 @@ async def test_a_host_address_at_the_gateway_after_the_start_reaches_nothing_of_
             async with host_listeners([gateway]) as at_gateway:
                 targets = {
                     "tcp": {"the host at the gateway": [gateway, at_gateway.ports[gateway]],
-                            "the host at the outgoing gateway": [bed.gateway, bed.host.ports[bed.gateway]]},
+                            "the host at the outgoing gateway": [bed.gateway, bed.host.ports[bed.gateway]],
+                            "a container routed to by the host": [bed.leak.address, 8080]},
                     "udp": {"the host at the gateway": [gateway, at_gateway.ports[gateway]],
                             "the host at the outgoing gateway": [bed.gateway, bed.host.ports[bed.gateway]]},
                     "dns": {},
@@ -504,11 +505,12 @@ async def test_a_host_address_at_the_gateway_after_the_start_reaches_nothing_of_
                     obs = await bed.session.box.run(["python3", "-c", PROBE, json.dumps(targets)], capture=True)
                     assert obs.exit_code == 0, obs.stderr
                     results = json.loads(obs.stdout.strip().splitlines()[-1])
-                    for name in ("tcp the host at the gateway", "tcp the host at the outgoing gateway"):
+                    for name in ("tcp the host at the gateway", "tcp the host at the outgoing gateway",
+                                 "tcp a container routed to by the host"):
                         assert results[name] != "connected", (layer, name, results)
                     await asyncio.sleep(0.5)
                     counts = (at_gateway.tcp, at_gateway.udp, bed.host.tcp, bed.host.udp)
-                    assert counts == (0, 0, 0, 0), (layer, results)
+                    assert counts == (0, 0, 0, 0) and await bed.leak.leaks() == [], (layer, results)
         assert [t for t in await fence_tables() if f"-{os.getpid()}-" in t]  # fenced while the run lasts
     assert [t for t in await fence_tables() if f"-{os.getpid()}-" in t] == []  # and not after
 
