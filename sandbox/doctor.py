@@ -231,14 +231,17 @@ async def _docker_images() -> str:
 
 
 async def clean_docker() -> list[str]:
-    """Remove containers, networks and volumes of Docker runs whose egressd died ([] without Docker)."""
+    """Remove containers, networks and volumes of Docker runs whose egressd died, then their fences on the host
+    ([] without Docker)."""
     from .docker.engine import DockerEngine, DockerUnavailable, clean_leftovers
+    from .docker.fence import clean_leftover_fences
 
     try:
         async with DockerEngine.connect() as engine:
-            return await clean_leftovers(engine)
+            removed = await clean_leftovers(engine)
     except DockerUnavailable:
         return []
+    return removed + [f"nft table {table}" for table in await clean_leftover_fences()]
 
 
 # A run's private temporary directories carry its run key (sandbox/network.py's 8 hex

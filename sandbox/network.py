@@ -12,7 +12,10 @@ reach too.
 The default range is link-local (169.254.0.0/16, RFC 3927): a point-to-point
 veth link is exactly a link, the addresses are never routed anywhere, and
 they do not collide with a LAN's private ranges. 169.254.169.0/24 (cloud
-metadata) is never used.
+metadata) is never used. It lies outside the Docker backend's range
+(169.254.64.0/18, ``sandbox.docker.config.DEFAULT_DOCKER_RANGE``): the host
+end of a veth holds the /30's first address, which inside a Docker run's
+internal network would be the gateway its sandbox routes through.
 
 Everything created carries the ``egd`` prefix, so leftovers of a crashed run
 are found by name (``leftovers``) and removed (``clean_leftovers``).
@@ -31,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 PREFIX = "egd"
-DEFAULT_RANGE = "169.254.100.0/22"
+# Clear of the Docker backend's 169.254.64.0/18 and of 169.254.20.0/24 (Kubernetes' node-local DNS).
+DEFAULT_RANGE = "169.254.40.0/22"
 METADATA_NET = ipaddress.ip_network("169.254.169.0/24")
 STATE_DIR = Path("/run/egressd")
 LOCK_PATH = STATE_DIR / "network.lock"

@@ -14,6 +14,13 @@ between the check and the mount. ``STAGE_DIR`` is root's alone (0700): a
 stage shows the directory without the protection of the directories above
 it.
 
+The engine must see the stage: a mount egressd makes in a mount namespace
+of its own (systemd's PrivateTmp or ProtectSystem, a container, ``unshare
+-m``) is not in the engine's, which would mount the bare directory beneath
+it at /work. So the directory holds a marker file (``marker``) before the
+mount covers it: whoever finds the marker at /work sees the bare directory,
+not the working directory (``DockerSandbox`` asks the engine, and refuses).
+
 Each stage is named ``OWNER@RANDOM`` after the egressd that made it;
 ``stage`` first removes the stages whose owner is gone (an egressd killed
 outright), ``unstage`` removes one.
@@ -61,6 +68,15 @@ def stage_owner(name: str) -> str:
     return name.partition("@")[0]
 
 
+def marker(target: Path) -> str:
+    """The name of the file in the bare stage directory, under the mount (pure).
+
+    Named after the stage, so unlinking it where the mount is still in place
+    finds nothing of the working directory's.
+    """
+    return f".egressd-stage-not-mounted-{target.name.partition('@')[2]}"
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_void_p]
 _libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -98,6 +114,7 @@ def stage(workdir: Path, *, owner: str, alive: Callable[[str], bool],
         target = STAGE_DIR / stage_name(owner, secrets.token_hex(6))
         target.mkdir(mode=0o700)
         try:
+            (target / marker(target)).touch(mode=0o400)
             _mount(f"/proc/self/fd/{fd}", target, _MS_BIND)
             try:
                 _mount(None, target, remount_flags(os.fstatvfs(fd).f_flag))
@@ -105,19 +122,25 @@ def stage(workdir: Path, *, owner: str, alive: Callable[[str], bool],
                 _umount(target)
                 raise
         except OSError:
-            target.rmdir()
+            _remove_directory(target)
             raise
     finally:
         os.close(fd)
     return target, user
 
 
+def _remove_directory(target: Path) -> None:
+    with contextlib.suppress(OSError):
+        (target / marker(target)).unlink()
+    with contextlib.suppress(OSError):
+        target.rmdir()
+
+
 def unstage(target: Path) -> None:
     """Remove one stage (its mount and its directory); gone already is fine."""
     with contextlib.suppress(OSError):  # EINVAL: not mounted (any more)
         _umount(target)
-    with contextlib.suppress(OSError):
-        target.rmdir()
+    _remove_directory(target)
 
 
 def sweep(alive: Callable[[str], bool]) -> list[Path]:

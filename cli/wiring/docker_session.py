@@ -86,7 +86,7 @@ from egressd.config.settings import SECRET_SETTINGS, Settings
 from egressd.proxy.core.runs import new_control_token
 from egressd.sandbox.backend import Observation, Sandbox, SandboxError
 from egressd.sandbox.copyout import CopyOutError, CopyReport
-from egressd.sandbox.docker.commands import DockerSandbox
+from egressd.sandbox.docker.commands import DockerSandbox, StagedWorkdir
 from egressd.sandbox.docker.config import (
     CONTROL_PORT,
     DEFAULT_DOCKER_RANGE,
@@ -96,9 +96,10 @@ from egressd.sandbox.docker.config import (
     PROXY_PORT,
     SECRETS_DIR,
     SOCKS_PORT,
+    resource_labels,
     seccomp_option,
 )
-from egressd.sandbox.docker.engine import DockerEngine, clean_leftovers
+from egressd.sandbox.docker.engine import DockerEngine, clean_leftovers, owner_token
 from egressd.sandbox.docker.networks import DockerRun, DockerRunNetwork, SharedEgressdNetwork
 from egressd.sandbox.docker.sidecar import read_file, start_egressd
 
@@ -486,6 +487,12 @@ class DockerSession(SessionBase[_SessionBox]):
                 raise SessionError(f"the image {image} is not on this Docker Engine: build it "
                                    "(bash docker/build.sh, or docker build -f docker/Dockerfile ...) or name another")
         runtime = "runsc" if "runsc" in await self.engine.runtimes() else None
+        # The working directory staged and seen at /work by the engine before any network or egressd is made:
+        # an engine in another mount namespace would mount the bare stage directory (``StagedWorkdir.check_seen``).
+        staged = StagedWorkdir.make(self.workdir)
+        stack.callback(staged.remove)
+        await staged.check_seen(self.engine, self.image,
+                                resource_labels(f"probe-{secrets.token_hex(4)}", "probe", owner_token(), self.labels))
         if self.connect:
             network, address, dns = await self._join_running_egressd()
         else:
@@ -496,7 +503,7 @@ class DockerSession(SessionBase[_SessionBox]):
             workdir=self.workdir, proxy_url=self._proxy_url, labels=self.resources_labels("command"),
             # The sidecar has a SOCKS5 listener; a running egressd joined with --connect may not.
             socks_url=None if self.connect else str(URL(self._proxy_url).with_scheme("socks5h").with_port(SOCKS_PORT)),
-            extra_env=self.extra_env, term=self.term, runtime=runtime, machine=machine,
+            extra_env=self.extra_env, term=self.term, runtime=runtime, machine=machine, staged=staged,
         ))
         stack.push_async_callback(self._box.sandbox.destroy)
         poller = asyncio.ensure_future(self._poll_forever())

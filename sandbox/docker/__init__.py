@@ -1,13 +1,16 @@
 """The Docker backend: the launcher's sandbox as containers on a Docker Engine.
 
-Five rooms, dependencies pointing one way (config ← engine ← networks ← sidecar; commands
-uses config and engine):
+Six rooms, dependencies pointing one way (config ← engine ← fence ← networks ← sidecar;
+commands uses config and engine):
 
 - ``config``: pure — addresses and subnets, labels, the container and network specifications
   (the Engine API's JSON), the sidecar's secrets archive, copy-out's member checks;
 - ``engine``: every Engine API call (``DockerEngine``), errors mapped once
   (``engine_errors`` → ``DockerUnavailable``), owners and leftovers;
-- ``networks``: a run's networks, picked and made (``DockerRunNetwork``,
+- ``fence``: the host's side of a run's internal bridge: an nftables table and ARP sysctls
+  that keep the sandbox off every host address, and the check that the host holds none
+  inside the network (``Fence``);
+- ``networks``: a run's networks, picked, made and fenced (``DockerRunNetwork``,
   ``SharedEgressdNetwork``);
 - ``sidecar``: egressd's own container (``start_egressd``);
 - ``commands``: the sandbox (``DockerSandbox``, a ``backend.Sandbox``): a fresh container per command.
@@ -27,8 +30,10 @@ uses config and engine):
 The network (DESIGN.md, "The two boundaries"): per run an ``internal``
 bridge network whose only members are egressd and the sandbox. Internal means
 Docker routes nothing off it, and ``inhibit_ipv4`` leaves the bridge without
-an address on the host, so the host is not reachable from it either; the
-sandbox's default route points at a gateway that does not exist. egressd is
+an address on the host; the sandbox's default route points at a gateway
+that does not exist. Should the host hold that address anyway (another
+interface took it), the fence (``fence``) still drops whatever arrives on
+the bridge for the host, and the bridge answers no ARP for it. egressd is
 also on an outgoing network (its way out, and where its control API is
 published on the host's loopback). Subnets are /28s taken from a configured
 range: link-local by default (169.254.64.0/18: never routed, never a LAN's;

@@ -33,7 +33,7 @@ from ..backend import (
 from ..bwrap import SANDBOX_WORKDIR, base_environment
 from ..copyout import MAX_BYTES, MAX_FILES, CopyDestination, CopyReport, check_pattern, unmatched_patterns
 from ..limits import Limits
-from ..stage import stage, unstage
+from ..stage import marker, stage, unstage
 from .config import (
     API_TIMEOUT_S,
     COPY_TIMEOUT_S,
@@ -72,6 +72,87 @@ def said_by_init(data: bytes, name: str) -> bytes:
     return not_found_line(name).encode() if _INIT_NOT_FOUND.fullmatch(data) else data
 
 
+# What the run says when the engine would mount the bare stage directory at /work (exit 125).
+WORKDIR_UNSEEN = (
+    "the Docker Engine does not see the working directory egressd mounted for it (egressd runs in a mount "
+    "namespace of its own: systemd PrivateTmp/ProtectSystem, a container, unshare -m): run egressd in the "
+    "engine's mount namespace"
+)
+
+
+@dataclass
+class StagedWorkdir:
+    """The working directory staged nosuid,nodev for the engine (``stage``), and who runs in it."""
+
+    workdir: Path
+    path: Path  # what the engine mounts at /work
+    user: tuple[int, int]
+
+    @classmethod
+    def make(cls, workdir: Path) -> StagedWorkdir:
+        """Stage ``workdir``; ``SandboxError`` when it is missing, root's, or cannot be mounted."""
+        workdir = workdir.resolve()
+        if not workdir.is_dir():
+            raise SandboxError(f"working directory {workdir} does not exist")
+        boot = boot_id()
+        try:
+            path, user = stage(
+                workdir, owner=owner_token(), alive=lambda token: owner_alive(token, boot_id=boot),
+                identity=lambda uid, gid: sandbox_user(uid, gid, workdir=str(workdir)),
+            )
+        except OSError as exc:
+            raise SandboxError(f"cannot mount the working directory nosuid,nodev for the sandbox (egressd needs "
+                               f"root for that): {exc}") from None
+        return cls(workdir, path, user)
+
+    async def check_seen(self, engine: DockerEngine, image: str, labels: Mapping[str, str]) -> None:
+        """Refuse (``SandboxError``, ``WORKDIR_UNSEEN``) unless the engine mounts the working directory at /work.
+
+        A created, never started container with the stage at /work: the engine
+        finds the marker there only when it sees the bare directory under our mount.
+        """
+        container_id = await _idle_container(engine, image, self.path, labels)
+        try:
+            with engine_errors("cannot ask the Docker Engine what it mounts at /work"):
+                try:
+                    async with asyncio.timeout(API_TIMEOUT_S):
+                        async with engine.client._query(
+                            f"containers/{container_id}/archive",
+                            params={"path": f"{SANDBOX_WORKDIR}/{marker(self.path)}"},
+                        ):
+                            pass
+                except DockerError as exc:
+                    if exc.status == 404:
+                        return  # no marker: the engine sees our mount
+                    raise
+            raise SandboxError(WORKDIR_UNSEEN)
+        finally:
+            await asyncio.shield(_remove_quietly(engine, container_id))
+
+    def remove(self) -> None:
+        unstage(self.path)
+
+
+async def _idle_container(engine: DockerEngine, image: str, stage_path: Path, labels: Mapping[str, str]) -> str:
+    """A created, never started container with ``stage_path`` at /work and no network; its id."""
+    spec = CommandSpec(image=image, argv=["true"], env={}, workdir=str(stage_path), network="none",
+                       address="", dns="", labels=labels)
+    config = command_config(spec)
+    config["HostConfig"]["NetworkMode"] = "none"
+    for key in ("Dns", "DnsOptions"):
+        config["HostConfig"].pop(key)
+    config.pop("NetworkingConfig")
+    with engine_errors("cannot read the working directory"):
+        async with asyncio.timeout(API_TIMEOUT_S):
+            container = await engine.client.containers.create(config)
+    return str(container.id)
+
+
+async def _remove_quietly(engine: DockerEngine, container_id: str) -> None:
+    with contextlib.suppress(DockerUnavailable, TimeoutError):
+        await engine.remove_container(container_id)
+
+
 @dataclass
 class DockerSandbox:
     """Run commands as containers on the run's internal network; the launcher's ``Sandbox`` API.
@@ -94,6 +175,7 @@ class DockerSandbox:
     runtime: str | None = None
     cpus: float | None = DEFAULT_CPUS
     machine: str = "x86_64"  # the engine's architecture, for the seccomp profile
+    staged: StagedWorkdir | None = None  # the working directory staged already (``StagedWorkdir.check_seen``)
     env: dict[str, str] = field(init=False)
     user: tuple[int, int] = field(init=False)
     _stage: Path = field(init=False)  # what the engine mounts at /work: the working directory, nosuid,nodev
@@ -102,18 +184,10 @@ class DockerSandbox:
 
     def __post_init__(self) -> None:
         self.workdir = self.workdir.resolve()
-        if not self.workdir.is_dir():
-            raise SandboxError(f"working directory {self.workdir} does not exist")
         seccomp_option(self.machine)  # an engine the profile is not written for: refused here, not per command
-        boot = boot_id()
-        try:
-            self._stage, self.user = stage(
-                self.workdir, owner=owner_token(), alive=lambda token: owner_alive(token, boot_id=boot),
-                identity=lambda uid, gid: sandbox_user(uid, gid, workdir=str(self.workdir)),
-            )
-        except OSError as exc:
-            raise SandboxError(f"cannot mount the working directory nosuid,nodev for the sandbox (egressd needs "
-                               f"root for that): {exc}") from None
+        if self.staged is None:
+            self.staged = StagedWorkdir.make(self.workdir)
+        self._stage, self.user = self.staged.path, self.staged.user
         self.env = base_environment(
             term=self.term, proxy_url=self.proxy_url, socks_url=self.socks_url, extra=self.extra_env
         )
@@ -273,26 +347,17 @@ class DockerSandbox:
         try:
             # A created, never started container with the same mount: the archive
             # API reads /work from it, whatever the engine's host looks like.
-            spec = CommandSpec(image=self.image, argv=["true"], env={}, workdir=str(self._stage), network="none",
-                               address="", dns=self.dns, labels=self.labels)
-            config = command_config(spec)
-            config["HostConfig"]["NetworkMode"] = "none"
-            for key in ("Dns", "DnsOptions"):
-                config["HostConfig"].pop(key)
-            config.pop("NetworkingConfig")
-            with engine_errors("cannot read the working directory"):
-                async with asyncio.timeout(API_TIMEOUT_S):
-                    container = await self.engine.client.containers.create(config)
+            container_id = await _idle_container(self.engine, self.image, self._stage, self.labels)
             try:
                 async with asyncio.timeout(COPY_TIMEOUT_S):
                     with tempfile.TemporaryFile() as spool:
-                        await self._fetch_archive(container.id, spool, max_bytes)
+                        await self._fetch_archive(container_id, spool, max_bytes)
                         spool.seek(0)
                         await asyncio.to_thread(_extract, spool, patterns, out, report, max_files, max_bytes)
             except TimeoutError:
                 raise SandboxError(f"copy-out took longer than {COPY_TIMEOUT_S:g}s") from None
             finally:
-                await asyncio.shield(self._remove(container.id))
+                await asyncio.shield(self._remove(container_id))
         finally:
             out.close()
         return report

@@ -32,7 +32,9 @@ LABEL_RUN = "egressd.run"
 LABEL_OWNER = "egressd.owner"
 LABEL_ROLE = "egressd.role"
 # /28s from the link-local range: 16 addresses are plenty for egressd and one
-# sandbox, and 169.254.64.0/18 holds 1024 concurrent runs.
+# sandbox, and 169.254.64.0/18 holds 1024 concurrent runs. Disjoint from the
+# bubblewrap backend's range (``sandbox.network.DEFAULT_RANGE``): a veth of a
+# bubblewrap run must never hold an address inside a Docker run's network.
 DEFAULT_DOCKER_RANGE = "169.254.64.0/18"
 FALLBACK_DOCKER_RANGE = "100.64.64.0/18"  # carrier-grade NAT, for engines that refuse link-local
 SUBNET_PREFIX = 28
@@ -63,7 +65,11 @@ COPY_TIMEOUT_S = 300.0
 CLEAN_PASSES = 3
 CLEAN_RETRY_S = 0.5
 
-WORKDIR_ROOT = SANDBOX_WORKDIR.strip("/")  # the archive of /work names its members work/...
+WORKDIR_ROOT = SANDBOX_WORKDIR.strip("/")
+# The internal network's bridge (``RunPlan.bridge``) and the nftables table that fences it
+# off from the host (``fence_ruleset``): ``egressd-fence-<run key>-<pid>-<start time>``.
+BRIDGE_PREFIX = "egdb"
+FENCE_PREFIX = "egressd-fence-"  # the archive of /work names its members work/...
 
 # -- addresses -------------------------------------------------------------------
 
@@ -91,6 +97,11 @@ class RunPlan:
     @property
     def internal_name(self) -> str:
         return f"egressd-{self.run_key}-internal"
+
+    @property
+    def bridge(self) -> str:
+        """The internal network's bridge on the engine's host, named by us so it is fenced by name."""
+        return f"{BRIDGE_PREFIX}{self.run_key}"  # 12 characters: IFNAMSIZ allows 15
 
 
 @dataclass(frozen=True)
@@ -343,10 +354,15 @@ def egressd_config(spec: EgressdSpec) -> dict[str, Any]:
 
 
 def network_config(
-    name: str, subnet: ipaddress.IPv4Network, *, internal: bool, labels: Mapping[str, str]
+    name: str, subnet: ipaddress.IPv4Network, *, internal: bool, labels: Mapping[str, str], bridge: str | None = None,
 ) -> dict[str, Any]:
-    """A bridge network with an explicit subnet (pure); an internal one gets no host address."""
+    """A bridge network with an explicit subnet (pure); an internal one gets no host address.
+
+    ``bridge`` names its bridge on the host (else the engine's ``br-<id>``).
+    """
     options = {"com.docker.network.bridge.inhibit_ipv4": "true"} if internal else {}
+    if bridge:
+        options["com.docker.network.bridge.name"] = bridge
     return {
         "Name": name,
         "Driver": "bridge",
@@ -357,6 +373,85 @@ def network_config(
         "Options": options,
         "Labels": dict(labels),
     }
+
+
+# -- the fence: the internal bridge, seen from the host (pure) ---------------------------------
+
+
+def fence_table(run_key: str, pid: int, start: str) -> str:
+    """The nftables table fencing a run's bridge, named after the run and its egressd (pure).
+
+    nftables keeps nothing across a reboot, so pid and start time say whether
+    the egressd that made it still runs (``fence_owner``).
+    """
+    return f"{FENCE_PREFIX}{run_key}-{pid}-{start}"
+
+
+def fence_owner(table: str) -> tuple[int, str] | None:
+    """(pid, start time) of the egressd a fence table names; None: not a fence table (pure)."""
+    if not table.startswith(FENCE_PREFIX):
+        return None
+    parts = table.removeprefix(FENCE_PREFIX).split("-")
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return int(parts[1]), parts[2]
+
+
+def fence_ruleset(table: str, bridge: str) -> str:
+    """The host's nftables table for one run's internal bridge (pure).
+
+    Whatever arrives on the bridge is dropped before the host takes it in
+    (input) or routes it anywhere (forward); only frames bridged from one
+    port to another (the sandbox and egressd, each on a port of the bridge:
+    with br_netfilter they pass the forward hook leaving by the bridge
+    itself) go on. The bridge has no address, the sandbox's default route
+    names a gateway nobody holds; if the host did hold that address
+    somewhere (another tool's interface), the sandbox still reaches nothing
+    of the host. A drop in any base chain is final, whatever Docker's or
+    anyone's chains accept; priority -10 sees the packets first.
+    """
+    return (
+        f"table inet {table} {{\n"
+        "  chain input {\n"
+        "    type filter hook input priority -10; policy accept;\n"
+        f'    iifname "{bridge}" drop\n'
+        "  }\n"
+        "  chain forward {\n"
+        "    type filter hook forward priority -10; policy accept;\n"
+        f'    iifname "{bridge}" oifname != "{bridge}" drop\n'
+        "  }\n"
+        "}\n"
+    )
+
+
+# The bridge never answers ARP for the host's addresses (arp_ignore 8), nor names one in its own (arp_announce 2).
+BRIDGE_SYSCTLS = (("arp_ignore", "8"), ("arp_announce", "2"))
+
+
+def addresses_inside(
+    links: Sequence[Mapping[str, Any]], subnet: ipaddress.IPv4Network, *, bridge: str
+) -> list[str]:
+    """``IFNAME ADDRESS/PREFIX`` of every host address inside ``subnet`` but on the run's own ``bridge`` (pure).
+
+    ``links`` is ``ip -j addr``'s answer. An address of the host inside the
+    run's network is one the sandbox could reach as a neighbour (the
+    gateway .1 above all: the sandbox's default route).
+    """
+    found = []
+    for link in links:
+        name = str(link.get("ifname", ""))
+        if name == bridge:
+            continue
+        for info in link.get("addr_info") or ():
+            if info.get("family") not in (None, "inet"):
+                continue
+            try:
+                interface = ipaddress.ip_interface(f"{info['local']}/{info.get('prefixlen', 32)}")
+            except (KeyError, ValueError):
+                continue
+            if isinstance(interface, ipaddress.IPv4Interface) and interface.ip in subnet:
+                found.append(f"{name} {interface}")
+    return found
 
 
 # -- copy-out through the archive API (the member checks are pure) -----------------

@@ -25,6 +25,7 @@ from .config import (
     resource_labels,
 )
 from .engine import DockerEngine, DockerUnavailable, clean_leftovers, engine_errors, owner_token
+from .fence import Fence, FenceError, clean_leftover_fences
 
 # -- a run's networks --------------------------------------------------------------
 
@@ -72,6 +73,7 @@ class _RunNetworks(DockerRun, Generic[PlanT]):
         super().__init__(engine, plan.run_key, labels)
         self.plan = plan
         self.note = ""  # set when the networks are not where they were asked for
+        self.fence: Fence | None = None  # the internal bridge fenced off the host, once it is made
 
     @classmethod
     def _plan(cls, run_key: str, subnets: list[ipaddress.IPv4Network]) -> PlanT:
@@ -101,6 +103,7 @@ class _RunNetworks(DockerRun, Generic[PlanT]):
         last = ""
         note = ""
         avoid = list(avoid)
+        await clean_leftover_fences()
         for attempt in range(attempts):
             # A retry means another run took our pick between our look and our create: wait a
             # moment and reach further in, so runs starting together stop choosing alike.
@@ -114,8 +117,13 @@ class _RunNetworks(DockerRun, Generic[PlanT]):
             net = cls(engine, cls._plan(secrets.token_hex(4), subnets), labels)
             try:
                 await net._build()
+                # Before any container joins the internal network: a host address inside it refuses the run.
+                net.fence = await Fence.install(net.plan)
                 net.note = note
                 return net
+            except FenceError:
+                await net.destroy()
+                raise
             except DockerUnavailable as exc:
                 await net.destroy()
                 last = str(exc)
@@ -129,10 +137,19 @@ class _RunNetworks(DockerRun, Generic[PlanT]):
         raise SandboxError(f"cannot create the run's networks: {last}")
 
     async def _create_network(self, name: str, subnet: ipaddress.IPv4Network, *, internal: bool) -> None:
+        bridge = self.plan.bridge if internal else None
         with engine_errors("cannot create the run's networks"):
             async with asyncio.timeout(API_TIMEOUT_S):
                 await self.engine.client.networks.create(
-                    network_config(name, subnet, internal=internal, labels=self.labels_for("network")))
+                    network_config(name, subnet, internal=internal, labels=self.labels_for("network"), bridge=bridge))
+
+    async def destroy(self) -> None:
+        """Remove the run's containers and networks, then the fence (no container is left to need it)."""
+        try:
+            await super().destroy()
+        finally:
+            if self.fence is not None:
+                await self.fence.remove()
 
 
 class DockerRunNetwork(_RunNetworks[DockerPlan]):

@@ -94,6 +94,16 @@ async def test_the_working_directory_persists_between_commands_and_tmp_does_not(
     assert second.stdout == "kept\n" and second.exit_code != 0
 
 
+async def test_work_is_the_users_directory_itself(session: Any) -> None:
+    # Issue 26: an engine that did not see egressd's stage mounted an empty root-owned directory at /work.
+    given = session.box.workdir / "given.txt"
+    given.write_text("from the host\n")
+    os.chown(given, 1000, 1000)
+    obs = await session.box.run(["sh", "-c", "cat given.txt && echo from the sandbox > made.txt"])
+    assert (obs.exit_code, obs.stdout) == (0, "from the host\n"), obs.stderr
+    assert (session.box.workdir / "made.txt").read_text() == "from the sandbox\n"
+
+
 async def test_stdin_is_the_descriptor_given_else_empty(session: Any, tmp_path: Path) -> None:
     given = tmp_path / "stdin"
     given.write_text("hello\n")

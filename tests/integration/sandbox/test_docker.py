@@ -24,6 +24,7 @@ import os
 import secrets
 import shutil
 import signal
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -36,25 +37,34 @@ import pytest
 
 from egressd.audit.views import Refusal
 from egressd.cli.wiring.docker_session import PASSTHROUGH, SIDECAR_OWN, DockerSession, sidecar_environment
+from egressd.cli.wiring.session import SessionError
 from egressd.config.settings import load_settings
 from egressd.sandbox.backend import SandboxError
 from egressd.sandbox.copyout import CopyReport
+from egressd.sandbox.docker.commands import WORKDIR_UNSEEN
 from egressd.sandbox.docker.config import (
     DEFAULT_DOCKER_RANGE,
     SECRETS_DIR,
     CommandSpec,
     DockerPlan,
     MemberCheck,
+    addresses_inside,
     check_member,
     choose_subnets,
     command_config,
+    fence_owner,
+    fence_ruleset,
+    fence_table,
     network_config,
     sandbox_user,
 )
 from egressd.sandbox.docker.engine import DockerEngine, already_gone, owner_alive
+from egressd.sandbox.docker.fence import fence_tables
 from egressd.sandbox.docker.networks import DockerRunNetwork
 from egressd.sandbox.limits import Limits
+from egressd.sandbox.network import DEFAULT_RANGE
 from egressd.sandbox.seccomp import docker_profile
+from egressd.sandbox.stage import STAGE_DIR
 from tests import REPO
 from tests.fakes import dockerbed
 from tests.fakes.dockerbed import (
@@ -153,6 +163,33 @@ def test_runs_starting_together_can_spread_over_the_free_subnets() -> None:
 def test_subnets_skip_the_cloud_metadata_range() -> None:
     picked = choose_subnets("169.254.168.0/22", [ipaddress.ip_network("169.254.168.0/24")], count=16)
     assert all(not net.overlaps(ipaddress.ip_network("169.254.169.0/24")) for net in picked)
+
+
+def test_the_bubblewrap_and_docker_ranges_are_disjoint() -> None:
+    # A bubblewrap run's host veth holds its /30's first address: inside a Docker run's network that is the gateway.
+    assert not ipaddress.ip_network(DEFAULT_RANGE).overlaps(ipaddress.ip_network(DEFAULT_DOCKER_RANGE))
+
+
+def test_the_fence_drops_what_arrives_on_the_bridge_but_what_it_bridges() -> None:
+    rules = fence_ruleset("egressd-fence-k-1-2", "egdbk")
+    assert "type filter hook input priority -10; policy accept;\n    iifname \"egdbk\" drop\n" in rules
+    assert 'iifname "egdbk" oifname != "egdbk" drop' in rules  # sandbox to egressd: one port to another
+    assert fence_owner(fence_table("0a1b2c3d", 42, "777")) == (42, "777")
+    assert fence_owner("egressd-fence-x") is None and fence_owner("filter") is None
+
+
+def test_a_host_address_inside_the_run_network_is_found_and_the_runs_own_bridge_is_not() -> None:
+    subnet = ipaddress.ip_network("169.254.64.0/28")
+    links = [
+        {"ifname": "lo", "addr_info": [{"family": "inet", "local": "127.0.0.1", "prefixlen": 8}]},
+        {"ifname": "egd12345678h", "addr_info": [{"family": "inet", "local": "169.254.64.1", "prefixlen": 30}]},
+        {"ifname": "egdbk", "addr_info": [{"family": "inet", "local": "169.254.64.1", "prefixlen": 28}]},
+        {"ifname": "dummy0", "addr_info": [{"family": "inet", "local": "169.254.64.17", "prefixlen": 28}]},
+    ]
+    assert addresses_inside(links, subnet, bridge="egdbk") == ["egd12345678h 169.254.64.1/30"]  # type: ignore[arg-type]
+    plan = DockerPlan("0a1b2c3d", subnet, ipaddress.ip_network("169.254.64.16/28"))  # type: ignore[arg-type]
+    config = network_config(plan.internal_name, plan.internal, internal=True, labels={}, bridge=plan.bridge)
+    assert config["Options"]["com.docker.network.bridge.name"] == "egdb0a1b2c3d" and len(plan.bridge) <= 15
 
 
 def test_the_plan_gives_egressd_and_the_sandbox_fixed_addresses() -> None:
@@ -386,6 +423,98 @@ async def test_network_bypasses_fail_and_reach_nothing(make_bed: Any) -> None:
         assert bed.host.tcp == 0 and bed.host.udp == 0
 
 
+# -- the internal bridge, fenced off the host (issue 26, item 5) -----------------------------------
+
+
+@contextlib.contextmanager
+def host_address(address: str) -> Any:
+    """``address``/32 on a veth pair of the test's own in the host's namespace, removed after.
+
+    What a bubblewrap run whose range overlaps a Docker run's does: the
+    host end of its veth holds the first address of a /30, the internal
+    network's gateway (.1) when the /30 is the /28's first.
+    """
+    require(os.geteuid() == 0 and shutil.which("ip") is not None, "a host address of the test's own needs root and ip")
+    name = f"egxt{secrets.token_hex(4)}"
+    subprocess.run(["ip", "link", "add", name, "type", "veth", "peer", "name", name + "p"], check=True, timeout=10)
+    try:
+        subprocess.run(["ip", "addr", "add", f"{address}/32", "dev", name], check=True, timeout=10)
+        subprocess.run(["ip", "link", "set", name, "up"], check=True, timeout=10)
+        yield name
+    finally:
+        subprocess.run(["ip", "link", "del", name], timeout=10)
+
+
+@contextlib.contextmanager
+def route_to(address: str, device: str) -> Any:
+    """A route of the test's own to ``address`` by ``device``: so that what reaches the host can be answered
+    there (a connection counted), instead of the answer going to the host's default route."""
+    subprocess.run(["ip", "route", "add", f"{address}/32", "dev", device], check=True, timeout=10)
+    try:
+        yield
+    finally:
+        subprocess.run(["ip", "route", "del", f"{address}/32", "dev", device], timeout=10)
+
+
+async def _bridge_of(engine: DockerEngine, network: str) -> str:
+    info = await engine.client.networks.get(network)
+    details = await info.show()
+    return str((details.get("Options") or {}).get("com.docker.network.bridge.name") or f"br-{details['Id'][:12]}")
+
+
+async def test_a_host_address_inside_the_run_network_refuses_the_run(engine: DockerEngine, tmp_path: Path) -> None:
+    block = await free_test_range(engine)
+    internal, _ = split_range(block)
+    settings = load_settings({"audit_log": str(tmp_path / "audit.jsonl")})
+    with host_address(str(internal.network_address + 1)) as dummy:
+        session = DockerSession(settings, workdir=None, task="collision", net_range=str(block), labels=TEST_LABELS,
+                                egressd_image=dockerbed.EGRESSD_IMAGE)
+        with pytest.raises(SessionError) as refused:
+            async with session:
+                pass
+    assert str(refused.value) == (f"the host holds {dummy} {internal.network_address + 1}/32, inside the sandbox's "
+                                  f"network {internal}: remove it or give --net-range a range clear of it")
+    assert [t for t in await fence_tables() if f"-{os.getpid()}-" in t] == []
+
+
+async def test_a_host_address_at_the_gateway_after_the_start_reaches_nothing_of_the_host(
+    make_bed: Any, engine: DockerEngine
+) -> None:
+    # Issue 26: a bubblewrap run started after a Docker run put the internal network's .1 on its veth; the
+    # sandbox's default route names .1, the host answered its ARP and took its packets.
+    async with make_bed() as bed:
+        gateway, sandbox = str(bed.internal.network_address + 1), str(bed.internal.network_address + 3)
+        assert bed.session.resources is not None
+        bridge = await _bridge_of(engine, f"egressd-{bed.session.resources.run_key}-internal")
+        with host_address(gateway), route_to(sandbox, bridge):
+            async with host_listeners([gateway]) as at_gateway:
+                targets = {
+                    "tcp": {"the host at the gateway": [gateway, at_gateway.ports[gateway]],
+                            "the host at the outgoing gateway": [bed.gateway, bed.host.ports[bed.gateway]],
+                            "a container routed to by the host": [bed.leak.address, 8080]},
+                    "udp": {"the host at the gateway": [gateway, at_gateway.ports[gateway]],
+                            "the host at the outgoing gateway": [bed.gateway, bed.host.ports[bed.gateway]]},
+                    "dns": {},
+                }
+                arp_ignore = Path(f"/proc/sys/net/ipv4/conf/{bridge}/arp_ignore")
+                assert await asyncio.to_thread(arp_ignore.read_text) == "8\n"
+                for layer in ("ARP and nftables", "nftables alone"):
+                    if layer == "nftables alone":
+                        # The host answers ARP for .1 again: the table still drops what arrives.
+                        await asyncio.to_thread(arp_ignore.write_text, "0\n")
+                    obs = await bed.session.box.run(["python3", "-c", PROBE, json.dumps(targets)], capture=True)
+                    assert obs.exit_code == 0, obs.stderr
+                    results = json.loads(obs.stdout.strip().splitlines()[-1])
+                    for name in ("tcp the host at the gateway", "tcp the host at the outgoing gateway",
+                                 "tcp a container routed to by the host"):
+                        assert results[name] != "connected", (layer, name, results)
+                    await asyncio.sleep(0.5)
+                    counts = (at_gateway.tcp, at_gateway.udp, bed.host.tcp, bed.host.udp)
+                    assert counts == (0, 0, 0, 0) and await bed.leak.leaks() == [], (layer, results)
+        assert [t for t in await fence_tables() if f"-{os.getpid()}-" in t]  # fenced while the run lasts
+    assert [t for t in await fence_tables() if f"-{os.getpid()}-" in t] == []  # and not after
+
+
 async def test_the_host_filesystem_secrets_and_processes_stay_out_of_reach(make_bed: Any, tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     home_ssh = Path.home() / ".ssh"
@@ -557,6 +686,7 @@ async def egressd_run(tmp_path: Path, *args: str, limit_s: float = 90) -> tuple[
     assert proc.returncode is not None
     async with DockerEngine.connect() as engine:
         assert await leftovers(engine, "egressd.run", owner_pid=proc.pid) == []
+    assert [t for t in await fence_tables() if f"-{proc.pid}-" in t] == []
     return proc.returncode, out.decode(), err.decode()
 
 
@@ -590,6 +720,36 @@ async def test_egressd_run_copies_out_through_the_engine(engine: DockerEngine, t
     assert code == 0, err
     assert (out_dir / "dist" / "a.whl").read_text() == "wheel\n" and not (out_dir / "dist" / "b.whl").exists()
     assert "copy-out: skipped dist/b.whl: a link (not followed)" in err
+
+
+async def test_a_run_in_a_mount_namespace_of_its_own_refuses_before_the_command_starts(
+    engine: DockerEngine, tmp_path: Path
+) -> None:
+    # Issue 26: the nosuid,nodev stage is a mount in egressd's namespace; an engine outside it mounted the bare,
+    # root-owned stage directory at /work: "Permission denied" on the user's files, nothing copied out, no word.
+    require(shutil.which("unshare") is not None, "unshare (util-linux) makes the private mount namespace")
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "mine.txt").write_text("the user's file\n")
+    for path in (workdir, workdir / "mine.txt"):
+        os.chown(path, 1000, 1000)
+    env = _clean_env(tmp_path / "s")
+    proc = await asyncio.create_subprocess_exec(
+        "unshare", "-m", "--propagation", "private",
+        EGRESSD, "run", "--backend", "docker", *IMAGE, "--audit-log", str(tmp_path / "audit.jsonl"),
+        "--workdir", str(workdir), "--", "sh", "-c", "cat mine.txt && echo written > out.txt",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, stdin=asyncio.subprocess.DEVNULL, env=env,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 90)
+    assert (proc.returncode, out.decode(), err.decode()) == (125, "", f"egressd: {WORKDIR_UNSEEN}\n")
+    assert sorted(p.name for p in workdir.iterdir()) == ["mine.txt"]  # nothing ran, nothing was left in it
+    assert await leftovers(engine, "egressd.run", owner_pid=proc.pid) == []
+    assert [p for p in STAGE_DIR.iterdir() if f":{proc.pid}:" in p.name] == []
+    # In the engine's mount namespace the same run sees the user's directory.
+    code, out_text, err_text = await egressd_run(tmp_path, "--workdir", str(workdir), "--", "sh", "-c",
+                                                 "cat mine.txt && echo written > out.txt")
+    assert (code, out_text) == (0, "the user's file\n"), err_text
+    assert (workdir / "out.txt").read_text() == "written\n"
 
 
 async def test_egressd_agent_runs_its_commands_in_a_docker_sandbox(engine: DockerEngine, tmp_path: Path) -> None:
@@ -658,6 +818,7 @@ async def test_leftovers_of_a_killed_run_are_removed_by_doctor_clean_and_at_the_
         await proc.wait()
         left = await leftovers(engine, "egressd.run", owner_pid=proc.pid)
         assert len(left) == 5  # two containers, two networks, one volume, left behind
+        assert [t for t in await fence_tables() if f"-{proc.pid}-" in t]  # and the fence on the host
         if cleaner == "doctor --clean":
             doctor = await asyncio.create_subprocess_exec(
                 EGRESSD, "doctor", "--clean", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, env=env)
@@ -669,6 +830,7 @@ async def test_leftovers_of_a_killed_run_are_removed_by_doctor_clean_and_at_the_
             code, _, err = await egressd_run(tmp_path, "--", "true")
             assert code == 0, err
         assert await leftovers(engine, "egressd.run", owner_pid=proc.pid) == []
+        assert [t for t in await fence_tables() if f"-{proc.pid}-" in t] == []
 
 
 # -- the compose example -------------------------------------------------------------------------
