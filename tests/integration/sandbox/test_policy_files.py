@@ -124,3 +124,20 @@ def test_policy_files_outside_the_working_directory_still_run(tmp_path: Path, wo
     assert result.returncode == 0, result.stderr
     assert (workdir / "ran").exists()
     assert allow.read_text() == ALLOW and config.read_text() == CONFIG  # out of the command's reach
+
+
+def test_egressd_agent_refuses_an_allow_file_inside_the_working_directory_before_the_run(
+    tmp_path: Path, workdir: Path
+) -> None:
+    allow, _ = _project(workdir)
+    script = tmp_path / "script.json"
+    script.write_text(f'[{{"command": "{REWRITE.replace(chr(34), chr(92) + chr(34))}"}}, {{"final": "done"}}]')
+    base = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_") and "proxy" not in k.lower()}
+    result = subprocess.run(
+        [EGRESSD, "agent", "--task", "t", "--model", f"script:{script}", "--workdir", str(workdir),
+         "--allow-file", str(allow), "--audit-log", str(tmp_path / "audit.jsonl")],
+        capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        env=base | {"XDG_STATE_HOME": str(tmp_path / "state")},
+    )
+    _assert_refused_before_start(result, workdir, "allow_file")
+    assert "sandbox ready" not in result.stderr
