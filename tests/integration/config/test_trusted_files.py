@@ -157,3 +157,21 @@ def test_a_config_file_through_a_link_on_the_way_is_refused_by_egressd(tmp_path:
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("egressd: bad setting config: ") and "is a link" in result.stderr, result.stderr
     assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_transcript_or_token_file_through_a_link_on_the_way_is_refused(tmp_path: Path) -> None:
+    from egressd.agent.transcript import TranscriptError, TranscriptWriter
+    from egressd.cli.wiring.controltoken import TokenFileError, read_token_file, write_token_file
+
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "via").symlink_to(real)
+    with pytest.raises(TranscriptError, match="is a link"):
+        TranscriptWriter(tmp_path / "via" / "t.jsonl")
+    with pytest.raises(TokenFileError, match="is a link"):
+        write_token_file(tmp_path / "via" / "control.token", "secret-token")
+    assert list(real.iterdir()) == []  # nothing was made through the link
+    write_token_file(real / "control.token", "secret-token")
+    assert read_token_file(real / "control.token") == "secret-token"
+    with pytest.raises(TokenFileError, match="is a link"):
+        read_token_file(tmp_path / "via" / "control.token")
