@@ -33,7 +33,9 @@ import stat
 
 __all__ = ["UntrustedFile", "check_descriptor", "open_directory", "open_trusted", "read_trusted"]
 
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_PATH (Linux): a directory we may search but not list (mode 0711) is walked through as
+# the kernel's own lookup would; the descriptor serves only as the next lookup's start.
+_DIR = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO opens without waiting for a writer (check_descriptor then refuses it);
 # O_NOCTTY: a terminal named by mistake does not become ours.
 _FILE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC

@@ -10,6 +10,8 @@ allow file, secret files, control token, audit log) refuse the same.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -175,3 +177,28 @@ def test_a_transcript_or_token_file_through_a_link_on_the_way_is_refused(tmp_pat
     assert read_token_file(real / "control.token") == "secret-token"
     with pytest.raises(TokenFileError, match="is a link"):
         read_token_file(tmp_path / "via" / "control.token")
+
+
+def test_a_directory_we_may_search_but_not_list_is_walked_through(tmp_path: Path) -> None:
+    # /home/alice at 0711: the walk must need no more than the kernel's own lookup (O_PATH).
+    import subprocess
+    import sys
+
+    require(os.geteuid() == 0, "running as another uid needs root")
+    outer = Path(tempfile.mkdtemp(prefix="egressd-test-0711-"))
+    try:
+        outer.chmod(0o711)
+        inner = outer / "inner"
+        inner.mkdir()
+        (inner / "allow.toml").write_text(GOOD)
+        os.chown(inner, 1000, 1000)
+        os.chown(inner / "allow.toml", 1000, 1000)
+        code = "from pathlib import Path; from egressd.config.allowfile import read_allow_file as r; " \
+            f"print(r(Path({str(inner / 'allow.toml')!r})).allow)"
+        result = subprocess.run(
+            ["setpriv", "--reuid=1000", "--regid=1000", "--clear-groups", sys.executable, "-c", code],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 0 and result.stdout == "('pypi.org',)\n", result.stderr
+    finally:
+        shutil.rmtree(outer)
