@@ -15,9 +15,9 @@ the next time that file is read. A link at the name is refused; anything
 else there is replaced whole, by a fresh file (``O_EXCL | O_NOFOLLOW``, mode
 0600, relative to the directory's descriptor) renamed over the name, so an
 existing file is never truncated or written in place (another hard link to
-it keeps its contents). The directories above the name are the user's own
-path and are resolved as usual; the CLI refuses a transcript inside the
-working directory before the run.
+it keeps its contents). The directories above the name are opened one by
+one without following a link either (``egressd.config.trusted``); the CLI
+refuses a transcript inside the working directory before the run.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ from pathlib import Path
 from secrets import token_hex
 from typing import IO, Any
 
+from egressd.config.trusted import UntrustedFile, open_directory
+
 from .loop import Stop
 
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -47,7 +48,9 @@ def _open_fresh(path: Path) -> IO[str]:
     if name in ("", ".", ".."):
         raise TranscriptError(f"cannot write {path}: it names a directory")
     try:
-        dir_fd = os.open(parent or ".", _DIR)
+        dir_fd = open_directory(parent or ".", for_file=path)
+    except UntrustedFile as exc:
+        raise TranscriptError(f"cannot write {exc}") from None
     except OSError as exc:
         raise TranscriptError(f"cannot write {path}: {exc.strerror}") from None
     try:

@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Protocol, Self, runtime_checkable
 
 from egressd.audit import line
+from egressd.config.trusted import UntrustedFile, check_descriptor, open_directory
 
 __all__ = ["STDOUT", "AuditError", "AuditSink", "JsonlAuditSink", "MemoryAuditSink"]
 
@@ -41,7 +42,8 @@ _FILE_MODE = 0o600
 # name is never followed (a planted link would have our records, or a model's
 # text in them, appended to whatever it points at). O_CLOEXEC keeps the
 # descriptor out of sandboxes we spawn.
-_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+# A FIFO at the name opens at once even so (O_RDWR never waits for the other end on Linux) and is then refused.
+_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
 
 
 # The path that means standard output (``--audit-log -``).
@@ -102,16 +104,16 @@ class JsonlAuditSink:
     Not thread-safe by design: egressd's event loop is the only writer in the
     process. Across processes an exclusive ``flock`` on the file keeps a
     second egressd out (``AuditError``), since two writers would interleave
-    their runs of records. Device files such as ``/dev/full`` are accepted
-    but not locked.
+    their runs of records. Character devices such as ``/dev/full`` are
+    accepted but not locked; a FIFO, socket or directory is refused.
 
     The file is opened relative to its directory's descriptor and never
     through a link (DESIGN.md, "Secrets"): a link at its name (including
-    ``/dev/stderr``, which is one) and a regular file with a second name (a
-    hard link) are refused with ``AuditError``; an existing regular file is
-    appended to; a missing one is made with ``O_EXCL``, mode 0600. The
-    directories above the last component are the operator's own and are
-    resolved as usual.
+    ``/dev/stderr``, which is one) or on the way to it, a regular file with a
+    second name (a hard link), and one of another user or writable by others
+    (``egressd.config.trusted``) are refused with ``AuditError``; an existing
+    regular file is appended to; a missing one is made with ``O_EXCL``, mode
+    0600.
 
     The first failed write (``ENOSPC``, ``EIO``, a short write whose rest cannot be written, ...) is
     logged once on the ``egressd.audit`` logger and makes the sink unhealthy
@@ -370,7 +372,7 @@ class JsonlAuditSink:
         # The moves are renames inside the log's directory (a rename never follows the name it moves).
         parent, name = os.path.split(self._path)
         try:
-            dir_fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            dir_fd = open_directory(parent or ".", for_file=self._path)
             try:
                 for n in range(self._keep - 1, 0, -1):
                     with contextlib.suppress(FileNotFoundError):
@@ -379,7 +381,7 @@ class JsonlAuditSink:
             finally:
                 os.close(dir_fd)
             fd, size, last = _open_chained(self._path)
-        except (OSError, AuditError) as exc:
+        except (OSError, AuditError, UntrustedFile) as exc:
             self._fail(f"rotation failed: {exc}")
             raise AuditError(f"audit log {self._path} write failed: {self._failure}") from exc
         os.close(self._fd)
@@ -524,17 +526,39 @@ def _last_line_hash_of(path: str) -> str | None:
 
 
 def _open_log(path: str) -> int:
-    """The log's descriptor: ``path`` opened if it exists, else made, its last component never followed."""
+    """The log's descriptor: ``path`` opened if it exists, else made; no link followed, on the way or at the name.
+
+    A regular file must be ours or root's and not writable by anyone else
+    (``egressd.config.trusted.check_descriptor``): the log is evidence, and
+    ``egressd audit suggest`` turns it into allowlists. A character device
+    (``/dev/full``, ``/dev/null``) is taken as it is; anything else (a FIFO,
+    a socket, a directory) is refused.
+    """
     parent, name = os.path.split(path)
-    if not name:
+    if name in ("", ".", ".."):
         raise AuditError(f"cannot open audit log {path}: it names a directory")
     try:
-        dir_fd = os.open(parent or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        dir_fd = open_directory(parent or ".", for_file=path)
     except FileNotFoundError:
         directory = os.path.dirname(os.path.abspath(path))
         raise AuditError(f"cannot open audit log {path}: directory {directory} does not exist") from None
-    except OSError as exc:
-        raise AuditError(f"cannot open audit log {path}: {exc.strerror}") from None
+    except UntrustedFile as exc:
+        raise AuditError(f"audit log {exc}") from None
+    try:
+        fd = _open_in(dir_fd, name, path)
+    finally:
+        os.close(dir_fd)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISCHR(mode):
+            check_descriptor(fd, path)
+    except UntrustedFile as exc:
+        os.close(fd)
+        raise AuditError(f"audit log {exc}") from None
+    return fd
+
+
+def _open_in(dir_fd: int, name: str, path: str) -> int:
     try:
         # Two turns: a file that appears between "not there" and O_EXCL is opened as an existing one.
         for _ in range(2):
@@ -551,8 +575,6 @@ def _open_log(path: str) -> int:
         if exc.errno == errno.ELOOP:
             raise AuditError(f"audit log {path} is a link, and the audit log is never opened through one") from None
         raise AuditError(f"cannot open audit log {path}: {exc.strerror}") from None
-    finally:
-        os.close(dir_fd)
 
 
 class MemoryAuditSink:

@@ -534,8 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
         "one registered domain (never across a public suffix). IP addresses and hosts that were refused (deny "
         "entries, private addresses, denials) are never suggested: a closing comment lists them. Review the "
         "output before you use it. Exit 0, 1 if there is no audit log, 2 for an unknown run or an unreadable file.",
-        epilog="example: egressd serve --learn ...; then egressd audit suggest > allow.toml; "
-        "egressd serve --allow-file allow.toml")
+        epilog="example: egressd serve --learn ...; then egressd audit suggest > ~/.config/egressd/allow.toml; "
+        "egressd serve --allow-file ~/.config/egressd/allow.toml (never inside a sandbox's --workdir)")
     suggest.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML config file (for audit_log)")
     suggest.add_argument("--audit-log", dest="audit_log", default=argparse.SUPPRESS, metavar="PATH",
                          help="the log to read, with its rotated files")

@@ -59,6 +59,14 @@ and giving a secret both ways is an error. egressd drops every secret
 variable (and the model API keys of `egressd agent`) from its environment
 once it has read them, so nothing it starts inherits them.
 
+The config file, the allow file, the audit log and every secret file are
+opened without following a link, at the name or on the way to it (name the
+file by its real path), and must be regular files of yours or root's that no
+one else may write (`chmod go-w`); a FIFO or a directory is refused. For
+`egressd run` and `egressd agent` none of them may be inside `--workdir`:
+keep them beside the project, not in it (`~/.config/egressd/`), or the
+sandboxed command could rewrite the policy of every later run.
+
 Example `egressd.toml`:
 
 ```toml

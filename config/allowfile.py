@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from egressd.config.trusted import UntrustedFile, open_trusted, read_trusted
 from egressd.names.shown import toml_string
 
 __all__ = ["AllowFile", "AllowFileError", "Approved", "append_approved", "read_allow_file"]
@@ -72,18 +73,30 @@ class AllowFile:
 
 
 def read_allow_file(path: Path) -> AllowFile:
-    """Read and check an allowlist file (a missing one is empty); ``AllowFileError`` names what is wrong."""
+    """Read and check an allowlist file (a missing one is empty); ``AllowFileError`` names what is wrong.
+
+    Opened and checked by ``egressd.config.trusted`` (no link on the way, a
+    regular file of ours or root's that nobody else may change): whoever could
+    write it would set the policy of every run that reads it.
+    """
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_trusted(path).decode("utf-8")
     except FileNotFoundError:
         return AllowFile(path, (), (), ())
-    except (OSError, UnicodeDecodeError) as exc:
+    except UntrustedFile as exc:
+        raise AllowFileError(f"allow file {exc}") from None
+    except OSError as exc:
+        raise AllowFileError(f"allow file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
         raise AllowFileError(f"allow file {path}: {exc}") from None
     return _parse(path, text)
 
 
 def append_approved(path: Path, approved: Approved) -> None:
     """Append one ``[[approved]]`` table to the allowlist file at ``path``, creating it (0600) if missing.
+
+    Opened as ``read_allow_file`` opens it (``egressd.config.trusted``), made
+    with ``O_EXCL`` if missing.
 
     One write under an exclusive lock, after checking that the file with the
     table still parses; ``AllowFileError`` when it cannot be written or the
@@ -92,7 +105,9 @@ def append_approved(path: Path, approved: Approved) -> None:
     if not approved.entry or not approved.at:
         raise AllowFileError(f"allow file {path}: an approved entry needs an entry and a time")
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = open_trusted(path, flags=os.O_RDWR | os.O_APPEND, create=True)
+    except UntrustedFile as exc:
+        raise AllowFileError(f"allow file {exc}") from None
     except OSError as exc:
         raise AllowFileError(f"allow file {path}: {exc.strerror or exc}") from None
     try:

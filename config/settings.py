@@ -23,10 +23,8 @@ for ``cli`` to drop once the settings are read.
 
 from __future__ import annotations
 
-import errno
 import ipaddress
 import os
-import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,6 +40,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from egressd.config.trusted import UntrustedFile, read_trusted
 from egressd.names.addresses import unmapped
 from egressd.names.authority import AuthorityError, Colons, parse_authority
 
@@ -73,30 +72,20 @@ MAX_SECRET_BYTES = 64 * 1024
 def read_secret_file(path: Path, *, euid: int) -> str:
     """The secret ``path`` holds, without surrounding whitespace; ValueError saying why not.
 
-    Refused: a link (opened without following it), anything but a regular
-    file (a FIFO is opened without waiting for a writer), a file owned by
-    anyone but ``euid`` or root, a file whose mode lets its group or others
-    read or write it, an empty one, one past MAX_SECRET_BYTES.
+    Opened and checked by ``egressd.config.trusted``: refused, a link at the
+    name or on the way, anything but a regular file (a FIFO is opened without
+    waiting for a writer), a file owned by anyone but ``euid`` or root, a file
+    whose mode lets its group or others read or write it; then an empty one,
+    one past MAX_SECRET_BYTES.
     """
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        fd = os.open(path, flags)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError(f"{path} is a link: name the file itself") from None
+        data = read_trusted(path, secret=True, limit=MAX_SECRET_BYTES, euid=euid)
+    except FileNotFoundError as exc:
         raise ValueError(f"cannot open {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as fh:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{path} is not a regular file")
-        if info.st_uid not in (euid, 0):
-            raise ValueError(f"{path} belongs to uid {info.st_uid}, not to uid {euid} (us) or root")
-        if info.st_mode & 0o077:
-            mode = oct(stat.S_IMODE(info.st_mode))[2:]
-            raise ValueError(f"{path} has mode {mode}, so other users may read or change it: chmod 600 {path}")
-        data = fh.read(MAX_SECRET_BYTES + 1)
-    if len(data) > MAX_SECRET_BYTES:
-        raise ValueError(f"{path} is larger than {MAX_SECRET_BYTES} bytes: not a token")
+    except OSError as exc:
+        raise ValueError(f"cannot read {path}: {exc.strerror}") from None
+    except UntrustedFile as exc:
+        raise ValueError(str(exc)) from None
     try:
         text = data.decode("utf-8").strip()
     except UnicodeDecodeError:
@@ -480,13 +469,20 @@ _TABLES = ("approvals",)
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """The TOML file's settings, with the ``[approvals]`` table flattened."""
+    """The TOML file's settings, with the ``[approvals]`` table flattened.
+
+    It shapes the policy, so it is opened and checked by ``egressd.config.trusted``
+    (no link on the way, a regular file of ours or root's that nobody else may change).
+    """
     try:
-        with path.open("rb") as fh:
-            data = tomllib.load(fh)
+        data = tomllib.loads(read_trusted(path).decode("utf-8"))
     except FileNotFoundError:
         raise SettingsError(f"bad setting config: {path} does not exist") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+    except UntrustedFile as exc:
+        raise SettingsError(f"bad setting config: {exc}") from None
+    except OSError as exc:
+        raise SettingsError(f"bad setting config: {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise SettingsError(f"bad setting config: {path}: {exc}") from None
     for table in _TABLES:
         section = data.pop(table, None)
@@ -501,6 +497,12 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def config_path(config_file: Path | str | None = None) -> Path | None:
+    """The config file ``load_settings`` reads: ``config_file``, else ``EGRESSD_CONFIG``, else none."""
+    path = config_file or os.environ.get("EGRESSD_CONFIG") or None
+    return Path(path) if path is not None else None
+
+
 def load_settings(cli_values: Mapping[str, Any], config_file: Path | str | None = None) -> Settings:
     """Build the settings from the command line, environment and config file.
 
@@ -508,10 +510,10 @@ def load_settings(cli_values: Mapping[str, Any], config_file: Path | str | None 
     values are dropped). ``config_file`` falls back to ``EGRESSD_CONFIG``.
     Raises SettingsError with one message naming every bad setting.
     """
-    path = config_file or os.environ.get("EGRESSD_CONFIG") or None
+    path = config_path(config_file)
     file_values: dict[str, Any] = {}
     if path is not None:
-        file_values = read_config_file(Path(path))
+        file_values = read_config_file(path)
 
     class BoundSettings(Settings):
         pass

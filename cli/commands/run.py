@@ -29,7 +29,7 @@ from typing import Any, TextIO
 from egressd.approvals.terminal import TerminalOutput
 from egressd.audit.log import STDOUT
 from egressd.audit.views import EgressSeen
-from egressd.config.settings import Settings, SettingsError
+from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, config_path
 from egressd.names.shown import logged
 from egressd.proxy.core.reasons import reason_message
 from egressd.sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
@@ -237,30 +237,52 @@ def check_copy_out(args: argparse.Namespace) -> None:
 
 
 def _keep_out(setting: str, path: Path, workdir: Path, where: str = "") -> None:
-    """SettingsError if ``path`` (or a file made at it) would be inside ``workdir``: copy-out's rule, one walk."""
+    """SessionError (exit 125) if ``path`` (or a file made at it) would be inside ``workdir``: copy-out's rule.
+
+    One walk, by device and inode: a link or bind mount leading into ``workdir`` is inside it too.
+    """
     try:
         check_destination(path, workdir)
     except CopyOutError:
-        raise SettingsError(
+        raise SessionError(
             f"bad setting {setting}: {where or path} would be inside the working directory {workdir}, "
-            "where the sandboxed command can read and plant files"
+            "where the sandboxed command can read, rewrite and plant files: move it out of the working directory"
         ) from None
+
+
+def _policy_and_secret_files(args: argparse.Namespace, settings: Settings) -> list[tuple[str, Path]]:
+    """(setting, path) of every file egressd reads with authority for this run: config, allow file, secrets."""
+    files: list[tuple[str, Path]] = []
+    config = config_path(getattr(args, "config", None))
+    if config is not None:
+        files.append(("config", config))
+    if settings.allow_file is not None:
+        files.append(("allow_file", settings.allow_file))
+    for name in SECRET_SETTINGS:
+        path = getattr(settings, f"{name}_file")
+        if path is not None:
+            files.append((f"{name}_file", path))
+    return files
 
 
 def check_private_files(args: argparse.Namespace, settings: Settings) -> None:
     """Files the command must never reach, before any sandbox exists (``egressd run`` and ``agent``).
 
-    DESIGN.md, "Secrets": the transcript and the audit log are opened
-    without following links and never inside a working directory; control
-    sockets and token files never live in one either.
+    DESIGN.md, "Policy" and "Secrets": files that shape policy or hold
+    secrets are never inside a run's working directory, and are opened
+    without following links (``egressd.config.trusted``, when they are read).
 
     1. the transcript (``agent``) and the audit log must not be links
-       (they are opened without following one: refused here, before the run);
+       (they are opened without following one: refused here, before the run,
+       SettingsError);
     2. none of these may be inside ``--workdir`` (a fresh working directory
-       holds none of them): the transcript, the audit log (the default one
-       is in the state directory, so ``--workdir ~`` is refused), the run's
-       control socket and token file (made in the temporary directory, with
-       bubblewrap), and the token file ``--connect`` reads.
+       holds none of them), or the command could rewrite the policy of every
+       later run, or read a secret: the config file, the allow file, every
+       secret's file (``*_file``), the transcript, the audit log (the default
+       one is in the state directory, so ``--workdir ~`` is refused), the
+       run's control socket and token file (made in the temporary directory,
+       with bubblewrap), and the token file ``--connect`` reads. Refused with
+       SessionError: exit 125, nothing started.
     """
     if str(settings.audit_path) == STDOUT:
         raise SettingsError(
@@ -276,7 +298,7 @@ def check_private_files(args: argparse.Namespace, settings: Settings) -> None:
     if not args.workdir:
         return
     workdir = Path(args.workdir)
-    for setting, path, _ in files:
+    for setting, path in [*_policy_and_secret_files(args, settings), *((s, p) for s, p, _ in files)]:
         _keep_out(setting, path, workdir)
     if args.backend == "bwrap":
         temp = Path(tempfile.gettempdir())

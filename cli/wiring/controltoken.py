@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from egressd.config.trusted import UntrustedFile, open_directory
 from egressd.names.addresses import IPAddress, unmapped
 
 __all__ = [
@@ -60,7 +61,6 @@ __all__ = [
     "write_token_file",
 ]
 
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # O_NONBLOCK: a FIFO planted at the name must not hang the CLI (fstat then refuses it).
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -302,10 +302,13 @@ def write_token_file(path: Path, token: str) -> None:
     """Put ``token`` in a new file at ``path`` that only we can read; TokenFileError when it cannot be done.
 
     Whatever had the name (another user's file, a link) is replaced, never
-    written into or followed; the result is checked to be ours, mode 0600.
+    written into or followed; no link on the way to it is followed either
+    (``egressd.config.trusted``); the result is checked to be ours, mode 0600.
     """
     try:
-        dir_fd = os.open(path.parent, _DIR)
+        dir_fd = open_directory(path.parent, for_file=path)
+    except UntrustedFile as exc:
+        raise TokenFileError(str(exc)) from None
     except OSError as exc:
         raise TokenFileError(f"cannot open its directory: {exc.strerror}") from None
     temp = f".egressd-token-{secrets.token_hex(8)}"
@@ -344,15 +347,22 @@ def write_token_file(path: Path, token: str) -> None:
 def read_token_file(path: Path) -> str:
     """The token in ``path``; OSError if it cannot be read, TokenFileError if it is not to be trusted.
 
-    Not a link, a regular file of ours (or root's), readable by no one else
-    (if others could read it, the token is no secret any more).
+    Not a link, nor reached through one (``egressd.config.trusted``), a
+    regular file of ours (or root's), readable by no one else (if others
+    could read it, the token is no secret any more).
     """
     try:
-        fd = os.open(path, _READ)
+        dir_fd = open_directory(path.parent, for_file=path)
+    except UntrustedFile as exc:
+        raise TokenFileError(f"the control token file {exc}") from None
+    try:
+        fd = os.open(path.name, _READ, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise TokenFileError(f"the control token file {path} is a link, and it is never read through one") from None
         raise
+    finally:
+        os.close(dir_fd)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -217,6 +217,19 @@ def test_egressd_is_a_native_sidecar_probed_on_health_with_its_audit_log_on_stdo
         assert ports[get["port"]] == control_port, probe
 
 
+def test_egressds_config_is_the_mounted_file_itself_not_a_configmap_volumes_link() -> None:
+    # A ConfigMap volume's files are links (name -> ..data/name); egressd opens its config without
+    # following one (config/trusted.py), so only a subPath mount (a bind mount of the file) is taken.
+    for workload in ("pod.yaml", "deployment.yaml"):
+        spec = _load(workload)["spec"]
+        spec = spec["template"]["spec"] if "template" in spec else spec
+        mounts = [m for m in _containers(spec)["egressd"]["volumeMounts"] if m["name"] == "egressd-config"]
+        assert mounts == [
+            {"name": "egressd-config", "mountPath": "/etc/egressd/egressd.toml", "subPath": "egressd.toml",
+             "readOnly": True}
+        ], workload
+
+
 def test_the_network_policy_allows_only_dns_and_web_ports_off_private_ranges() -> None:
     policy = _load("networkpolicy.yaml")["spec"]
     assert set(policy["policyTypes"]) == {"Ingress", "Egress"} and policy["ingress"] == []

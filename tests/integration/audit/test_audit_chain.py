@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -21,7 +22,7 @@ import pytest
 from egressd.audit.log import JsonlAuditSink
 from egressd.audit.query import ChainLine, ChainReport, verify_chain, verify_files
 from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind, RecordError, run_record
-from tests.harness import free_port, wait_serve_ports_in
+from tests.harness import free_port, require, wait_serve_ports_in
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 
@@ -308,14 +309,15 @@ def test_a_last_line_longer_than_a_read_chunk_is_still_chained_onto(tmp_path: Pa
 
 
 def test_rotation_never_renames_a_file_that_is_not_a_regular_one(tmp_path: Path) -> None:
-    # A FIFO of the test's own stands for /dev/null and the like (never the real one: we are root).
-    fifo = tmp_path / "audit.fifo"
-    os.mkfifo(fifo, 0o600)
-    with JsonlAuditSink(fifo, max_bytes=10, keep=2) as sink:
+    # A device node of the test's own, /dev/null's twin, stands for /dev/null (never the real one: we are root).
+    require(os.geteuid() == 0, "making a device node needs root")
+    null = tmp_path / "audit.null"
+    os.mknod(null, 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    with JsonlAuditSink(null, max_bytes=10, keep=2) as sink:
         for n in range(5):
             sink.write(_record(n))
         assert sink.healthy
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.fifo"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.null"]
 
 
 def test_no_record_builder_lets_a_caller_set_prev() -> None:

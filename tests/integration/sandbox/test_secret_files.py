@@ -114,7 +114,7 @@ def test_egressd_agent_refuses_a_transcript_inside_the_working_directory_before_
         where.symlink_to(work)
     result = _egressd(tmp_path, "agent", "--task", "t", "--model", _script(tmp_path), "--workdir", str(work),
                       "--transcript", str(where / "t.jsonl"), "--audit-log", str(tmp_path / "a.jsonl"))
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == 125, result.stderr  # nothing started: the sandbox cannot be made so
     assert "bad setting transcript" in result.stderr and "inside the working directory" in result.stderr
     assert "sandbox ready" not in result.stderr
     assert not (work / "t.jsonl").exists()
@@ -169,7 +169,7 @@ def test_egressd_run_refuses_an_audit_log_inside_the_working_directory_before_th
     work = tmp_path / "work"
     work.mkdir()
     result = _egressd(tmp_path, "run", "--workdir", str(work), "--audit-log", str(work / "a.jsonl"), "--", "true")
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == 125, result.stderr  # nothing started: the sandbox cannot be made so
     assert "bad setting audit_log" in result.stderr and "inside the working directory" in result.stderr
     assert not (work / "a.jsonl").exists()
 
@@ -179,7 +179,7 @@ def test_egressd_run_refuses_a_working_directory_holding_its_state_directory(tmp
     work = tmp_path / "home"
     work.mkdir()
     result = _egressd(tmp_path, "run", "--workdir", str(work), "--", "true", XDG_STATE_HOME=str(work / "state"))
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == 125, result.stderr  # nothing started: the sandbox cannot be made so
     assert "bad setting audit_log" in result.stderr and "inside the working directory" in result.stderr
 
 
@@ -190,7 +190,7 @@ def test_egressd_run_refuses_a_working_directory_holding_the_temporary_directory
     (work / "tmp").mkdir(parents=True)
     result = _egressd(tmp_path, "run", "--workdir", str(work), "--audit-log", str(tmp_path / "a.jsonl"), "--",
                       "true", TMPDIR=str(work / "tmp"))
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == 125, result.stderr  # nothing started: the sandbox cannot be made so
     assert "inside the working directory" in result.stderr and "control" in result.stderr, result.stderr
     assert list((work / "tmp").iterdir()) == []
 
