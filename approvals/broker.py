@@ -478,6 +478,7 @@ class ApprovalBroker:
                 by=settlement.by,
                 channel=settlement.channel,
                 run=request.run_id,
+                auth=settlement.auth,
             )
             try:
                 append_approved(path, approved)

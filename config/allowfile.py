@@ -38,7 +38,7 @@ from egressd.names.shown import toml_string
 
 __all__ = ["AllowFile", "AllowFileError", "Approved", "append_approved", "read_allow_file"]
 
-_APPROVED_KEYS = ("entry", "at", "approval", "by", "channel", "run")
+_APPROVED_KEYS = ("entry", "at", "approval", "by", "channel", "run", "auth")
 
 
 class AllowFileError(Exception):
@@ -55,6 +55,7 @@ class Approved:
     by: str | None = None  # who answered, as the channel names them
     channel: str | None = None
     run: str | None = None  # the run that asked
+    auth: str | None = None  # the credential that answered, as egressd names it (never the answerer's own words)
 
 
 @dataclass(frozen=True, slots=True)

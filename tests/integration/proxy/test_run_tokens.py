@@ -207,6 +207,7 @@ async def test_a_run_token_cannot_answer_always_nor_pass_for_the_operator(bed: B
     assert (status, answer["scope"]) == (200, "always"), answer
     assert decided_records(bed)[-1]["auth"] == "global token"
     assert "[[approved]]" in bed.allow_file.read_text()
+    assert 'auth = "global token"' in bed.allow_file.read_text()  # the lasting table names the credential too
 
 
 async def test_run_tokens_are_never_in_the_audit_log_nor_the_log_output(
