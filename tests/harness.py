@@ -34,7 +34,8 @@ from egressd.cli.wiring.service import EgressService
 # listen on ports the kernel picks, the literal 127.0.0.x of hand-written tests, 127.0.1.1 of
 # /etc/hosts), of the few 127.N.x.y literals tests name (127.5.6.7, 127.8.9.10, 127.255.0.9) and of the
 # loopback broadcast 127.255.255.255; no octet is 0 or 255. egressd itself treats no loopback address
-# specially but 127.0.0.1 (its defaults) and its own listeners; its sandboxes use 169.254.40.0/22 (bubblewrap) and 169.254.64.0/18 (Docker).
+# specially but 127.0.0.1 (its defaults) and its own listeners; its sandboxes use 169.254.40.0/22
+# (bubblewrap) and 169.254.64.0/18 (Docker).
 # Linux routes all of 127.0.0.0/8 to lo, in every network namespace: nothing to configure.
 # EGRESSD_TEST_NET=127.A.B picks the /24 by hand (to rerun a failure on the same addresses).
 

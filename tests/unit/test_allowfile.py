@@ -64,12 +64,16 @@ def test_an_append_keeps_the_file_as_written_and_adds_one_table(tmp_path: Path) 
     path = tmp_path / "allow.toml"
     path.write_text(WRITTEN.rstrip("\n"))  # no final newline: the table must still start on its own line
     before = path.read_text()
-    append_approved(path, Approved("api.github.com:443", "2026-12-01T22:10:00Z", "a-1", "alice", "slack", "r-1", "global token"))
+    append_approved(
+        path, Approved("api.github.com:443", "2026-12-01T22:10:00Z", "a-1", "alice", "slack", "r-1", "global token")
+    )
     after = path.read_text()
     assert after.startswith(before)
     held = read_allow_file(path)
     assert held.allowed[-1] == "api.github.com:443"
-    assert held.approved == (Approved("api.github.com:443", "2026-12-01T22:10:00Z", "a-1", "alice", "slack", "r-1", "global token"),)
+    assert held.approved == (
+        Approved("api.github.com:443", "2026-12-01T22:10:00Z", "a-1", "alice", "slack", "r-1", "global token"),
+    )
     assert 'auth = "global token"' in after
 
 

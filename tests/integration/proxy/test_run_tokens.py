@@ -72,11 +72,18 @@ async def bed(dns: FakeDns, echo_origin: Listener, tmp_path: Path) -> AsyncItera
     channel = RecordingChannel()
     broker = ApprovalBroker([channel], audit=sink, allow_file=tmp_path / "allow.toml")
     await broker.start()
-    settings = load_settings({
-        "listen": "127.0.0.1:0", "control": "127.0.0.1:0", "control_token": GLOBAL, "require_auth": True,
-        "upstream_dns": f"{dns.address[0]}:{dns.address[1]}", "allow_private": [ORIGIN_RANGE],
-        "audit_log": str(audit_path), "log_level": "debug",
-    })
+    settings = load_settings(
+        {
+            "listen": "127.0.0.1:0",
+            "control": "127.0.0.1:0",
+            "control_token": GLOBAL,
+            "require_auth": True,
+            "upstream_dns": f"{dns.address[0]}:{dns.address[1]}",
+            "allow_private": [ORIGIN_RANGE],
+            "audit_log": str(audit_path),
+            "log_level": "debug",
+        }
+    )
     svc = EgressService(settings, approver=broker, audit=sink)
     await svc.start()
     runs: dict[str, dict[str, Any]] = {}
@@ -88,9 +95,11 @@ async def bed(dns: FakeDns, echo_origin: Listener, tmp_path: Path) -> AsyncItera
         status, _ = await call(svc, "PUT", f"/runs/{created['id']}/command", GLOBAL, {"command": f"cmd {name}"})
         assert status == 200
         creds = base64.b64encode(f"{created['id']}:{created['token']}".encode()).decode()
-        held.append(asyncio.ensure_future(
-            connect_via(svc, f"origin.test:{echo_origin.port}", f"Proxy-Authorization: Basic {creds}\r\n")
-        ))
+        held.append(
+            asyncio.ensure_future(
+                connect_via(svc, f"origin.test:{echo_origin.port}", f"Proxy-Authorization: Basic {creds}\r\n")
+            )
+        )
     await wait_until(lambda: len({a.request.run_id for a in channel.delivered}) == 2)
     yield Bed(svc, channel, audit_path, tmp_path / "allow.toml", runs, held)
     await broker.close()  # settles what is still held
@@ -234,8 +243,13 @@ async def egressd_cli(svc: Any, token: str, *args: str) -> tuple[int, str, str]:
     env["EGRESSD_CONTROL_TOKEN"] = token
     control = svc.control_address.removeprefix("http://")
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, *args, "--control", control, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        EGRESSD,
+        *args,
+        "--control",
+        control,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     out, err = await asyncio.wait_for(proc.communicate(), 30)
     assert proc.returncode is not None
