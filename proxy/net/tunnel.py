@@ -14,10 +14,11 @@ A tunnel may start with a ``ClientCheck``: while it lasts, the client's
 bytes are held (not relayed) and shown to it; it says how many of them may
 go on, holds the rest until more arrive, or refuses and ends the tunnel. The
 upstream's bytes are relayed as they come, and shown to it first, so it can
-say when it is over. Once over (the check says so, or either side
-half-closes), what was held goes on and bytes pass with no inspection. (The
-listeners check the server name of every TLS ClientHello until the server
-has settled the handshake this way.)
+say when it is over. Once over (the check says so, or a side half-closes
+and the check agrees), what was held goes on and bytes pass with no
+inspection. (The listeners check the server name of every TLS ClientHello
+until the server has settled the handshake this way, and the host every
+plain HTTP request names for as long as the tunnel lasts.)
 
 A tunnel runs on callbacks alone: no task waits for it. Whoever spliced it
 passes ``on_end``, which runs once when it ends, so the thousands of idle
@@ -51,6 +52,13 @@ class ClientCheck(Protocol):
 
     def expired(self, tunnel: Tunnel) -> None:
         """Bytes stayed held for the check's timeout (counted from when holding began)."""
+        ...
+
+    def eof(self, tunnel: Tunnel, source: Peer) -> bool:
+        """``source`` half-closed; True: the check is over (what is held goes on, then the EOF).
+
+        False: it goes on (what it held of the client's may be dropped: never relayed).
+        """
         ...
 
 
@@ -135,6 +143,10 @@ class Tunnel:
                 return
             if self._check.upstream(self, data):
                 self._release()
+            elif self.client.buf:
+                self._look()  # what the upstream said may let held bytes go (or refuse them)
+            if self.ended:
+                return
         self._send(source, data)
 
     def _send(self, source: Peer, data: bytes) -> None:
@@ -149,7 +161,7 @@ class Tunnel:
             self.bytes_down += len(data)
 
     def peer_eof(self, source: Peer) -> None:
-        if self._check is not None:
+        if self._check is not None and self._check.eof(self, source):
             self._release()  # a half-close ends the check: relay what there is, then the EOF
         if source is self.client:
             self._client_eof = True
