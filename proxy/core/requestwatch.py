@@ -11,10 +11,11 @@ they are known not to be TLS, and relays only what it lets go:
    the stream is HTTP: a line that names an HTTP version (``HTTP/``, in any
    case) is; a line without one, or a byte no request line holds (a control
    other than HTAB and CR), is another protocol and is relayed unwatched
-   (None). Until its line feed comes, the first line's bytes go on as they
-   arrive: a line with no end is no request to any server, and a protocol
-   that sends text without one and waits (the bench's echo) is not stalled.
-   A first line longer than the head limit is refused;
+   (None). Until its line feed comes, the line is held once it holds a
+   space (a method and what follows it); before that its one word goes on
+   as it arrives (a word with no line end is no request to any server, and
+   a protocol that sends a word and waits, as the bench's echo does, is not
+   stalled). A first line longer than the head limit is refused;
 2. then every request head, strictly parsed (``http1``: one framing, no
    smuggling), must name the tunnel's host and port: its Host and its
    absolute-form target's authority alike, normalised as the policy does
@@ -66,6 +67,21 @@ class OtherHost(Exception):
         super().__init__(detail)
         self.named = named
         self.detail = detail
+
+
+class _Line(enum.Enum):
+    """What a tunnel's first line says so far."""
+
+    HTTP = "names an HTTP version"
+    OTHER = "another protocol's"
+    WORD = "one word so far, no end: goes on as it comes"
+    UNFINISHED = "a word and a space, no end: held, it may be a request line"
+
+
+_HTTP: Final = _Line.HTTP
+_OTHER: Final = _Line.OTHER
+_WORD: Final = _Line.WORD
+_UNFINISHED: Final = _Line.UNFINISHED
 
 
 class _State(enum.Enum):
@@ -150,11 +166,13 @@ class RequestWatch:
                     self._state = _SWITCHING
                 continue
             if state is _FIRST_LINE:
-                http = self._first_line(self._sent + rest)
-                if http is None:
+                line = self._first_line(self._sent + rest)
+                if line is _UNFINISHED:
+                    return 0  # the line has a space: a method seen, what follows it is held
+                if line is _WORD:
                     self._sent += rest  # relayed, and kept: the head starts with it
                     return end
-                if not http:
+                if line is _OTHER:
                     return None
                 self._state = _HEAD
                 continue
@@ -188,18 +206,23 @@ class RequestWatch:
                 self._upstream_spoke = True
                 return False
 
-    def _first_line(self, text: bytes | bytearray) -> bool | None:
-        """Whether the stream is HTTP; None: its first line has not ended yet (see step 1)."""
+    @property
+    def switching(self) -> bool:
+        """Whether an upgrade waits for the upstream's answer (the client's next bytes held meanwhile)."""
+        return self._state is _SWITCHING
+
+    def _first_line(self, text: bytes | bytearray) -> _Line:
+        """What the first line says so far (see step 1)."""
         start = len(text) - len(text.lstrip(b"\r\n"))
         newline = text.find(b"\n", start)
         line = text[start:] if newline < 0 else text[start:newline]
         if line.translate(None, _LINE_BYTES):
-            return False
-        if newline < 0:
-            if len(text) >= self.max_head_bytes:
-                raise HttpError(431, "first line longer than a request head may be")
-            return None
-        return b"http/" in line.lower()
+            return _OTHER
+        if newline >= 0:
+            return _HTTP if b"http/" in line.lower() else _OTHER
+        if len(text) >= self.max_head_bytes:
+            raise HttpError(431, "first line longer than a request head may be")
+        return _UNFINISHED if b" " in line or b"\t" in line else _WORD
 
     def _check(self, head: RequestHead) -> None:
         """The head names the tunnel's host and port, and asks for nothing this cannot follow."""

@@ -449,8 +449,14 @@ class SniCheck:
     def upstream(self, tunnel: Tunnel, data: bytes) -> bool:
         if self._http is None:
             return self._server.feed(data)
+        http = self._http
         try:
-            return self._http.upstream(data)
+            if not http.switching:
+                return http.upstream(data)
+            over = http.upstream(data)
+            if not over and not http.switching:
+                tunnel.look()  # no switch: what the client sent meanwhile is requests, checked now
+            return over
         except HttpError as exc:
             self._refuse_http(tunnel, Reason.BAD_REQUEST, f"the answer to a WebSocket upgrade: {exc.detail}")
             return False

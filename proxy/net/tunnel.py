@@ -143,10 +143,8 @@ class Tunnel:
                 return
             if self._check.upstream(self, data):
                 self._release()
-            elif self.client.buf:
-                self._look()  # what the upstream said may let held bytes go (or refuse them)
-            if self.ended:
-                return
+            elif self.ended:
+                return  # the check refused what the upstream said
         self._send(source, data)
 
     def _send(self, source: Peer, data: bytes) -> None:
@@ -192,6 +190,11 @@ class Tunnel:
             source.transport.resume_reading()
 
     # -- the client check ------------------------------------------------------
+
+    def look(self) -> None:
+        """Show the held client bytes to the check again: what the upstream said may let them go."""
+        if self._check is not None and self.client.buf and not self.ended:
+            self._look()
 
     def _look(self) -> None:
         """Show the held bytes to the check; relay what it lets go, and time what it holds."""

@@ -197,6 +197,18 @@ async def test_a_request_head_sent_byte_by_byte_is_still_checked(opened, origin:
     assert_mismatch(await refused_record(svc, kind))
 
 
+async def test_an_unfinished_head_then_a_half_close_never_goes_on(opened, origin: RecordingOrigin) -> None:
+    svc, reader, writer, kind = opened
+    writer.write(get(f"origin.test:{origin.port}", "/one"))
+    assert await answer(reader) == b"request 1"
+    writer.write(b"GET /two HTTP/1.1\r\nHost: evil.test\r\n")  # no empty line yet: held
+    writer.write_eof()  # a half-close ends a TLS check and relays what it held; not this one
+    assert await cut(reader) == b""
+    writer.close()
+    await wait_until(lambda: egress(svc))
+    assert len(origin.requests) == 1 and EVIL not in origin.received()
+
+
 async def test_a_fake_head_inside_a_body_is_body(opened, origin: RecordingOrigin) -> None:
     svc, reader, writer, kind = opened
     inner = get("evil.test")
