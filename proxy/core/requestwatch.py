@@ -106,12 +106,13 @@ class RequestWatch:
         "host",
         "port",
         "max_head_bytes",
+        "switching",
+        "upstream_spoke",
         "_state",
         "_sent",
         "_body",
         "_upgrade",
         "_requests",
-        "_upstream_spoke",
         "_response",
     )
 
@@ -119,13 +120,16 @@ class RequestWatch:
         self.host = host
         self.port = port
         self.max_head_bytes = max_head_bytes
+        # An upgrade waits for the upstream's answer (the client's next bytes held): only then does
+        # ``upstream`` need the upstream's bytes; otherwise the caller sets ``upstream_spoke`` itself.
+        self.switching = False
+        self.upstream_spoke = False
         self._state = _FIRST_LINE
         self._sent = b""  # the current head's bytes already relayed (the first line, before its end)
         self._body: LengthBody | ChunkedBody | None = None
         self._upgrade = False  # the request being relayed asks for WebSocket
         self._requests = 0
-        self._upstream_spoke = False
-        self._response = bytearray()  # the upstream's bytes while an upgrade is answered
+        self._response = b""  # the upstream's bytes while an upgrade is answered
 
     def client(self, held: bytes | bytearray) -> int | None:
         """How many of the held bytes may go on now (the rest stay held); None: not HTTP, or switched.
@@ -144,6 +148,7 @@ class RequestWatch:
                 if body.done:
                     self._body = None
                     self._state = _SWITCHING if self._upgrade else _HEAD
+                    self.switching = self._upgrade
                 continue
             if state is _HEAD:
                 buf = self._sent + rest if self._sent else rest
@@ -164,6 +169,7 @@ class RequestWatch:
                     self._state = _BODY
                 elif self._upgrade:
                     self._state = _SWITCHING
+                    self.switching = True
                 continue
             if state is _FIRST_LINE:
                 line = self._first_line(self._sent + rest)
@@ -182,34 +188,28 @@ class RequestWatch:
         return ready
 
     def upstream(self, data: bytes | bytearray) -> bool:
-        """The upstream's next bytes: True when they switched the tunnel to WebSocket (the watch is over).
+        """The upstream's next bytes while ``switching``: True when they switched the tunnel to WebSocket
+        (the watch is over); False: not yet, or no switch (then the held bytes are requests again).
 
-        Read only while an upgrade is answered; HttpError (502) for a response that does not parse.
+        HttpError (502) for a response that does not parse.
         """
-        if self._state is not _SWITCHING:
-            self._upstream_spoke = True
-            return False
         self._response += data
         while True:
             parsed = parse_response_head(self._response, self.max_head_bytes)
             if parsed is None:
                 return False
             response, used = parsed
-            del self._response[:used]
+            self._response = self._response[used:]
             if response.status == 101:
                 self._state = _OVER
+                self.switching = False
                 return True
             if response.status >= 200:  # no switch: the next client bytes are requests again
                 self._state = _HEAD
-                self._upgrade = False
-                self._response = bytearray()
-                self._upstream_spoke = True
+                self.switching = self._upgrade = False
+                self._response = b""
+                self.upstream_spoke = True
                 return False
-
-    @property
-    def switching(self) -> bool:
-        """Whether an upgrade waits for the upstream's answer (the client's next bytes held meanwhile)."""
-        return self._state is _SWITCHING
 
     def _first_line(self, text: bytes | bytearray) -> _Line:
         """What the first line says so far (see step 1)."""
@@ -250,7 +250,7 @@ class RequestWatch:
             protocols = [p.strip().lower() for value in upgrades for p in value.split(",") if p.strip()]
             if any(p.partition("/")[0] != "websocket" for p in protocols):
                 raise HttpError(400, "an upgrade to another protocol than WebSocket inside a tunnel")
-            if self._requests != 1 or self._upstream_spoke:
+            if self._requests != 1 or self.upstream_spoke:
                 raise HttpError(400, "a WebSocket upgrade that is not the tunnel's first request")
             self._upgrade = True
 

@@ -425,54 +425,24 @@ class SniCheck:
         self._http: RequestWatch | None = None  # the first bytes were not TLS
 
     def client(self, tunnel: Tunnel) -> int | None:
-        if self._http is not None:
-            return self._requests(tunnel, self._http)
-        try:
-            scanned = scan_client(tunnel.client.buf, first=not self._started)
-        except NotTls:
-            if self.name_required:  # the transparent listener read a ClientHello first: cannot be
-                return None
-            attempt = self.attempt
-            assert attempt.host is not None and attempt.port is not None
-            self._http = RequestWatch(attempt.host, attempt.port, self.max_head_bytes)
-            return self._requests(tunnel, self._http)
-        except ClientHelloError as exc:
-            self._refuse(tunnel, Reason.BAD_REQUEST, str(exc), alert=Alert.DECODE_ERROR)
-            return 0
-        for hello in scanned.hellos:
-            if not self._allowed(tunnel, hello):
-                return 0
-        if scanned.ready:
-            self._started = True
-        return scanned.ready
-
-    def upstream(self, tunnel: Tunnel, data: bytes) -> bool:
-        if self._http is None:
-            return self._server.feed(data)
         http = self._http
-        try:
-            if not http.switching:
-                return http.upstream(data)
-            over = http.upstream(data)
-            if not over and not http.switching:
-                tunnel.look()  # no switch: what the client sent meanwhile is requests, checked now
-            return over
-        except HttpError as exc:
-            self._refuse_http(tunnel, Reason.BAD_REQUEST, f"the answer to a WebSocket upgrade: {exc.detail}")
-            return False
-
-    def expired(self, tunnel: Tunnel) -> None:
-        what = "ClientHello" if self._http is None else "request head"
-        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, f"{what} incomplete in time", silent=True)
-
-    def eof(self, tunnel: Tunnel, source: Peer) -> bool:
-        if self._http is None:
-            return True
-        if source is tunnel.client:
-            tunnel.client.buf.clear()  # an unfinished head (or bytes after an unanswered upgrade) never goes
-        return False
-
-    def _requests(self, tunnel: Tunnel, http: RequestWatch) -> int | None:
+        if http is None:
+            try:
+                scanned = scan_client(tunnel.client.buf, first=not self._started)
+            except NotTls:
+                if self.name_required:  # the transparent listener read a ClientHello first: cannot be
+                    return None
+                http = self._http = self._watch()
+            except ClientHelloError as exc:
+                self._refuse(tunnel, Reason.BAD_REQUEST, str(exc), alert=Alert.DECODE_ERROR)
+                return 0
+            else:
+                for hello in scanned.hellos:
+                    if not self._allowed(tunnel, hello):
+                        return 0
+                if scanned.ready:
+                    self._started = True
+                return scanned.ready
         try:
             return http.client(tunnel.client.buf)
         except OtherHost as exc:
@@ -482,6 +452,47 @@ class SniCheck:
         except HttpError as exc:
             self._refuse_http(tunnel, Reason.LIMIT_EXCEEDED if exc.status == 431 else Reason.BAD_REQUEST, exc.detail)
         return 0
+
+    def upstream(self, tunnel: Tunnel, data: bytes) -> bool:
+        http = self._http
+        if http is None:
+            server = self._server
+            if not server.feed(data):
+                return False
+            if server.tls or not self._started:
+                return True  # the handshake is settled, or the server spoke first: another protocol
+            # A ClientHello went to a server that answered in something else (plain HTTP's 400, say):
+            # what the client sends next is a stream of its own, read as the first bytes are.
+            http = self._http = self._watch()
+            http.upstream_spoke = True
+            return False
+        if not http.switching:
+            http.upstream_spoke = True
+            return False
+        try:
+            over = http.upstream(data)
+        except HttpError as exc:
+            self._refuse_http(tunnel, Reason.BAD_REQUEST, f"the answer to a WebSocket upgrade: {exc.detail}")
+            return False
+        if not over and not http.switching:
+            tunnel.look()  # no switch: what the client sent meanwhile is requests, checked now
+        return over
+
+    def expired(self, tunnel: Tunnel) -> None:
+        what = "ClientHello" if self._http is None else "request head"
+        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, f"{what} incomplete in time", silent=True)
+
+    def eof(self, tunnel: Tunnel, source: Peer) -> bool:
+        if self._http is not None:
+            if source is not tunnel.client:
+                return False  # the client may still send requests
+            tunnel.client.buf.clear()  # an unfinished head (or bytes after an unanswered upgrade) never goes
+        return True
+
+    def _watch(self) -> RequestWatch:
+        attempt = self.attempt
+        assert attempt.host is not None and attempt.port is not None
+        return RequestWatch(attempt.host, attempt.port, self.max_head_bytes)
 
     def _allowed(self, tunnel: Tunnel, hello: ClientHello) -> bool:
         if hello.ech:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 from aiohttp import web
 
+from tests.fakes import hellos
 from tests.fakes.dns import FakeDns
 from tests.harness import ORIGIN, connect_via, egress, read_response, wait_until
 
@@ -251,6 +252,34 @@ async def test_requests_that_do_not_name_the_tunnels_host_plainly_are_cut(
     assert origin.requests == [] and origin.received() == b""
     record = await refused_record(svc, "connect")
     assert record["decision"] == "deny" and record["reason"] in ("sni_mismatch", "bad_request"), record
+
+
+async def test_a_hello_answered_in_plain_http_leaves_the_requests_checked(make_egressd, dns: FakeDns) -> None:
+    """A ClientHello naming the right host, sent to a plain-HTTP origin that answers it with a 400 and
+    keeps the connection: the server's answer is not TLS, so what the client sends next is read afresh."""
+    seen: list[bytes] = []
+
+    async def lenient(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            seen.append(data)
+            writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(lenient, ORIGIN, 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        svc = await make_egressd(allow=["origin.test:*"])
+        _, _, _, reader, writer = await connect_via(svc, f"origin.test:{port}")
+        writer.write(hellos.client_hello("origin.test"))
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 400")
+        writer.write(get("evil.test"))
+        await cut(reader)
+        writer.close()
+        assert EVIL not in b"".join(seen)
+        assert_mismatch(await refused_record(svc, "connect"))
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_other_protocols_still_pass_unchecked(make_egressd, echo_origin, dns: FakeDns) -> None:
