@@ -58,6 +58,7 @@ from egressd.proxy.core.http1 import (
 _LINE_BYTES: Final = bytes(b for b in range(256) if b in (0x09, 0x0D) or 0x20 <= b != 0x7F)
 # The schemes an absolute-form target may carry to an origin (RFC 9112 §3.2.2); any other is refused.
 _SCHEMES: Final = frozenset({"http", "https"})
+_CRLF: Final = b"\r\n"
 
 
 class OtherHost(Exception):
@@ -67,21 +68,6 @@ class OtherHost(Exception):
         super().__init__(detail)
         self.named = named
         self.detail = detail
-
-
-class _Line(enum.Enum):
-    """What a tunnel's first line says so far."""
-
-    HTTP = "names an HTTP version"
-    OTHER = "another protocol's"
-    WORD = "one word so far, no end: goes on as it comes"
-    UNFINISHED = "a word and a space, no end: held, it may be a request line"
-
-
-_HTTP: Final = _Line.HTTP
-_OTHER: Final = _Line.OTHER
-_WORD: Final = _Line.WORD
-_UNFINISHED: Final = _Line.UNFINISHED
 
 
 class _State(enum.Enum):
@@ -172,16 +158,24 @@ class RequestWatch:
                     self.switching = True
                 continue
             if state is _FIRST_LINE:
-                line = self._first_line(self._sent + rest)
-                if line is _UNFINISHED:
-                    return 0  # the line has a space: a method seen, what follows it is held
-                if line is _WORD:
-                    self._sent += rest  # relayed, and kept: the head starts with it
-                    return end
-                if line is _OTHER:
-                    return None
-                self._state = _HEAD
-                continue
+                # Step 1, inline: it runs for every tunnel that is not TLS (bench/instructions.py's).
+                text = self._sent + rest if self._sent else rest
+                start = len(text) - len(text.lstrip(b"\r\n")) if text[0] in _CRLF else 0
+                newline = text.find(b"\n", start)
+                line = text[start:newline] if newline >= 0 else text[start:] if start else text
+                if line.translate(None, _LINE_BYTES):
+                    return None  # another protocol's bytes
+                if newline >= 0:
+                    if b"http/" not in line.lower():
+                        return None
+                    self._state = _HEAD
+                    continue
+                if len(text) >= self.max_head_bytes:
+                    raise HttpError(431, "first line longer than a request head may be")
+                if b" " in line or b"\t" in line:
+                    return 0  # a word and a space: maybe a method and a target, held until the line ends
+                self._sent = bytes(text)  # one word so far goes on, and is kept: a head would start with it
+                return end
             if state is _OVER:
                 return None
             break  # switching: held until the upstream answers the upgrade
@@ -210,19 +204,6 @@ class RequestWatch:
                 self._response = b""
                 self.upstream_spoke = True
                 return False
-
-    def _first_line(self, text: bytes | bytearray) -> _Line:
-        """What the first line says so far (see step 1)."""
-        start = len(text) - len(text.lstrip(b"\r\n"))
-        newline = text.find(b"\n", start)
-        line = text[start:] if newline < 0 else text[start:newline]
-        if line.translate(None, _LINE_BYTES):
-            return _OTHER
-        if newline >= 0:
-            return _HTTP if b"http/" in line.lower() else _OTHER
-        if len(text) >= self.max_head_bytes:
-            raise HttpError(431, "first line longer than a request head may be")
-        return _UNFINISHED if b" " in line or b"\t" in line else _WORD
 
     def _check(self, head: RequestHead) -> None:
         """The head names the tunnel's host and port, and asks for nothing this cannot follow."""

@@ -413,13 +413,14 @@ class SniCheck:
     end this check.
     """
 
-    __slots__ = ("gate", "attempt", "max_head_bytes", "name_required", "_server", "_started", "_http")
+    __slots__ = ("gate", "attempt", "max_head_bytes", "name_required", "wants_upstream", "_server", "_started", "_http")
 
     def __init__(self, gate: Gate, attempt: Attempt, max_head_bytes: int, *, name_required: bool = False) -> None:
         self.gate = gate
         self.attempt = attempt
         self.max_head_bytes = max_head_bytes
         self.name_required = name_required
+        self.wants_upstream = True  # TLS: until the server settles the handshake; HTTP: while an upgrade is answered
         self._server = ServerWatch()
         self._started = False  # a byte has been relayed: the held bytes no longer start the connection
         self._http: RequestWatch | None = None  # the first bytes were not TLS
@@ -432,7 +433,9 @@ class SniCheck:
             except NotTls:
                 if self.name_required:  # the transparent listener read a ClientHello first: cannot be
                     return None
-                http = self._http = self._watch()
+                attempt = self.attempt
+                assert attempt.host is not None and attempt.port is not None
+                http = self._http = RequestWatch(attempt.host, attempt.port, self.max_head_bytes)
             except ClientHelloError as exc:
                 self._refuse(tunnel, Reason.BAD_REQUEST, str(exc), alert=Alert.DECODE_ERROR)
                 return 0
@@ -443,15 +446,20 @@ class SniCheck:
                 if scanned.ready:
                     self._started = True
                 return scanned.ready
+        if tunnel.bytes_down:
+            http.upstream_spoke = True
         try:
-            return http.client(tunnel.client.buf)
+            ready = http.client(tunnel.client.buf)
         except OtherHost as exc:
             if exc.named is not None:
                 self.attempt.extra["request_host"] = exc.named
             self._refuse_http(tunnel, Reason.SNI_MISMATCH, exc.detail)
+            return 0
         except HttpError as exc:
             self._refuse_http(tunnel, Reason.LIMIT_EXCEEDED if exc.status == 431 else Reason.BAD_REQUEST, exc.detail)
-        return 0
+            return 0
+        self.wants_upstream = http.switching
+        return ready
 
     def upstream(self, tunnel: Tunnel, data: bytes) -> bool:
         http = self._http
@@ -463,18 +471,18 @@ class SniCheck:
                 return True  # the handshake is settled, or the server spoke first: another protocol
             # A ClientHello went to a server that answered in something else (plain HTTP's 400, say):
             # what the client sends next is a stream of its own, read as the first bytes are.
-            http = self._http = self._watch()
-            http.upstream_spoke = True
-            return False
-        if not http.switching:
-            http.upstream_spoke = True
+            attempt = self.attempt
+            assert attempt.host is not None and attempt.port is not None
+            self._http = RequestWatch(attempt.host, attempt.port, self.max_head_bytes)
+            self.wants_upstream = False
             return False
         try:
-            over = http.upstream(data)
+            over = http.upstream(data)  # an upgrade's answer: only then does the check see the upstream's bytes
         except HttpError as exc:
             self._refuse_http(tunnel, Reason.BAD_REQUEST, f"the answer to a WebSocket upgrade: {exc.detail}")
             return False
         if not over and not http.switching:
+            self.wants_upstream = False
             tunnel.look()  # no switch: what the client sent meanwhile is requests, checked now
         return over
 
@@ -488,11 +496,6 @@ class SniCheck:
                 return False  # the client may still send requests
             tunnel.client.buf.clear()  # an unfinished head (or bytes after an unanswered upgrade) never goes
         return True
-
-    def _watch(self) -> RequestWatch:
-        attempt = self.attempt
-        assert attempt.host is not None and attempt.port is not None
-        return RequestWatch(attempt.host, attempt.port, self.max_head_bytes)
 
     def _allowed(self, tunnel: Tunnel, hello: ClientHello) -> bool:
         if hello.ech:

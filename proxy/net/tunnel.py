@@ -39,6 +39,9 @@ from egressd.proxy.net.stream import Peer
 class ClientCheck(Protocol):
     """Looks at a tunnel's client bytes (``tunnel.client.buf``, held) before they are relayed."""
 
+    # Whether ``upstream`` is to see the upstream's bytes now (False: relayed with no call).
+    wants_upstream: bool
+
     def client(self, tunnel: Tunnel) -> int | None:
         """How many of the held bytes may go on now (the rest stay held); None: the check is over.
 
@@ -135,16 +138,18 @@ class Tunnel:
     # -- called by the peers ------------------------------------------------------
 
     def forward(self, source: Peer, data: bytes) -> None:
-        if self._check is not None:
+        check = self._check
+        if check is not None:
             if source is self.client:
                 source.buf += data  # held until the check lets it go
                 self._last = time.monotonic()
                 self._look()
                 return
-            if self._check.upstream(self, data):
-                self._release()
-            elif self.ended:
-                return  # the check refused what the upstream said
+            if check.wants_upstream:
+                if check.upstream(self, data):
+                    self._release()
+                elif self.ended:
+                    return  # the check refused what the upstream said
         self._send(source, data)
 
     def _send(self, source: Peer, data: bytes) -> None:
