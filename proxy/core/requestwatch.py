@@ -112,18 +112,27 @@ class RequestWatch:
         self.upstream_spoke = False
         self._state = _FIRST_LINE
         self._sent = b""  # the current head's bytes already relayed (the first line, before its end)
-        self._body: LengthBody | ChunkedBody | None = None
-        self._upgrade = False  # the request being relayed asks for WebSocket
         self._requests = 0
-        self._response = b""  # the upstream's bytes while an upgrade is answered
+        # Set when first needed: ``_upgrade`` by each head's check (it asks for WebSocket), ``_body`` with
+        # a body to frame, ``_response`` (the upstream's bytes) while an upgrade is answered.
+        self._body: LengthBody | ChunkedBody | None
+        self._upgrade: bool
+        self._response: bytes
 
     def client(self, held: bytes | bytearray) -> int | None:
         """How many of the held bytes may go on now (the rest stay held); None: not HTTP, or switched.
 
         Raises ``OtherHost`` or ``HttpError``: the tunnel is to be cut.
         """
-        ready = 0
         end = len(held)
+        if self._state is _FIRST_LINE:
+            text = self._sent + held if self._sent else held
+            if text.isalnum() and len(text) < self.max_head_bytes:
+                # Letters and digits alone, no line end yet: one word (found in C, for every tunnel that
+                # is not TLS, bench/instructions.py's too). It goes on, and is kept: a head would start with it.
+                self._sent = bytes(text)
+                return end
+        ready = 0
         while ready < end:
             state = self._state
             rest = held[ready:] if ready else held
@@ -135,6 +144,7 @@ class RequestWatch:
                     self._body = None
                     self._state = _SWITCHING if self._upgrade else _HEAD
                     self.switching = self._upgrade
+                    self._response = b""
                 continue
             if state is _HEAD:
                 buf = self._sent + rest if self._sent else rest
@@ -156,9 +166,9 @@ class RequestWatch:
                 elif self._upgrade:
                     self._state = _SWITCHING
                     self.switching = True
+                    self._response = b""
                 continue
             if state is _FIRST_LINE:
-                # Step 1, inline: it runs for every tunnel that is not TLS (bench/instructions.py's).
                 text = self._sent + rest if self._sent else rest
                 start = len(text) - len(text.lstrip(b"\r\n")) if text[0] in _CRLF else 0
                 newline = text.find(b"\n", start)
@@ -207,6 +217,7 @@ class RequestWatch:
 
     def _check(self, head: RequestHead) -> None:
         """The head names the tunnel's host and port, and asks for nothing this cannot follow."""
+        self._upgrade = False
         if head.method == "CONNECT":
             raise HttpError(400, "CONNECT inside a tunnel")
         target = head.target
