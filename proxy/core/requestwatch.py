@@ -34,6 +34,10 @@ they are known not to be TLS, and relays only what it lets go:
 
 Refusals are exceptions: ``OtherHost`` (``sni_mismatch``) and ``HttpError``
 (``bad_request``; 431 ``limit_exceeded``).
+
+Hot in step 1 only: every tunnel that is not TLS runs it (bench/instructions.py's
+tunnels, a 64-byte word), so a first chunk of letters and digits is told in C
+(``isalnum``) and what only an upgrade or a body needs is set when needed.
 """
 
 from __future__ import annotations

@@ -215,3 +215,21 @@ def test_any_split_gives_the_same_bytes_and_the_same_refusal(sizes: list[int]) -
             del held[:ready]
     # What went on is a prefix of the good requests: never a byte of the bad one.
     assert (good + get("origin.test")).startswith(bytes(out))
+
+
+@given(st.lists(st.binary(max_size=80), max_size=8), st.binary(max_size=60))
+def test_garbage_is_a_count_none_or_our_own_refusal(pieces: list[bytes], answer: bytes) -> None:
+    w = RequestWatch(HOST, PORT, 256)
+    held = bytearray()
+    try:
+        for piece in pieces:
+            held += piece
+            ready = w.client(held)
+            if ready is None:
+                return
+            assert 0 <= ready <= len(held)
+            del held[:ready]
+            if w.switching:
+                w.upstream(answer)
+    except (OtherHost, HttpError):
+        pass
