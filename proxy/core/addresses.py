@@ -274,7 +274,8 @@ def is_own(
     1. ``port`` is none of egressd's listening ports → False (the common case,
        one set lookup);
     2. the address, or the IPv4 address it embeds, is a listener's with that
-       port → True;
+       port, or is unspecified (``0.0.0.0``, ``::``: a destination the kernel
+       takes for this host, 127.0.0.1, whatever egressd listens on) → True;
     3. a listener on 0.0.0.0 or :: has that port, and the address (or the one
        it embeds) is loopback, unspecified, or one of the host's own
        (``is_local``, asked only here: it is the caller's I/O) → True.
@@ -286,7 +287,7 @@ def is_own(
     if port not in own.ports:
         return False
     destinations = _destinations(addr)
-    if any((destination, port) in own.pairs for destination in destinations):
+    if any((destination, port) in own.pairs or destination.is_unspecified for destination in destinations):
         return True
     if port not in own.any_address_ports:
         return False

@@ -438,14 +438,16 @@ class ServerWatch:
     neither handshake, change_cipher_spec nor alert (not TLS, or keys in
     use). The server's alerts and change_cipher_spec records (RFC 8446 §D.4:
     one follows a HelloRetryRequest) are passed over. It holds at most one
-    record header and one ServerHello's first 38 bytes.
+    record header and one ServerHello's first 38 bytes. ``tls``: a whole TLS
+    record header came first (False when settled: the server does not speak TLS).
     """
 
-    __slots__ = ("settled", "retries", "_header", "_left", "_kind", "_message", "_skip")
+    __slots__ = ("settled", "retries", "tls", "_header", "_left", "_kind", "_message", "_skip")
 
     def __init__(self) -> None:
         self.settled = False
         self.retries = 0
+        self.tls = False
         self._header = bytearray()  # a record header still incomplete
         self._left = 0  # bytes of the current record's fragment still to come
         self._kind = 0
@@ -468,6 +470,7 @@ class ServerWatch:
                 if len(header) < 5:
                     break
                 self._kind = header[0]
+                self.tls = True
                 self._left = (header[3] << 8) | header[4]
                 self._header.clear()
                 continue

@@ -30,7 +30,6 @@ REP (``Reason.socks``), then the close; every attempt is recorded.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
@@ -65,6 +64,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("egressd.socks")
 T = TypeVar("T")  # a handshake message
+
+_SUCCEEDED = reply(SocksReply.SUCCEEDED)
 
 # What a refused BIND or UDP ASSOCIATE is recorded with (the record's detail).
 _COMMAND_DETAIL = {
@@ -228,19 +229,11 @@ async def _serve_request(
         except DialError as exc:
             raise _refused(exc.reason, str(exc)) from None
         try:
-            await held.client.send(reply(SocksReply.SUCCEEDED, *_bound(upstream)))
+            # BND.ADDR and BND.PORT (RFC 1928 §6) left 0.0.0.0:0: egressd's upstream address is none of the
+            # sandbox's business (no client of a CONNECT uses them).
+            await held.client.send(_SUCCEEDED)
         except BaseException:
             upstream.close()
             raise
-        held.splice(upstream, attempt, check=SniCheck(gate, attempt))
+        held.splice(upstream, attempt, check=SniCheck(gate, attempt, listener.limits.max_head_bytes))
 
-
-def _bound(upstream: Peer) -> tuple[IPAddress | None, int]:
-    """The upstream connection's local address and port (RFC 1928 §6 BND.ADDR, BND.PORT)."""
-    name = upstream.transport.get_extra_info("sockname") if upstream.transport is not None else None
-    if not isinstance(name, tuple) or len(name) < 2:
-        return None, 0
-    try:
-        return ipaddress.ip_address(name[0]), int(name[1])
-    except (TypeError, ValueError):
-        return None, 0

@@ -169,4 +169,5 @@ async def _serve_hello(
             upstream = await listener.gate.dial(attempt, admission, held.client.new_peer, held.client.loop)
         except DialError as exc:
             raise _Refused(Refusal(exc.reason, str(exc))) from None
-        held.splice(upstream, attempt, check=SniCheck(listener.gate, attempt, name_required=True))
+        check = SniCheck(listener.gate, attempt, listener.limits.max_head_bytes, name_required=True)
+        held.splice(upstream, attempt, check=check)

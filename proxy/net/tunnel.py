@@ -14,10 +14,11 @@ A tunnel may start with a ``ClientCheck``: while it lasts, the client's
 bytes are held (not relayed) and shown to it; it says how many of them may
 go on, holds the rest until more arrive, or refuses and ends the tunnel. The
 upstream's bytes are relayed as they come, and shown to it first, so it can
-say when it is over. Once over (the check says so, or either side
-half-closes), what was held goes on and bytes pass with no inspection. (The
-listeners check the server name of every TLS ClientHello until the server
-has settled the handshake this way.)
+say when it is over. Once over (the check says so, or a side half-closes
+and the check agrees), what was held goes on and bytes pass with no
+inspection. (The listeners check the server name of every TLS ClientHello
+until the server has settled the handshake this way, and the host every
+plain HTTP request names for as long as the tunnel lasts.)
 
 A tunnel runs on callbacks alone: no task waits for it. Whoever spliced it
 passes ``on_end``, which runs once when it ends, so the thousands of idle
@@ -38,6 +39,9 @@ from egressd.proxy.net.stream import Peer
 class ClientCheck(Protocol):
     """Looks at a tunnel's client bytes (``tunnel.client.buf``, held) before they are relayed."""
 
+    # Whether ``upstream`` is to see the upstream's bytes now (False: relayed with no call).
+    wants_upstream: bool
+
     def client(self, tunnel: Tunnel) -> int | None:
         """How many of the held bytes may go on now (the rest stay held); None: the check is over.
 
@@ -51,6 +55,13 @@ class ClientCheck(Protocol):
 
     def expired(self, tunnel: Tunnel) -> None:
         """Bytes stayed held for the check's timeout (counted from when holding began)."""
+        ...
+
+    def eof(self, tunnel: Tunnel, source: Peer) -> bool:
+        """``source`` half-closed; True: the check is over (what is held goes on, then the EOF).
+
+        False: it goes on (what it held of the client's may be dropped: never relayed).
+        """
         ...
 
 
@@ -127,14 +138,18 @@ class Tunnel:
     # -- called by the peers ------------------------------------------------------
 
     def forward(self, source: Peer, data: bytes) -> None:
-        if self._check is not None:
+        check = self._check
+        if check is not None:
             if source is self.client:
                 source.buf += data  # held until the check lets it go
                 self._last = time.monotonic()
                 self._look()
                 return
-            if self._check.upstream(self, data):
-                self._release()
+            if check.wants_upstream:
+                if check.upstream(self, data):
+                    self._release()
+                elif self.ended:
+                    return  # the check refused what the upstream said
         self._send(source, data)
 
     def _send(self, source: Peer, data: bytes) -> None:
@@ -149,7 +164,7 @@ class Tunnel:
             self.bytes_down += len(data)
 
     def peer_eof(self, source: Peer) -> None:
-        if self._check is not None:
+        if self._check is not None and self._check.eof(self, source):
             self._release()  # a half-close ends the check: relay what there is, then the EOF
         if source is self.client:
             self._client_eof = True
@@ -180,6 +195,11 @@ class Tunnel:
             source.transport.resume_reading()
 
     # -- the client check ------------------------------------------------------
+
+    def look(self) -> None:
+        """Show the held client bytes to the check again: what the upstream said may let them go."""
+        if self._check is not None and self.client.buf and not self.ended:
+            self._look()
 
     def _look(self) -> None:
         """Show the held bytes to the check; relay what it lets go, and time what it holds."""

@@ -197,3 +197,32 @@ async def test_a_wildcard_listener_is_egressd_on_every_loopback_address(make_egr
     records = egress(svc)
     assert [(r["run"], r["reason"]) for r in records] == [(run.id, "private_address")] * 3
     assert {r["address"] for r in records} == {"127.0.0.1", "127.0.0.2"}
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "::ffff:0.0.0.0"])
+def test_the_unspecified_address_is_egressd_on_each_of_its_ports(host: str) -> None:
+    # The kernel takes 0.0.0.0 (and ::) as a destination to mean this host: it reaches 127.0.0.1.
+    assert is_own(ip_address(host), 3128, PROXY, _never_local)
+    assert not is_own(ip_address(host), 8000, PROXY, _never_local)
+
+
+async def test_a_name_resolving_to_the_unspecified_address_never_reaches_the_control_api(
+    make_egressd: MakeEgressd, dns: FakeDns
+) -> None:
+    # Every range allowed: only the rule that egressd never dials itself stands between a name that
+    # resolves to 0.0.0.0 and the control API on 127.0.0.1 (where the kernel takes 0.0.0.0). Refused
+    # before the dial: had it been dialled, /health would have answered 200.
+    svc = await make_egressd(allow=["zero.test:*"], allow_private=["0.0.0.0/0", "::/0"])
+    control_port = int(svc.control_address.rsplit(":", 1)[1])
+    dns.set("zero.test", ["0.0.0.0"])
+    host, port = svc.proxy_address
+    status, headers, body = await _get(host, port, f"http://zero.test:{control_port}/health")
+    _assert_egressd_itself(status, headers, body)
+    reader, writer = await asyncio.open_connection(host, port)
+    writer.write(f"CONNECT zero.test:{control_port} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    status, headers, body = await read_response(reader)
+    writer.close()
+    _assert_egressd_itself(status, headers, body)
+    records = egress(svc)
+    assert [(r["reason"], r["address"]) for r in records] == [("private_address", "0.0.0.0")] * 2
