@@ -34,7 +34,7 @@ from tests.conftest import Listener, MakeEgressd
 from tests.fakes.control import control_server
 from tests.fakes.dns import FakeDns
 from tests.fakes.webhook import WebhookReceiver, make_secret
-from tests.harness import ORIGIN_RANGE, connect_via, egress, listening_socket, wait_until
+from tests.harness import ORIGIN_RANGE, connect_via, egress, listening_socket, open_proxy, read_response, wait_until
 from tests.integration.approvals.test_approvals_e2e import control, echo_through, records
 from tests.integration.approvals.test_broker import RecordingChannel
 from tests.integration.proxy.test_abandoned import give_up, recording_egressd
@@ -202,7 +202,12 @@ async def test_egressd_allow_scope_answers_from_another_terminal(
     svc = await egressd(**webhook(receiver, secret))
     env = {**os.environ, "HOME": str(tmp_path), "NO_PROXY": "*"}
     args = ["--control", svc.control_address.removeprefix("http://"), "--control-token", TOKEN]
-    held = asyncio.create_task(connect_via(svc, f"origin.test:{echo_origin.port}"))
+    # The CONNECT is sent now and its answer read once the CLI has answered: three CLI start-ups
+    # can take longer than connect_via's 5 s bound on a busy machine.
+    reader, writer = await open_proxy(svc)
+    authority = f"origin.test:{echo_origin.port}"
+    writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+    await writer.drain()
     approval_id = await asked(receiver, 1)
 
     def cli(*more: str) -> subprocess.CompletedProcess[str]:
@@ -212,10 +217,10 @@ async def test_egressd_allow_scope_answers_from_another_terminal(
     assert refused.returncode == 1 and "no allow file" in refused.stderr, refused
     garbage = await asyncio.to_thread(cli, "allow", approval_id, "--scope", "forever", *args)
     assert garbage.returncode == 2 and "invalid choice" in garbage.stderr
-    assert not held.done() and records(svc, "approval.decided") == []
+    assert not reader.at_eof() and records(svc, "approval.decided") == []  # still held
     done = await asyncio.to_thread(cli, "allow", approval_id, "--scope", "once", "--by", "dave", *args)
     assert done.returncode == 0 and "allowed (this connection only) by dave" in done.stdout, done
-    status, _, _, reader, writer = await held
+    status, _, _ = await read_response(reader)
     assert status == 200 and await echo_through(reader, writer) == b"ping"
     [decided] = records(svc, "approval.decided")
     assert (decided["by"], decided["channel"], decided["scope"]) == ("dave", "control", "once")
