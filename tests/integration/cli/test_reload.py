@@ -137,7 +137,7 @@ async def test_sighup_reloads_the_policy_keeps_tunnels_and_refuses_a_broken_file
         assert record["ok"] is True and record["added"] == {"allow": [target], "deny": []}
         assert record["needs_restart"] == []
         status, reader, writer = await _connect(port, target)
-        assert status == 200 and await _echo(reader, writer, b"opened before") == b"opened before"
+        assert status == 200 and await _echo(reader, writer, b"opened-before") == b"opened-before"
 
         # 2. A broken allow file: refused whole, one clear line, the process alive, the old policy in force.
         allow_file.write_text('allow = ["other.test", "*.com"]\n')
@@ -168,7 +168,7 @@ async def test_sighup_reloads_the_policy_keeps_tunnels_and_refuses_a_broken_file
             "the refusal's record",
         )
         # The tunnel opened before both reloads is untouched.
-        assert await _echo(reader, writer, b"still open") == b"still open"
+        assert await _echo(reader, writer, b"still-open") == b"still-open"
         await _close(writer)
 
         assert await _stop(proc) == 0

@@ -123,8 +123,8 @@ async def quiet_traffic(proxy: tuple[str, int], run: Run, origin: Listener) -> l
         writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n{credentials(run)}\r\n".encode())
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert head.startswith(b"HTTP/1.1 200"), head
-        writer.write(b"ping %d" % i)
-        assert await asyncio.wait_for(reader.readexactly(len(b"ping %d" % i)), 10) == b"ping %d" % i
+        writer.write(b"ping-%d" % i)
+        assert await asyncio.wait_for(reader.readexactly(len(b"ping-%d" % i)), 10) == b"ping-%d" % i
         writer.close()
         took.append(time.monotonic() - started)
         await asyncio.sleep(0.05)

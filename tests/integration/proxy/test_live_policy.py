@@ -97,7 +97,7 @@ async def test_a_deny_added_by_a_reload_refuses_new_requests_but_leaves_an_open_
     svc.reload(again(svc, deny=["origin.test"]))
     assert await status_of(svc, target) == 403
     assert echo_origin.connections == connections  # the refused one reached nothing
-    assert await echo(reader, writer, b"still open") == b"still open"
+    assert await echo(reader, writer, b"still-open") == b"still-open"
     await close(writer)
     await wait_until(
         lambda: (
