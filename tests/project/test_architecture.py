@@ -120,6 +120,14 @@ def test_the_table_states_exactly_the_packages_each_package_imports() -> None:
     assert not drift, "\n".join(drift)
 
 
+def test_a_package_imports_only_packages_below_it_as_the_doc_says() -> None:
+    order = _packages()
+    upward = [f"{package} imports {other}, which sits above it"
+              for package in order for other in _imported(package) if order.index(other) < order.index(package)]
+    assert not upward, "\n".join(upward)
+    assert "a package imports only packages below it" in " ".join(" ".join(_layers_section()).split())
+
+
 def test_each_module_the_table_names_is_imported_by_that_package() -> None:
     """A row's "what for" may name modules (`audit.views`); each must be one the row's package imports."""
     false = []
