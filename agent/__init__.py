@@ -18,5 +18,7 @@ What flows through it, in order:
 
 ``model`` holds the provider-neutral types the others share. The package
 never imports the proxy (import-linter checks it): egress refusals arrive as
-plain dicts on the executor's observations.
+``audit.views.Refusal`` values on the executor's observations.
+
+Which egressd packages this one imports, and the contracts that hold it: docs/architecture.md, "Layers".
 """

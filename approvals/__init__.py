@@ -30,4 +30,6 @@ the gate, which applies it to the run (``ApprovalRequest.on_late_answer``).
 
 Channels never import the broker and the broker never imports a channel:
 they meet at ``interface``.
+
+Which egressd packages this one imports, and the contracts that hold it: docs/architecture.md, "Layers".
 """

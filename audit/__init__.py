@@ -11,4 +11,6 @@
   ``egressd audit``;
 - ``views``    an egress record read back once into what ``egressd run`` and
   ``egressd agent`` show of it (``EgressSeen``, ``Refusal``).
+
+Which egressd packages this one imports, and the contracts that hold it: docs/architecture.md, "Layers".
 """

@@ -6,4 +6,6 @@
 
 Nothing here reads the environment at import time; ``cli`` builds the settings
 once and passes sections down.
+
+Which egressd packages this one imports, and the contracts that hold it: docs/architecture.md, "Layers".
 """

@@ -21,4 +21,6 @@ egressd package, so every package above may use it.
 
 ``shown``, ``addresses`` and ``suffixes`` use nothing; ``hosts`` uses them;
 ``authority`` uses ``hosts`` and ``shown``.
+
+Which packages import this one, and the contracts that hold it: docs/architecture.md, "Layers".
 """

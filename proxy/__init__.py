@@ -32,4 +32,6 @@ ClientHello (``transparent``) or its Host header (``server`` in
 ``modes.transparent_http``), and from then on everything happens as above.
 ``control`` is the HTTP control API
 (aiohttp). Host names and authorities are ``egressd.names``' business.
+
+Which egressd packages this one imports, and the contracts that hold it: docs/architecture.md, "Layers".
 """

@@ -1,7 +1,7 @@
 """The Docker backend: the launcher's sandbox as containers on a Docker Engine.
 
 Six rooms, dependencies pointing one way (config ← engine ← fence ← networks ← sidecar;
-commands uses config and engine):
+commands uses config and engine; the contract: docs/architecture.md, "Layers"):
 
 - ``config``: pure — addresses and subnets, labels, the container and network specifications
   (the Engine API's JSON), the sidecar's secrets archive, copy-out's member checks;
@@ -66,6 +66,6 @@ identity (``egressd.owner``: boot id, pid, process start time), so leftovers of
 a run whose egressd died are found and removed (``clean_leftovers``).
 
 The sandbox package never imports the proxy: egressd's addresses and the
-proxy URL arrive as plain values.
+proxy URL arrive as plain values (docs/architecture.md, "Layers").
 """
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import stat
 import tomllib
@@ -115,24 +114,6 @@ def test_a_symlink_is_not_followed(tmp_path: Path) -> None:
     with pytest.raises(AllowFileError):
         append_approved(link, Approved("a.example", "2026-12-01T00:00:00Z"))
     assert target.read_text() == ""
-
-
-def _append_many(path: str, worker: int, count: int) -> None:
-    for n in range(count):
-        append_approved(Path(path), Approved(f"h{worker}-{n}.example", "2026-12-01T00:00:00Z"))
-
-
-def test_concurrent_appends_from_processes_lose_nothing(tmp_path: Path) -> None:
-    path = tmp_path / "allow.toml"
-    context = multiprocessing.get_context("spawn")
-    workers = [context.Process(target=_append_many, args=(str(path), w, 40)) for w in range(3)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join(60)
-        assert worker.exitcode == 0
-    held = read_allow_file(path)
-    assert sorted(held.allowed) == sorted(f"h{w}-{n}.example" for w in range(3) for n in range(40))
 
 
 def test_startup_adds_the_files_entries_to_the_policy(tmp_path: Path) -> None:

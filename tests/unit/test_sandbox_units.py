@@ -5,8 +5,6 @@ from __future__ import annotations
 import ipaddress
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,6 @@ from egressd.sandbox.bwrap import BwrapSpec, base_environment, bwrap_argv, gener
 from egressd.sandbox.copyout import CopyOutError, check_pattern, copy_out
 from egressd.sandbox.network import METADATA_NET, EgressPorts, NetworkError, choose_subnet, nft_ruleset
 from egressd.sandbox.seccomp import DENIED_SYSCALLS, build_filter
-from tests.harness import have, require
 
 
 def test_subnet_choice_skips_taken_ranges_and_metadata() -> None:
@@ -94,34 +91,6 @@ def test_seccomp_program_is_well_formed() -> None:
             assert i + 1 + max(jt, jf) < len(insns)
 
 
-def test_seccomp_refuses_the_named_calls_for_real(tmp_path: Path) -> None:
-    require(have("bwrap"), "bubblewrap is not installed")
-    probe = (
-        "import ctypes, errno, os\n"
-        "libc = ctypes.CDLL(None, use_errno=True)\n"
-        "res = {}\n"
-        "for name, nr in [('ptrace', 101), ('mount', 165), ('unshare', 272), ('keyctl', 250), ('bpf', 321),"
-        " ('userfaultfd', 323), ('perf_event_open', 298), ('setns', 308)]:\n"
-        "    rc = libc.syscall(nr, 0, 0, 0, 0, 0)\n"
-        "    res[name] = errno.errorcode.get(ctypes.get_errno(), '?') if rc == -1 else 'ran'\n"
-        "print(res)\n"
-    )
-    path = tmp_path / "filter"
-    path.write_bytes(build_filter())
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        out = subprocess.run(
-            ["bwrap", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
-             "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev", "--unshare-user", "--unshare-pid",
-             "--seccomp", str(fd), "--", "/usr/bin/python3", "-c", probe],
-            capture_output=True, text=True, pass_fds=(fd,), timeout=30,
-        )
-    finally:
-        os.close(fd)
-    result = eval(out.stdout)  # a dict literal printed by the probe
-    assert all(v == "EPERM" for v in result.values()), result
-
-
 @pytest.mark.parametrize("pattern", ["../x", "/etc/passwd", "a/../../b", "", "dist/\0x"])
 def test_unsafe_copy_out_patterns_are_refused(pattern: str) -> None:
     with pytest.raises(CopyOutError):
@@ -152,13 +121,3 @@ def test_copy_out_is_bounded_and_says_what_it_cut(tmp_path: Path) -> None:
     report = copy_out(work, ["*.bin"], dest, max_files=3, max_bytes=10_000)
     assert len(report.copied) == 3 and len(report.skipped) == 2
     assert all("more than 3 files" in why for _, why in report.skipped)
-
-
-def test_doctor_reports_every_feature_and_is_green_in_ci() -> None:
-    out = subprocess.run(
-        [str(Path(sys.executable).with_name("egressd")), "doctor"], capture_output=True, text=True, timeout=60
-    )
-    for name in ("bubblewrap", "network namespaces", "nftables", "seccomp", "cgroup memory limits", "docker"):
-        assert name in out.stdout
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        assert out.returncode == 0 and "FAIL" not in out.stdout and " no  " not in out.stdout, out.stdout
