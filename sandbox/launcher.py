@@ -44,13 +44,12 @@ from pathlib import Path
 
 from .backend import (
     DEFAULT_MAX_OUTPUT,
-    EXIT_MEMORY,
-    EXIT_TIMEOUT,
     NO_LIMITS,
     BoundedOutput,
     Observation,
     OutputSink,
     SandboxError,
+    observation,
 )
 from .bwrap import (
     BwrapSpec,
@@ -284,25 +283,16 @@ class BwrapSandbox:
                 await asyncio.wait_for(proc.wait(), 5)
             raise
         finally:
-            memory_exceeded = cgroup.oom_killed() if cgroup is not None else False
+            oom_killed = cgroup.oom_killed() if cgroup is not None else False
             if cgroup is not None:
                 await cgroup.remove()
-        code = proc.returncode if proc.returncode is not None else -9
-        if code < 0:
-            code = 128 - code  # killed by a signal: shell convention
-        if timed_out:
-            code = EXIT_TIMEOUT
-        elif memory_exceeded:
-            code = EXIT_MEMORY
-        return Observation(
-            exit_code=code,
-            stdout=out.text() if isinstance(out, BoundedOutput) else "",
-            stderr=err.text() if isinstance(err, BoundedOutput) else "",
+        return observation(
+            proc.returncode,
             timed_out=timed_out,
-            memory_exceeded=memory_exceeded,
+            oom_killed=oom_killed,
+            out=out if isinstance(out, BoundedOutput) else None,
+            err=err if isinstance(err, BoundedOutput) else None,
             duration_s=time.monotonic() - started,
-            stdout_truncated=out.dropped,
-            stderr_truncated=err.dropped,
         )
 
     @staticmethod
