@@ -12,13 +12,14 @@ cut at ``max_output``, a working directory that persists between commands
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
 import signal
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from egressd.audit.views import Refusal
 
@@ -79,6 +80,29 @@ class BoundedOutput:
         if self.dropped:
             text += f"\n[… {self.dropped} more bytes truncated]"
         return text
+
+
+async def within_time_limit(
+    work: asyncio.Future[Any], timeout_s: float | None, kill: Callable[[], Awaitable[None]], *, grace_s: float
+) -> bool:
+    """Wait for ``work`` (a command's run to its end) for ``timeout_s``; True when the time limit fired.
+
+    Past the limit: ``kill`` the command, then give ``work`` ``grace_s`` to
+    collect what is left (its output, its status) before it is cancelled.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(work)
+        return False
+    except TimeoutError:
+        pass
+    await kill()
+    try:
+        async with asyncio.timeout(grace_s):
+            await asyncio.shield(work)
+    except TimeoutError:
+        work.cancel()
+    return True
 
 
 def ended(status: int | None, *, timed_out: bool, oom_killed: bool) -> tuple[int, bool, bool]:

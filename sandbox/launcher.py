@@ -50,6 +50,7 @@ from .backend import (
     OutputSink,
     SandboxError,
     observation,
+    within_time_limit,
 )
 from .bwrap import (
     BwrapSpec,
@@ -265,18 +266,13 @@ class BwrapSandbox:
         finally:
             os.close(read_fd)
             os.close(args_fd)
-        timed_out = False
+
+        async def kill() -> None:
+            self._kill(proc, cgroup)
+
         try:
             pumps = asyncio.gather(_pump(proc.stdout, out), _pump(proc.stderr, err), proc.wait())
-            try:
-                async with asyncio.timeout(limits.timeout_s):
-                    await asyncio.shield(pumps)
-            except TimeoutError:
-                timed_out = True
-                self._kill(proc, cgroup)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(5):
-                        await pumps
+            timed_out = await within_time_limit(pumps, limits.timeout_s, kill, grace_s=5)
         except BaseException:
             self._kill(proc, cgroup)
             with contextlib.suppress(Exception):

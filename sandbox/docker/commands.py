@@ -28,6 +28,7 @@ from ..backend import (
     SandboxError,
     not_found_line,
     observation,
+    within_time_limit,
 )
 from ..bwrap import SANDBOX_WORKDIR, base_environment
 from ..copyout import MAX_BYTES, MAX_FILES, CopyDestination, CopyReport, check_pattern, unmatched_patterns
@@ -238,17 +239,9 @@ class DockerSandbox:
                     work = tasks.create_task(
                         self._follow(container, stream, out, err, sinks, stdin, outcome, name=command[0])
                     )
-                    try:
-                        async with asyncio.timeout(limits.timeout_s):
-                            await asyncio.shield(work)
-                    except TimeoutError:
-                        timed_out = True
-                        await self._kill(container.id)
-                        try:
-                            async with asyncio.timeout(10):
-                                await asyncio.shield(work)
-                        except TimeoutError:
-                            work.cancel()
+                    timed_out = await within_time_limit(
+                        work, limits.timeout_s, lambda: self._kill(container.id), grace_s=10
+                    )
             finally:
                 await stream.close()
         finally:

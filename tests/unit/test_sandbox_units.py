@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
 import struct
@@ -11,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from egressd.sandbox.backend import EXIT_MEMORY, EXIT_TIMEOUT, BoundedOutput, ended, observation
+from egressd.sandbox.backend import (
+    EXIT_MEMORY,
+    EXIT_TIMEOUT,
+    BoundedOutput,
+    ended,
+    observation,
+    within_time_limit,
+)
 from egressd.sandbox.bwrap import BwrapSpec, base_environment, bwrap_argv, generated_etc
 from egressd.sandbox.copyout import CopyOutError, check_pattern, copy_out
 from egressd.sandbox.network import METADATA_NET, EgressPorts, NetworkError, choose_subnet, nft_ruleset
@@ -199,3 +207,33 @@ def test_an_observation_carries_the_reason_and_the_cut_output() -> None:
     assert (obs.stderr, obs.stderr_truncated) == ("e", 0)
     relayed = observation(0, timed_out=False, oom_killed=False, out=None, err=None, duration_s=0.0)
     assert (relayed.stdout, relayed.stderr, relayed.stdout_truncated) == ("", "", 0)
+
+
+async def test_within_the_time_limit_the_command_is_left_alone() -> None:
+    killed: list[bool] = []
+
+    async def kill() -> None:
+        killed.append(True)
+
+    work = asyncio.ensure_future(asyncio.sleep(0))
+    assert await within_time_limit(work, 5, kill, grace_s=1) is False
+    assert not killed and work.done()
+
+
+async def test_past_the_time_limit_the_command_is_killed_and_its_rest_collected_or_cancelled() -> None:
+    done = asyncio.Event()
+
+    async def kill() -> None:
+        done.set()
+
+    collected = asyncio.ensure_future(done.wait())  # ends once killed: its rest is collected
+    assert await within_time_limit(collected, 0.01, kill, grace_s=1) is True
+    assert collected.done() and not collected.cancelled()
+
+    async def ignored() -> None:
+        pass
+
+    stuck = asyncio.ensure_future(asyncio.Event().wait())  # never ends: cancelled after the grace
+    assert await within_time_limit(stuck, 0.01, ignored, grace_s=0.01) is True
+    await asyncio.sleep(0)
+    assert stuck.cancelled()
