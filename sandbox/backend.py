@@ -12,12 +12,14 @@ cut at ``max_output``, a working directory that persists between commands
 
 from __future__ import annotations
 
+import asyncio
 import os
 import select
-from collections.abc import Sequence
+import signal
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from egressd.audit.views import Refusal
 
@@ -78,6 +80,73 @@ class BoundedOutput:
         if self.dropped:
             text += f"\n[… {self.dropped} more bytes truncated]"
         return text
+
+
+async def within_time_limit(
+    work: asyncio.Future[Any], timeout_s: float | None, kill: Callable[[], Awaitable[None]], *, grace_s: float
+) -> bool:
+    """Wait for ``work`` (a command's run to its end) for ``timeout_s``; True when the time limit fired.
+
+    Past the limit: ``kill`` the command, then give ``work`` ``grace_s`` to
+    collect what is left (its output, its status) before it is cancelled.
+    """
+    try:
+        async with asyncio.timeout(timeout_s):
+            await asyncio.shield(work)
+        return False
+    except TimeoutError:
+        pass
+    await kill()
+    try:
+        async with asyncio.timeout(grace_s):
+            await asyncio.shield(work)
+    except TimeoutError:
+        work.cancel()
+    return True
+
+
+def ended(status: int | None, *, timed_out: bool, oom_killed: bool) -> tuple[int, bool, bool]:
+    """(exit code, timed_out, memory_exceeded) for a finished command: the one reason both backends give.
+
+    ``status``: the command's status as its backend saw it: a process's
+    return code (negative: killed by that signal), a container's ExitCode,
+    or None when it was never seen to end. ``timed_out``: the time limit
+    killed it; ``oom_killed``: the memory limit killed something of it
+    (the cgroup's oom_kill count, Docker's OOMKilled). At most one reason
+    is given, the limit that ended the command: the time limit, once it
+    fired, whatever the memory limit killed before (a child), then the
+    memory limit; otherwise the command's own status and neither flag.
+    """
+    if timed_out:
+        return EXIT_TIMEOUT, True, False
+    if oom_killed:
+        return EXIT_MEMORY, False, True
+    if status is None:  # never seen to end: it was killed
+        return 128 + signal.SIGKILL, False, False
+    return (128 - status if status < 0 else status), False, False  # a signal: the shell's 128 + N
+
+
+def observation(
+    status: int | None,
+    *,
+    timed_out: bool,
+    oom_killed: bool,
+    out: BoundedOutput | None,
+    err: BoundedOutput | None,
+    duration_s: float,
+) -> Observation:
+    """The ``Observation`` of a finished command (``ended``); ``out``/``err`` None: passed on, not kept."""
+    code, timed_out, memory_exceeded = ended(status, timed_out=timed_out, oom_killed=oom_killed)
+    return Observation(
+        exit_code=code,
+        stdout=out.text() if out is not None else "",
+        stderr=err.text() if err is not None else "",
+        timed_out=timed_out,
+        memory_exceeded=memory_exceeded,
+        duration_s=duration_s,
+        stdout_truncated=out.dropped if out is not None else 0,
+        stderr_truncated=err.dropped if err is not None else 0,
+    )
 
 
 class OutputSink(Protocol):

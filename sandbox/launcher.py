@@ -44,13 +44,13 @@ from pathlib import Path
 
 from .backend import (
     DEFAULT_MAX_OUTPUT,
-    EXIT_MEMORY,
-    EXIT_TIMEOUT,
     NO_LIMITS,
     BoundedOutput,
     Observation,
     OutputSink,
     SandboxError,
+    observation,
+    within_time_limit,
 )
 from .bwrap import (
     BwrapSpec,
@@ -266,43 +266,29 @@ class BwrapSandbox:
         finally:
             os.close(read_fd)
             os.close(args_fd)
-        timed_out = False
+
+        async def kill() -> None:
+            self._kill(proc, cgroup)
+
         try:
             pumps = asyncio.gather(_pump(proc.stdout, out), _pump(proc.stderr, err), proc.wait())
-            try:
-                async with asyncio.timeout(limits.timeout_s):
-                    await asyncio.shield(pumps)
-            except TimeoutError:
-                timed_out = True
-                self._kill(proc, cgroup)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(5):
-                        await pumps
+            timed_out = await within_time_limit(pumps, limits.timeout_s, kill, grace_s=5)
         except BaseException:
             self._kill(proc, cgroup)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(proc.wait(), 5)
             raise
         finally:
-            memory_exceeded = cgroup.oom_killed() if cgroup is not None else False
+            oom_killed = cgroup.oom_killed() if cgroup is not None else False
             if cgroup is not None:
                 await cgroup.remove()
-        code = proc.returncode if proc.returncode is not None else -9
-        if code < 0:
-            code = 128 - code  # killed by a signal: shell convention
-        if timed_out:
-            code = EXIT_TIMEOUT
-        elif memory_exceeded:
-            code = EXIT_MEMORY
-        return Observation(
-            exit_code=code,
-            stdout=out.text() if isinstance(out, BoundedOutput) else "",
-            stderr=err.text() if isinstance(err, BoundedOutput) else "",
+        return observation(
+            proc.returncode,
             timed_out=timed_out,
-            memory_exceeded=memory_exceeded,
+            oom_killed=oom_killed,
+            out=out if isinstance(out, BoundedOutput) else None,
+            err=err if isinstance(err, BoundedOutput) else None,
             duration_s=time.monotonic() - started,
-            stdout_truncated=out.dropped,
-            stderr_truncated=err.dropped,
         )
 
     @staticmethod

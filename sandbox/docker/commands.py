@@ -20,8 +20,6 @@ from aiodocker.exceptions import DockerError
 
 from ..backend import (
     DEFAULT_MAX_OUTPUT,
-    EXIT_MEMORY,
-    EXIT_TIMEOUT,
     NO_LIMITS,
     BoundedOutput,
     FdOutput,
@@ -29,6 +27,8 @@ from ..backend import (
     OutputSink,
     SandboxError,
     not_found_line,
+    observation,
+    within_time_limit,
 )
 from ..bwrap import SANDBOX_WORKDIR, base_environment
 from ..copyout import MAX_BYTES, MAX_FILES, CopyDestination, CopyReport, check_pattern, unmatched_patterns
@@ -53,7 +53,7 @@ from .engine import DockerEngine, DockerUnavailable, boot_id, container_state, e
 
 @dataclass
 class _Outcome:
-    exit_code: int = -1
+    exit_code: int | None = None  # None: the engine never said (``backend.ended``: killed)
     oom: bool = False
 
 
@@ -239,37 +239,22 @@ class DockerSandbox:
                     work = tasks.create_task(
                         self._follow(container, stream, out, err, sinks, stdin, outcome, name=command[0])
                     )
-                    try:
-                        async with asyncio.timeout(limits.timeout_s):
-                            await asyncio.shield(work)
-                    except TimeoutError:
-                        timed_out = True
-                        await self._kill(container.id)
-                        try:
-                            async with asyncio.timeout(10):
-                                await asyncio.shield(work)
-                        except TimeoutError:
-                            work.cancel()
+                    timed_out = await within_time_limit(
+                        work, limits.timeout_s, lambda: self._kill(container.id), grace_s=10
+                    )
             finally:
                 await stream.close()
         finally:
             self._current = None
             # Removal must happen even when we are being cancelled (Ctrl-C).
             await asyncio.shield(self._remove(container.id))
-        code = outcome.exit_code
-        if timed_out:
-            code = EXIT_TIMEOUT
-        elif outcome.oom:
-            code = EXIT_MEMORY
-        return Observation(
-            exit_code=code,
-            stdout=out.text(),
-            stderr=err.text(),
+        return observation(
+            outcome.exit_code,
             timed_out=timed_out,
-            memory_exceeded=outcome.oom and not timed_out,
+            oom_killed=outcome.oom,
+            out=out,
+            err=err,
             duration_s=time.monotonic() - started,
-            stdout_truncated=out.dropped,
-            stderr_truncated=err.dropped,
         )
 
     async def _follow(
@@ -308,7 +293,8 @@ class DockerSandbox:
             with engine_errors("cannot wait for the command's container"):
                 await container.wait()
             state = await container_state(self.engine, container.id)
-            outcome.exit_code = int(state.get("ExitCode", -1))
+            code = state.get("ExitCode")
+            outcome.exit_code = int(code) if isinstance(code, int) else None
             outcome.oom = bool(state.get("OOMKilled", False))
             if feeder is not None:  # stdin may still be open: the command is done with it
                 feeder.cancel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -72,14 +73,38 @@ async def test_the_command_runs_as_the_working_directorys_owner(session: Any) ->
     assert obs.stdout.split() == ["1000", "1000", "/work"], obs.stderr
 
 
+# Issue 27: the two backends' run() had diverged on why a command ended. The
+# reason is the limit that ended it, one of them: exit 124 and timed_out alone,
+# exit 137 and memory_exceeded alone, or the command's own status and neither.
+_ALLOCATE = "x = bytearray(1 << 29); print(len(x))"  # 512 MiB, past the 64 MiB below
+_BOUNDS = Limits(timeout_s=2, memory_mb=64)
+
+
+def _reason(obs: Any) -> tuple[int, bool, bool]:
+    return obs.exit_code, obs.timed_out, obs.memory_exceeded
+
+
 async def test_past_its_time_limit_a_command_is_killed_with_124(session: Any) -> None:
-    obs = await session.box.run(["sleep", "30"], limits=Limits(timeout_s=1))
-    assert (obs.exit_code, obs.timed_out) == (EXIT_TIMEOUT, True)
+    obs = await session.box.run(["sleep", "30"], limits=_BOUNDS)
+    assert _reason(obs) == (EXIT_TIMEOUT, True, False), obs
+    assert obs.duration_s < 15, obs  # killed at its limit, not left to finish
+
+
+async def test_past_its_time_limit_after_a_child_ran_out_of_memory_the_reason_is_the_time(session: Any) -> None:
+    # The memory limit killed a child, the command lived on: the time limit is what ended it.
+    obs = await session.box.run(["sh", "-c", f"python3 -c '{_ALLOCATE}'; echo $?; sleep 30"], limits=_BOUNDS)
+    assert _reason(obs) == (EXIT_TIMEOUT, True, False), obs
+    assert obs.stdout == "137\n", obs  # the child was killed for memory: the test did what it says
 
 
 async def test_past_its_memory_limit_a_command_is_killed_with_137(session: Any) -> None:
-    obs = await session.box.run(["python3", "-c", "x = bytearray(1 << 29); print(len(x))"], limits=Limits(memory_mb=64))
-    assert (obs.exit_code, obs.memory_exceeded) == (EXIT_MEMORY, True), obs
+    obs = await session.box.run(["python3", "-c", _ALLOCATE], limits=_BOUNDS)
+    assert _reason(obs) == (EXIT_MEMORY, False, True), obs
+
+
+async def test_a_command_that_kills_itself_with_sigkill_is_its_own_137(session: Any) -> None:
+    obs = await session.box.run(["sh", "-c", "kill -9 $$"], limits=_BOUNDS)
+    assert _reason(obs) == (128 + signal.SIGKILL, False, False), obs
 
 
 async def test_output_past_max_output_is_cut_and_counted(session: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import os
 import struct
@@ -9,6 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from egressd.sandbox.backend import (
+    EXIT_MEMORY,
+    EXIT_TIMEOUT,
+    BoundedOutput,
+    ended,
+    observation,
+    within_time_limit,
+)
 from egressd.sandbox.bwrap import BwrapSpec, base_environment, bwrap_argv, generated_etc
 from egressd.sandbox.copyout import CopyOutError, check_pattern, copy_out
 from egressd.sandbox.network import METADATA_NET, EgressPorts, NetworkError, choose_subnet, nft_ruleset
@@ -121,3 +130,69 @@ def test_copy_out_is_bounded_and_says_what_it_cut(tmp_path: Path) -> None:
     report = copy_out(work, ["*.bin"], dest, max_files=3, max_bytes=10_000)
     assert len(report.copied) == 3 and len(report.skipped) == 2
     assert all("more than 3 files" in why for _, why in report.skipped)
+
+
+# -- why a command ended: backend.ended / backend.observation, shared by both backends (issue 27) ---------------
+
+
+@pytest.mark.parametrize(
+    ("status", "timed_out", "oom_killed", "expected"),
+    [
+        (0, False, False, (0, False, False)),
+        (7, False, False, (7, False, False)),
+        (-9, False, False, (137, False, False)),  # killed by SIGKILL, not by us: its own 137, neither flag
+        (137, False, False, (137, False, False)),  # a container's ExitCode for the same
+        (-15, False, False, (143, False, False)),
+        (None, False, False, (137, False, False)),  # never seen to end
+        (-9, True, False, (EXIT_TIMEOUT, True, False)),
+        (-9, True, True, (EXIT_TIMEOUT, True, False)),  # a child ran out of memory, the time limit ended it
+        (-9, False, True, (EXIT_MEMORY, False, True)),
+        (0, False, True, (EXIT_MEMORY, False, True)),
+    ],
+)
+def test_a_finished_commands_one_reason(
+    status: int | None, timed_out: bool, oom_killed: bool, expected: tuple[int, bool, bool]
+) -> None:
+    assert ended(status, timed_out=timed_out, oom_killed=oom_killed) == expected
+
+
+def test_an_observation_carries_the_reason_and_the_cut_output() -> None:
+    out, err = BoundedOutput(3), BoundedOutput(3)
+    out.add(b"abcdef")
+    err.add(b"e")
+    obs = observation(-9, timed_out=True, oom_killed=True, out=out, err=err, duration_s=1.5)
+    assert (obs.exit_code, obs.timed_out, obs.memory_exceeded, obs.duration_s) == (EXIT_TIMEOUT, True, False, 1.5)
+    assert (obs.stdout, obs.stdout_truncated) == ("abc\n[… 3 more bytes truncated]", 3)
+    assert (obs.stderr, obs.stderr_truncated) == ("e", 0)
+    relayed = observation(0, timed_out=False, oom_killed=False, out=None, err=None, duration_s=0.0)
+    assert (relayed.stdout, relayed.stderr, relayed.stdout_truncated) == ("", "", 0)
+
+
+async def test_within_the_time_limit_the_command_is_left_alone() -> None:
+    killed: list[bool] = []
+
+    async def kill() -> None:
+        killed.append(True)
+
+    work = asyncio.ensure_future(asyncio.sleep(0))
+    assert await within_time_limit(work, 5, kill, grace_s=1) is False
+    assert not killed and work.done()
+
+
+async def test_past_the_time_limit_the_command_is_killed_and_its_rest_collected_or_cancelled() -> None:
+    done = asyncio.Event()
+
+    async def kill() -> None:
+        done.set()
+
+    collected = asyncio.ensure_future(done.wait())  # ends once killed: its rest is collected
+    assert await within_time_limit(collected, 0.01, kill, grace_s=1) is True
+    assert collected.done() and not collected.cancelled()
+
+    async def ignored() -> None:
+        pass
+
+    stuck = asyncio.ensure_future(asyncio.Event().wait())  # never ends: cancelled after the grace
+    assert await within_time_limit(stuck, 0.01, ignored, grace_s=0.01) is True
+    await asyncio.sleep(0)
+    assert stuck.cancelled()
