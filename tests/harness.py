@@ -136,6 +136,20 @@ async def connect_via(
     return status, headers, body, reader, writer
 
 
+async def connect_status(port: int, authority: str) -> int:
+    """The status a proxy on 127.0.0.1:``port`` answers ``CONNECT authority`` with (an egressd process's)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+        return int(head.split(b" ")[1])
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+
+
 def egress(service: EgressService) -> list[dict[str, Any]]:
     """The attempts that have finished, one record each: an allowed connection's
     write-ahead ``egress`` record joined with its ``egress.end`` (as ``egressd audit``

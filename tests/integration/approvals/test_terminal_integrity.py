@@ -8,7 +8,6 @@ pyte, a terminal emulator, from a real pseudo-terminal.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import logging
 import os
@@ -34,7 +33,7 @@ from egressd.approvals.terminal import MAX_HELD_OUTPUT, TerminalChannel, Termina
 from egressd.audit.log import MemoryAuditSink
 from egressd.names.shown import TerminalText, escape, is_invisible
 from tests.fakes.dockerbed import ORIGIN_NAME, ORIGIN_PORT
-from tests.harness import ORIGIN_RANGE, free_port, have, require, serve_ports, wait_until
+from tests.harness import ORIGIN_RANGE, connect_status, free_port, have, require, serve_ports, wait_until
 from tests.integration.approvals.test_broker import Clock, request
 from tests.integration.sandbox.test_docker import engine, make_bed  # noqa: F401 - the Docker test bed, as fixtures
 
@@ -457,19 +456,6 @@ LOG_LINE = re.compile(
 )
 
 
-async def _refused(port: int, authority: str) -> int:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
-        return int(head.split(b" ")[1])
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
-
-
 async def test_serves_log_lines_go_above_the_prompt_and_no_countdown_redraw_writes_over_one(
     tmp_path: Path, screen: Screen
 ) -> None:
@@ -499,12 +485,12 @@ async def test_serves_log_lines_go_above_the_prompt_and_no_countdown_redraw_writ
         await wait_until(lambda: serve_ports(bytes(screen.raw).decode(errors="replace").replace("\r\n", "\n")), 20)
         ports = serve_ports(bytes(screen.raw).decode(errors="replace").replace("\r\n", "\n"))
         assert ports is not None
-        held = asyncio.create_task(_refused(ports["proxy"], "unlisted.example:443"))
+        held = asyncio.create_task(connect_status(ports["proxy"], "unlisted.example:443"))
         await screen.shows("allow or deny unlisted.example:443?")
         screen.type("al")  # typed, not yet answered: must stay on the input line
         await screen.shows("Enter = deny] > al")
         for _ in range(3):
-            assert await _refused(ports["proxy"], "blocked.test:443") == 403
+            assert await connect_status(ports["proxy"], "blocked.test:443") == 403
             await asyncio.sleep(1.2)  # a countdown redraw (every second) after each log line
         shown = "\n".join(screen.lines)
         logged = [y for y, line in enumerate(screen.lines) if "blocked.test" in line]

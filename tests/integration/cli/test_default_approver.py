@@ -26,7 +26,7 @@ import pytest
 
 from egressd.cli.main import default_approvers, refuse_page_approver
 from egressd.config.settings import SettingsError, load_settings
-from tests.harness import free_port, serve_ports, wait_until
+from tests.harness import connect_status, free_port, serve_ports, wait_until
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 
@@ -63,19 +63,6 @@ def _args(tmp_path: Path) -> list[str]:
         EGRESSD, "serve", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
         "--upstream-dns", f"127.0.0.1:{free_port()}", "--audit-log", str(tmp_path / "audit.jsonl"),
     ]  # fmt: skip
-
-
-async def _connect_status(port: int, authority: str) -> int:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
-        await writer.drain()
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
-        return int(head.split(b" ")[1])
-    finally:
-        writer.close()
-        with contextlib.suppress(ConnectionError):
-            await writer.wait_closed()
 
 
 class Terminal:
@@ -135,7 +122,7 @@ async def test_serve_started_by_a_person_asks_at_their_terminal_and_shows_the_pa
         assert ports is not None
         # The page lives under a random path of its own, printed with its address.
         assert re.search(rf"approvals page: http://127\.0\.0\.1:{ports['control']}/web/[\w-]{{22}}/ ", terminal.text)
-        asked = asyncio.create_task(_connect_status(ports["proxy"], "unlisted.example:443"))
+        asked = asyncio.create_task(connect_status(ports["proxy"], "unlisted.example:443"))
         await wait_until(lambda: "unlisted.example" in terminal.text and "deny" in terminal.text, 20)
         terminal.type("deny\r")
         assert await asked == 403
@@ -155,7 +142,7 @@ async def test_serve_with_its_stderr_in_a_file_asks_nobody(tmp_path: Path) -> No
         await wait_until(lambda: serve_ports(stderr.read_text(errors="replace")) is not None, 20)
         ports = serve_ports(stderr.read_text(errors="replace"))
         assert ports is not None
-        assert await _connect_status(ports["proxy"], "unlisted.example:443") == 403
+        assert await connect_status(ports["proxy"], "unlisted.example:443") == 403
         assert "approvals page" not in stderr.read_text(errors="replace")
     finally:
         _stop(proc)
