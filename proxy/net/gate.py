@@ -44,8 +44,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple, TypeVar
+from typing import TypeVar
 
 from egressd.approvals.interface import (
     ANSWER_REASONS,
@@ -68,6 +67,7 @@ from egressd.audit.records import (
 from egressd.names.addresses import IPAddress
 from egressd.names.shown import logged
 from egressd.proxy.core.addresses import OwnEndpoints, forbidden_reason, is_own
+from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
 from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.floods import RefusalBudget, Suppressed
 from egressd.proxy.core.memo import remembered
@@ -102,125 +102,6 @@ def bound_locally(address: IPAddress) -> bool:
     except OSError as exc:
         return exc.errno != errno.EADDRNOTAVAIL
     return True
-
-
-class Seen(NamedTuple):
-    """What a listener has learnt about one attempt before the gate decides it: a value, never edited.
-
-    ``Gate.begin`` makes the first (its identity: id, kind, client, when);
-    the listener makes each next one as it learns more (``_replace``: the
-    kind and destination from the request head, the run it is attributed
-    to; a tuple, since one is made for every request). It goes into the gate whole: ``Gate.refuse`` records an
-    attempt refused before the policy ran, ``Gate.attempt`` starts the one
-    the gate decides. ``command`` is the run's current command where the
-    listener attributed the attempt itself (``attributed``), not where it
-    only knows the run its source address is bound to.
-    """
-
-    id: str
-    kind: EgressKind
-    client: str | None
-    ts: float
-    started: float
-    host: str | None = None
-    port: int | None = None
-    run: Run | None = None
-    command: str | None = None
-
-    def attributed(self, run: Run) -> Seen:
-        """The same attempt, made in ``run`` for its current command."""
-        return self._replace(run=run, command=run.command)
-
-
-@dataclass(slots=True)
-class Attempt:
-    """One attempt the gate decides, from ``Gate.attempt`` (what the listener ``Seen``) to its record.
-
-    The gate turns it into facts (``egressd.audit.records``), each built once: the
-    ``EgressDecided`` written ahead of an allowed dial (``Gate.open``, kept
-    as ``ahead``) or, for a refusal, the final one (``Gate.finish``); and the
-    ``EgressEnded`` of an opened connection (``Gate.finish``, from the bytes,
-    the duration and ``end``). Who sets what: ``Gate.attempt`` the identity,
-    run and destination, from the listener's ``Seen``; ``Gate.admit`` the
-    decision (``decision``, ``reason``, ``rule``, ``approval``); ``Gate.dial``
-    the address; then the listener what the connection did: a refusal after
-    the decision (``refuse``), the byte counters, ``extra`` notes
-    (``status``, ``sni``, ``detail``, in the order they came: the record
-    keeps it) and ``end``. The byte counters are the listener's alone
-    (``server`` and ``listener.Held``, which add what each relay moved). An
-    attempt refused before the policy ran never becomes one: ``Gate.refuse``
-    records its ``Seen``. The DNS server keeps no attempt either: a query is
-    decided at once, and it builds the query's fact itself (``Gate.settle``).
-    """
-
-    id: str
-    kind: EgressKind
-    client: str | None
-    ts: float
-    started: float
-    run: Run | None = None
-    host: str | None = None
-    port: int | None = None
-    address: str | None = None
-    decision: Decision = Decision.DENY
-    reason: str | None = None
-    rule: str | None = None
-    approval: ApprovalSummary | None = None
-    # Learn mode: the reason code the policy would have refused this with (its records' ``learned``).
-    learned: str | None = None
-    command: str | None = None
-    bytes_up: int = 0
-    bytes_down: int = 0
-    # Why an opened connection ended when that is not its decision's reason (``closed``, ``idle_timeout``, ...).
-    end: str | None = None
-    # The phrase a refused client reads instead of the reason's usual one (``Reason.message``).
-    message: str | None = None
-    extra: dict[str, object] = field(default_factory=dict)
-    decided: bool = False
-    # Its ``egress`` record, written ahead (``Gate.open``): what ends it is an ``egress.end`` record.
-    ahead: EgressDecided | None = None
-    # That fact's record as written, kept so the end folds into it without serialising it again.
-    ahead_record: dict[str, object] | None = None
-    finished: bool = False
-
-    @property
-    def opened(self) -> bool:
-        return self.ahead is not None
-
-    def refuse(self, reason: Reason | str, detail: str | None = None) -> None:
-        """Deny with ``reason``; ``detail`` says more unless something already did."""
-        self.decision = Decision.DENY
-        self.reason = reason.value if isinstance(reason, Reason) else reason
-        if detail:
-            self.extra.setdefault("detail", detail)
-
-    def ends(self, end: str) -> None:
-        """Say why the connection ended, unless something already did."""
-        if self.end is None:
-            self.end = end
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """The gate's answer: addresses to dial, or the reason for refusing."""
-
-    reason: Reason | None
-    host: str
-    port: int
-    addresses: tuple[IPAddress, ...] = ()
-    texts: tuple[str, ...] = ()  # the addresses as text, in the same order
-
-    @property
-    def allowed(self) -> bool:
-        return self.reason is None
-
-
-class DialError(Exception):
-    """Could not connect upstream; ``reason`` is the code the client sees."""
-
-    def __init__(self, reason: Reason, detail: str) -> None:
-        super().__init__(detail)
-        self.reason = reason
 
 
 class _Expiry:
@@ -488,16 +369,15 @@ class Gate:
         protocol: Callable[[], P],
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> P:
-        """Record the attempt ahead (``open``), then connect to the first admitted address that answers.
+        """Connect to the first admitted address that answers (after ``open`` wrote the record ahead).
 
         Returns the connection's ``protocol()`` instance (the event loop
         connects in its own code: on uvloop no Python socket is involved).
         The address is passed as a literal, so nothing is looked up again.
-        Raises DialError (``audit_unavailable``, ``upstream_unreachable`` or
-        ``upstream_timeout``); the connect timeout starts after the record.
+        Raises DialError (``upstream_unreachable`` or ``upstream_timeout``).
         ``loop``: the running loop, when the caller has it at hand.
         """
-        self.open(attempt, admission.texts[0])
+        assert attempt.opened, "the egress record is written before the dial"
         if loop is None:
             loop = asyncio.get_running_loop()
         # The connect timeout as ``asyncio.timeout`` would do it (the task cancelled, the

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+from egressd.proxy.core.commands import PeerClosed
+
 # Unread bytes a peer may hold before we stop reading from it: one large
 # request head plus some body, and no more.
 HIGH_WATER = 256 * 1024
@@ -53,15 +55,6 @@ class Framing(Protocol):
     def feed(self, data: bytes | bytearray) -> int:
         """How many leading bytes of ``data`` belong to the body."""
         ...
-
-
-class PeerClosed(Exception):
-    """The peer closed or broke the connection; nothing more to say to it.
-
-    Raised from inside a body relay, ``moved`` body bytes had gone through.
-    """
-
-    moved = 0
 
 
 # What ``GoneCancels`` raises with.

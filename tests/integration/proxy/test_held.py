@@ -1,4 +1,4 @@
-"""What a client connection holds (``egressd.proxy.net.listener.Held``) is released once, by its last owner.
+"""What a client connection holds (``egressd.proxy.net.runner.Runner``) is released once, by its last owner.
 
 Socket-free: peers on a fake transport, a real gate recording into memory.
 """
@@ -13,11 +13,13 @@ import pytest
 from egressd.approvals.deny import DenyApprover
 from egressd.audit.log import MemoryAuditSink
 from egressd.audit.records import EgressKind
+from egressd.proxy.core.commands import Splice
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, ListenerLimits
 from egressd.proxy.core.runs import Run, RunRegistry
 from egressd.proxy.net.gate import Gate
-from egressd.proxy.net.listener import Held, Listener
+from egressd.proxy.net.listener import Listener
+from egressd.proxy.net.runner import Runner
 from egressd.proxy.net.resolver import SystemResolver
 from egressd.proxy.net.stream import Peer
 
@@ -77,40 +79,47 @@ def _egress(audit: MemoryAuditSink) -> list[dict[str, object]]:
     return [r for r in audit.records if str(r["event"]).startswith("egress")]
 
 
+def _hold(listener: Listener, client: Peer) -> Runner:
+    runner = Runner(listener, client)
+    runner.hold()
+    return runner
+
+
 async def test_a_connection_is_counted_open_until_released_and_released_once(setup) -> None:  # type: ignore[no-untyped-def]
     listener, audit, run = setup
     client = _peer()
-    held = Held(listener, client)
+    runner = _hold(listener, client)
     assert listener.gate.metrics.connections_open == 1
     seen = listener.gate.begin(EgressKind.HTTP, "127.0.0.1:5555")
-    held.attempt = listener.gate.attempt(seen, run, "a.test", 80)
-    held.release()
-    held.release()
+    assert runner.talk is not None
+    runner.talk.pending = listener.gate.attempt(seen, run, "a.test", 80)
+    runner.release()
+    runner.release()
     assert listener.gate.metrics.connections_open == 0
     assert _transport(client).closed
     assert len(_egress(audit)) == 1  # the attempt left with the connection is recorded, once
 
 
-async def test_a_runs_slot_is_given_back_when_its_block_ends_even_by_an_exception(setup) -> None:  # type: ignore[no-untyped-def]
+async def test_a_runs_slot_is_given_back_when_its_request_is_refused(setup) -> None:  # type: ignore[no-untyped-def]
     listener, _, run = setup
-    held = Held(listener, _peer())
-    with pytest.raises(RuntimeError), held.slot(run):
-        assert run.open_connections == 1
-        raise RuntimeError
-    assert run.open_connections == 0
-    held.release()
+    client = _peer()
+    task = asyncio.create_task(Runner(listener, client).run())
+    client.data_received(b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\n")
+    await asyncio.wait_for(task, 5)  # not allowlisted: the DenyApprover refuses, the refusal ends the connection
     assert run.open_connections == 0 and listener.gate.metrics.connections_open == 0
 
 
 async def test_after_a_splice_the_task_releases_nothing_and_the_tunnels_end_releases_everything(setup) -> None:  # type: ignore[no-untyped-def]
     listener, audit, run = setup
     client, upstream = _peer(), _peer()
-    held = Held(listener, client)
+    runner = _hold(listener, client)
+    talk = runner.talk
+    assert talk is not None
     attempt = listener.gate.attempt(listener.gate.begin(EgressKind.CONNECT, "127.0.0.1:5555"), run, "a.test", 443)
-    with held.slot(run):
-        held.splice(upstream, attempt)
-    held.done(attempt)
-    held.release()
+    talk.pending, talk.slot, talk.spliced = attempt, run, True
+    run.open_connections += 1
+    runner._splice(Splice(upstream, attempt, name_required=False))
+    runner.release()
     # The tunnel has them all: still counted, nothing recorded, nothing closed.
     assert (listener.gate.metrics.connections_open, run.open_connections) == (1, 1)
     assert _egress(audit) == [] and not _transport(client).closed
@@ -124,19 +133,21 @@ async def test_after_a_splice_the_task_releases_nothing_and_the_tunnels_end_rele
 
 async def test_an_attempt_seen_and_never_refused_is_recorded_once_when_the_connection_ends(setup) -> None:  # type: ignore[no-untyped-def]
     listener, audit, run = setup
-    held = Held(listener, _peer())
+    runner = _hold(listener, _peer())
     seen = listener.gate.begin(EgressKind.HTTP, "127.0.0.1:5555")
-    held.attempt = seen.attributed(run)
-    held.release()
-    held.release()
+    assert runner.talk is not None
+    runner.talk.pending = seen.attributed(run)
+    runner.release()
+    runner.release()
     [record] = _egress(audit)
     assert (record["decision"], record["reason"], record["run"], record["id"]) == ("deny", None, "r-1", seen.id)
 
 
-async def test_the_kept_upstream_is_closed_with_the_client(setup) -> None:  # type: ignore[no-untyped-def]
+async def test_the_kept_and_the_dialled_upstreams_are_closed_with_the_client(setup) -> None:  # type: ignore[no-untyped-def]
     listener, _, _ = setup
-    held = Held(listener, _peer())
-    kept = _peer()
-    held.kept = (("a.test", 80), "127.0.0.2", kept)
-    held.release()
-    assert _transport(kept).closed and held.kept is None
+    runner = _hold(listener, _peer())
+    kept, dialled = _peer(), _peer()
+    runner.kept = (("a.test", 80), "127.0.0.2", kept)
+    runner.dialled = dialled
+    runner.release()
+    assert _transport(kept).closed and _transport(dialled).closed and runner.kept is None

@@ -1,0 +1,152 @@
+"""What a connection's conversation asks the network shell to do, and what comes back.
+
+The conversation (``conversation``) is a generator: it yields one command
+at a time and is resumed with the command's result, or has the command's
+failure thrown into it (the exceptions named below). The runner
+(``egressd.proxy.net.runner``) executes each; a playbook test executes them
+by hand. Deadlines are instants on the connection's one clock (the
+``now`` the conversation was given: the event loop's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+from egressd.proxy.core.attempt import Admission, Attempt, Seen
+from egressd.proxy.core.exchange import Exchange
+from egressd.proxy.core.reasons import Reason
+
+
+class PeerClosed(Exception):
+    """The peer closed or broke the connection; nothing more to say to it.
+
+    Raised from inside a body relay, ``moved`` body bytes had gone through.
+    """
+
+    moved = 0
+
+
+class Upstream(Protocol):
+    """An upstream connection, as the conversation sees it: a handle it passes back to the shell."""
+
+    closed: bool
+    eof: bool
+
+
+# -- reading and writing the client ------------------------------------------------------------
+
+
+class ReadHead(NamedTuple):
+    """The client's next head as ``parse`` frames it (``Peer.read_head``) → the head, or None at its close.
+
+    Fails with TimeoutError past ``deadline``, or with ``parse``'s HttpError.
+    """
+
+    parse: Callable[[bytearray, bool], tuple[Any, int]]
+    deadline: float
+
+
+class Fill(NamedTuple):
+    """More of the client's bytes into the buffer → False when it closed instead (TimeoutError past ``deadline``)."""
+
+    deadline: float
+
+
+class Send(NamedTuple):
+    """Send ``data`` to the client (and wait while its buffer is full) → None; PeerClosed if it went."""
+
+    data: bytes
+
+
+# -- deciding, recording, dialling ---------------------------------------------------------------
+
+
+class Admit(NamedTuple):
+    """The gate's decision on ``attempt`` (asking a person if the policy says so) → an ``Admission``.
+
+    The client going away meanwhile (closed, or its FIN when ``on_eof``) stops the wait: PeerClosed.
+    """
+
+    attempt: Attempt
+    on_eof: bool
+
+
+class WriteAhead(NamedTuple):
+    """Write the allowed attempt's ``egress`` record before any of its bytes go out, naming ``address``.
+
+    → None; DialError(``audit_unavailable``) when it could not be written. Idempotent.
+    """
+
+    attempt: Attempt
+    address: str | None
+
+
+class Dial(NamedTuple):
+    """Connect to the admitted addresses, in order → the upstream; DialError. Only after ``WriteAhead``."""
+
+    attempt: Attempt
+    admission: Admission
+
+
+class Finish(NamedTuple):
+    """Write the attempt's final record (idempotent), its run event and metrics → None."""
+
+    attempt: Attempt
+
+
+class RecordRefusal(NamedTuple):
+    """Record an attempt refused before the policy ran (``reason`` None: it ended undecided) → None."""
+
+    seen: Seen
+    reason: Reason | None
+    detail: str | None
+
+
+# -- what the connection carries -------------------------------------------------------------------
+
+
+class Splice(NamedTuple):
+    """Relay both ways from now on, the client's bytes checked until the TLS handshake settles.
+
+    The tunnel owns the client, the upstream, the run's slot and the attempt
+    from here; the conversation ends. ``name_required``: a ClientHello must
+    name the attempt's host (the transparent listener decided on it).
+    """
+
+    upstream: Upstream
+    attempt: Attempt
+    name_required: bool
+
+
+class TakeKept(NamedTuple):
+    """The client's kept upstream connection, if it may carry this request → (address, upstream), or None.
+
+    A kept connection that may not (another host or port, an address no
+    longer admitted, closed, or out of step) is closed.
+    """
+
+    admission: Admission
+
+
+class Relay(NamedTuple):
+    """Send one request upstream and its response back, as ``exchange`` frames them.
+
+    → ``STALE`` (a reused connection the origin had closed: nothing was
+    lost, dial again), a ``Reason`` to refuse with (nothing reached the
+    client yet), ``True`` when the client may send another request, or
+    ``False`` when the connection ends. The upstream is kept for the next
+    request when the exchange allows, else closed.
+    """
+
+    attempt: Attempt
+    exchange: Exchange
+    upstream: Upstream
+    key: tuple[str, int]
+    address: str | None
+    out: bytes
+    reused: bool
+    last_try: bool
+
+
+STALE: Any = object()

@@ -1,0 +1,314 @@
+"""One client connection, every mode: the sequence written once, as a generator of commands.
+
+accept → attribute → cap → decide → (ask) → record → dial → answer →
+carry → record. Layers stack on it:
+
+1. the way in (``ways``: an HTTP request head, a TLS ClientHello, a SOCKS5
+   handshake) finds the destination and the run's credentials, and says how
+   a refusal is heard (an HTTP answer, a TLS alert, a SOCKS reply) and what
+   the client is told once the upstream is connected;
+2. the decision, the same for all: the run attributed, its cap, the gate's
+   decision (``Admit``), the ``egress`` record written (``WriteAhead``)
+   before the dial (``Dial``) and never after;
+3. what the connection carries: opaque bytes or TLS (``Splice``, the
+   client's ClientHellos and plain HTTP checked against the decided name),
+   or HTTP/1 requests forwarded one by one (``Relay``, framed by
+   ``exchange``).
+
+No I/O: each step is a command (``commands``) the runner
+(``egressd.proxy.net.runner``) executes, resuming the generator with the
+result or throwing the failure into it. A playbook test does the same by
+hand. What is left to record when the connection ends early (its client
+gone, egressd stopping) is ``pending``; the run's slot it holds is ``slot``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any, Final, Protocol
+
+from egressd.audit.records import EgressKind
+from egressd.names.addresses import IPAddress
+from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
+from egressd.proxy.core.commands import (
+    STALE,
+    Admit,
+    Dial,
+    Finish,
+    PeerClosed,
+    RecordRefusal,
+    Relay,
+    Send,
+    Splice,
+    TakeKept,
+    Upstream,
+    WriteAhead,
+)
+from egressd.proxy.core.exchange import Exchange
+from egressd.proxy.core.http1 import Destination
+from egressd.proxy.core.metrics import Metrics
+from egressd.proxy.core.modes import GONE_DETAIL, ListenerLimits, Mode, Refusal, run_at_cap, too_many_connections
+from egressd.proxy.core.reasons import Reason
+from egressd.proxy.core.runs import Run, RunRegistry
+
+Steps = Generator[Any, Any, Any]  # yields commands, is sent their results
+
+
+# ``Refused.answer``'s default: the way in renders the refusal (``Way.answer``).
+THE_WAYS_ANSWER: Final[Any] = object()
+
+
+class Refused(Exception):
+    """End the request with ``refusal`` of ``target``; ``answer``: the bytes the client hears (None: none)."""
+
+    def __init__(self, target: Seen | Attempt, refusal: Refusal, answer: bytes | None = THE_WAYS_ANSWER) -> None:
+        super().__init__(refusal.detail or refusal.reason.value)
+        self.target = target
+        self.refusal = refusal
+        self.answer = answer
+
+
+class Arrival:
+    """What the way in found for one request: its attempt so far, the run, where it goes."""
+
+    __slots__ = ("seen", "run", "host", "port", "kind", "destination")
+
+    def __init__(
+        self,
+        seen: Seen,
+        run: Run,
+        host: str,
+        port: int,
+        kind: EgressKind | None = None,
+        destination: Destination | None = None,
+    ) -> None:
+        self.seen = seen
+        self.run = run
+        self.host = host  # as the client named it: the gate normalises
+        self.port = port
+        self.kind = kind  # the request's kind, when the way learnt it from the request (CONNECT or HTTP)
+        self.destination = destination  # an HTTP request to forward (None: a tunnel)
+
+
+class Way(Protocol):
+    """A way in: one per listener mode (``ways``)."""
+
+    kind: EgressKind  # an attempt's kind before its request is read
+    counted: str | None  # the connection's metrics name, counted as it starts (None: per request)
+    name_required: bool  # a spliced tunnel's ClientHello must name the decided host
+
+    def arrive(self, talk: Conversation) -> Steps:
+        """The next request, as far as the way in goes → ``Arrival``, or None: the connection is over.
+
+        Refusals raise ``Refused``.
+        """
+        ...
+
+    def answer(self, talk: Conversation, refusal: Refusal, target: Seen | Attempt) -> bytes | None:
+        """What the client hears for ``refusal`` (None: the close alone)."""
+        ...
+
+    def accepted(self, arrival: Arrival) -> bytes | None:
+        """What the client hears once the upstream is connected, before the splice (None: nothing)."""
+        ...
+
+
+
+class Conversation:
+    """One client connection's state, and its steps (``steps``)."""
+
+    __slots__ = ("way", "mode", "limits", "runs", "metrics", "begin", "now", "client", "source", "buf",
+                 "pending", "slot", "spliced", "first", "holder", "exchange")
+
+    def __init__(
+        self,
+        way: Way,
+        *,
+        mode: Mode,
+        limits: ListenerLimits,
+        runs: RunRegistry,
+        metrics: Metrics,
+        begin: Callable[[EgressKind, str | None, int | None], Seen],
+        now: Callable[[], float],
+        client: str,
+        source: IPAddress | None,
+        buf: bytearray,
+    ) -> None:
+        self.way = way
+        self.mode = mode
+        self.limits = limits
+        self.runs = runs
+        self.metrics = metrics
+        self.begin = begin  # a new attempt's identity (id, wall-clock and monotonic start)
+        self.now = now  # the connection's clock: every deadline is an instant on it
+        self.client = client  # "address:port"
+        self.source = source  # the client's address, for attributing runs
+        self.buf = buf  # the client's unread bytes (the runner fills it)
+        # What to record if the connection ends with it unrecorded: an attempt the gate has
+        # (``Finish`` is idempotent), or one seen and not yet refused (recorded with no reason).
+        self.pending: Seen | Attempt | None = None
+        self.slot: Run | None = None  # the run whose connection cap this request counts against
+        self.spliced = False  # a tunnel has the connection (and ``pending``, ``slot``) now
+        self.first = True  # the connection's first request
+        # The run the client's address is bound to, known before any request is read: its slow
+        # heads count against its own cap. Found by the way in.
+        self.holder: Run | None = None
+        self.exchange: Exchange | None = None  # the HTTP modes' framing, request after request
+
+    def steps(self) -> Steps:
+        """The whole connection: request after request until one ends it."""
+        way = self.way
+        if way.counted is not None:
+            self.metrics.connections_total[way.counted] += 1
+        if self.metrics.connections_open > self.limits.max_connections:
+            seen = self.begin(way.kind, self.client, self.mode.dest_port if way.kind is not EgressKind.HTTP else None)
+            yield from self._refuse(seen, too_many_connections(self.mode.reads))
+            return
+        while True:
+            try:
+                arrival = yield from way.arrive(self)
+                if arrival is None:
+                    return
+                go_on = yield from self._decide_and_carry(arrival)
+            except Refused as refused:
+                yield from self._refuse(refused.target, refused.refusal, refused.answer)
+                return
+            self.first = False
+            if not go_on:
+                return
+
+    def failed(self) -> Seen | None:
+        """The steps raised (a bug, logged by the runner): what was pending is a ``bad_request``.
+
+        Returns a ``Seen`` still to record (``RecordRefusal``); an attempt is
+        refused in place and recorded with the connection's end.
+        """
+        current = self.pending
+        if isinstance(current, Seen):
+            self.pending = None
+            return current
+        if isinstance(current, Attempt) and not current.decided:
+            current.refuse(Reason.BAD_REQUEST)
+        return None
+
+    # -- the decision layer ---------------------------------------------------------------------
+
+    def _decide_and_carry(self, arrival: Arrival) -> Steps:
+        """Cap, decide, record, dial and carry one request; True when the connection may carry another."""
+        run = arrival.run
+        if run.open_connections >= self.limits.max_connections_per_run:
+            seen = arrival.seen._replace(host=arrival.seen.host or arrival.host, port=arrival.port, run=run)
+            if arrival.kind is not None:
+                seen = seen._replace(kind=arrival.kind)
+            raise Refused(seen, run_at_cap(self.mode.reads, attributed=True))
+        seen = arrival.seen
+        attempt = Attempt(
+            id=seen.id,
+            kind=seen.kind if arrival.kind is None else arrival.kind,
+            client=seen.client,
+            ts=seen.ts,
+            started=seen.started,
+            run=run,
+            host=arrival.host,
+            port=arrival.port,
+            command=run.command,
+        )
+        self.pending = attempt
+        run.open_connections += 1
+        self.slot = run
+        try:
+            connect = arrival.destination is None
+            try:
+                # A client that gives up while its request is held (asked about) stops the wait; its
+                # FIN too for a tunnel, which cannot go on without sending.
+                admission: Admission = yield Admit(attempt, connect)
+            except PeerClosed:
+                attempt.extra["detail"] = GONE_DETAIL
+                raise
+            if not admission.allowed:
+                raise Refused(attempt, Refusal(admission.reason or Reason.BAD_REQUEST))
+            if connect:
+                upstream = yield from self._connect(attempt, admission)
+                accepted = self.way.accepted(arrival)
+                if accepted:
+                    yield Send(accepted)  # a client gone by now: the runner closes the upstream
+                self.spliced = True
+                yield Splice(upstream, attempt, self.way.name_required)
+                return False
+            assert arrival.destination is not None
+            go_on = yield from self._forward(attempt, admission, arrival.destination)
+            yield Finish(attempt)
+            self.pending = None
+            return go_on
+        finally:
+            if not self.spliced:
+                self.slot = None
+                run.open_connections -= 1
+
+    def _connect(self, attempt: Attempt, admission: Admission) -> Steps:
+        """The record, then the dial → the upstream; a failure is ``Refused``."""
+        try:
+            yield WriteAhead(attempt, admission.texts[0])
+            return (yield Dial(attempt, admission))
+        except DialError as exc:
+            attempt.extra.setdefault("detail", str(exc))
+            raise Refused(attempt, Refusal(exc.reason)) from None
+
+    # -- HTTP/1 carried: one request forwarded ----------------------------------------------------
+
+    def _forward(self, attempt: Attempt, admission: Admission, destination: Destination) -> Steps:
+        """Forward one request and its response; True when the client connection may carry another.
+
+        The upstream connection is kept for the client's next request to the
+        same host and port when the exchange allows (RFC 9112 §9.3). A kept
+        connection the origin has meanwhile closed is replaced once, for a
+        request without a body (nothing is lost by sending it again).
+        """
+        exchange = self.exchange
+        assert exchange is not None
+        out = exchange.forward(destination)
+        if exchange.interim:
+            yield Send(exchange.interim)
+        key = (admission.host, admission.port)
+        for last_try in (False, True):
+            kept = yield TakeKept(admission)
+            upstream: Upstream
+            if kept is None:
+                upstream = yield from self._connect(attempt, admission)
+                address, reused = attempt.address, False
+            else:
+                address, upstream = kept
+                reused = True
+                try:
+                    yield WriteAhead(attempt, address)  # the record before the request goes out
+                except DialError as exc:  # the runner closes the kept connection with the client
+                    raise Refused(attempt, Refusal(exc.reason)) from None
+            outcome = yield Relay(attempt, exchange, upstream, key, address, out, reused, last_try)
+            if outcome is STALE:
+                continue
+            if isinstance(outcome, Reason):
+                raise Refused(attempt, Refusal(outcome))
+            return bool(outcome)
+        return False
+
+    # -- refusals -----------------------------------------------------------------------------
+
+    def _refuse(self, target: Seen | Attempt, refused: Refusal, answer: bytes | None = THE_WAYS_ANSWER) -> Steps:
+        """Record the refusal, then answer it as the way in does (the client may be gone already)."""
+        reason = refused.reason
+        if isinstance(target, Attempt):
+            target.refuse(reason, refused.detail)
+        data = self.way.answer(self, refused, target) if answer is THE_WAYS_ANSWER else answer
+        if isinstance(target, Attempt):
+            yield Finish(target)
+            if self.pending is target:
+                self.pending = None
+        else:
+            if self.pending is target:
+                self.pending = None
+            yield RecordRefusal(target, reason, refused.detail)
+        if data:
+            try:
+                yield Send(data)
+            except PeerClosed:
+                pass

@@ -1,0 +1,351 @@
+"""Runs one client connection's conversation: executes each command the core yields.
+
+The conversation (``egressd.proxy.core.conversation``) decides everything
+a connection does, in every mode; this is the one place that does it: reads
+and writes on the client (``stream.Peer``), asks the gate (``Gate.admit``),
+writes the ``egress`` record ahead (``Gate.open``), dials (``Gate.dial``),
+relays an HTTP request and its response (as ``exchange`` frames them),
+records, and splices a tunnel (``tunnel``, checked by ``tunnelcheck``).
+
+What a connection holds while it lasts, released once by whoever has it
+last (this runner's task, or the tunnel it was spliced to):
+
+1. the listener's count of open connections (``Metrics.connections_open``);
+2. a slot under its run's cap (the conversation's ``slot``);
+3. the attempt to record when the connection ends (its ``pending``);
+4. an upstream connection: just dialled, or kept for the client's next
+   request to the same host (the HTTP modes), closed with the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Protocol
+
+from egressd.proxy.core.attempt import Admission, Attempt, DialError
+from egressd.proxy.core.commands import (
+    STALE,
+    Admit,
+    Dial,
+    Fill,
+    Finish,
+    PeerClosed,
+    ReadHead,
+    RecordRefusal,
+    Relay,
+    Send,
+    Splice,
+    TakeKept,
+    WriteAhead,
+)
+from egressd.proxy.core.conversation import Conversation
+from egressd.proxy.core.exchange import Exchange
+from egressd.proxy.core.http1 import HttpError, ResponseHead
+from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mode
+from egressd.proxy.core.reasons import Reason
+from egressd.proxy.core.runs import RunRegistry, source_address
+from egressd.proxy.core.ways import WAYS
+from egressd.proxy.net.gate import Gate
+from egressd.proxy.net.stream import GoneCancels, IdleTimeout, Peer
+from egressd.proxy.net.tunnel import Tunnel
+from egressd.proxy.net.tunnelcheck import SniCheck
+
+log = logging.getLogger("egressd.proxy")
+
+# What executing a command may fail with: thrown into the conversation, which decides what it means.
+_FAILURES = (PeerClosed, TimeoutError, DialError, HttpError)
+
+
+class Shared(Protocol):
+    """What the runners of one listener share with it (``listener.Listener``)."""
+
+    gate: Gate
+    runs: RunRegistry
+    limits: ListenerLimits
+    mode: Mode
+    tasks: dict[Peer, asyncio.Task[None]]  # each client's task while it runs
+    tunnels: set[Tunnel]  # the spliced tunnels, which have no task
+    cutting: bool  # the listener is ending what its grace period left open
+
+    def tunnel_ended(self, tunnel: Tunnel) -> None:
+        """A tunnel of this listener ended."""
+        ...
+
+
+class Runner:
+    """One client connection: its conversation, executed (``run``), and what it holds."""
+
+    __slots__ = ("shared", "gate", "client", "talk", "kept", "dialled", "gone", "tunnel", "released")
+
+    def __init__(self, shared: Shared, client: Peer) -> None:
+        self.shared = shared
+        self.gate = shared.gate
+        self.client = client
+        self.talk: Conversation | None = None
+        # The HTTP modes' kept upstream connection: (host and port, the address dialled, the upstream).
+        self.kept: tuple[tuple[str, int], str | None, Peer] | None = None
+        self.dialled: Peer | None = None  # an upstream not yet spliced, kept or closed
+        self.gone: GoneCancels | None = None  # entered around each decision: one per connection
+        self.tunnel: Tunnel | None = None
+        self.released = False
+
+    def hold(self) -> Conversation:
+        """Count the connection open and start its conversation: called first by its task.
+
+        Counted when the task runs, not at the accept, so the cap compares the tasks under way.
+        """
+        shared, gate, client = self.shared, self.gate, self.client
+        gate.metrics.connections_open += 1
+        peer = client.peername or ("", 0)
+        mode = shared.mode
+        talk = self.talk = Conversation(
+            WAYS[mode.reads],
+            mode=mode,
+            limits=shared.limits,
+            runs=shared.runs,
+            metrics=gate.metrics,
+            begin=gate.begin,
+            now=client.loop.time,
+            client=f"{peer[0]}:{peer[1]}",
+            source=source_address(str(peer[0])),
+            buf=client.buf,
+        )
+        return talk
+
+    async def run(self) -> None:
+        """Serve the client until its conversation ends, then release what it holds (unless spliced)."""
+        shared, gate, client = self.shared, self.gate, self.client
+        talk = self.hold()
+        steps = talk.steps()
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    command = steps.send(result) if error is None else steps.throw(error)
+                except StopIteration:
+                    break
+                result = error = None
+                kind = type(command)
+                try:
+                    # The commands by how often they come: the first ones on every request.
+                    if kind is ReadHead:
+                        result = await client.read_head(command.parse, command.deadline)
+                    elif kind is Admit:
+                        result = await self._admit(command)
+                    elif kind is WriteAhead:
+                        gate.open(command.attempt, command.address)
+                    elif kind is Dial:
+                        result = self.dialled = await gate.dial(
+                            command.attempt, command.admission, client.new_peer, client.loop
+                        )
+                    elif kind is Relay:
+                        result = await self._relay(command)
+                    elif kind is TakeKept:
+                        result = self._take_kept(command.admission)
+                    elif kind is Finish:
+                        self.finish(command.attempt)
+                    elif kind is Send:
+                        if client.write(command.data):
+                            await client.drain()
+                    elif kind is Splice:
+                        self._splice(command)
+                    elif kind is Fill:
+                        result = await client.fill(command.deadline)
+                    elif kind is RecordRefusal:
+                        gate.refuse(command.seen, command.reason, command.detail)
+                    else:
+                        raise TypeError(f"not a command: {command!r}")
+                except _FAILURES as exc:
+                    error = exc
+        except PeerClosed:
+            pass
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("connection %s failed", talk.client)
+            seen = talk.failed()
+            if seen is not None:
+                gate.refuse(seen, Reason.BAD_REQUEST)
+        finally:
+            steps.close()  # its cleanups run (the run's slot), whatever stopped it
+            shared.tasks.pop(client, None)
+            self.release()
+
+    def release(self) -> None:
+        """The task is over: release what the connection holds, unless a tunnel has it now."""
+        if self.tunnel is None:
+            self._release()
+
+    def finish(self, attempt: Attempt) -> None:
+        """``gate.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
+        if self.shared.cutting and attempt.opened:
+            attempt.ends(SHUTDOWN_END)
+        self.gate.finish(attempt)
+
+    async def _admit(self, command: Admit) -> Admission:
+        gone = self.gone
+        if gone is None:
+            gone = self.gone = self.client.gone_cancels(on_eof=command.on_eof)
+        else:
+            gone.on_eof = command.on_eof
+        with gone:
+            return await self.gate.admit(command.attempt)
+
+    # -- a tunnel ----------------------------------------------------------------------------
+
+    def _splice(self, command: Splice) -> None:
+        """Hand the connection to a tunnel, which relays both ways from now on and releases it at its end."""
+        limits = self.shared.limits
+        upstream = command.upstream
+        assert isinstance(upstream, Peer)
+        self.dialled = None
+        check = SniCheck(self.gate, command.attempt, limits.max_head_bytes, name_required=command.name_required)
+        tunnel = self.tunnel = Tunnel(
+            self.client,
+            upstream,
+            idle_timeout_s=limits.idle_timeout_s,
+            on_end=self._tunnel_ended,
+            check=check,
+            check_timeout_s=limits.head_timeout_s,
+            loop=self.client.loop,
+        )
+        self.shared.tunnels.add(tunnel)
+        tunnel.start()
+
+    def _tunnel_ended(self, tunnel: Tunnel) -> None:
+        """Everything the connection's task would have done when it finished."""
+        self.shared.tunnel_ended(tunnel)
+        talk = self.talk
+        assert talk is not None
+        attempt = talk.pending
+        assert isinstance(attempt, Attempt)
+        attempt.bytes_up += tunnel.bytes_up
+        attempt.bytes_down += tunnel.bytes_down
+        if tunnel.idle_expired:
+            attempt.ends(IDLE_END)
+        tunnel.upstream.close()
+        self._release()
+
+    def _release(self) -> None:
+        """The connection is over: record what is left, count it closed, close the client and upstreams."""
+        if self.released:
+            return
+        self.released = True
+        talk = self.talk
+        if talk is not None:
+            run, talk.slot = talk.slot, None
+            if run is not None:
+                run.open_connections -= 1
+            pending, talk.pending = talk.pending, None
+            if isinstance(pending, Attempt):
+                self.finish(pending)
+            elif pending is not None:
+                self.gate.refuse(pending, None)
+        self.gate.metrics.connections_open -= 1
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            kept[2].close()
+        dialled, self.dialled = self.dialled, None
+        if dialled is not None:
+            dialled.close()
+        self.client.close()
+
+    # -- HTTP/1 requests ----------------------------------------------------------------------
+
+    def _take_kept(self, admission: Admission) -> tuple[str | None, Peer] | None:
+        kept = self.kept
+        if kept is None:
+            return None
+        self.kept = None
+        key, address, upstream = kept
+        usable = (
+            key == (admission.host, admission.port)
+            and not upstream.closed
+            and not upstream.eof
+            and not upstream.buf  # an unrequested byte means the stream is out of step
+            and address in admission.texts
+        )
+        if usable:
+            self.dialled = upstream
+            return address, upstream
+        upstream.close()
+        return None
+
+    async def _relay(self, command: Relay) -> Any:
+        """One request out and its response back (``commands.Relay`` says what comes of it)."""
+        attempt, exchange, out = command.attempt, command.exchange, command.out
+        upstream = command.upstream
+        assert isinstance(upstream, Peer)
+        client = self.client
+        idle_s = self.shared.limits.idle_timeout_s
+        body = exchange.request_body
+        keep_upstream = False
+        response: ResponseHead | None = None
+        try:
+            try:
+                if upstream.write(out):
+                    await upstream.drain()
+                if body is None:
+                    # The final response head (``exchange`` drops interim 1xx); None: the upstream closed first.
+                    response = await upstream.read_head(exchange.read_response, upstream.loop.time() + idle_s)
+            except PeerClosed:
+                pass
+            if response is None and command.reused and not command.last_try and body is None:
+                return STALE  # a stale kept connection: dial a fresh one
+            attempt.bytes_up += len(out)
+            if body is not None:
+                try:
+                    attempt.bytes_up += await client.relay_body(body, upstream, idle_s=idle_s)
+                except (IdleTimeout, PeerClosed) as exc:
+                    attempt.bytes_up += exc.moved
+                    raise
+            if response is None:
+                response = await upstream.read_head(exchange.read_response, upstream.loop.time() + idle_s)
+            if response is None:
+                raise HttpError(502, "upstream closed without a response")
+            keep_client = await self._relay_response(attempt, exchange, upstream, response)
+            keep_upstream = exchange.keep_upstream
+            return keep_client
+        except HttpError as exc:
+            # The origin sent something we cannot frame safely; stop here.
+            attempt.extra["detail"] = f"bad response from upstream: {exc.detail}"
+            return Reason.UPSTREAM_UNREACHABLE if attempt.bytes_down == 0 else False
+        except TimeoutError as exc:
+            if response is None and not isinstance(exc, IdleTimeout):
+                # The origin took the whole request and began no answer: 504, the client hears why.
+                if body is None:
+                    attempt.bytes_up += len(out)  # sent, and not counted yet
+                return Reason.UPSTREAM_TIMEOUT
+            # A body moved no byte for the idle timeout: both connections close, as an idle tunnel's do.
+            attempt.ends(IDLE_END)
+            return False
+        finally:
+            self.dialled = None
+            if keep_upstream:
+                self.kept = (command.key, command.address, upstream)
+            else:
+                upstream.close()
+
+    async def _relay_response(
+        self, attempt: Attempt, exchange: Exchange, upstream: Peer, response: ResponseHead
+    ) -> bool:
+        """Send the response on, as ``exchange`` framed it; True when the client may send another request."""
+        client = self.client
+        attempt.extra["status"] = response.status
+        out = exchange.response_out
+        attempt.bytes_down += len(out)
+        body = exchange.response_body
+        idle_s = self.shared.limits.idle_timeout_s
+        try:
+            if body is None:
+                if client.write(out):
+                    await client.drain(client.loop.time() + idle_s)
+            else:
+                # The head and the body bytes already here go out in one write.
+                attempt.bytes_down += await upstream.relay_body(body, client, head=out, idle_s=idle_s)
+        except (IdleTimeout, PeerClosed) as exc:
+            attempt.bytes_down += exc.moved  # what reached the client counts, cut short or not
+            raise
+        return exchange.finish()
