@@ -24,8 +24,9 @@ from egressd.approvals.slack import abandoned_blocks, fallback_text
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.commands.approvals import _print_pending
 from egressd.cli.wiring.service import EgressService
+from egressd.proxy.core.commands import PeerClosed
 from egressd.proxy.core.policy import Verdict
-from egressd.proxy.net.stream import Peer, PeerClosed
+from egressd.proxy.net.stream import Peer
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes import hellos
 from tests.fakes.slack import FakeSlack, limit_problems

@@ -19,8 +19,8 @@ from egressd.proxy.core.modes import EXPLICIT, ListenerLimits
 from egressd.proxy.core.runs import Run, RunRegistry
 from egressd.proxy.net.gate import Gate
 from egressd.proxy.net.listener import Listener
-from egressd.proxy.net.runner import Runner
 from egressd.proxy.net.resolver import SystemResolver
+from egressd.proxy.net.runner import Runner
 from egressd.proxy.net.stream import Peer
 
 

@@ -10,7 +10,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from egressd.proxy.net.stream import HIGH_WATER, Peer, PeerClosed
+from egressd.proxy.core.commands import PeerClosed
+from egressd.proxy.net.stream import HIGH_WATER, Peer
 
 HEAD_END = b"\n\n"
 

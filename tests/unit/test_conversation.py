@@ -1,0 +1,441 @@
+"""Playbooks for the connection core: every mode's conversation driven by hand, no socket anywhere.
+
+Each test plays the network shell: it feeds the client's bytes, answers
+each command the conversation yields (or throws the failure into it) and
+reads the commands back in order. What they hold: the ``egress`` record is
+written (``WriteAhead``) before any dial, every refusal of every mode is
+recorded and answered the way its mode answers, and nothing is dialled for
+a request that was refused.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import struct
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from egressd.audit.records import EgressKind
+from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
+from egressd.proxy.core.commands import (
+    STALE,
+    Admit,
+    Dial,
+    Fill,
+    Finish,
+    PeerClosed,
+    ReadHead,
+    RecordRefusal,
+    Relay,
+    Send,
+    Splice,
+    TakeKept,
+    WriteAhead,
+)
+from egressd.proxy.core.conversation import Conversation
+from egressd.proxy.core.metrics import Metrics
+from egressd.proxy.core.modes import (
+    EXPLICIT,
+    GONE_DETAIL,
+    SOCKS,
+    ListenerLimits,
+    Mode,
+    transparent_http,
+    transparent_tls,
+)
+from egressd.proxy.core.reasons import Reason
+from egressd.proxy.core.responses import CONNECT_ESTABLISHED, tls_refusal
+from egressd.proxy.core.runs import Run, RunRegistry
+from egressd.proxy.core.socks5 import SocksReply, reply
+from egressd.proxy.core.ways import WAYS
+from tests.fakes.hellos import client_hello, ech_extension
+
+ORIGIN = "127.0.0.2"
+SOURCE = ipaddress.ip_address("127.0.0.1")
+
+
+class Upstream:
+    """What a dial gives back: a handle the conversation only passes on."""
+
+    closed = False
+    eof = False
+    buf = b""
+
+
+class Playbook:
+    """One conversation and the shell's side of it: the commands seen, the answers given."""
+
+    def __init__(self, mode: Mode, *, limits: ListenerLimits | None = None, open_connections: int = 1,
+                 anonymous: bool = True, run_cap_reached: bool = False) -> None:
+        self.run = Run(id="r-1", token="t", task=None, allow=(), deny=())
+        if run_cap_reached:
+            self.run.open_connections = (limits or ListenerLimits()).max_connections_per_run
+        self.metrics = Metrics()
+        self.metrics.connections_open = open_connections
+        self.buf = bytearray()
+        self.ids = iter(range(1, 1000))
+        self.talk = Conversation(
+            WAYS[mode.reads],
+            mode=mode,
+            limits=limits or ListenerLimits(),
+            # anonymous: the source address finds the run (else its credentials must be sent)
+            runs=RunRegistry(default=self.run) if anonymous else RunRegistry(),
+            metrics=self.metrics,
+            begin=self._begin,
+            now=lambda: 100.0,
+            client="127.0.0.1:5555",
+            source=SOURCE,
+            buf=self.buf,
+        )
+        self.steps = self.talk.steps()
+        self.seen: list[Any] = []
+        self.over = False
+        self._next(lambda: next(self.steps))
+
+    def _begin(self, kind: EgressKind, client: str | None, port: int | None) -> Seen:
+        return Seen(id=f"req-{next(self.ids)}", kind=kind, client=client, ts=1.0, started=0.0, port=port)
+
+    def _next(self, step: Any) -> None:
+        try:
+            self.seen.append(step())
+        except StopIteration:
+            self.over = True
+
+    @property
+    def command(self) -> Any:
+        assert not self.over, "the conversation is over"
+        return self.seen[-1]
+
+    def give(self, result: Any = None) -> Any:
+        """Answer the current command with ``result``; the next command."""
+        self._next(lambda: self.steps.send(result))
+        return None if self.over else self.command
+
+    def fail(self, exc: BaseException) -> Any:
+        """The current command failed with ``exc``; the next command."""
+        self._next(lambda: self.steps.throw(exc))
+        return None if self.over else self.command
+
+    def client_sends(self, data: bytes) -> Any:
+        """The client's bytes arrive for the ``ReadHead`` or ``Fill`` under way; the next command."""
+        self.buf += data
+        command = self.command
+        if isinstance(command, ReadHead):
+            head, used = command.parse(self.buf, False)
+            del self.buf[:used]
+            assert head is not None, "a whole head was sent"
+            return self.give(head)
+        assert isinstance(command, Fill)
+        return self.give(True)
+
+    def kinds(self) -> list[type]:
+        return [type(command) for command in self.seen]
+
+    def until(self, kind: type) -> Any:
+        """Answer every command with None until one of ``kind`` comes."""
+        while not isinstance(self.command, kind):
+            self.give(None)
+        return self.command
+
+
+def allowed(attempt: Attempt) -> Admission:
+    assert attempt.host is not None and attempt.port is not None
+    return Admission(None, attempt.host, attempt.port, (ipaddress.ip_address(ORIGIN),), (ORIGIN,))
+
+
+def refused(attempt: Attempt, reason: Reason) -> Admission:
+    assert attempt.host is not None and attempt.port is not None
+    return Admission(reason, attempt.host, attempt.port)
+
+
+# -- the record before the dial, in every mode ---------------------------------------------------
+
+
+def _connect_request(play: Playbook) -> Admit:
+    return play.client_sends(b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\n")
+
+
+def _socks_request(play: Playbook, name: bytes = b"a.test", command: int = 1) -> Any:
+    assert play.client_sends(b"\x05\x01\x00") == Send(b"\x05\x00")  # no authentication: the source's run
+    play.give(None)
+    request = b"\x05" + bytes([command]) + b"\x00\x03" + bytes([len(name)]) + name + struct.pack("!H", 443)
+    return play.client_sends(request)
+
+
+ARRIVALS = {
+    "proxy": (EXPLICIT, _connect_request, CONNECT_ESTABLISHED),
+    "tls": (transparent_tls(), lambda play: play.client_sends(client_hello("a.test")), None),
+    "socks": (SOCKS, _socks_request, reply(SocksReply.SUCCEEDED)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARRIVALS))
+def test_every_mode_writes_the_record_before_the_dial_and_splices_after_the_answer(name: str) -> None:
+    mode, arrive, accepted = ARRIVALS[name]
+    play = Playbook(mode)
+    admit = arrive(play)
+    assert isinstance(admit, Admit) and admit.on_eof  # a tunnel's client going away stops the wait
+    assert admit.attempt.host == "a.test" and admit.attempt.port == 443 and admit.attempt.run is play.run
+    assert play.run.open_connections == 1  # the request counts against its run's cap
+    write = play.give(allowed(admit.attempt))
+    assert write == WriteAhead(admit.attempt, ORIGIN)
+    dial = play.give(None)
+    assert isinstance(dial, Dial) and dial.attempt is admit.attempt
+    upstream = Upstream()
+    after_dial = play.give(upstream)
+    if accepted is not None:
+        assert after_dial == Send(accepted)
+        after_dial = play.give(None)
+    assert after_dial == Splice(upstream, admit.attempt, name_required=name == "tls")
+    assert play.give(None) is None and play.over
+    kinds = play.kinds()
+    assert kinds.index(WriteAhead) < kinds.index(Dial) < kinds.index(Splice)
+    # The tunnel has the slot and the attempt now: the runner releases them at its end.
+    assert play.talk.spliced and play.talk.slot is play.run and play.talk.pending is admit.attempt
+    assert play.run.open_connections == 1
+
+
+@pytest.mark.parametrize("name", sorted(ARRIVALS))
+def test_an_unwritable_record_means_no_dial_in_any_mode(name: str) -> None:
+    mode, arrive, _ = ARRIVALS[name]
+    play = Playbook(mode)
+    admit = arrive(play)
+    play.give(allowed(admit.attempt))
+    after = play.fail(DialError(Reason.AUDIT_UNAVAILABLE, "disk full"))
+    assert after == Finish(admit.attempt)
+    assert admit.attempt.reason == "audit_unavailable"
+    assert Dial not in play.kinds()
+    play.until(Send)
+    assert play.give(None) is None
+    assert play.run.open_connections == 0
+
+
+@pytest.mark.parametrize("name", sorted(ARRIVALS))
+def test_a_client_gone_while_held_ends_the_conversation_with_nothing_dialled(name: str) -> None:
+    mode, arrive, _ = ARRIVALS[name]
+    play = Playbook(mode)
+    admit = arrive(play)
+    with pytest.raises(PeerClosed):
+        play.fail(PeerClosed("gone"))
+    assert admit.attempt.extra["detail"] == GONE_DETAIL
+    assert play.talk.pending is admit.attempt  # recorded by the runner as the connection ends
+    assert play.run.open_connections == 0 and WriteAhead not in play.kinds()
+
+
+# -- refusals: recorded, then answered the way the mode answers ---------------------------------
+
+
+def _refusal_bytes(play: Playbook) -> bytes | None:
+    sends = [command.data for command in play.seen if isinstance(command, Send)]
+    return sends[-1] if sends else None
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("proxy", lambda data: data.startswith(b"HTTP/1.1 403 ") and b"X-Egress-Reason: denied" in data),
+        ("tls", lambda data: data == tls_refusal(Reason.DENIED)),
+        ("socks", lambda data: data == reply(SocksReply.NOT_ALLOWED)),
+    ],
+)
+def test_a_denial_is_finished_then_answered_in_the_modes_own_terms(name: str, expected: Any) -> None:
+    mode, arrive, _ = ARRIVALS[name]
+    play = Playbook(mode)
+    admit = arrive(play)
+    assert play.give(refused(admit.attempt, Reason.DENIED)) == Finish(admit.attempt)
+    assert admit.attempt.reason == "denied"
+    data = play.give(None).data
+    assert expected(data)
+    assert play.give(None) is None
+    assert WriteAhead not in play.kinds() and Dial not in play.kinds()
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("proxy", lambda data: data.startswith(b"HTTP/1.1 502 ")),
+        ("tls", lambda data: data == tls_refusal(Reason.UPSTREAM_UNREACHABLE)),
+        ("socks", lambda data: data == reply(SocksReply.CONNECTION_REFUSED)),
+    ],
+)
+def test_a_failed_dial_is_recorded_with_its_detail_and_answered(name: str, expected: Any) -> None:
+    mode, arrive, _ = ARRIVALS[name]
+    play = Playbook(mode)
+    admit = arrive(play)
+    play.give(allowed(admit.attempt))
+    play.give(None)  # the record ahead
+    assert play.fail(DialError(Reason.UPSTREAM_UNREACHABLE, "refused")) == Finish(admit.attempt)
+    assert admit.attempt.extra["detail"] == "refused"
+    assert expected(play.give(None).data)
+
+
+def test_http_a_bad_head_is_recorded_before_the_policy_and_answered_400() -> None:
+    play = Playbook(EXPLICIT)
+    play.buf += b"GET / HTTP/1.1\r\nHost: a.test\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n"
+    command = play.command
+    assert isinstance(command, ReadHead)
+    with pytest.raises(Exception) as error:
+        command.parse(play.buf, False)
+    record = play.fail(error.value)
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.BAD_REQUEST
+    assert play.give(None).data.startswith(b"HTTP/1.1 400 ")
+
+
+def test_http_a_slow_head_is_408_but_an_idle_keep_alive_connection_just_ends() -> None:
+    play = Playbook(EXPLICIT)
+    record = play.fail(TimeoutError())
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.LIMIT_EXCEEDED
+    assert play.give(None).data.startswith(b"HTTP/1.1 408 ")
+    # The second request of a keep-alive connection that never comes is no attempt.
+    play = Playbook(EXPLICIT)
+    play.talk.first = False
+    assert play.fail(TimeoutError()) is None and play.over
+    assert RecordRefusal not in play.kinds()
+
+
+def test_http_without_credentials_where_runs_need_them_is_407() -> None:
+    play = Playbook(EXPLICIT, anonymous=False)  # every request needs its run's credentials
+    record = _connect_request(play)
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.AUTH_REQUIRED
+    assert record.seen.kind is EgressKind.CONNECT and record.seen.host == "a.test"
+    assert play.give(None).data.startswith(b"HTTP/1.1 407 ")
+
+
+def test_http_the_transparent_host_listener_refuses_plainly_403() -> None:
+    play = Playbook(transparent_http(), anonymous=False)
+    record = play.client_sends(b"GET / HTTP/1.1\r\nHost: a.test\r\n\r\n")
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.AUTH_REQUIRED
+    assert play.give(None).data.startswith(b"HTTP/1.1 403 ")  # 407 would ask for credentials it cannot send
+
+
+@pytest.mark.parametrize("name", sorted(ARRIVALS))
+def test_a_listener_over_its_connection_cap_sheds_before_reading(name: str) -> None:
+    mode, _, _ = ARRIVALS[name]
+    play = Playbook(mode, limits=ListenerLimits(max_connections=1), open_connections=2)
+    record = play.command
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.LIMIT_EXCEEDED
+    after = play.give(None)
+    if name == "proxy":
+        assert after.data.startswith(b"HTTP/1.1 429 ") and b"Retry-After: 1" in after.data
+    else:
+        assert after is None  # TLS and SOCKS: shed before the client spoke, so no answer
+    assert ReadHead not in play.kinds() and Fill not in play.kinds()
+
+
+@pytest.mark.parametrize("name", sorted(ARRIVALS))
+def test_a_run_at_its_cap_is_refused_without_asking(name: str) -> None:
+    mode, arrive, _ = ARRIVALS[name]
+    play = Playbook(mode, limits=ListenerLimits(max_connections_per_run=1), run_cap_reached=True)
+    record = arrive(play)
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.LIMIT_EXCEEDED
+    assert Admit not in play.kinds()
+
+
+def test_tls_not_tls_is_closed_silently_and_ech_is_refused_as_a_mismatch() -> None:
+    play = Playbook(transparent_tls())
+    record = play.client_sends(b"GET / HTTP/1.1\r\n\r\n")
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.BAD_REQUEST
+    assert play.give(None) is None  # no TLS was spoken: no alert
+    play = Playbook(transparent_tls())
+    record = play.client_sends(client_hello("cover.test", extra=[ech_extension()]))
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.SNI_MISMATCH
+    assert record.seen.host == "cover.test" and record.seen.run is play.run
+    assert play.give(None) == Send(tls_refusal(Reason.SNI_MISMATCH))
+    assert Admit not in play.kinds()
+
+
+def test_tls_a_hello_without_a_name_is_refused_with_missing_extension() -> None:
+    play = Playbook(transparent_tls())
+    record = play.client_sends(client_hello(None))
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.BAD_REQUEST
+    alert = play.give(None).data
+    assert alert[0] == 21 and alert[-1] == 109  # a fatal alert: missing_extension
+
+
+def test_socks_bind_is_refused_with_command_not_supported() -> None:
+    play = Playbook(SOCKS)
+    record = _socks_request(play, command=2)
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.BAD_REQUEST
+    assert play.give(None) == Send(reply(SocksReply.COMMAND_NOT_SUPPORTED))
+
+
+def test_socks_without_a_run_for_the_source_offers_no_acceptable_method() -> None:
+    play = Playbook(SOCKS, anonymous=False)
+    record = play.client_sends(b"\x05\x01\x00")
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.AUTH_REQUIRED
+    assert play.give(None) == Send(b"\x05\xff")
+
+
+def test_socks_wrong_credentials_get_status_1() -> None:
+    play = Playbook(SOCKS, anonymous=False)
+    assert play.client_sends(b"\x05\x01\x02") == Send(b"\x05\x02")
+    play.give(None)
+    record = play.client_sends(b"\x01\x03r-1\x05wrong")
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.AUTH_REQUIRED
+    assert play.give(None) == Send(b"\x01\x01")
+
+
+# -- HTTP/1 carried: requests forwarded one by one ------------------------------------------------
+
+
+def _get(play: Playbook, path: bytes = b"/") -> Admit:
+    return play.client_sends(b"GET http://a.test" + path + b" HTTP/1.1\r\nHost: a.test\r\n\r\n")
+
+
+def test_http_forwarding_records_before_dialling_then_relays_and_takes_the_next_request() -> None:
+    play = Playbook(EXPLICIT)
+    admit = _get(play)
+    assert not admit.on_eof  # a plain HTTP client may half-close after its request and still read
+    assert play.give(allowed(admit.attempt)) == TakeKept(allowed(admit.attempt))
+    assert play.give(None) == WriteAhead(admit.attempt, ORIGIN)
+    assert isinstance(play.give(None), Dial)
+    upstream = Upstream()
+    relay = play.give(upstream)
+    assert isinstance(relay, Relay) and relay.upstream is upstream and not relay.reused
+    assert relay.out.startswith(b"GET / HTTP/1.1\r\n")
+    assert play.give(True) == Finish(admit.attempt)
+    assert isinstance(play.give(None), ReadHead)  # keep-alive: the next request
+    assert play.run.open_connections == 0 and play.talk.pending is None
+
+
+def test_http_a_stale_kept_connection_is_replaced_once_and_recorded_once() -> None:
+    play = Playbook(EXPLICIT)
+    admit = _get(play)
+    play.give(allowed(admit.attempt))
+    kept = Upstream()
+    assert play.give((ORIGIN, kept)) == WriteAhead(admit.attempt, ORIGIN)
+    relay = play.give(None)
+    assert relay.reused and not relay.last_try
+    assert isinstance(play.give(STALE), TakeKept)
+    assert play.give(None) == WriteAhead(admit.attempt, ORIGIN)
+    assert isinstance(play.give(None), Dial)
+    relay = play.give(Upstream())
+    assert not relay.reused and relay.last_try
+
+
+def test_http_an_upstream_that_takes_the_request_and_never_answers_is_504() -> None:
+    play = Playbook(EXPLICIT)
+    admit = _get(play)
+    play.give(allowed(admit.attempt))
+    play.until(Relay)
+    assert play.give(Reason.UPSTREAM_TIMEOUT) == Finish(admit.attempt)
+    assert play.give(None).data.startswith(b"HTTP/1.1 504 ")
+    assert play.give(None) is None  # a refusal ends the connection
+
+
+def test_a_bug_in_the_conversation_leaves_what_it_saw_to_record_as_a_bad_request() -> None:
+    play = Playbook(transparent_tls())
+    seen = play.talk.pending
+    assert isinstance(seen, Seen)
+    assert play.talk.failed() is seen and play.talk.pending is None
+
+
+def _all_commands() -> Iterator[type]:
+    yield from (Admit, Dial, Fill, Finish, ReadHead, RecordRefusal, Relay, Send, Splice, TakeKept, WriteAhead)
+
+
+def test_every_command_is_a_value() -> None:
+    for kind in _all_commands():
+        assert hasattr(kind, "_fields"), kind  # a NamedTuple: compared and shown by value in these playbooks
