@@ -334,21 +334,19 @@ def serve_egressd(port: int, audit_path: str) -> None:
     sys.path.insert(0, str(ROOT))
     from ipaddress import IPv4Address
 
-    from egressd.approvals.deny import NoApprover
     from egressd.audit.log import JsonlAuditSink
     from egressd.proxy.core.metrics import Metrics
     from egressd.proxy.core.policy import parse_entry
     from egressd.proxy.core.runs import DEFAULT_RUN_ID, Run, RunRegistry
     from egressd.proxy.net.dnsserver import DnsServer
-    from egressd.proxy.net.gate import Gate
-    from egressd.proxy.net.resolver import SystemResolver
+    from egressd.proxy.net.recorder import Recorder
 
     async def main() -> None:
         sink = JsonlAuditSink(Path(audit_path))
-        gate = Gate(resolver=SystemResolver(), approver=NoApprover(), audit=sink, metrics=Metrics())
+        recorder = Recorder(audit=sink, metrics=Metrics())
         run = Run(id=DEFAULT_RUN_ID, token="-", task=None, allow=(parse_entry("pypi.org"),), deny=())
         server = DnsServer(
-            gate=gate,
+            recorder=recorder,
             runs=RunRegistry(default=run),
             answer4=IPv4Address("127.0.0.1"),
             rate_qps=1e9,

@@ -38,6 +38,7 @@ from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.config.settings import Settings, default_state_dir, parse_hostport
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
+from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, SOCKS, ListenerLimits, transparent_http, transparent_tls
@@ -52,10 +53,12 @@ from egressd.proxy.core.runs import (
     new_control_token,
 )
 from egressd.proxy.net.control import PUBLIC_PATHS, build_app
+from egressd.proxy.net.dialer import Dialer, bound_locally
 from egressd.proxy.net.dnsserver import DnsServer
-from egressd.proxy.net.gate import Gate
 from egressd.proxy.net.listener import Listener
+from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
+from egressd.proxy.net.runner import EgressPath
 
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
 
@@ -265,7 +268,7 @@ class EgressService:
         self._audit = audit
         self._own_audit: JsonlAuditSink | None = None  # the file sink this service opened (SIGUSR1 reopens it)
         self.runs: RunRegistry | None = None
-        self.gate: Gate | None = None
+        self.path: EgressPath | None = None  # what every connection goes through (recorder, dialer, ...)
         self.proxy: Listener | None = None
         self.dns: DnsServer | None = None
         self.transparent_tls: Listener | None = None
@@ -348,7 +351,7 @@ class EgressService:
         not decided again. Logs one line and writes one ``policy.reloaded``
         record either way.
         """
-        assert self.gate is not None and self.runs is not None
+        assert self.path is not None and self.runs is not None
         old = self.settings
         try:
             # The allow file read is the one named at start (a new path needs a restart).
@@ -377,7 +380,7 @@ class EgressService:
             live = default.reconfigure(allow, deny)
         self.runs.set_global_deny(deny)
         if "allow_private" in changed:
-            self.gate.set_allow_private(settings.allow_private_networks)
+            self.path.screen.set_allow_private(settings.allow_private_networks)
         self.settings = old.model_copy(update={name: getattr(settings, name) for name in LIVE_SETTINGS})
 
         if needs_restart:
@@ -451,15 +454,14 @@ class EgressService:
                     raise StartupError(str(exc)) from None
 
         listen_host, listen_port = s.listen_address
-        self.gate = Gate(
-            resolver=resolver,
+        self.path = EgressPath(
+            recorder=Recorder(
+                audit=audit, metrics=Metrics(), refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
+            ),
+            dialer=Dialer(connect_timeout_s=s.connect_timeout_s),
             approver=approver,
-            audit=audit,
-            metrics=Metrics(),
-            allow_private=s.allow_private_networks,
-            own=own_endpoints(s),
-            connect_timeout_s=s.connect_timeout_s,
-            refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s),
+            resolver=resolver,
+            screen=Screen(allow_private=s.allow_private_networks, own=own_endpoints(s), is_local=bound_locally),
         )
         default = None
         if not s.require_auth:
@@ -482,7 +484,7 @@ class EgressService:
             max_connections=s.max_connections,
             max_connections_per_run=s.max_connections_per_run,
         )
-        self.proxy = Listener(gate=self.gate, runs=self.runs, limits=limits, mode=EXPLICIT)
+        self.proxy = Listener(path=self.path, runs=self.runs, limits=limits, mode=EXPLICIT)
         try:
             await self.proxy.start(listen_host, listen_port)
         except OSError as exc:
@@ -509,25 +511,27 @@ class EgressService:
         """Learn mode: say on stderr, every ``learn_notice_interval_s``, that egress is open (until close)."""
         while True:
             await asyncio.sleep(self.learn_notice_interval_s)
-            learned = self.gate.metrics.learned if self.gate is not None else 0
+            learned = self.path.recorder.metrics.learned if self.path is not None else 0
             print(learn_notice(learned), file=sys.stderr, flush=True)
 
     async def _start_transparent(self, limits: ListenerLimits) -> None:
         """The transparent SNI and Host listeners, the SOCKS5 listener and the DNS server, each when set."""
         s = self.settings
-        assert self.gate is not None and self.runs is not None
+        assert self.path is not None and self.runs is not None
         if s.transparent_tls is not None:
-            self.transparent_tls = Listener(gate=self.gate, runs=self.runs, limits=limits, mode=transparent_tls())
+            self.transparent_tls = Listener(path=self.path, runs=self.runs, limits=limits, mode=transparent_tls())
             await self._listen(self.transparent_tls, "transparent_tls", s.transparent_tls)
         if s.transparent_http is not None:
-            self.transparent_http = Listener(gate=self.gate, runs=self.runs, limits=limits, mode=transparent_http())
+            self.transparent_http = Listener(path=self.path, runs=self.runs, limits=limits, mode=transparent_http())
             await self._listen(self.transparent_http, "transparent_http", s.transparent_http)
         if s.socks is not None:
-            self.socks = Listener(gate=self.gate, runs=self.runs, limits=limits, mode=SOCKS)
+            self.socks = Listener(path=self.path, runs=self.runs, limits=limits, mode=SOCKS)
             await self._listen(self.socks, "socks", s.socks)
         if s.dns_listen is not None:
             answer4, answer6 = dns_answers(s)
-            self.dns = DnsServer(gate=self.gate, runs=self.runs, answer4=answer4, answer6=answer6, strict=s.dns_strict)
+            self.dns = DnsServer(
+                recorder=self.path.recorder, runs=self.runs, answer4=answer4, answer6=answer6, strict=s.dns_strict
+            )
             await self._listen(self.dns, "dns_listen", s.dns_listen)
 
     async def _listen(self, server: Listener | DnsServer, setting: str, value: str) -> None:
@@ -540,13 +544,13 @@ class EgressService:
 
     def _listening(self, setting: str, port: int) -> None:
         """A listener is bound: its endpoint joins egressd's own before anything is dialled to it."""
-        assert self.gate is not None
+        assert self.path is not None
         self._bound[setting] = port
-        self.gate.own = own_endpoints(self.settings, self._bound)
+        self.path.screen.own = own_endpoints(self.settings, self._bound)
 
     async def _start_control(self) -> None:
         s = self.settings
-        assert self.gate is not None and self.runs is not None
+        assert self.path is not None and self.runs is not None
         if s.control_token is not None:
             self.control_token = s.control_token.get_secret_value()
         else:
@@ -560,12 +564,19 @@ class EgressService:
                 raise StartupError(f"bad setting control: cannot write the token file {path}: {exc.strerror}") from None
             except TokenFileError as exc:
                 raise StartupError(f"bad setting control: cannot write the token file {path}: {exc}") from None
-        app = build_app(gate=self.gate, runs=self.runs, proxy_address=self.proxy_address, token=self.control_token)
+        egress = self.path
+        app = build_app(
+            recorder=egress.recorder,
+            screen=egress.screen,
+            runs=self.runs,
+            proxy_address=self.proxy_address,
+            token=self.control_token,
+        )
         pages: list[str] = []  # the approvals page's own random path, printed with its URL
-        if isinstance(self.gate.approver, ManagedApprover):
+        if isinstance(self.path.approver, ManagedApprover):
             # /approvals for `egressd pending|allow|deny`; the webhook callback and
             # Slack's interactivity endpoint are public: their signature is the credential.
-            for route in self.gate.approver.routes():
+            for route in self.path.approver.routes():
                 app.router.add_route(route.method, route.path, route.handler)
                 if route.public:
                     app[PUBLIC_PATHS].add(route.path)
@@ -604,9 +615,9 @@ class EgressService:
             raise StartupError(f"bad setting control: cannot listen on {s.control}: {exc.strerror}") from None
 
     def _write_run_record(self, record: dict[str, object]) -> None:
-        assert self.gate is not None
+        assert self.path is not None
         with contextlib.suppress(AuditError):
-            self.gate.audit.write(record)
+            self.path.recorder.audit.write(record)
 
     async def close(self, grace_s: float | None = None) -> None:
         """Stop accepting, let tunnels finish within the grace period, flush the log."""
@@ -631,13 +642,13 @@ class EgressService:
         if self._control_runner is not None:
             await self._control_runner.cleanup()
             self._control_runner = None
-        if self.gate is not None:
-            self.gate.flush_suppressed(every=True)  # refusals counted but not yet summarised
-        if self.runs is not None and self.runs.default is not None and self.gate is not None:
+        if self.path is not None:
+            self.path.recorder.flush_suppressed(every=True)  # refusals counted but not yet summarised
+        if self.runs is not None and self.runs.default is not None and self.path is not None:
             self._write_run_record(run_record("run.end", ts=time.time(), run=self.runs.default.id))
             self.runs = None
-        if self.gate is not None:
+        if self.path is not None:
             # What the last loop iteration queued (a sink the caller gave is not closed here).
             with contextlib.suppress(AuditError):
-                self.gate.audit.flush()
+                self.path.recorder.audit.flush()
         await self._stack.aclose()

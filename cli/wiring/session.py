@@ -291,7 +291,7 @@ class SandboxSession(SessionBase[BwrapSandbox]):
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGUSR1, self.service.reopen_audit)
         stack.callback(loop.remove_signal_handler, signal.SIGUSR1)
-        assert self.service.runs is not None and self.service.gate is not None
+        assert self.service.runs is not None and self.service.path is not None
         run = self.service.runs.create(task=self.task, allow=allow, deny=deny, ask=self.settings.ask,
                                        sources=[self.network.plan.sandbox_ip])
         self.run = run
@@ -320,9 +320,9 @@ class SandboxSession(SessionBase[BwrapSandbox]):
         stack.push_async_callback(self._box.destroy)
 
     def _audit(self, record: dict[str, object]) -> None:
-        assert self.service is not None and self.service.gate is not None
+        assert self.service is not None and self.service.path is not None
         with contextlib.suppress(Exception):
-            self.service.gate.audit.write(record)
+            self.service.path.recorder.audit.write(record)
 
     def _end_run(self) -> None:
         if self.service is None or self.run is None or self.service.runs is None:
@@ -357,8 +357,8 @@ class SandboxSession(SessionBase[BwrapSandbox]):
 
     def observe(self, callback: Callable[[EgressSeen], None]) -> None:
         """Call ``callback`` with every egress record of this run as it is written."""
-        assert self.service is not None and self.service.gate is not None and self.run is not None
+        assert self.service is not None and self.service.path is not None and self.run is not None
         run_id = self.run.id
-        self.service.gate.observers.append(
+        self.service.path.recorder.observers.append(
             lambda record: callback(EgressSeen.of(record)) if record.get("run") == run_id else None
         )

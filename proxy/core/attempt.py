@@ -90,6 +90,7 @@ class Attempt:
     message: str | None = None
     extra: dict[str, object] = field(default_factory=dict)
     decided: bool = False
+    counted: bool = False  # in the metrics and the decision log (``Recorder``), once
     # Its ``egress`` record, written ahead (``Gate.open``): what ends it is an ``egress.end`` record.
     ahead: EgressDecided | None = None
     # That fact's record as written, kept so the end folds into it without serialising it again.

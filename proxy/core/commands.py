@@ -10,12 +10,16 @@ by hand. Deadlines are instants on the connection's one clock (the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import Any, NamedTuple, Protocol
 
+from egressd.approvals.interface import ApprovalRequest
 from egressd.proxy.core.attempt import Admission, Attempt, Seen
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.reasons import Reason
+
+# A conversation's steps, or a layer of them (``yield from``): yields commands, is sent their results.
+Steps = Generator[Any, Any, Any]
 
 
 class PeerClosed(Exception):
@@ -62,13 +66,22 @@ class Send(NamedTuple):
 # -- deciding, recording, dialling ---------------------------------------------------------------
 
 
-class Admit(NamedTuple):
-    """The gate's decision on ``attempt`` (asking a person if the policy says so) → an ``Admission``.
+class Ask(NamedTuple):
+    """Hold the request while the approver asks a person → the ``ApprovalOutcome``.
 
-    The client going away meanwhile (closed, or its FIN when ``on_eof``) stops the wait: PeerClosed.
+    An approver that fails has denied (``no_approver``). The client going
+    away meanwhile (closed, or its FIN when ``on_eof``) stops the wait: PeerClosed.
     """
 
-    attempt: Attempt
+    request: ApprovalRequest
+    on_eof: bool
+
+
+class Resolve(NamedTuple):
+    """The addresses ``host`` resolves to → a sequence of addresses; ResolveError. The client going
+    away stops it as it stops ``Ask``."""
+
+    host: str
     on_eof: bool
 
 

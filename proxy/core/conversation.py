@@ -7,8 +7,8 @@ carry → record. Layers stack on it:
    handshake) finds the destination and the run's credentials, and says how
    a refusal is heard (an HTTP answer, a TLS alert, a SOCKS reply) and what
    the client is told once the upstream is connected;
-2. the decision, the same for all: the run attributed, its cap, the gate's
-   decision (``Admit``), the ``egress`` record written (``WriteAhead``)
+2. the decision, the same for all: the run attributed, its cap, the
+   decision (``decision``: ``Ask``, ``Resolve``), the ``egress`` record written (``WriteAhead``)
    before the dial (``Dial``) and never after;
 3. what the connection carries: opaque bytes or TLS (``Splice``, the
    client's ClientHellos and plain HTTP checked against the decided name),
@@ -24,7 +24,7 @@ gone, egressd stopping) is ``pending``; the run's slot it holds is ``slot``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from typing import Any, Final, Protocol
 
 from egressd.audit.records import EgressKind
@@ -32,7 +32,6 @@ from egressd.names.addresses import IPAddress
 from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
 from egressd.proxy.core.commands import (
     STALE,
-    Admit,
     Dial,
     Finish,
     PeerClosed,
@@ -40,19 +39,18 @@ from egressd.proxy.core.commands import (
     Relay,
     Send,
     Splice,
+    Steps,
     TakeKept,
     Upstream,
     WriteAhead,
 )
+from egressd.proxy.core.decision import Screen, decide
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1 import Destination
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import GONE_DETAIL, ListenerLimits, Mode, Refusal, run_at_cap, too_many_connections
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run, RunRegistry
-
-Steps = Generator[Any, Any, Any]  # yields commands, is sent their results
-
 
 # ``Refused.answer``'s default: the way in renders the refusal (``Way.answer``).
 THE_WAYS_ANSWER: Final[Any] = object()
@@ -117,8 +115,8 @@ class Way(Protocol):
 class Conversation:
     """One client connection's state, and its steps (``steps``)."""
 
-    __slots__ = ("way", "mode", "limits", "runs", "metrics", "begin", "now", "client", "source", "buf",
-                 "pending", "slot", "spliced", "first", "holder", "exchange")
+    __slots__ = ("way", "mode", "limits", "runs", "metrics", "screen", "healthy", "begin", "now", "client",
+                 "source", "buf", "pending", "slot", "spliced", "first", "holder", "exchange")
 
     def __init__(
         self,
@@ -128,6 +126,8 @@ class Conversation:
         limits: ListenerLimits,
         runs: RunRegistry,
         metrics: Metrics,
+        screen: Screen,
+        healthy: Callable[[], bool],
         begin: Callable[[EgressKind, str | None, int | None], Seen],
         now: Callable[[], float],
         client: str,
@@ -139,6 +139,8 @@ class Conversation:
         self.limits = limits
         self.runs = runs
         self.metrics = metrics
+        self.screen = screen  # which resolved addresses may be dialled
+        self.healthy = healthy  # whether the audit log can be written
         self.begin = begin  # a new attempt's identity (id, wall-clock and monotonic start)
         self.now = now  # the connection's clock: every deadline is an instant on it
         self.client = client  # "address:port"
@@ -221,7 +223,9 @@ class Conversation:
             try:
                 # A client that gives up while its request is held (asked about) stops the wait; its
                 # FIN too for a tunnel, which cannot go on without sending.
-                admission: Admission = yield Admit(attempt, connect)
+                admission: Admission = yield from decide(
+                    attempt, run, self.screen, self.metrics, self.healthy(), on_eof=connect
+                )
             except PeerClosed:
                 attempt.extra["detail"] = GONE_DETAIL
                 raise

@@ -33,8 +33,8 @@ from egressd.audit.records import EgressKind
 from egressd.names.hosts import normalised
 from egressd.proxy.core.attempt import Attempt, Seen
 from egressd.proxy.core.clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello
-from egressd.proxy.core.commands import Fill, PeerClosed, ReadHead, Send
-from egressd.proxy.core.conversation import Arrival, Conversation, Refused, Steps, Way
+from egressd.proxy.core.commands import Fill, PeerClosed, ReadHead, Send, Steps
+from egressd.proxy.core.conversation import Arrival, Conversation, Refused, Way
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1 import HttpError
 from egressd.proxy.core.modes import (

@@ -69,11 +69,13 @@ from egressd.audit.log import AuditError
 from egressd.audit.records import run_changed_record, run_record
 from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.proxy.core.addresses import forbidden_reason
+from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
 from egressd.proxy.core.runs import Run, RunError, RunRegistry
-from egressd.proxy.net.gate import Gate
+from egressd.proxy.net.recorder import Recorder
 
-GATE = web.AppKey("gate", Gate)
+RECORDER = web.AppKey("recorder", Recorder)
+SCREEN = web.AppKey("screen", Screen)
 RUNS = web.AppKey("runs", RunRegistry)
 PROXY_ADDRESS = web.AppKey("proxy_address", tuple)
 PUBLIC_PATHS = web.AppKey("public_paths", set)
@@ -183,13 +185,13 @@ def _run(request: web.Request) -> Run:
 
 def _write_audit(request: web.Request, record: dict[str, Any]) -> None:
     try:
-        request.app[GATE].audit.write(record)
+        request.app[RECORDER].audit.write(record)
     except AuditError:
         pass  # the sink is now unhealthy and says so; egress is refused from here on
 
 
 async def health(request: web.Request) -> web.Response:
-    healthy = request.app[GATE].audit.healthy
+    healthy = request.app[RECORDER].audit.healthy
     return web.json_response(
         {"status": "ok" if healthy else "degraded", "audit": healthy, "runs": len(request.app[RUNS])},
         status=200 if healthy else 503,
@@ -197,9 +199,9 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    gate = request.app[GATE]
-    text = gate.metrics.render(
-        runs=len(request.app[RUNS]), audit_healthy=gate.audit.healthy, tasks=len(asyncio.all_tasks())
+    recorder = request.app[RECORDER]
+    text = recorder.metrics.render(
+        runs=len(request.app[RUNS]), audit_healthy=recorder.audit.healthy, tasks=len(asyncio.all_tasks())
     )
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -230,7 +232,7 @@ async def create_run(request: web.Request) -> web.Response:
     ask = body.get("ask", True)
     if not isinstance(ask, bool):
         raise json_error(400, "ask must be true or false")
-    address = _run_address(body.get("address"), request.app[PROXY_ADDRESS][0], request.app[GATE].allow_private)
+    address = _run_address(body.get("address"), request.app[PROXY_ADDRESS][0], request.app[SCREEN].allow_private)
     try:
         run = request.app[RUNS].create(task=task, allow=allow, deny=deny, ask=ask, sources=sources, address=address)
     except RunError as exc:
@@ -351,15 +353,18 @@ async def end_run(request: web.Request) -> web.Response:
         request.app[RUNS].end(run.id)
     except RunError as exc:
         raise json_error(404, str(exc)) from None
-    request.app[GATE].flush_suppressed(run.id)  # what was counted in the run comes before its end
+    request.app[RECORDER].flush_suppressed(run.id)  # what was counted in the run comes before its end
     _write_audit(request, run_record("run.end", ts=time.time(), run=run.id))
     return web.json_response({"id": run.id, "ended": True})
 
 
-def build_app(*, gate: Gate, runs: RunRegistry, proxy_address: tuple[str, int], token: str) -> web.Application:
+def build_app(
+    *, recorder: Recorder, screen: Screen, runs: RunRegistry, proxy_address: tuple[str, int], token: str
+) -> web.Application:
     """The control application; the caller may add routes, then serves it."""
     app = web.Application(middlewares=[_require_token], client_max_size=1024 * 1024)
-    app[GATE] = gate
+    app[RECORDER] = recorder
+    app[SCREEN] = screen
     app[RUNS] = runs
     app[PROXY_ADDRESS] = proxy_address
     app[TOKEN] = token
@@ -378,7 +383,7 @@ def build_app(*, gate: Gate, runs: RunRegistry, proxy_address: tuple[str, int], 
         sign_in=lambda given: token_scope(app, given),
         runs=lambda: [run.describe() for run in runs],
         recent=lambda n: recent_events(runs, n),
-        observers=gate.observers,
+        observers=recorder.observers,
     )
     return app
 

@@ -27,7 +27,7 @@ How one query is answered (``DnsServer.handle``), in order:
    whose table row gives the response code (``Reason.rcode``).
 
 Every query that passes step 1 is one ``egress`` record of kind ``dns``
-(through the gate, like every other attempt), with ``host`` the name,
+(through the recorder, like every other attempt), with ``host`` the name,
 ``port`` null, ``qtype`` and ``answer`` (the address, or the response code
 when no address was given: ``NOERROR``, ``NXDOMAIN``, ``REFUSED``,
 ``FORMERR``, ``NOTIMP``; null when dropped). ``decision`` is ``allow`` only
@@ -66,7 +66,7 @@ from egressd.proxy.core.dnsanswer import Answers, unreachable_reason
 from egressd.proxy.core.memo import remember
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run, RunRegistry, source_address
-from egressd.proxy.net.gate import Gate
+from egressd.proxy.net.recorder import Recorder
 
 log = logging.getLogger("egressd.dns")
 
@@ -195,7 +195,7 @@ class DnsServer:
     def __init__(
         self,
         *,
-        gate: Gate,
+        recorder: Recorder,
         runs: RunRegistry,
         answer4: IPv4Address,
         answer6: IPv6Address | None = None,
@@ -207,7 +207,7 @@ class DnsServer:
         summary_interval_s: float = DEFAULT_SUMMARY_INTERVAL_S,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.gate = gate
+        self.recorder = recorder
         self.runs = runs
         self._answer4 = answer4
         self.strict = strict
@@ -303,10 +303,10 @@ class DnsServer:
             source, key = self._source(str(host))
         if not self._limiter.allow(key, self._monotonic()):
             self._dropped[source] += 1
-            self.gate.metrics.decided("deny", _LIMIT_EXCEEDED, 0.0)
+            self.recorder.metrics.decided("deny", _LIMIT_EXCEEDED, 0.0)
             return None
-        gate = self.gate
-        heard = _Heard(new_request_id(), gate.clock(), gate.monotonic(), f"{host}:{peer[1]}", transport)
+        recorder = self.recorder
+        heard = _Heard(new_request_id(), recorder.clock(), recorder.monotonic(), f"{host}:{peer[1]}", transport)
         try:
             return self._answer(packet, key, heard)
         except Exception:
@@ -343,7 +343,7 @@ class DnsServer:
             outcome = self._answers.no_run
         else:
             heard.run, heard.command = run, run.command
-            if not self.gate.audit.healthy:
+            if not self.recorder.audit.healthy:
                 outcome = self._answers.no_audit_log
             else:
                 unreachable = None
@@ -351,7 +351,7 @@ class DnsServer:
                     unreachable, heard.rule, learned = unreachable_reason(run, name)
                     if learned is not None:
                         heard.learned = learned.value
-                        self.gate.metrics.learned += 1
+                        self.recorder.metrics.learned += 1
                 # A run on a network of its own reaches egressd there, and only there (None: our answer4).
                 own = run.address
                 outcome = self._answers.outcome(query, unreachable, own if isinstance(own, IPv4Address) else None)
@@ -359,7 +359,7 @@ class DnsServer:
         if run is None or self._record_in_full(run, host):
             self._record(heard, outcome.decision, outcome.reason)
         else:
-            self.gate.metrics.decided(outcome.decision, outcome.reason, self.gate.monotonic() - heard.started)
+            self.recorder.metrics.decided(outcome.decision, outcome.reason, self.recorder.monotonic() - heard.started)
         # At most 12 + 259 + 28 = 299 octets (one question, one address
         # record), under RFC 1035 §4.2.1's 512: never truncated.
         return outcome.reply(query)
@@ -373,7 +373,7 @@ class DnsServer:
             extra = {"learned": heard.learned, **extra}
         if heard.detail is not None:
             extra["detail"] = heard.detail
-        duration_s = self.gate.monotonic() - heard.started
+        duration_s = self.recorder.monotonic() - heard.started
         # EgressDecided(id=..., ..., extra=extra), its fields in _FACT_FIELDS' order, built from one
         # tuple: a named tuple's keyword __new__ costs four times as much, once per query.
         fact: EgressDecided = _new_fact(
@@ -398,7 +398,7 @@ class DnsServer:
                 extra,
             ),
         )
-        self.gate.settle(fact, run)
+        self.recorder.settle(fact, run)
 
     def _record_in_full(self, run: Run, name: str) -> bool:
         """Whether this query gets its own record: its name is one of the run's first N."""
@@ -433,8 +433,8 @@ class DnsServer:
                 self._summary(run, None, count, "names_per_run")
 
     def _summary(self, run: Run | None, client: str | None, count: int, limit: str) -> None:
-        gate = self.gate
-        fact_id, ts, started = new_request_id(), gate.clock(), gate.monotonic()
+        recorder = self.recorder
+        fact_id, ts, started = new_request_id(), recorder.clock(), recorder.monotonic()
         fact = EgressDecided(
             id=fact_id,
             ts=ts,
@@ -451,11 +451,11 @@ class DnsServer:
             command=run.command if run is not None else None,
             bytes_up=0,
             bytes_down=0,
-            duration_s=gate.monotonic() - started,
+            duration_s=recorder.monotonic() - started,
             extra={"qtype": None, "answer": None, "suppressed": count, "limit": limit},
         )
         # Each query was counted in the metrics as it came; a count of others is written whatever the budget.
-        gate.settle(fact, run, counted=True, summary=True)
+        recorder.settle(fact, run, counted=True, summary=True)
 
     def _tick(self) -> None:
         self.flush_summaries()

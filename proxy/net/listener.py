@@ -17,8 +17,7 @@ import functools
 
 from egressd.proxy.core.modes import ListenerLimits, Mode
 from egressd.proxy.core.runs import RunRegistry
-from egressd.proxy.net.gate import Gate
-from egressd.proxy.net.runner import Runner
+from egressd.proxy.net.runner import EgressPath, Runner
 from egressd.proxy.net.stream import Peer
 from egressd.proxy.net.tunnel import Tunnel
 
@@ -29,8 +28,8 @@ class Listener:
     ``mode`` may be replaced before ``start`` (a test's destination port).
     """
 
-    def __init__(self, *, gate: Gate, runs: RunRegistry, limits: ListenerLimits, mode: Mode) -> None:
-        self.gate = gate
+    def __init__(self, *, path: EgressPath, runs: RunRegistry, limits: ListenerLimits, mode: Mode) -> None:
+        self.path = path
         self.runs = runs
         self.limits = limits
         self.mode = mode

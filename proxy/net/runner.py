@@ -2,10 +2,11 @@
 
 The conversation (``egressd.proxy.core.conversation``) decides everything
 a connection does, in every mode; this is the one place that does it: reads
-and writes on the client (``stream.Peer``), asks the gate (``Gate.admit``),
-writes the ``egress`` record ahead (``Gate.open``), dials (``Gate.dial``),
-relays an HTTP request and its response (as ``exchange`` frames them),
-records, and splices a tunnel (``tunnel``, checked by ``tunnelcheck``).
+and writes on the client (``stream.Peer``), asks the approver and the
+resolver, writes the ``egress`` record ahead and the rest (``recorder``),
+dials (``dialer``), relays an HTTP request and its response (as
+``exchange`` frames them), and splices a tunnel (``tunnel``, checked by
+``tunnelcheck``).
 
 What a connection holds while it lasts, released once by whoever has it
 last (this runner's task, or the tunnel it was spliced to):
@@ -21,12 +22,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
+from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
 from egressd.proxy.core.attempt import Admission, Attempt, DialError
 from egressd.proxy.core.commands import (
     STALE,
-    Admit,
+    Ask,
     Dial,
     Fill,
     Finish,
@@ -34,19 +37,24 @@ from egressd.proxy.core.commands import (
     ReadHead,
     RecordRefusal,
     Relay,
+    Resolve,
     Send,
     Splice,
     TakeKept,
     WriteAhead,
 )
 from egressd.proxy.core.conversation import Conversation
+from egressd.proxy.core.decision import Screen
+from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1 import HttpError, ResponseHead
 from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mode
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import RunRegistry, source_address
 from egressd.proxy.core.ways import WAYS
-from egressd.proxy.net.gate import Gate
+from egressd.proxy.net.dialer import Dialer
+from egressd.proxy.net.recorder import Recorder
+from egressd.proxy.net.resolver import Resolver
 from egressd.proxy.net.stream import GoneCancels, IdleTimeout, Peer
 from egressd.proxy.net.tunnel import Tunnel
 from egressd.proxy.net.tunnelcheck import SniCheck
@@ -54,13 +62,24 @@ from egressd.proxy.net.tunnelcheck import SniCheck
 log = logging.getLogger("egressd.proxy")
 
 # What executing a command may fail with: thrown into the conversation, which decides what it means.
-_FAILURES = (PeerClosed, TimeoutError, DialError, HttpError)
+_FAILURES = (PeerClosed, TimeoutError, DialError, HttpError, ResolveError)
+
+
+@dataclass(frozen=True, slots=True)
+class EgressPath:
+    """What every connection of every listener goes through: one of each, shared."""
+
+    recorder: Recorder
+    dialer: Dialer
+    approver: Approver
+    resolver: Resolver
+    screen: Screen
 
 
 class Shared(Protocol):
     """What the runners of one listener share with it (``listener.Listener``)."""
 
-    gate: Gate
+    path: EgressPath
     runs: RunRegistry
     limits: ListenerLimits
     mode: Mode
@@ -76,11 +95,12 @@ class Shared(Protocol):
 class Runner:
     """One client connection: its conversation, executed (``run``), and what it holds."""
 
-    __slots__ = ("shared", "gate", "client", "talk", "kept", "dialled", "gone", "tunnel", "released")
+    __slots__ = ("shared", "path", "recorder", "client", "talk", "kept", "dialled", "gone", "tunnel", "released")
 
     def __init__(self, shared: Shared, client: Peer) -> None:
         self.shared = shared
-        self.gate = shared.gate
+        self.path = shared.path
+        self.recorder = shared.path.recorder
         self.client = client
         self.talk: Conversation | None = None
         # The HTTP modes' kept upstream connection: (host and port, the address dialled, the upstream).
@@ -95,8 +115,8 @@ class Runner:
 
         Counted when the task runs, not at the accept, so the cap compares the tasks under way.
         """
-        shared, gate, client = self.shared, self.gate, self.client
-        gate.metrics.connections_open += 1
+        shared, recorder, client = self.shared, self.recorder, self.client
+        recorder.metrics.connections_open += 1
         peer = client.peername or ("", 0)
         mode = shared.mode
         talk = self.talk = Conversation(
@@ -104,8 +124,10 @@ class Runner:
             mode=mode,
             limits=shared.limits,
             runs=shared.runs,
-            metrics=gate.metrics,
-            begin=gate.begin,
+            metrics=recorder.metrics,
+            screen=self.path.screen,
+            healthy=recorder.audit_healthy,
+            begin=recorder.begin,
             now=client.loop.time,
             client=f"{peer[0]}:{peer[1]}",
             source=source_address(str(peer[0])),
@@ -115,7 +137,7 @@ class Runner:
 
     async def run(self) -> None:
         """Serve the client until its conversation ends, then release what it holds (unless spliced)."""
-        shared, gate, client = self.shared, self.gate, self.client
+        recorder, client = self.recorder, self.client
         talk = self.hold()
         steps = talk.steps()
         result: Any = None
@@ -132,12 +154,13 @@ class Runner:
                     # The commands by how often they come: the first ones on every request.
                     if kind is ReadHead:
                         result = await client.read_head(command.parse, command.deadline)
-                    elif kind is Admit:
-                        result = await self._admit(command)
+                    elif kind is Resolve:
+                        with self._gone(command.on_eof):
+                            result = await self.path.resolver.resolve(command.host)
                     elif kind is WriteAhead:
-                        gate.open(command.attempt, command.address)
+                        recorder.open(command.attempt, command.address)
                     elif kind is Dial:
-                        result = self.dialled = await gate.dial(
+                        result = self.dialled = await self.path.dialer.dial(
                             command.attempt, command.admission, client.new_peer, client.loop
                         )
                     elif kind is Relay:
@@ -151,10 +174,13 @@ class Runner:
                             await client.drain()
                     elif kind is Splice:
                         self._splice(command)
+                    elif kind is Ask:
+                        with self._gone(command.on_eof):
+                            result = await self._ask(command.request)
                     elif kind is Fill:
                         result = await client.fill(command.deadline)
                     elif kind is RecordRefusal:
-                        gate.refuse(command.seen, command.reason, command.detail)
+                        recorder.refuse(command.seen, command.reason, command.detail)
                     else:
                         raise TypeError(f"not a command: {command!r}")
                 except _FAILURES as exc:
@@ -167,10 +193,10 @@ class Runner:
             log.exception("connection %s failed", talk.client)
             seen = talk.failed()
             if seen is not None:
-                gate.refuse(seen, Reason.BAD_REQUEST)
+                recorder.refuse(seen, Reason.BAD_REQUEST)
         finally:
             steps.close()  # its cleanups run (the run's slot), whatever stopped it
-            shared.tasks.pop(client, None)
+            self.shared.tasks.pop(client, None)
             self.release()
 
     def release(self) -> None:
@@ -182,16 +208,30 @@ class Runner:
         """``gate.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
         if self.shared.cutting and attempt.opened:
             attempt.ends(SHUTDOWN_END)
-        self.gate.finish(attempt)
+        self.recorder.finish(attempt)
 
-    async def _admit(self, command: Admit) -> Admission:
+    def _gone(self, on_eof: bool) -> GoneCancels:
+        """``with`` it, the client going away cancels the wait (``Peer.gone_cancels``): one per connection."""
         gone = self.gone
         if gone is None:
-            gone = self.gone = self.client.gone_cancels(on_eof=command.on_eof)
+            gone = self.gone = self.client.gone_cancels(on_eof=on_eof)
         else:
-            gone.on_eof = command.on_eof
-        with gone:
-            return await self.gate.admit(command.attempt)
+            gone.on_eof = on_eof
+        return gone
+
+    async def _ask(self, request: ApprovalRequest) -> ApprovalOutcome:
+        metrics = self.recorder.metrics
+        metrics.held_requests += 1
+        try:
+            return await self.path.approver.ask(request)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # Fail closed: an approver that broke has not allowed anything.
+            log.exception("approver failed for %s:%d in run %s; denying", request.host, request.port, request.run_id)
+            return ApprovalOutcome(Answer.NO_APPROVER)
+        finally:
+            metrics.held_requests -= 1
 
     # -- a tunnel ----------------------------------------------------------------------------
 
@@ -201,7 +241,7 @@ class Runner:
         upstream = command.upstream
         assert isinstance(upstream, Peer)
         self.dialled = None
-        check = SniCheck(self.gate, command.attempt, limits.max_head_bytes, name_required=command.name_required)
+        check = SniCheck(self.recorder, command.attempt, limits.max_head_bytes, name_required=command.name_required)
         tunnel = self.tunnel = Tunnel(
             self.client,
             upstream,
@@ -242,8 +282,8 @@ class Runner:
             if isinstance(pending, Attempt):
                 self.finish(pending)
             elif pending is not None:
-                self.gate.refuse(pending, None)
-        self.gate.metrics.connections_open -= 1
+                self.recorder.refuse(pending, None)
+        self.recorder.metrics.connections_open -= 1
         kept, self.kept = self.kept, None
         if kept is not None:
             kept[2].close()

@@ -16,7 +16,7 @@ from egressd.proxy.core.modes import ECH_DETAIL
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.requestwatch import OtherHost, RequestWatch
 from egressd.proxy.core.responses import refusal, tls_refusal
-from egressd.proxy.net.gate import Gate
+from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.stream import Peer
 from egressd.proxy.net.tunnel import Tunnel
 
@@ -53,10 +53,14 @@ class SniCheck:
     end this check.
     """
 
-    __slots__ = ("gate", "attempt", "max_head_bytes", "name_required", "wants_upstream", "_server", "_started", "_http")
+    __slots__ = (
+        "recorder", "attempt", "max_head_bytes", "name_required", "wants_upstream", "_server", "_started", "_http"
+    )
 
-    def __init__(self, gate: Gate, attempt: Attempt, max_head_bytes: int, *, name_required: bool = False) -> None:
-        self.gate = gate
+    def __init__(
+        self, recorder: Recorder, attempt: Attempt, max_head_bytes: int, *, name_required: bool = False
+    ) -> None:
+        self.recorder = recorder
         self.attempt = attempt
         self.max_head_bytes = max_head_bytes
         self.name_required = name_required
@@ -157,7 +161,7 @@ class SniCheck:
         """A plain HTTP refusal: answered (``responses.refusal``) when nothing has moved either way yet,
         else the close alone (an answer then would land inside the origin's)."""
         attempt = self.attempt
-        self.gate.overrule(attempt, reason)
+        self.recorder.overrule(attempt, reason)
         attempt.extra["detail"] = detail
         transport = tunnel.client.transport
         if not tunnel.bytes_up and not tunnel.bytes_down and transport is not None and not transport.is_closing():
@@ -176,7 +180,7 @@ class SniCheck:
     ) -> None:
         """An alert (``responses.tls_refusal``; none when ``silent``), the close, and the
         record says deny with ``reason`` (written when the tunnel ends)."""
-        self.gate.overrule(self.attempt, reason)
+        self.recorder.overrule(self.attempt, reason)
         if detail:
             self.attempt.extra["detail"] = detail
         transport = tunnel.client.transport

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
+from egressd.approvals.interface import Answer, ApprovalOutcome
 from egressd.audit.records import EgressKind
 from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
 from egressd.proxy.core.commands import (
     STALE,
-    Admit,
+    Ask,
     Dial,
     Fill,
     Finish,
@@ -29,12 +30,14 @@ from egressd.proxy.core.commands import (
     ReadHead,
     RecordRefusal,
     Relay,
+    Resolve,
     Send,
     Splice,
     TakeKept,
     WriteAhead,
 )
 from egressd.proxy.core.conversation import Conversation
+from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import (
     EXPLICIT,
@@ -45,6 +48,7 @@ from egressd.proxy.core.modes import (
     transparent_http,
     transparent_tls,
 )
+from egressd.proxy.core.policy import parse_entry
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.responses import CONNECT_ESTABLISHED, tls_refusal
 from egressd.proxy.core.runs import Run, RunRegistry
@@ -53,6 +57,8 @@ from egressd.proxy.core.ways import WAYS
 from tests.fakes.hellos import client_hello, ech_extension
 
 ORIGIN = "127.0.0.2"
+ADDRESSES = [ipaddress.ip_address(ORIGIN)]  # what a.test resolves to, in the range the screen permits
+FORBIDDEN = [ipaddress.ip_address("127.0.1.5")]  # loopback outside that range: never dialled
 SOURCE = ipaddress.ip_address("127.0.0.1")
 
 
@@ -68,8 +74,10 @@ class Playbook:
     """One conversation and the shell's side of it: the commands seen, the answers given."""
 
     def __init__(self, mode: Mode, *, limits: ListenerLimits | None = None, open_connections: int = 1,
-                 anonymous: bool = True, run_cap_reached: bool = False) -> None:
-        self.run = Run(id="r-1", token="t", task=None, allow=(), deny=())
+                 anonymous: bool = True, run_cap_reached: bool = False, allowlisted: bool = True,
+                 healthy: bool = True) -> None:
+        allow = (parse_entry("a.test"),) if allowlisted else ()
+        self.run = Run(id="r-1", token="t", task=None, allow=allow, deny=())
         if run_cap_reached:
             self.run.open_connections = (limits or ListenerLimits()).max_connections_per_run
         self.metrics = Metrics()
@@ -83,6 +91,8 @@ class Playbook:
             # anonymous: the source address finds the run (else its credentials must be sent)
             runs=RunRegistry(default=self.run) if anonymous else RunRegistry(),
             metrics=self.metrics,
+            screen=Screen(allow_private=[ipaddress.ip_network("127.0.0.0/24")]),
+            healthy=lambda: healthy,
             begin=self._begin,
             now=lambda: 100.0,
             client="127.0.0.1:5555",
@@ -102,6 +112,13 @@ class Playbook:
             self.seen.append(step())
         except StopIteration:
             self.over = True
+
+    @property
+    def attempt(self) -> Attempt:
+        """The attempt being decided or carried."""
+        attempt = self.talk.pending
+        assert isinstance(attempt, Attempt)
+        return attempt
 
     @property
     def command(self) -> Any:
@@ -140,20 +157,15 @@ class Playbook:
         return self.command
 
 
-def allowed(attempt: Attempt) -> Admission:
-    assert attempt.host is not None and attempt.port is not None
-    return Admission(None, attempt.host, attempt.port, (ipaddress.ip_address(ORIGIN),), (ORIGIN,))
-
-
-def refused(attempt: Attempt, reason: Reason) -> Admission:
-    assert attempt.host is not None and attempt.port is not None
-    return Admission(reason, attempt.host, attempt.port)
+def admission(port: int) -> Admission:
+    """What the screen admits for a.test on ``port``."""
+    return Admission(None, "a.test", port, tuple(ADDRESSES), (ORIGIN,))
 
 
 # -- the record before the dial, in every mode ---------------------------------------------------
 
 
-def _connect_request(play: Playbook) -> Admit:
+def _connect_request(play: Playbook) -> Any:
     return play.client_sends(b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\n")
 
 
@@ -175,25 +187,25 @@ ARRIVALS = {
 def test_every_mode_writes_the_record_before_the_dial_and_splices_after_the_answer(name: str) -> None:
     mode, arrive, accepted = ARRIVALS[name]
     play = Playbook(mode)
-    admit = arrive(play)
-    assert isinstance(admit, Admit) and admit.on_eof  # a tunnel's client going away stops the wait
-    assert admit.attempt.host == "a.test" and admit.attempt.port == 443 and admit.attempt.run is play.run
+    resolve = arrive(play)
+    assert resolve == Resolve("a.test", on_eof=True)  # a tunnel's client going away stops the wait
+    assert play.attempt.host == "a.test" and play.attempt.port == 443 and play.attempt.run is play.run
     assert play.run.open_connections == 1  # the request counts against its run's cap
-    write = play.give(allowed(admit.attempt))
-    assert write == WriteAhead(admit.attempt, ORIGIN)
+    write = play.give(ADDRESSES)
+    assert write == WriteAhead(play.attempt, ORIGIN)
     dial = play.give(None)
-    assert isinstance(dial, Dial) and dial.attempt is admit.attempt
+    assert isinstance(dial, Dial) and dial.attempt is play.attempt
     upstream = Upstream()
     after_dial = play.give(upstream)
     if accepted is not None:
         assert after_dial == Send(accepted)
         after_dial = play.give(None)
-    assert after_dial == Splice(upstream, admit.attempt, name_required=name == "tls")
+    assert after_dial == Splice(upstream, play.attempt, name_required=name == "tls")
     assert play.give(None) is None and play.over
     kinds = play.kinds()
     assert kinds.index(WriteAhead) < kinds.index(Dial) < kinds.index(Splice)
     # The tunnel has the slot and the attempt now: the runner releases them at its end.
-    assert play.talk.spliced and play.talk.slot is play.run and play.talk.pending is admit.attempt
+    assert play.talk.spliced and play.talk.slot is play.run and play.talk.pending is play.attempt
     assert play.run.open_connections == 1
 
 
@@ -201,11 +213,11 @@ def test_every_mode_writes_the_record_before_the_dial_and_splices_after_the_answ
 def test_an_unwritable_record_means_no_dial_in_any_mode(name: str) -> None:
     mode, arrive, _ = ARRIVALS[name]
     play = Playbook(mode)
-    admit = arrive(play)
-    play.give(allowed(admit.attempt))
+    arrive(play)
+    play.give(ADDRESSES)
     after = play.fail(DialError(Reason.AUDIT_UNAVAILABLE, "disk full"))
-    assert after == Finish(admit.attempt)
-    assert admit.attempt.reason == "audit_unavailable"
+    assert after == Finish(play.attempt)
+    assert play.attempt.reason == "audit_unavailable"
     assert Dial not in play.kinds()
     play.until(Send)
     assert play.give(None) is None
@@ -216,12 +228,39 @@ def test_an_unwritable_record_means_no_dial_in_any_mode(name: str) -> None:
 def test_a_client_gone_while_held_ends_the_conversation_with_nothing_dialled(name: str) -> None:
     mode, arrive, _ = ARRIVALS[name]
     play = Playbook(mode)
-    admit = arrive(play)
+    arrive(play)
     with pytest.raises(PeerClosed):
         play.fail(PeerClosed("gone"))
-    assert admit.attempt.extra["detail"] == GONE_DETAIL
-    assert play.talk.pending is admit.attempt  # recorded by the runner as the connection ends
+    assert play.attempt.extra["detail"] == GONE_DETAIL
+    assert play.talk.pending is play.attempt  # recorded by the runner as the connection ends
     assert play.run.open_connections == 0 and WriteAhead not in play.kinds()
+
+
+def test_the_policy_decides_before_anything_is_resolved_or_dialled() -> None:
+    play = Playbook(EXPLICIT, allowlisted=False)
+    ask = _connect_request(play)
+    assert isinstance(ask, Ask)  # an unknown name: a person is asked first
+    assert play.give(ApprovalOutcome(Answer.ALLOW)) == Resolve("a.test", True)
+    assert play.give(ADDRESSES) == WriteAhead(play.attempt, ORIGIN)
+    assert play.attempt.rule == "approved" and "a.test" in play.run.allowed_texts()
+
+
+def test_an_unhealthy_audit_log_refuses_before_anything_is_asked_resolved_or_dialled() -> None:
+    play = Playbook(EXPLICIT, healthy=False)
+    assert _connect_request(play) == Finish(play.attempt)
+    assert play.attempt.reason == "audit_unavailable"
+    assert play.give(None).data.startswith(b"HTTP/1.1 503 ")
+    assert not {Ask, Resolve, WriteAhead, Dial} & set(play.kinds())
+
+
+@pytest.mark.parametrize("name", sorted(ARRIVALS))
+def test_a_name_resolving_only_outside_the_permitted_range_is_never_dialled(name: str) -> None:
+    mode, arrive, _ = ARRIVALS[name]
+    play = Playbook(mode)
+    arrive(play)
+    assert play.give(FORBIDDEN) == Finish(play.attempt)
+    assert play.attempt.reason == "private_address" and play.attempt.address == "127.0.1.5"
+    assert not {WriteAhead, Dial} & set(play.kinds())
 
 
 # -- refusals: recorded, then answered the way the mode answers ---------------------------------
@@ -242,10 +281,11 @@ def _refusal_bytes(play: Playbook) -> bytes | None:
 )
 def test_a_denial_is_finished_then_answered_in_the_modes_own_terms(name: str, expected: Any) -> None:
     mode, arrive, _ = ARRIVALS[name]
-    play = Playbook(mode)
-    admit = arrive(play)
-    assert play.give(refused(admit.attempt, Reason.DENIED)) == Finish(admit.attempt)
-    assert admit.attempt.reason == "denied"
+    play = Playbook(mode, allowlisted=False)
+    ask = arrive(play)
+    assert isinstance(ask, Ask) and ask.request.host == "a.test" and ask.request.run_id == "r-1"
+    assert play.give(ApprovalOutcome(Answer.DENY)) == Finish(play.attempt)
+    assert play.attempt.reason == "denied"
     data = play.give(None).data
     assert expected(data)
     assert play.give(None) is None
@@ -263,11 +303,11 @@ def test_a_denial_is_finished_then_answered_in_the_modes_own_terms(name: str, ex
 def test_a_failed_dial_is_recorded_with_its_detail_and_answered(name: str, expected: Any) -> None:
     mode, arrive, _ = ARRIVALS[name]
     play = Playbook(mode)
-    admit = arrive(play)
-    play.give(allowed(admit.attempt))
+    arrive(play)
+    play.give(ADDRESSES)
     play.give(None)  # the record ahead
-    assert play.fail(DialError(Reason.UPSTREAM_UNREACHABLE, "refused")) == Finish(admit.attempt)
-    assert admit.attempt.extra["detail"] == "refused"
+    assert play.fail(DialError(Reason.UPSTREAM_UNREACHABLE, "refused")) == Finish(play.attempt)
+    assert play.attempt.extra["detail"] == "refused"
     assert expected(play.give(None).data)
 
 
@@ -330,7 +370,7 @@ def test_a_run_at_its_cap_is_refused_without_asking(name: str) -> None:
     play = Playbook(mode, limits=ListenerLimits(max_connections_per_run=1), run_cap_reached=True)
     record = arrive(play)
     assert isinstance(record, RecordRefusal) and record.reason is Reason.LIMIT_EXCEEDED
-    assert Admit not in play.kinds()
+    assert Ask not in play.kinds() and Resolve not in play.kinds()
 
 
 def test_tls_not_tls_is_closed_silently_and_ech_is_refused_as_a_mismatch() -> None:
@@ -343,7 +383,7 @@ def test_tls_not_tls_is_closed_silently_and_ech_is_refused_as_a_mismatch() -> No
     assert isinstance(record, RecordRefusal) and record.reason is Reason.SNI_MISMATCH
     assert record.seen.host == "cover.test" and record.seen.run is play.run
     assert play.give(None) == Send(tls_refusal(Reason.SNI_MISMATCH))
-    assert Admit not in play.kinds()
+    assert Ask not in play.kinds() and Resolve not in play.kinds()
 
 
 def test_tls_a_hello_without_a_name_is_refused_with_missing_extension() -> None:
@@ -380,36 +420,36 @@ def test_socks_wrong_credentials_get_status_1() -> None:
 # -- HTTP/1 carried: requests forwarded one by one ------------------------------------------------
 
 
-def _get(play: Playbook, path: bytes = b"/") -> Admit:
+def _get(play: Playbook, path: bytes = b"/") -> Any:
     return play.client_sends(b"GET http://a.test" + path + b" HTTP/1.1\r\nHost: a.test\r\n\r\n")
 
 
 def test_http_forwarding_records_before_dialling_then_relays_and_takes_the_next_request() -> None:
     play = Playbook(EXPLICIT)
-    admit = _get(play)
-    assert not admit.on_eof  # a plain HTTP client may half-close after its request and still read
-    assert play.give(allowed(admit.attempt)) == TakeKept(allowed(admit.attempt))
-    assert play.give(None) == WriteAhead(admit.attempt, ORIGIN)
+    # A plain HTTP client may half-close after its request and still read the answer.
+    assert _get(play) == Resolve("a.test", on_eof=False)
+    assert play.give(ADDRESSES) == TakeKept(admission(80))
+    assert play.give(None) == WriteAhead(play.attempt, ORIGIN)
     assert isinstance(play.give(None), Dial)
     upstream = Upstream()
     relay = play.give(upstream)
     assert isinstance(relay, Relay) and relay.upstream is upstream and not relay.reused
     assert relay.out.startswith(b"GET / HTTP/1.1\r\n")
-    assert play.give(True) == Finish(admit.attempt)
+    assert play.give(True) == Finish(play.attempt)
     assert isinstance(play.give(None), ReadHead)  # keep-alive: the next request
     assert play.run.open_connections == 0 and play.talk.pending is None
 
 
 def test_http_a_stale_kept_connection_is_replaced_once_and_recorded_once() -> None:
     play = Playbook(EXPLICIT)
-    admit = _get(play)
-    play.give(allowed(admit.attempt))
+    _get(play)
+    play.give(ADDRESSES)
     kept = Upstream()
-    assert play.give((ORIGIN, kept)) == WriteAhead(admit.attempt, ORIGIN)
+    assert play.give((ORIGIN, kept)) == WriteAhead(play.attempt, ORIGIN)
     relay = play.give(None)
     assert relay.reused and not relay.last_try
     assert isinstance(play.give(STALE), TakeKept)
-    assert play.give(None) == WriteAhead(admit.attempt, ORIGIN)
+    assert play.give(None) == WriteAhead(play.attempt, ORIGIN)
     assert isinstance(play.give(None), Dial)
     relay = play.give(Upstream())
     assert not relay.reused and relay.last_try
@@ -417,10 +457,10 @@ def test_http_a_stale_kept_connection_is_replaced_once_and_recorded_once() -> No
 
 def test_http_an_upstream_that_takes_the_request_and_never_answers_is_504() -> None:
     play = Playbook(EXPLICIT)
-    admit = _get(play)
-    play.give(allowed(admit.attempt))
+    _get(play)
+    play.give(ADDRESSES)
     play.until(Relay)
-    assert play.give(Reason.UPSTREAM_TIMEOUT) == Finish(admit.attempt)
+    assert play.give(Reason.UPSTREAM_TIMEOUT) == Finish(play.attempt)
     assert play.give(None).data.startswith(b"HTTP/1.1 504 ")
     assert play.give(None) is None  # a refusal ends the connection
 
@@ -433,7 +473,7 @@ def test_a_bug_in_the_conversation_leaves_what_it_saw_to_record_as_a_bad_request
 
 
 def _all_commands() -> Iterator[type]:
-    yield from (Admit, Dial, Fill, Finish, ReadHead, RecordRefusal, Relay, Send, Splice, TakeKept, WriteAhead)
+    yield from (Ask, Dial, Fill, Finish, ReadHead, RecordRefusal, Relay, Resolve, Send, Splice, TakeKept, WriteAhead)
 
 
 def test_every_command_is_a_value() -> None:

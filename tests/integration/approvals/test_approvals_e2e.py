@@ -209,7 +209,7 @@ async def test_twenty_concurrent_requests_for_a_new_domain_get_one_slack_message
     svc = await egressd(**slack_settings(fake_slack))
     held = [asyncio.create_task(connect_via(svc, f"origin.test:{echo_origin.port}")) for _ in range(20)]
     await wait_until(lambda: fake_slack.posted)
-    await wait_until(lambda: svc.gate.metrics.held_requests == 20)  # type: ignore[union-attr]
+    await wait_until(lambda: svc.path.recorder.metrics.held_requests == 20)  # type: ignore[union-attr]
     assert len(fake_slack.posted) == 1
     await fake_slack.click(fake_slack.posted[0], "allow", user=ALICE, username="alice")
     results = await asyncio.gather(*held)
@@ -275,7 +275,7 @@ async def test_no_approver_attached_refuses_at_once(egressd: Callable[..., Any],
     assert status == 403 and headers["x-egress-reason"] == "no_approver"
     # A terminal channel with no terminal is simply not attached: the same.
     svc = await egressd(approver=["terminal"], listen="127.0.0.1:0")
-    if svc.gate.approver.attached:  # type: ignore[union-attr]
+    if svc.path.approver.attached:  # type: ignore[union-attr]
         pytest.skip("this test process has a controlling terminal")
     status, headers, _, _, writer = await connect_via(svc, "origin.test:443")
     writer.close()

@@ -96,7 +96,7 @@ def decided(svc: EgressService) -> list[dict[str, Any]]:
 
 
 def pending(svc: EgressService) -> list[Any]:
-    return list(svc.gate.approver.pending())  # type: ignore[union-attr]
+    return list(svc.path.approver.pending())  # type: ignore[union-attr]
 
 
 async def held(svc: EgressService, authority: str, extra: str = "") -> asyncio.Task[Any]:
@@ -382,7 +382,7 @@ async def test_web_from_settings_alone_refuses_as_no_approver_until_someone_watc
         status, _, _, _, writer = await connect_via(svc, f"origin.test:{echo_origin.port}")
         writer.close()
         assert status == 403
-        [page_path] = [r.path for r in svc.gate.approver.routes() if r.page]  # type: ignore[union-attr]
+        [page_path] = [r.path for r in svc.path.approver.routes() if r.page]  # type: ignore[union-attr]
         async with PageClient(svc.control_address, page_path.rstrip("/")) as page:
             await page.sign_in()
             async with events(page):
@@ -585,7 +585,7 @@ async def test_the_page_in_chromium_shows_a_hostile_request_as_text_and_allows_i
     await until(browser, "document.getElementById('status').textContent === 'Live updates: on'")
 
     task = await held(svc, f"origin.test:{echo_origin.port}")
-    approval_id = svc.gate.approver.pending()[0].id  # type: ignore[union-attr]
+    approval_id = svc.path.approver.pending()[0].id  # type: ignore[union-attr]
     # It shows up without a reload (server-sent events), built by the script.
     await until(browser, f"document.getElementById('approval-{approval_id}')")
     await run(browser.save_screenshot, str(out / "web-02-held-approval.png"))
@@ -652,7 +652,7 @@ async def test_the_page_offers_every_scope_with_an_allow_file_and_always_appends
     )
 
     task = await held(svc, f"origin.test:{echo_origin.port}")
-    approval_id = svc.gate.approver.pending()[0].id  # type: ignore[union-attr]
+    approval_id = svc.path.approver.pending()[0].id  # type: ignore[union-attr]
     await until(browser, f"document.getElementById('approval-{approval_id}')")
     labels = await run(
         browser.execute_script,

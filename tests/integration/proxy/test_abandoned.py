@@ -78,7 +78,7 @@ async def test_a_client_that_gives_up_leaves_the_approval_answerable_and_an_allo
     await give_up(svc, target, lambda: channel.delivered)
     # The wait ends with the client: nothing is held, nothing dialled, every channel told once.
     await wait_until(lambda: channel.abandonments)
-    await wait_until(lambda: svc.gate.metrics.held_requests == 0)  # type: ignore[union-attr]
+    await wait_until(lambda: svc.path.recorder.metrics.held_requests == 0)  # type: ignore[union-attr]
     approval_id = channel.delivered[0].id
     assert channel.abandonments == [approval_id] and echo_origin.connections == 0
     [gone] = egress(svc)
@@ -130,7 +130,7 @@ async def test_a_new_request_joins_the_abandoned_approval_without_a_second_messa
     await give_up(svc, target, lambda: channel.delivered)
     await wait_until(lambda: channel.abandonments)
     again = asyncio.create_task(connect_via(svc, target))
-    await wait_until(lambda: svc.gate.metrics.held_requests == 1)  # type: ignore[union-attr]
+    await wait_until(lambda: svc.path.recorder.metrics.held_requests == 1)  # type: ignore[union-attr]
     await asyncio.sleep(0.1)
     assert not again.done() and channel.attempts == 1 and len(records(svc, "approval.requested")) == 1
     [pending] = (await control(svc, "GET", "/approvals"))[1]["approvals"]

@@ -294,7 +294,7 @@ async def test_an_approval_that_arrives_after_its_run_ended_lets_nothing_out(mak
     pending = asyncio.create_task(
         connect_via(svc, f"origin.test:{echo_origin.port}", f"Proxy-Authorization: Basic {creds}\r\n")
     )
-    await wait_until(lambda: svc.gate.metrics.held_requests == 1)
+    await wait_until(lambda: svc.path.recorder.metrics.held_requests == 1)
     svc.runs.end(run.id)
     release.set()
     status, headers, body, _, w = await pending

@@ -80,7 +80,7 @@ async def read_to_close(reader: asyncio.StreamReader, limit_s: float = 3.0) -> b
 async def assert_released(svc, state: Origin) -> dict:  # type: ignore[no-untyped-def]
     """Both sides closed, the slot given back, the record says why; the record."""
     await asyncio.wait_for(state.closed.wait(), 3)
-    await wait_until(lambda: svc.gate.metrics.connections_open == 0, 3)
+    await wait_until(lambda: svc.path.recorder.metrics.connections_open == 0, 3)
     assert svc.default_run.open_connections == 0
     await wait_until(lambda: egress(svc), 3)
     record = egress(svc)[-1]
@@ -227,4 +227,4 @@ async def test_an_idle_tunnel_is_recorded_as_ended_by_the_idle_timeout(make_egre
     await wait_until(lambda: egress(svc))
     record = egress(svc)[-1]
     assert (record["decision"], record.get("end"), record["bytes_up"]) == ("allow", "idle_timeout", 4)
-    await wait_until(lambda: svc.gate.metrics.connections_open == 0)
+    await wait_until(lambda: svc.path.recorder.metrics.connections_open == 0)

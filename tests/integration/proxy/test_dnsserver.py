@@ -653,9 +653,10 @@ async def test_an_unwritable_audit_log_refuses_queries(dns_egressd, dns: FakeDns
 async def test_the_answer_defaults_to_the_transparent_listeners_host(make_egressd, dns: FakeDns) -> None:
     svc = await make_egressd(dns_listen="127.0.0.1:0", transparent_http="127.0.0.9:0")
     assert svc.dns.answer4 == IPv4Address("127.0.0.9")
-    assert (IPv4Address("127.0.0.9"), svc.transparent_http.address[1]) in svc.gate.own.pairs
+    assert (IPv4Address("127.0.0.9"), svc.transparent_http.address[1]) in svc.path.screen.own.pairs
     svc2 = await make_egressd(dns_listen="127.0.0.1:0", dns_answer="127.0.0.10")
-    assert svc2.dns.answer4 == IPv4Address("127.0.0.10") and (IPv4Address("127.0.0.10"), 443) in svc2.gate.own.pairs
+    assert svc2.dns.answer4 == IPv4Address("127.0.0.10")
+    assert (IPv4Address("127.0.0.10"), 443) in svc2.path.screen.own.pairs
 
 
 @pytest.mark.parametrize(
@@ -676,14 +677,14 @@ async def test_a_dns_answer_that_cannot_work_stops_start_up(make_egressd, values
 
 
 async def _small_server(svc, **kw) -> DnsServer:
-    server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, **kw)
+    server = DnsServer(recorder=svc.path.recorder, runs=svc.runs, answer4=ANSWER, **kw)
     await server.start("127.0.0.1", 0)
     return server
 
 
 async def test_the_question_is_echoed_byte_for_byte_with_0x20_case(make_egressd, dns: FakeDns) -> None:
     svc = await make_egressd()
-    server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, answer6=IPv6Address("fd00::53"))
+    server = DnsServer(recorder=svc.path.recorder, runs=svc.runs, answer4=ANSWER, answer6=IPv6Address("fd00::53"))
     for qtype in ("A", "AAAA", "TXT"):
         packet = query("oRiGiN.ExAmPlE.tEsT", qtype, id=0xBEEF)
         reply = server.handle(packet, ("127.0.0.1", 5300), "udp")
@@ -703,7 +704,7 @@ async def test_the_question_is_echoed_byte_for_byte_with_0x20_case(make_egressd,
 )
 async def test_names_dns_cannot_carry_are_formerr_and_recorded_as_shown(make_egressd, dns: FakeDns, packet) -> None:
     svc = await make_egressd()
-    server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER)
+    server = DnsServer(recorder=svc.path.recorder, runs=svc.runs, answer4=ANSWER)
     reply = DNSRecord.parse(server.handle(packet, ("127.0.0.1", 5300), "udp"))
     assert reply.header.rcode == RCODE.FORMERR and reply.rr == [] and reply.header.q == 1
     [record] = dns_records(svc)
@@ -719,8 +720,10 @@ async def test_names_dns_cannot_carry_are_formerr_and_recorded_as_shown(make_egr
 async def test_the_server_answers_and_records_as_the_pure_functions_say(make_egressd, dns: FakeDns) -> None:
     # Every record is checked: no refusal budget (``egressd.proxy.core.floods``) in the way.
     svc = await make_egressd(allow=["ok.test"], deny=["bad.test"], ask=False, max_refusal_records=1_000_000)
-    plain = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, ttl_s=7)
-    strict = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, answer6=IPv6Address("fd00::1"), strict=True)
+    plain = DnsServer(recorder=svc.path.recorder, runs=svc.runs, answer4=ANSWER, ttl_s=7)
+    strict = DnsServer(
+        recorder=svc.path.recorder, runs=svc.runs, answer4=ANSWER, answer6=IPv6Address("fd00::1"), strict=True
+    )
     packets = [
         query(name, qtype, rd=rd)
         for name in ("ok.test", "OK.test", "bad.test", "other.test")
@@ -749,7 +752,7 @@ async def test_a_query_that_breaks_the_server_is_unanswered_and_still_recorded(
     make_egressd, dns: FakeDns, monkeypatch, caplog
 ) -> None:
     svc = await make_egressd()
-    server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER)
+    server = DnsServer(recorder=svc.path.recorder, runs=svc.runs, answer4=ANSWER)
 
     def broken(*args: object) -> None:
         raise RuntimeError("attribution broke")
@@ -827,7 +830,7 @@ async def test_names_past_the_per_run_cap_are_answered_but_only_counted(make_egr
 async def test_the_name_cap_is_per_run_when_runs_take_turns(make_egressd, dns: FakeDns) -> None:
     svc = await make_egressd()
     other = svc.runs.create(task="t", allow=[], sources=[ip_address("127.0.0.5")])
-    server = DnsServer(gate=svc.gate, runs=svc.runs, answer4=ANSWER, max_names_per_run=2)
+    server = DnsServer(recorder=svc.path.recorder, runs=svc.runs, answer4=ANSWER, max_names_per_run=2)
     for i in range(4):
         for source in ("127.0.0.1", "127.0.0.5"):
             assert server.handle(query(f"n{i}.test"), (source, 5300), "udp") is not None

@@ -179,8 +179,8 @@ async def test_a_hello_carrying_ech_is_refused_before_any_byte_reaches_the_origi
     assert hrr_origin.received == b"" and hrr_origin.hellos == 0
     # CONNECT dials before the first client byte; the transparent listener never dials.
     assert hrr_origin.connections == (1 if via == "connect" else 0)
-    assert svc.gate.metrics.decisions[("deny", "sni_mismatch")] == 1
-    await wait_until(lambda: svc.gate.metrics.connections_open == 0)
+    assert svc.path.recorder.metrics.decisions[("deny", "sni_mismatch")] == 1
+    await wait_until(lambda: svc.path.recorder.metrics.connections_open == 0)
 
 
 async def test_an_ech_hello_on_the_transparent_listener_never_asks_an_approver(make_egressd, dns: FakeDns) -> None:
@@ -231,9 +231,9 @@ async def test_a_second_hello_naming_another_host_is_cut_before_it_reaches_the_o
     await wait_until(lambda: any(r["kind"] == kind_of(via) for r in egress(svc)))
     record = last(svc, kind_of(via))
     assert (record["decision"], record["reason"], record["sni"]) == ("deny", "sni_mismatch", "other.test")
-    assert svc.gate.metrics.decisions[("deny", "sni_mismatch")] == 1
-    assert svc.gate.metrics.decisions[("allow", "")] == 0
-    await wait_until(lambda: svc.gate.metrics.connections_open == 0)
+    assert svc.path.recorder.metrics.decisions[("deny", "sni_mismatch")] == 1
+    assert svc.path.recorder.metrics.decisions[("allow", "")] == 0
+    await wait_until(lambda: svc.path.recorder.metrics.connections_open == 0)
 
 
 @pytest.mark.parametrize("via", VIA)

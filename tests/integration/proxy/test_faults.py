@@ -125,7 +125,7 @@ def ended(svc: Any, host: str) -> dict[str, Any]:
 
 async def released(svc: Any) -> None:
     """Nothing leaks: the open-connection gauge and the run's count are back to 0."""
-    await wait_until(lambda: svc.gate.metrics.connections_open == 0 == svc.default_run.open_connections, 3)
+    await wait_until(lambda: svc.path.recorder.metrics.connections_open == 0 == svc.default_run.open_connections, 3)
 
 
 # -- 1. the upstream resolver is slow, dead or answers garbage --------------------------------------

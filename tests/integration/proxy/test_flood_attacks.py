@@ -305,7 +305,7 @@ async def test_a_run_holding_slow_heads_does_not_stop_another_runs_connections(
             return [r for r in svc.audit_records if r.get("run") == flood.id]  # type: ignore[attr-defined]
 
         # Every slow client reached egressd: it holds a connection for it, or refused it.
-        await wait_until(lambda: svc.gate.metrics.connections_open + len(flood_records()) >= 3 * PER_RUN)
+        await wait_until(lambda: svc.path.recorder.metrics.connections_open + len(flood_records()) >= 3 * PER_RUN)
         status, writer = await open_tunnel(svc.proxy_address, f"origin.test:{echo_origin.port}", credentials(quiet))
         writer.close()
         assert status == 200, "the quiet run was starved by the other run's slow heads"

@@ -13,14 +13,17 @@ import pytest
 from egressd.approvals.deny import DenyApprover
 from egressd.audit.log import MemoryAuditSink
 from egressd.audit.records import EgressKind
+from egressd.proxy.core.attempt import Attempt, Seen
 from egressd.proxy.core.commands import Splice
+from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, ListenerLimits
 from egressd.proxy.core.runs import Run, RunRegistry
-from egressd.proxy.net.gate import Gate
+from egressd.proxy.net.dialer import Dialer
 from egressd.proxy.net.listener import Listener
+from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import SystemResolver
-from egressd.proxy.net.runner import Runner
+from egressd.proxy.net.runner import EgressPath, Runner
 from egressd.proxy.net.stream import Peer
 
 
@@ -69,14 +72,25 @@ def _transport(peer: Peer) -> FakeTransport:
 @pytest.fixture
 def setup() -> tuple[Listener, MemoryAuditSink, Run]:
     audit = MemoryAuditSink()
-    gate = Gate(resolver=SystemResolver(), approver=DenyApprover(), audit=audit, metrics=Metrics())
+    path = EgressPath(
+        recorder=Recorder(audit=audit, metrics=Metrics()),
+        dialer=Dialer(),
+        approver=DenyApprover(),
+        resolver=SystemResolver(),
+        screen=Screen(),
+    )
     run = Run(id="r-1", token="t", task=None, allow=(), deny=())
-    listener = Listener(gate=gate, runs=RunRegistry(default=run), limits=ListenerLimits(), mode=EXPLICIT)
+    listener = Listener(path=path, runs=RunRegistry(default=run), limits=ListenerLimits(), mode=EXPLICIT)
     return listener, audit, run
 
 
 def _egress(audit: MemoryAuditSink) -> list[dict[str, object]]:
     return [r for r in audit.records if str(r["event"]).startswith("egress")]
+
+
+def _attempt(listener: Listener, run: Run, kind: EgressKind, port: int) -> Attempt:
+    seen: Seen = listener.path.recorder.begin(kind, "127.0.0.1:5555")
+    return Attempt(seen.id, kind, seen.client, seen.ts, seen.started, run=run, host="a.test", port=port)
 
 
 def _hold(listener: Listener, client: Peer) -> Runner:
@@ -89,13 +103,12 @@ async def test_a_connection_is_counted_open_until_released_and_released_once(set
     listener, audit, run = setup
     client = _peer()
     runner = _hold(listener, client)
-    assert listener.gate.metrics.connections_open == 1
-    seen = listener.gate.begin(EgressKind.HTTP, "127.0.0.1:5555")
+    assert listener.path.recorder.metrics.connections_open == 1
     assert runner.talk is not None
-    runner.talk.pending = listener.gate.attempt(seen, run, "a.test", 80)
+    runner.talk.pending = _attempt(listener, run, EgressKind.HTTP, 80)
     runner.release()
     runner.release()
-    assert listener.gate.metrics.connections_open == 0
+    assert listener.path.recorder.metrics.connections_open == 0
     assert _transport(client).closed
     assert len(_egress(audit)) == 1  # the attempt left with the connection is recorded, once
 
@@ -106,7 +119,7 @@ async def test_a_runs_slot_is_given_back_when_its_request_is_refused(setup) -> N
     task = asyncio.create_task(Runner(listener, client).run())
     client.data_received(b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test:443\r\n\r\n")
     await asyncio.wait_for(task, 5)  # not allowlisted: the DenyApprover refuses, the refusal ends the connection
-    assert run.open_connections == 0 and listener.gate.metrics.connections_open == 0
+    assert run.open_connections == 0 and listener.path.recorder.metrics.connections_open == 0
 
 
 async def test_after_a_splice_the_task_releases_nothing_and_the_tunnels_end_releases_everything(setup) -> None:  # type: ignore[no-untyped-def]
@@ -115,17 +128,17 @@ async def test_after_a_splice_the_task_releases_nothing_and_the_tunnels_end_rele
     runner = _hold(listener, client)
     talk = runner.talk
     assert talk is not None
-    attempt = listener.gate.attempt(listener.gate.begin(EgressKind.CONNECT, "127.0.0.1:5555"), run, "a.test", 443)
+    attempt = _attempt(listener, run, EgressKind.CONNECT, 443)
     talk.pending, talk.slot, talk.spliced = attempt, run, True
     run.open_connections += 1
     runner._splice(Splice(upstream, attempt, name_required=False))
     runner.release()
     # The tunnel has them all: still counted, nothing recorded, nothing closed.
-    assert (listener.gate.metrics.connections_open, run.open_connections) == (1, 1)
+    assert (listener.path.recorder.metrics.connections_open, run.open_connections) == (1, 1)
     assert _egress(audit) == [] and not _transport(client).closed
     upstream.data_received(b"hello")
     client.connection_lost(None)  # the client goes: the tunnel ends
-    assert (listener.gate.metrics.connections_open, run.open_connections) == (0, 0)
+    assert (listener.path.recorder.metrics.connections_open, run.open_connections) == (0, 0)
     assert _transport(client).closed and _transport(upstream).closed
     [record] = _egress(audit)
     assert record["bytes_down"] == 5
@@ -134,7 +147,7 @@ async def test_after_a_splice_the_task_releases_nothing_and_the_tunnels_end_rele
 async def test_an_attempt_seen_and_never_refused_is_recorded_once_when_the_connection_ends(setup) -> None:  # type: ignore[no-untyped-def]
     listener, audit, run = setup
     runner = _hold(listener, _peer())
-    seen = listener.gate.begin(EgressKind.HTTP, "127.0.0.1:5555")
+    seen = listener.path.recorder.begin(EgressKind.HTTP, "127.0.0.1:5555")
     assert runner.talk is not None
     runner.talk.pending = seen.attributed(run)
     runner.release()

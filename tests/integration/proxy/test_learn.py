@@ -47,7 +47,7 @@ async def test_an_unlisted_host_goes_out_and_its_record_says_what_it_would_have_
     assert echo_origin.connections == 1
     start = next(r for r in svc.audit_records if r["event"] == "run.start")
     assert start["learn"] is True
-    assert svc.gate.metrics.learned == 1
+    assert svc.path.recorder.metrics.learned == 1
 
 
 class _Recording:

@@ -121,7 +121,7 @@ async def test_a_bad_allow_file_keeps_the_old_policy_whole(make_egressd, echo_or
         [line] = [r.getMessage() for r in caplog.records if "reload" in r.getMessage()]
         assert "old policy stays in force" in line and str(allow_file) in line
         assert await status_of(svc, target) == 200
-    assert svc.settings.deny == [] and svc.gate.allow_private != ()
+    assert svc.settings.deny == [] and svc.path.screen.allow_private != ()
     failed = records(svc, "policy.reloaded")
     assert len(failed) == 3 and all(r["ok"] is False and "allow_file" in r["error"] for r in failed)
     assert all(r["added"] is None for r in failed)

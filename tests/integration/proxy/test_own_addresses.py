@@ -25,7 +25,7 @@ from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints, is_own
 from egressd.proxy.core.policy import parse_entry
 from egressd.proxy.core.responses import OWN_ENDPOINT_MESSAGE
-from egressd.proxy.net.gate import bound_locally
+from egressd.proxy.net.dialer import bound_locally
 from tests.conftest import MakeEgressd
 from tests.fakes.dns import FakeDns
 from tests.harness import egress, read_response

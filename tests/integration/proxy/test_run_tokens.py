@@ -145,7 +145,7 @@ async def test_a_run_token_cannot_touch_another_run(bed: Bed) -> None:
     # B is as it was: its command, its run, its approval still waiting.
     run_b = svc.runs.get(b_id)
     assert run_b is not None and run_b.command == "cmd B" and not run_b.ended
-    assert b_approval in [p.id for p in bed.svc.gate.approver.pending()]
+    assert b_approval in [p.id for p in bed.svc.path.approver.pending()]
     assert len(svc.runs) == 2
     # A's view of the approvals holds A's alone.
     status, listed = await call(svc, "GET", "/approvals", a)
@@ -202,7 +202,7 @@ async def test_a_run_token_cannot_answer_always_nor_pass_for_the_operator(bed: B
     )
     assert status == 403 and "global control token" in answer["error"], (status, answer)
     await asyncio.sleep(0.05)
-    assert a_approval in [p.id for p in svc.gate.approver.pending()]  # nothing decided
+    assert a_approval in [p.id for p in svc.path.approver.pending()]  # nothing decided
     assert not bed.allow_file.exists() or "[[approved]]" not in bed.allow_file.read_text()
     assert not decided_records(bed)
     # For its own run it may allow; the record names the run's token, whatever ``by`` claims.
@@ -265,10 +265,10 @@ async def test_egressd_pending_and_allow_with_a_run_token_see_and_answer_that_ru
     assert bed.approval_of("B") not in out and b_id not in out
     code, out, err = await egressd_cli(bed.svc, a, "allow", bed.approval_of("B"))
     assert code != 0 and "run" in err
-    assert bed.approval_of("B") in [p.id for p in bed.svc.gate.approver.pending()]
+    assert bed.approval_of("B") in [p.id for p in bed.svc.path.approver.pending()]
     code, out, err = await egressd_cli(bed.svc, a, "allow", bed.approval_of("A"))
     assert code == 0 and "allowed" in out, err
-    assert [p.id for p in bed.svc.gate.approver.pending()] == [bed.approval_of("B")]
+    assert [p.id for p in bed.svc.path.approver.pending()] == [bed.approval_of("B")]
 
 
 async def test_the_docker_session_uses_the_run_token_after_registering(bed: Bed, tmp_path: Path) -> None:

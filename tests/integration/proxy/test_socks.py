@@ -121,7 +121,7 @@ async def test_curl_socks5_hostname_reaches_an_allowed_host_and_is_recorded(make
         http_origin.port,
     )
     assert record["address"] == ORIGIN and record["bytes_up"] > 0 and record["bytes_down"] > 0
-    assert svc.gate.metrics.connections_total["socks"] == 1
+    assert svc.path.recorder.metrics.connections_total["socks"] == 1
 
 
 @needs_curl
@@ -418,13 +418,13 @@ async def test_a_flood_of_half_open_handshakes_is_bounded(make_egressd, echo_ori
         reader, writer = await opened(svc)
         writer.write(b"\x05")
         flood.append((reader, writer))
-    await wait_until(lambda: svc.gate.metrics.connections_open <= 20, 5)
+    await wait_until(lambda: svc.path.recorder.metrics.connections_open <= 20, 5)
     # Every one of them is closed by egressd within the head timeout (and a margin).
     for reader, _ in flood:
         assert await closed(reader)
     for _, writer in flood:
         writer.close()
-    await wait_until(lambda: svc.gate.metrics.connections_open == 0, 5)
+    await wait_until(lambda: svc.path.recorder.metrics.connections_open == 0, 5)
     assert len(egress(svc)) == 60
     assert {r["reason"] for r in egress(svc)} == {"limit_exceeded"}
     rep, reader, writer = await handshake(svc, domain("origin.test", echo_origin.port))  # still serving

@@ -535,8 +535,8 @@ async def test_connect_carrying_another_sni_is_closed_as_sni_mismatch(
         "other.test",
     )
     assert tls_origin.snis == [] and tls_origin.handshakes == 0  # the origin never saw a byte of it
-    assert svc.gate.metrics.decisions[("deny", "sni_mismatch")] == 1
-    assert svc.gate.metrics.decisions[("allow", "")] == 0
+    assert svc.path.recorder.metrics.decisions[("deny", "sni_mismatch")] == 1
+    assert svc.path.recorder.metrics.decisions[("allow", "")] == 0
 
 
 async def test_a_mismatched_hello_sent_byte_by_byte_is_caught(make_egressd, tls_origin, dns: FakeDns) -> None:

@@ -158,7 +158,7 @@ async def test_a_first_request_naming_another_host_is_cut_before_the_origin_sees
     await cut(reader)
     assert origin.requests == [] and EVIL not in origin.received()
     assert_mismatch(await refused_record(svc, kind))
-    assert svc.gate.metrics.decisions[("deny", "sni_mismatch")] == 1
+    assert svc.path.recorder.metrics.decisions[("deny", "sni_mismatch")] == 1
 
 
 async def test_a_second_request_naming_another_host_is_cut(opened, origin: RecordingOrigin) -> None:

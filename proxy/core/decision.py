@@ -1,0 +1,205 @@
+"""The decision: from a request for HOST:PORT in a run to one final ``Admission``, without I/O.
+
+Every mode decides through ``decide`` (the conversation's decision layer),
+the DNS server through the same ``Run.decide``:
+
+1. the audit log must be writable (else refuse: nothing happens unrecorded);
+2. ``policy.decide`` — the design's decision order (learn mode included:
+   what the allowlist alone would refuse or hold comes back ALLOW with
+   ``learned``, which every record of the attempt carries);
+3. ASK → an ``Ask`` command: a person is asked through the approver; an
+   allow joins the run's allowlist unless its scope is ``once`` (then only
+   the requests that waited on that approval go through), a denial sticks
+   for the run (its registered domain too), a run past its approval requests
+   stops asking (``apply_answer``); the request carries the entry an
+   ``always`` answer would keep (``policy.lasting_entry``); an answer that
+   comes after the client gave up applies to the run alike (``late_answer``);
+4. allowed → a ``Resolve`` command (an IP literal is its own address); every
+   address is classified and only those that pass are kept (``Screen``:
+   ``private_address`` if none); an address and port where egressd itself
+   listens never passes, and when that is why nothing passed the client is
+   told so.
+
+The attempt is filled as it goes (rule, learned, approval, host, decision);
+the recorder writes it, the dialer dials exactly the admitted addresses.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Sequence
+from typing import Final
+
+from egressd.approvals.interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest, ApprovalScope
+from egressd.audit.records import ApprovalSummary, Decision
+from egressd.names.addresses import IPAddress
+from egressd.proxy.core.addresses import OwnEndpoints, forbidden_reason, is_own
+from egressd.proxy.core.attempt import Admission, Attempt
+from egressd.proxy.core.commands import Ask, Resolve, Steps
+from egressd.proxy.core.dns import ResolveError
+from egressd.proxy.core.memo import remembered
+from egressd.proxy.core.metrics import Metrics
+from egressd.proxy.core.policy import EntryError, Verdict, lasting_entry
+from egressd.proxy.core.reasons import Reason, reason_for
+from egressd.proxy.core.responses import OWN_ENDPOINT_MESSAGE
+from egressd.proxy.core.runs import Run
+
+# The refusal each failed answer becomes: the approvals package names its code.
+ANSWER_REASON: Final[dict[Answer, Reason]] = {answer: reason_for(code) for answer, code in ANSWER_REASONS.items()}
+_DENY: Final = Verdict.DENY
+_ASK: Final = Verdict.ASK
+_ALLOWED: Final = Decision.ALLOW
+
+
+class Screen:
+    """Step 4's address check, with this egressd's settings: which resolved addresses may be dialled.
+
+    ``is_local``: whether an address is one of this host's own (asked only
+    for a port where egressd listens on a wildcard address; the network
+    shell's ``dialer.bound_locally``).
+    """
+
+    def __init__(
+        self,
+        *,
+        allow_private: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network] = (),
+        own: OwnEndpoints | None = None,
+        is_local: Callable[[IPAddress], bool] = lambda address: True,
+    ) -> None:
+        self.allow_private = tuple(allow_private)
+        # egressd's listening endpoints; the service updates it as each listener binds.
+        self.own = own if own is not None else OwnEndpoints()
+        self.is_local = is_local
+        self._address_ok: dict[IPAddress, bool] = {}
+        self._texts: dict[IPAddress, str] = {}
+
+    def set_allow_private(self, allow_private: Sequence[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> None:
+        """New ``allow_private`` ranges (a reload): addresses are checked against them from the next request on."""
+        self.allow_private = tuple(allow_private)
+        self._address_ok.clear()  # remembered under the old ranges
+
+    def admission(self, attempt: Attempt, host: str, port: int, candidates: Sequence[IPAddress]) -> Admission:
+        """The addresses that pass, in order; ``private_address`` (with why, on the attempt) when none does."""
+        own_port = port in self.own.ports  # most ports are none of egressd's: one set lookup
+        passed = tuple(a for a in candidates if self._dialable(a) and not (own_port and self._own(a, port)))
+        if passed:
+            return Admission(None, host, port, passed, tuple(map(self._text, passed)))
+        attempt.address = str(candidates[0]) if candidates else None
+        itself = next((a for a in candidates if own_port and self._own(a, port)), None)
+        if itself is not None:
+            attempt.address = str(itself)
+            attempt.message = OWN_ENDPOINT_MESSAGE
+            attempt.extra["detail"] = f"{self._text(itself)} port {port} is egressd itself (one of its listeners)"
+        return Admission(Reason.PRIVATE_ADDRESS, host, port)
+
+    # Pure functions of their argument (and of the fixed settings): their answers are remembered.
+    def _text(self, address: IPAddress) -> str:
+        return remembered(self._texts, address, str)
+
+    def _dialable(self, address: IPAddress) -> bool:
+        return remembered(self._address_ok, address, self._check_address)
+
+    def _check_address(self, address: IPAddress) -> bool:
+        return forbidden_reason(address, self.allow_private) is None
+
+    def _own(self, address: IPAddress, port: int) -> bool:
+        # Not remembered: a wildcard listener's answer depends on the interfaces of the moment.
+        return is_own(address, port, self.own, self.is_local)
+
+
+def decide(attempt: Attempt, run: Run, screen: Screen, metrics: Metrics, audit_healthy: bool, on_eof: bool) -> Steps:
+    """Steps 1-4 for the attempt → its ``Admission``; yields ``Ask`` and ``Resolve`` (a generator).
+
+    ``on_eof``: the client's FIN stops a wait (a tunnel cannot go on without sending).
+    """
+    admission = yield from _admission(attempt, run, screen, metrics, audit_healthy, on_eof)
+    attempt.host = admission.host
+    if admission.reason is None:
+        attempt.decision, attempt.reason = _ALLOWED, None
+    else:
+        attempt.refuse(admission.reason)
+    attempt.decided = True
+    return admission
+
+
+def _admission(
+    attempt: Attempt, run: Run, screen: Screen, metrics: Metrics, audit_healthy: bool, on_eof: bool
+) -> Steps:
+    host, port = attempt.host, attempt.port
+    assert host is not None and port is not None
+    if not audit_healthy:
+        return Admission(Reason.AUDIT_UNAVAILABLE, host, port)
+    verdict = run.decide(host, port)
+    host = verdict.host
+    attempt.rule = verdict.rule
+    if verdict.learned is not None:
+        attempt.learned = verdict.learned.value
+        metrics.learned += 1
+    if verdict.verdict is _DENY:
+        return Admission(verdict.reason, host, port)
+    if verdict.verdict is _ASK:
+        outcome: ApprovalOutcome = yield Ask(approval_request(run, host, port), on_eof)
+        attempt.approval = ApprovalSummary(outcome.approval_id, outcome.channel, outcome.by, round(outcome.waited_s, 3))
+        refused = apply_answer(run, host, port, outcome)
+        if refused is not None:
+            return Admission(refused, host, port)
+        attempt.rule = "approved"
+    if verdict.address is not None:
+        candidates: Sequence[IPAddress] = [verdict.address]
+    else:
+        try:
+            candidates = yield Resolve(host, on_eof)
+        except ResolveError as exc:
+            attempt.extra["detail"] = str(exc)
+            return Admission(Reason.RESOLVE_FAILED, host, port)
+    return screen.admission(attempt, host, port, candidates)
+
+
+def approval_request(run: Run, host: str, port: int) -> ApprovalRequest:
+    """What the approver is asked for ``host``:``port`` in ``run``."""
+    lasting: str | None = None
+    lasting_error: str | None = None
+    try:
+        lasting = lasting_entry(host, port)
+    except EntryError as exc:
+        lasting_error = str(exc)
+    return ApprovalRequest(
+        run_id=run.id,
+        host=host,
+        port=port,
+        command=run.command,
+        task=run.task,
+        allowed=run.allowed_texts(),
+        lasting=lasting,
+        lasting_error=lasting_error,
+        on_late_answer=lambda outcome: late_answer(run, host, port, outcome),
+    )
+
+
+def apply_answer(run: Run, host: str, port: int, outcome: ApprovalOutcome) -> Reason | None:
+    """What an answer does to the run; the reason the request is refused with, None when it goes on."""
+    if not outcome.allowed:
+        if outcome.answer is Answer.DENY:
+            run.deny_host(host)
+        elif outcome.answer is Answer.STOPPED_ASKING:
+            run.stop_asking()
+        return ANSWER_REASON[outcome.answer]
+    if run.ended:
+        # Allowed after its run ended (the sandbox is gone): its credentials are void.
+        return Reason.AUTH_REQUIRED
+    if outcome.scope is not ApprovalScope.ONCE:
+        run.approve(host, port)
+    return None
+
+
+def late_answer(run: Run, host: str, port: int, outcome: ApprovalOutcome) -> None:
+    """An answer that came after every client waiting for it gave up still applies to the run.
+
+    Allow → the host joins the run's allowlist (not for an ended run, and
+    not for scope ``once``: it covered only the requests that waited);
+    deny → the denial sticks; a timeout or shutdown applies nothing.
+    """
+    if outcome.answer is Answer.ALLOW and outcome.scope is not ApprovalScope.ONCE and not run.ended:
+        run.approve(host, port)
+    elif outcome.answer is Answer.DENY:
+        run.deny_host(host)
