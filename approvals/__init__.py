@@ -4,7 +4,7 @@ The proxy holds a request it may not decide alone and calls
 ``Approver.ask(ApprovalRequest)``; whatever answers returns an
 ``ApprovalOutcome``. The proxy never imports a channel.
 
-A request flows:  gate → ``ApprovalBroker.ask`` → (``ledger`` opens an
+A request flows:  the decision (``egressd.proxy.core.decision``) → ``ApprovalBroker.ask`` → (``ledger`` opens an
 approval, ``message`` renders it once) → every ``Channel.deliver`` at once
 → a person answers through a channel or the control API →
 ``Answerer.answer`` (allow with a scope: ``once``, ``run`` or ``always``)
@@ -13,7 +13,7 @@ allowlist file, ``--allow-file``) → the waiting requests wake →
 every channel that showed it is told (``Channel.settle``). When every
 waiting request's client gave up first, the approval stays open, every
 channel is told once (``Channel.abandoned``), and its answer is handed to
-the gate, which applies it to the run (``ApprovalRequest.on_late_answer``).
+the decision, which applies it to the run (``ApprovalRequest.on_late_answer``).
 
 - ``interface``  the values and protocols both sides meet at (``Approver``,
   ``Channel``, ``Answerer``, ``PendingApproval``, ``Settlement``);

@@ -74,7 +74,7 @@ class ApprovalRequest:
     lasting: str | None = None
     lasting_error: str | None = None
     # What the asker wants done with the answer when it comes after the asker
-    # stopped waiting (its client gave up): the gate applies it to the run.
+    # stopped waiting (its client gave up): the decision applies it to the run (``late_answer``).
     # Called once the approval settles, only when no client waits any more;
     # not part of the question (never compared, never shown).
     on_late_answer: Callable[[ApprovalOutcome], None] | None = field(default=None, compare=False, repr=False)

@@ -61,7 +61,7 @@ watching, a new domain is refused ``no_approver`` as with any unattached
 channel. An approval shown stays answerable until its deadline even if the
 page is closed (and through ``egressd allow|deny``).
 
-The egress tail comes from the gate's observers (every egress record as it
+The egress tail comes from the recorder's observers (every egress record as it
 is written, the same records ``GET /runs/ID/events`` returns), subscribed
 only while an event stream is open; a new stream starts with the last
 records of each run's event window.
@@ -165,7 +165,7 @@ class ControlView:
     ``sign_in``: the scope a token grants (the global token, a live run's
     own), or None; ``runs``: every live run as ``GET /runs`` shows it;
     ``recent``: the last ``n`` egress records of every run, oldest first;
-    ``observers``: the gate's list of egress-record observers.
+    ``observers``: the recorder's list of egress-record observers.
     """
 
     sign_in: Callable[[str], Scope | None]
@@ -560,7 +560,7 @@ class WebChannel:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **SECURITY_HEADERS})
 
         def on_egress(record: dict[str, Any]) -> None:
-            # Called inside the gate, for every egress record: never raises into it.
+            # Called inside the recorder, for every egress record: never raises into it.
             try:
                 run = record.get("run")
                 if isinstance(run, str) and scope.covers(run) and not stream.put("egress", tail_row(record)):

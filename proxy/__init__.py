@@ -10,17 +10,22 @@ refusal budget, ``metrics`` the counters, ``modes`` what each listener mode
 is (where a request goes, how it is attributed, which refusal a limit or a
 bad head earns), ``dns`` the one DNS codec (the sandbox's queries and our
 replies, the resolver's upstream messages) and ``dnsanswer`` what the DNS
-server answers. ``net`` executes what the core decides:
+server answers. Every client connection, in every mode, is one
+``conversation``: a generator of commands (``commands``) with layers that
+stack: the way in (``ways``: an HTTP head, a ClientHello, a SOCKS5
+handshake), the decision (``decision``: ``policy.decide``, the approver
+asked, the name resolved, every address screened), and what the connection
+carries (a spliced tunnel, or HTTP/1 requests framed by ``exchange``).
+``net`` executes what the core decides:
 
-1. ``listener`` accepts the client in its mode and holds what the connection
-   claims until it ends; ``server`` feeds an HTTP client's bytes to an
-   ``exchange``; the run is found (``runs``) by credentials or source
-   address (the transparent modes: by source address alone);
-2. ``gate``     decides with ``policy.decide``; asking goes through the
-   ``approvals.interface.Approver`` interface; an allowed name is resolved
-   (``resolver``) and every address classified before anything is dialled;
-3. ``tunnel``   relays bytes both ways (CONNECT), or ``server`` forwards
-   absolute-form HTTP requests one at a time as the exchange frames them;
+1. ``listener`` accepts the client in its mode; a ``runner`` executes its
+   conversation's commands and holds what the connection claims until it ends;
+2. asking goes through the ``approvals.interface.Approver`` interface, an
+   allowed name is resolved by ``resolver``;
+3. ``recorder`` writes the ``egress`` record before ``dialer`` dials the
+   admitted addresses; ``tunnel`` relays bytes both ways (checked by
+   ``tunnelcheck``), or the runner forwards absolute-form HTTP requests one
+   at a time as the exchange frames them;
 4. every attempt ends as audit facts (``egressd.audit.records``); a refusal is
    a ``reasons.Reason``; past a run's budget of refusal records per interval,
    its refusals are counted into one summary instead (``floods``).
@@ -28,10 +33,8 @@ server answers. ``net`` executes what the core decides:
 The sandbox-facing side: ``dnsserver`` answers every name with egressd's own
 address (as ``core.dnsanswer`` plans) and forwards nothing; a transparent
 listener reads the destination of a connection that arrives there from its
-ClientHello (``transparent``) or its Host header (``server`` in
-``modes.transparent_http``), and from then on everything happens as above.
-``control`` is the HTTP control API
-(aiohttp). Host names and authorities are ``egressd.names``' business.
+ClientHello or its Host header (``ways``), and from then on everything
+happens as above. ``control`` is the HTTP control API (aiohttp). Host names and authorities are ``egressd.names``' business.
 
 Which egressd packages this one imports, and the contracts that hold it: docs/architecture.md, "Layers".
 """

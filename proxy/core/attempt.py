@@ -1,8 +1,8 @@
-"""One attempt as the connection core and the gate see it, before and after the decision.
+"""One attempt, before and after the decision: what the conversation learnt, decided and recorded.
 
 ``Seen`` is what the conversation (``conversation``) has learnt before the
-gate decides; ``Attempt`` is what the gate decides and records
-(``egressd.proxy.net.gate``); ``Admission`` is the gate's answer;
+decision; ``Attempt`` is what is decided (``decision``) and recorded
+(``egressd.proxy.net.recorder``); ``Admission`` is the decision's answer;
 ``DialError`` why no upstream connection could be made. Pure values.
 """
 
@@ -18,16 +18,15 @@ from egressd.proxy.core.runs import Run
 
 
 class Seen(NamedTuple):
-    """What a listener has learnt about one attempt before the gate decides it: a value, never edited.
+    """What the conversation has learnt about one attempt before the decision: a value, never edited.
 
-    ``Gate.begin`` makes the first (its identity: id, kind, client, when);
-    the listener makes each next one as it learns more (``_replace``: the
-    kind and destination from the request head, the run it is attributed
-    to; a tuple, since one is made for every request). It goes into the gate whole: ``Gate.refuse`` records an
-    attempt refused before the policy ran, ``Gate.attempt`` starts the one
-    the gate decides. ``command`` is the run's current command where the
-    listener attributed the attempt itself (``attributed``), not where it
-    only knows the run its source address is bound to.
+    ``Recorder.begin`` makes the first (its identity: id, kind, client, when);
+    the way in makes each next one as it learns more (``_replace``: the kind
+    and destination from the request, the run it is attributed to).
+    ``Recorder.refuse`` records an attempt refused before the policy ran; the
+    conversation starts an ``Attempt`` from it otherwise. ``command`` is the
+    run's current command where the attempt was attributed (``attributed``),
+    not where only the run its source address is bound to is known.
     """
 
     id: str
@@ -47,23 +46,18 @@ class Seen(NamedTuple):
 
 @dataclass(slots=True)
 class Attempt:
-    """One attempt the gate decides, from ``Gate.attempt`` (what the listener ``Seen``) to its record.
+    """One attempt the decision decides, from the conversation's ``Seen`` to its records.
 
-    The gate turns it into facts (``egressd.audit.records``), each built once: the
-    ``EgressDecided`` written ahead of an allowed dial (``Gate.open``, kept
-    as ``ahead``) or, for a refusal, the final one (``Gate.finish``); and the
-    ``EgressEnded`` of an opened connection (``Gate.finish``, from the bytes,
-    the duration and ``end``). Who sets what: ``Gate.attempt`` the identity,
-    run and destination, from the listener's ``Seen``; ``Gate.admit`` the
-    decision (``decision``, ``reason``, ``rule``, ``approval``); ``Gate.dial``
-    the address; then the listener what the connection did: a refusal after
-    the decision (``refuse``), the byte counters, ``extra`` notes
-    (``status``, ``sni``, ``detail``, in the order they came: the record
-    keeps it) and ``end``. The byte counters are the listener's alone
-    (``server`` and ``listener.Held``, which add what each relay moved). An
-    attempt refused before the policy ran never becomes one: ``Gate.refuse``
-    records its ``Seen``. The DNS server keeps no attempt either: a query is
-    decided at once, and it builds the query's fact itself (``Gate.settle``).
+    Who sets what: the conversation its identity, run and destination;
+    ``decision.decide`` the decision (``decision``, ``reason``, ``rule``,
+    ``approval``, ``learned``; an address refused, ``message``); the
+    recorder the address written ahead (``open``: ``ahead``) and ``counted``;
+    the dialer the address that answered; the runner what the connection did
+    (the byte counters, ``extra`` notes such as ``status``, ``sni`` and
+    ``detail`` in the order they came, and ``end``). The recorder turns it
+    into facts (``egressd.audit.records``): the ``EgressDecided`` written ahead
+    of an allowed dial, or for a refusal the final one; and the
+    ``EgressEnded`` of an opened connection.
     """
 
     id: str
@@ -91,7 +85,7 @@ class Attempt:
     extra: dict[str, object] = field(default_factory=dict)
     decided: bool = False
     counted: bool = False  # in the metrics and the decision log (``Recorder``), once
-    # Its ``egress`` record, written ahead (``Gate.open``): what ends it is an ``egress.end`` record.
+    # Its ``egress`` record, written ahead (``Recorder.open``): what ends it is an ``egress.end`` record.
     ahead: EgressDecided | None = None
     # That fact's record as written, kept so the end folds into it without serialising it again.
     ahead_record: dict[str, object] | None = None
@@ -116,7 +110,7 @@ class Attempt:
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """The gate's answer: addresses to dial, or the reason for refusing."""
+    """The decision's answer: addresses to dial, or the reason for refusing."""
 
     reason: Reason | None
     host: str

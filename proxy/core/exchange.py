@@ -1,6 +1,6 @@
 """One client connection of the plain-HTTP forward proxy, as a state machine without I/O.
 
-The listener (``egressd.proxy.net.server``'s HTTP modes) reads, feeds and acts; everything HTTP
+The conversation (``conversation``, in the HTTP modes) reads, feeds and acts; everything HTTP
 about a connection is decided here: where a message head ends, how its body
 is framed and where it ends, which interim responses are answered or dropped,
 and whether the connection may carry another request (RFC 9112 §9.3).

@@ -4,7 +4,7 @@ A CONNECT (or SOCKS) tunnel to an allowed ``host:port`` that carries plain
 HTTP could name another host in each request (``Host: evil.test``, or an
 absolute-form target), and an origin that routes by Host (a CDN) would serve
 another of its tenants: domain fronting without TLS. The network shell
-(``server.SniCheck``) shows ``RequestWatch`` the client's held bytes, once
+(``egressd.proxy.net.tunnelcheck.SniCheck``) shows ``RequestWatch`` the client's held bytes, once
 they are known not to be TLS, and relays only what it lets go:
 
 1. the first line (leading empty lines skipped, RFC 9112 §2.2) says whether

@@ -1,6 +1,6 @@
 """SOCKS5 as values: the handshake's messages parsed from bytes and the replies built, without I/O.
 
-What the SOCKS listener (``egressd.proxy.net.socks``) reads, in order:
+What the SOCKS listener (``ways.SocksWay``) reads, in order:
 
 1. the greeting (RFC 1928 §3): VER 5, NMETHODS (1..255), METHODS;
 2. when the method chosen is username/password, its sub-negotiation

@@ -38,7 +38,7 @@ def bound_locally(address: IPAddress) -> bool:
 
 
 class _Expiry:
-    """``Gate.dial``'s connect timeout: cancels the task when due, and takes that cancellation back once."""
+    """``Dialer.dial``'s connect timeout: cancels the task when due, and takes that cancellation back once."""
 
     __slots__ = ("task", "cancelling", "fired")
 

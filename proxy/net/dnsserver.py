@@ -365,7 +365,7 @@ class DnsServer:
         return outcome.reply(query)
 
     def _record(self, heard: _Heard, decision: Decision, reason: str | None) -> None:
-        """The query's ``egress`` record, built once from what was learnt of it (``Gate.settle``)."""
+        """The query's ``egress`` record, built once from what was learnt of it (``Recorder.settle``)."""
         heard.recorded = True
         run = heard.run
         extra: dict[str, object] = {"qtype": heard.qtype, "answer": heard.answer, "transport": heard.transport}

@@ -1,8 +1,8 @@
-"""Resolve a name the policy already allowed, to the addresses the gate checks and dials.
+"""Resolve a name the policy already allowed, to the addresses the decision screens and the dialer dials.
 
-The gate calls ``Resolver.resolve`` only after ``policy.decide`` allowed the
+The runner calls ``Resolver.resolve`` only after ``policy.decide`` allowed the
 name (DESIGN.md "Policy"): a denied or held name never leaves the machine. The
-addresses returned are the ones the gate classifies and then dials directly, so
+addresses returned are the ones the decision classifies and the dialer then dials directly, so
 there is never a second lookup between the check and the connection.
 
 Two implementations:

@@ -205,7 +205,7 @@ class Runner:
             self._release()
 
     def finish(self, attempt: Attempt) -> None:
-        """``gate.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
+        """``Recorder.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
         if self.shared.cutting and attempt.opened:
             attempt.ends(SHUTDOWN_END)
         self.recorder.finish(attempt)
