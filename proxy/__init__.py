@@ -34,7 +34,8 @@ The sandbox-facing side: ``dnsserver`` answers every name with egressd's own
 address (as ``core.dnsanswer`` plans) and forwards nothing; a transparent
 listener reads the destination of a connection that arrives there from its
 ClientHello or its Host header (``ways``), and from then on everything
-happens as above. ``control`` is the HTTP control API (aiohttp). Host names and authorities are ``egressd.names``' business.
+happens as above. ``control`` is the HTTP control API (aiohttp). Host names
+and authorities are ``egressd.names``' business.
 
 Which egressd packages this one imports, and the contracts that hold it: docs/architecture.md, "Layers".
 """

@@ -36,6 +36,11 @@ class Upstream(Protocol):
 
     closed: bool
     eof: bool
+    buf: bytearray  # bytes it sent that nobody asked for yet
+
+    def close(self) -> None:
+        """Close it (the shell does, executing a command)."""
+        ...
 
 
 # -- reading and writing the client ------------------------------------------------------------
@@ -120,26 +125,25 @@ class RecordRefusal(NamedTuple):
 
 
 class Splice(NamedTuple):
-    """Relay both ways from now on, the client's bytes checked until the TLS handshake settles.
+    """Send ``answer`` (if any: the CONNECT's 200, the SOCKS reply), then relay both ways from now on,
+    the client's bytes checked until the TLS handshake settles.
 
     The tunnel owns the client, the upstream, the run's slot and the attempt
     from here; the conversation ends. ``name_required``: a ClientHello must
-    name the attempt's host (the transparent listener decided on it).
+    name the attempt's host (the transparent listener decided on it). A
+    client gone before the answer is out: PeerClosed.
     """
 
     upstream: Upstream
     attempt: Attempt
+    answer: bytes | None
     name_required: bool
 
 
-class TakeKept(NamedTuple):
-    """The client's kept upstream connection, if it may carry this request → (address, upstream), or None.
+class Close(NamedTuple):
+    """Close a kept upstream connection that may not carry the next request → None."""
 
-    A kept connection that may not (another host or port, an address no
-    longer admitted, closed, or out of step) is closed.
-    """
-
-    admission: Admission
+    upstream: Upstream
 
 
 class Relay(NamedTuple):
@@ -148,15 +152,14 @@ class Relay(NamedTuple):
     → ``STALE`` (a reused connection the origin had closed: nothing was
     lost, dial again), a ``Reason`` to refuse with (nothing reached the
     client yet), ``True`` when the client may send another request, or
-    ``False`` when the connection ends. The upstream is kept for the next
-    request when the exchange allows, else closed.
+    ``False`` when the connection ends. Once the response is through, the
+    upstream is left open when the exchange says it may serve the next
+    request (``Exchange.keep_upstream``: the conversation keeps it), else closed.
     """
 
     attempt: Attempt
     exchange: Exchange
     upstream: Upstream
-    key: tuple[str, int]
-    address: str | None
     out: bytes
     reused: bool
     last_try: bool

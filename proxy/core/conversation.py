@@ -25,6 +25,7 @@ gone, egressd stopping) is ``pending``; the run's slot it holds is ``slot``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from egressd.audit.records import EgressKind
@@ -32,6 +33,7 @@ from egressd.names.addresses import IPAddress
 from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
 from egressd.proxy.core.commands import (
     STALE,
+    Close,
     Dial,
     Finish,
     PeerClosed,
@@ -40,11 +42,10 @@ from egressd.proxy.core.commands import (
     Send,
     Splice,
     Steps,
-    TakeKept,
     Upstream,
     WriteAhead,
 )
-from egressd.proxy.core.decision import Screen, decide
+from egressd.proxy.core.decision import Screen, conclude, decide
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1 import Destination
 from egressd.proxy.core.metrics import Metrics
@@ -66,26 +67,18 @@ class Refused(Exception):
         self.answer = answer
 
 
-class Arrival:
-    """What the way in found for one request: its attempt so far, the run, where it goes."""
+# What the way in found for one request: the attempt seen so far, the run, HOST:PORT as the client
+# named it (the decision normalises), the request's kind when the way learnt it from the request
+# (CONNECT or HTTP; None: the first seen's), and an HTTP request to forward (None: a tunnel).
+# A tuple: one is made for every request.
+Arrival = tuple[Seen, Run, str, int, "EgressKind | None", "Destination | None"]
 
-    __slots__ = ("seen", "run", "host", "port", "kind", "destination")
 
-    def __init__(
-        self,
-        seen: Seen,
-        run: Run,
-        host: str,
-        port: int,
-        kind: EgressKind | None = None,
-        destination: Destination | None = None,
-    ) -> None:
-        self.seen = seen
-        self.run = run
-        self.host = host  # as the client named it: the gate normalises
-        self.port = port
-        self.kind = kind  # the request's kind, when the way learnt it from the request (CONNECT or HTTP)
-        self.destination = destination  # an HTTP request to forward (None: a tunnel)
+class AuditHealth(Protocol):
+    """The audit log, as far as the decision needs it: nothing goes out that cannot be recorded."""
+
+    @property
+    def healthy(self) -> bool: ...
 
 
 class Way(Protocol):
@@ -94,6 +87,7 @@ class Way(Protocol):
     kind: EgressKind  # an attempt's kind before its request is read
     counted: str | None  # the connection's metrics name, counted as it starts (None: per request)
     name_required: bool  # a spliced tunnel's ClientHello must name the decided host
+    accepted: bytes | None  # what a tunnel's client hears once the upstream is connected (None: nothing)
 
     def arrive(self, talk: Conversation) -> Steps:
         """The next request, as far as the way in goes → ``Arrival``, or None: the connection is over.
@@ -106,48 +100,39 @@ class Way(Protocol):
         """What the client hears for ``refusal`` (None: the close alone)."""
         ...
 
-    def accepted(self, arrival: Arrival) -> bytes | None:
-        """What the client hears once the upstream is connected, before the splice (None: nothing)."""
-        ...
 
+
+
+@dataclass(frozen=True, slots=True)
+class Listening:
+    """What a listener gives each of its conversations: the same for all of them, made once."""
+
+    way: Way
+    mode: Mode
+    limits: ListenerLimits
+    runs: RunRegistry
+    metrics: Metrics
+    screen: Screen  # which resolved addresses may be dialled
+    audit: AuditHealth  # whether the audit log can be written
+    begin: Callable[[EgressKind, str | None, int | None], Seen]  # a new attempt's identity (id, start)
 
 
 class Conversation:
     """One client connection's state, and its steps (``steps``)."""
 
-    __slots__ = ("way", "mode", "limits", "runs", "metrics", "screen", "healthy", "begin", "now", "client",
-                 "source", "buf", "pending", "slot", "spliced", "first", "holder", "exchange")
+    __slots__ = ("at", "now", "client", "source", "buf", "pending", "slot", "spliced", "first", "holder", "exchange",
+                 "kept")
 
     def __init__(
-        self,
-        way: Way,
-        *,
-        mode: Mode,
-        limits: ListenerLimits,
-        runs: RunRegistry,
-        metrics: Metrics,
-        screen: Screen,
-        healthy: Callable[[], bool],
-        begin: Callable[[EgressKind, str | None, int | None], Seen],
-        now: Callable[[], float],
-        client: str,
-        source: IPAddress | None,
-        buf: bytearray,
+        self, at: Listening, now: Callable[[], float], client: str, source: IPAddress | None, buf: bytearray
     ) -> None:
-        self.way = way
-        self.mode = mode
-        self.limits = limits
-        self.runs = runs
-        self.metrics = metrics
-        self.screen = screen  # which resolved addresses may be dialled
-        self.healthy = healthy  # whether the audit log can be written
-        self.begin = begin  # a new attempt's identity (id, wall-clock and monotonic start)
+        self.at = at
         self.now = now  # the connection's clock: every deadline is an instant on it
         self.client = client  # "address:port"
         self.source = source  # the client's address, for attributing runs
         self.buf = buf  # the client's unread bytes (the runner fills it)
-        # What to record if the connection ends with it unrecorded: an attempt the gate has
-        # (``Finish`` is idempotent), or one seen and not yet refused (recorded with no reason).
+        # What to record if the connection ends with it unrecorded: an attempt decided or being
+        # decided (``Finish`` is idempotent), or one seen and not yet refused (recorded with no reason).
         self.pending: Seen | Attempt | None = None
         self.slot: Run | None = None  # the run whose connection cap this request counts against
         self.spliced = False  # a tunnel has the connection (and ``pending``, ``slot``) now
@@ -156,15 +141,18 @@ class Conversation:
         # heads count against its own cap. Found by the way in.
         self.holder: Run | None = None
         self.exchange: Exchange | None = None  # the HTTP modes' framing, request after request
+        # The upstream connection kept for the client's next request: (host and port, address, upstream).
+        self.kept: tuple[tuple[str, int], str | None, Upstream] | None = None
 
     def steps(self) -> Steps:
         """The whole connection: request after request until one ends it."""
-        way = self.way
+        at = self.at
+        way = at.way
         if way.counted is not None:
-            self.metrics.connections_total[way.counted] += 1
-        if self.metrics.connections_open > self.limits.max_connections:
-            seen = self.begin(way.kind, self.client, self.mode.dest_port if way.kind is not EgressKind.HTTP else None)
-            yield from self._refuse(seen, too_many_connections(self.mode.reads))
+            at.metrics.connections_total[way.counted] += 1
+        if at.metrics.connections_open > at.limits.max_connections:
+            seen = at.begin(way.kind, self.client, at.mode.dest_port if way.kind is not EgressKind.HTTP else None)
+            yield from self._refuse(seen, too_many_connections(at.mode.reads))
             return
         while True:
             try:
@@ -197,50 +185,54 @@ class Conversation:
 
     def _decide_and_carry(self, arrival: Arrival) -> Steps:
         """Cap, decide, record, dial and carry one request; True when the connection may carry another."""
-        run = arrival.run
-        if run.open_connections >= self.limits.max_connections_per_run:
-            seen = arrival.seen._replace(host=arrival.seen.host or arrival.host, port=arrival.port, run=run)
-            if arrival.kind is not None:
-                seen = seen._replace(kind=arrival.kind)
-            raise Refused(seen, run_at_cap(self.mode.reads, attributed=True))
-        seen = arrival.seen
+        seen, run, host, port, kind, destination = arrival
+        at = self.at
+        if run.open_connections >= at.limits.max_connections_per_run:
+            refused = seen._replace(host=seen.host or host, port=port, run=run)
+            if kind is not None:
+                refused = refused._replace(kind=kind)
+            raise Refused(refused, run_at_cap(at.mode.reads, attributed=True))
         attempt = Attempt(
             id=seen.id,
-            kind=seen.kind if arrival.kind is None else arrival.kind,
+            kind=seen.kind if kind is None else kind,
             client=seen.client,
             ts=seen.ts,
             started=seen.started,
             run=run,
-            host=arrival.host,
-            port=arrival.port,
+            host=host,
+            port=port,
             command=run.command,
         )
         self.pending = attempt
         run.open_connections += 1
         self.slot = run
         try:
-            connect = arrival.destination is None
+            connect = destination is None
             try:
                 # A client that gives up while its request is held (asked about) stops the wait; its
                 # FIN too for a tunnel, which cannot go on without sending.
                 admission: Admission = yield from decide(
-                    attempt, run, self.screen, self.metrics, self.healthy(), on_eof=connect
+                    attempt, run, at.screen, at.metrics, at.audit.healthy, connect
                 )
             except PeerClosed:
                 attempt.extra["detail"] = GONE_DETAIL
                 raise
+            conclude(attempt, admission)
             if not admission.allowed:
                 raise Refused(attempt, Refusal(admission.reason or Reason.BAD_REQUEST))
             if connect:
-                upstream = yield from self._connect(attempt, admission)
-                accepted = self.way.accepted(arrival)
-                if accepted:
-                    yield Send(accepted)  # a client gone by now: the runner closes the upstream
-                self.spliced = True
-                yield Splice(upstream, attempt, self.way.name_required)
+                # The record, then the dial (inline: the path of every tunnel).
+                try:
+                    yield WriteAhead(attempt, admission.texts[0])
+                    upstream = yield Dial(attempt, admission)
+                except DialError as exc:
+                    raise _dial_refused(attempt, exc) from None
+                way = at.way
+                self.spliced = True  # the tunnel releases the slot and records the attempt
+                yield Splice(upstream, attempt, way.accepted, way.name_required)
                 return False
-            assert arrival.destination is not None
-            go_on = yield from self._forward(attempt, admission, arrival.destination)
+            assert destination is not None
+            go_on = yield from self._forward(attempt, admission, destination)
             yield Finish(attempt)
             self.pending = None
             return go_on
@@ -249,14 +241,6 @@ class Conversation:
                 self.slot = None
                 run.open_connections -= 1
 
-    def _connect(self, attempt: Attempt, admission: Admission) -> Steps:
-        """The record, then the dial → the upstream; a failure is ``Refused``."""
-        try:
-            yield WriteAhead(attempt, admission.texts[0])
-            return (yield Dial(attempt, admission))
-        except DialError as exc:
-            attempt.extra.setdefault("detail", str(exc))
-            raise Refused(attempt, Refusal(exc.reason)) from None
 
     # -- HTTP/1 carried: one request forwarded ----------------------------------------------------
 
@@ -275,21 +259,32 @@ class Conversation:
             yield Send(exchange.interim)
         key = (admission.host, admission.port)
         for last_try in (False, True):
-            kept = yield TakeKept(admission)
+            kept = self.kept
+            if kept is not None and not _may_carry(kept, key, admission):
+                self.kept = None
+                yield Close(kept[2])
+                kept = None
             upstream: Upstream
             if kept is None:
-                upstream = yield from self._connect(attempt, admission)
+                try:
+                    yield WriteAhead(attempt, admission.texts[0])  # the record before the dial
+                    upstream = yield Dial(attempt, admission)
+                except DialError as exc:
+                    raise _dial_refused(attempt, exc) from None
                 address, reused = attempt.address, False
             else:
-                address, upstream = kept
+                _, address, upstream = kept
                 reused = True
                 try:
                     yield WriteAhead(attempt, address)  # the record before the request goes out
                 except DialError as exc:  # the runner closes the kept connection with the client
                     raise Refused(attempt, Refusal(exc.reason)) from None
-            outcome = yield Relay(attempt, exchange, upstream, key, address, out, reused, last_try)
+            self.kept = None  # the relay closes it, or it is kept again below
+            outcome = yield Relay(attempt, exchange, upstream, out, reused, last_try)
             if outcome is STALE:
                 continue
+            if outcome is True and exchange.keep_upstream:
+                self.kept = (key, address, upstream)  # for the client's next request to the same host
             if isinstance(outcome, Reason):
                 raise Refused(attempt, Refusal(outcome))
             return bool(outcome)
@@ -302,7 +297,7 @@ class Conversation:
         reason = refused.reason
         if isinstance(target, Attempt):
             target.refuse(reason, refused.detail)
-        data = self.way.answer(self, refused, target) if answer is THE_WAYS_ANSWER else answer
+        data = self.at.way.answer(self, refused, target) if answer is THE_WAYS_ANSWER else answer
         if isinstance(target, Attempt):
             yield Finish(target)
             if self.pending is target:
@@ -316,3 +311,21 @@ class Conversation:
                 yield Send(data)
             except PeerClosed:
                 pass
+
+
+def _dial_refused(attempt: Attempt, error: DialError) -> Refused:
+    """The record could not be written, or no admitted address answered: refused, with why."""
+    attempt.extra.setdefault("detail", str(error))
+    return Refused(attempt, Refusal(error.reason))
+
+
+def _may_carry(kept: tuple[tuple[str, int], str | None, Upstream], key: tuple[str, int], admission: Admission) -> bool:
+    """Whether the kept upstream connection may carry a request to ``key`` as admitted now."""
+    kept_key, address, upstream = kept
+    return (
+        kept_key == key
+        and not upstream.closed
+        and not upstream.eof
+        and not upstream.buf  # an unrequested byte means the stream is out of step
+        and address in admission.texts
+    )

@@ -111,20 +111,8 @@ def decide(attempt: Attempt, run: Run, screen: Screen, metrics: Metrics, audit_h
     """Steps 1-4 for the attempt → its ``Admission``; yields ``Ask`` and ``Resolve`` (a generator).
 
     ``on_eof``: the client's FIN stops a wait (a tunnel cannot go on without sending).
+    ``conclude`` then writes the answer into the attempt.
     """
-    admission = yield from _admission(attempt, run, screen, metrics, audit_healthy, on_eof)
-    attempt.host = admission.host
-    if admission.reason is None:
-        attempt.decision, attempt.reason = _ALLOWED, None
-    else:
-        attempt.refuse(admission.reason)
-    attempt.decided = True
-    return admission
-
-
-def _admission(
-    attempt: Attempt, run: Run, screen: Screen, metrics: Metrics, audit_healthy: bool, on_eof: bool
-) -> Steps:
     host, port = attempt.host, attempt.port
     assert host is not None and port is not None
     if not audit_healthy:
@@ -153,6 +141,16 @@ def _admission(
             attempt.extra["detail"] = str(exc)
             return Admission(Reason.RESOLVE_FAILED, host, port)
     return screen.admission(attempt, host, port, candidates)
+
+
+def conclude(attempt: Attempt, admission: Admission) -> None:
+    """The attempt is decided: the host as the policy normalised it, allowed or refused with the reason."""
+    attempt.host = admission.host
+    if admission.reason is None:
+        attempt.decision, attempt.reason = _ALLOWED, None
+    else:
+        attempt.refuse(admission.reason)
+    attempt.decided = True
 
 
 def approval_request(run: Run, host: str, port: int) -> ApprovalRequest:

@@ -34,7 +34,7 @@ from egressd.names.hosts import normalised
 from egressd.proxy.core.attempt import Attempt, Seen
 from egressd.proxy.core.clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello
 from egressd.proxy.core.commands import Fill, PeerClosed, ReadHead, Send, Steps
-from egressd.proxy.core.conversation import Arrival, Conversation, Refused, Way
+from egressd.proxy.core.conversation import Conversation, Refused, Way
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1 import HttpError
 from egressd.proxy.core.modes import (
@@ -76,14 +76,15 @@ class HttpWay:
     kind: EgressKind = EgressKind.HTTP
     counted: str | None = None  # counted per request, as CONNECT or HTTP
     name_required: bool = False
+    accepted: bytes | None = CONNECT_ESTABLISHED
 
     def arrive(self, talk: Conversation) -> Steps:
-        seen = talk.begin(_HTTP, talk.client, None)
-        limits = talk.limits
-        reads = talk.mode.reads
+        seen = talk.at.begin(_HTTP, talk.client, None)
+        limits = talk.at.limits
+        reads = talk.at.mode.reads
         exchange = talk.exchange
         if exchange is None:
-            talk.holder = talk.runs.bound(talk.source)  # once per connection: its address's run does not change
+            talk.holder = talk.at.runs.bound(talk.source)  # once per connection: its address's run does not change
             exchange = talk.exchange = Exchange(limits.max_head_bytes)
         holder = talk.holder
         if holder is not None and holder.at_connection_cap(limits.max_connections_per_run):
@@ -104,21 +105,21 @@ class HttpWay:
         if head is None:
             return None
         connect = head.method == "CONNECT"
-        talk.metrics.connections_total["connect" if connect else "http"] += 1
+        talk.at.metrics.connections_total["connect" if connect else "http"] += 1
         kind = _CONNECT if connect else _HTTP
         try:
-            destination = talk.mode.destination(head)
+            destination = talk.at.mode.destination(head)
         except HttpError as exc:
             raise Refused(seen._replace(kind=kind), no_destination(exc)) from None
         host, port = destination.host, destination.port
         try:
-            run = talk.runs.attribute(talk.source, talk.mode.proxy_credentials(head))
+            run = talk.at.runs.attribute(talk.source, talk.at.mode.proxy_credentials(head))
         except Exception:
             talk.pending = seen._replace(kind=kind, host=host, port=port)  # recorded as the connection ends
             raise
         if run is None:
             raise Refused(seen._replace(kind=kind, host=host, port=port), Refusal(Reason.AUTH_REQUIRED))
-        return Arrival(seen, run, host, port, kind, None if connect else destination)
+        return seen, run, host, port, kind, None if connect else destination
 
     def answer(self, talk: Conversation, refused: Refusal, target: Seen | Attempt) -> bytes | None:
         run = target.run
@@ -128,13 +129,11 @@ class HttpWay:
             target.port,
             run.id if run else None,
             target.id,
-            status=talk.mode.status(refused),
+            status=talk.at.mode.status(refused),
             message=target.message if isinstance(target, Attempt) else None,
             retry_after_s=refused.retry_after_s,
         )
 
-    def accepted(self, arrival: Arrival) -> bytes | None:
-        return CONNECT_ESTABLISHED
 
 
 class TlsWay:
@@ -143,13 +142,14 @@ class TlsWay:
     kind: EgressKind = EgressKind.TLS
     counted: str | None = "tls"
     name_required: bool = True
+    accepted: bytes | None = None  # the ClientHello read goes upstream first, then the splice
 
     def arrive(self, talk: Conversation) -> Steps:
         if not talk.first:
             return None
-        seen = talk.pending = talk.begin(EgressKind.TLS, talk.client, talk.mode.dest_port)
-        limits = talk.limits
-        holder = talk.runs.bound(talk.source)  # known before the hello: its slow hellos count against its own cap
+        seen = talk.pending = talk.at.begin(EgressKind.TLS, talk.client, talk.at.mode.dest_port)
+        limits = talk.at.limits
+        holder = talk.at.runs.bound(talk.source)  # known before the hello: its slow hellos count against its own cap
         if holder is not None and holder.at_connection_cap(limits.max_connections_per_run):
             raise Refused(seen._replace(run=holder), run_at_cap(Reads.TLS, attributed=False))
         if holder is None:
@@ -166,7 +166,7 @@ class TlsWay:
             )
         # A name that is no host is kept as sent: the gate refuses it as bad_request.
         seen = talk.pending = seen._replace(host=normalised(hello.server_name) or hello.server_name)
-        run = talk.runs.attribute(talk.source, talk.mode.proxy_credentials(None))
+        run = talk.at.runs.attribute(talk.source, talk.at.mode.proxy_credentials(None))
         if run is None:
             raise Refused(seen, Refusal(Reason.AUTH_REQUIRED))
         seen = talk.pending = seen.attributed(run)
@@ -174,15 +174,15 @@ class TlsWay:
             # Refused before the policy runs: the SNI is a cover name, so no
             # approver is asked about it and nothing is dialled.
             raise Refused(seen, Refusal(Reason.SNI_MISMATCH, ECH_DETAIL))
-        port = talk.mode.dest_port
+        port = talk.at.mode.dest_port
         assert port is not None
-        return Arrival(seen, run, hello.server_name, port)
+        return seen, run, hello.server_name, port, None, None
 
     @staticmethod
     def _hello(talk: Conversation, seen: Seen) -> Steps:
         """The ClientHello, within the head timeout → None when the client closed at once."""
         buf = talk.buf
-        deadline = talk.now() + talk.limits.head_timeout_s
+        deadline = talk.now() + talk.at.limits.head_timeout_s
         try:
             while True:
                 if buf:
@@ -204,11 +204,8 @@ class TlsWay:
     def answer(self, talk: Conversation, refused: Refusal, target: Seen | Attempt) -> bytes | None:
         return None if refused.silent else tls_refusal(refused.reason, refused.alert)
 
-    def accepted(self, arrival: Arrival) -> bytes | None:
-        return None  # the ClientHello read goes upstream first, then the splice
 
 
-_SOCKS_SUCCEEDED = reply(SocksReply.SUCCEEDED)
 # What a refused BIND or UDP ASSOCIATE is recorded with (the record's detail).
 _COMMAND_DETAIL = {
     Command.BIND: "SOCKS BIND is not supported",
@@ -222,13 +219,16 @@ class SocksWay:
     kind: EgressKind = EgressKind.SOCKS
     counted: str | None = "socks"
     name_required: bool = False
+    # BND.ADDR and BND.PORT (RFC 1928 §6) left 0.0.0.0:0: egressd's upstream address is none of the
+    # sandbox's business (no client of a CONNECT uses them).
+    accepted: bytes | None = reply(SocksReply.SUCCEEDED)
 
     def arrive(self, talk: Conversation) -> Steps:
         if not talk.first:
             return None
-        seen = talk.pending = talk.begin(EgressKind.SOCKS, talk.client, None)
-        limits = talk.limits
-        holder = talk.runs.bound(talk.source)  # known before the handshake: its slow ones count against its cap
+        seen = talk.pending = talk.at.begin(EgressKind.SOCKS, talk.client, None)
+        limits = talk.at.limits
+        holder = talk.at.runs.bound(talk.source)  # known before the handshake: its slow ones count against its cap
         if holder is not None and holder.at_connection_cap(limits.max_connections_per_run):
             raise Refused(seen._replace(run=holder), run_at_cap(Reads.SOCKS, attributed=False))
         deadline = talk.now() + limits.head_timeout_s
@@ -244,7 +244,7 @@ class SocksWay:
 
     def _handshake(self, talk: Conversation, seen: Seen, deadline: float) -> Steps:
         """Greeting, authentication, request → the ``Arrival``; None when the client closed before its first byte."""
-        runs = talk.runs
+        runs = talk.at.runs
         try:
             offered = yield from _read(talk, seen, parse_greeting, deadline, "greeting")
         except SocksError as exc:
@@ -253,7 +253,7 @@ class SocksWay:
             talk.pending = None  # closed before sending a byte: nothing was attempted
             return None
         anonymous = runs.attribute(talk.source, None) is not None
-        method = choose_method(offered, credentials=talk.mode.credentials, anonymous=anonymous)
+        method = choose_method(offered, credentials=talk.at.mode.credentials, anonymous=anonymous)
         if method is Method.NO_ACCEPTABLE:
             detail = "no SOCKS method offered that egressd accepts (username/password: the run's id and token)"
             raise Refused(seen, Refusal(Reason.AUTH_REQUIRED, detail), method_reply(method))
@@ -289,15 +289,11 @@ class SocksWay:
             detail = _COMMAND_DETAIL[Command(request.command)]
             answer = reply(SocksReply.COMMAND_NOT_SUPPORTED)
             raise Refused(seen, Refusal(Reason.BAD_REQUEST, detail), answer)
-        return Arrival(seen, run, request.host, request.port)
+        return seen, run, request.host, request.port, None, None
 
     def answer(self, talk: Conversation, refused: Refusal, target: Seen | Attempt) -> bytes | None:
         return None if refused.silent else reply(refused.reason.socks)
 
-    def accepted(self, arrival: Arrival) -> bytes | None:
-        # BND.ADDR and BND.PORT (RFC 1928 §6) left 0.0.0.0:0: egressd's upstream address is none of the
-        # sandbox's business (no client of a CONNECT uses them).
-        return _SOCKS_SUCCEEDED
 
 
 def _read(

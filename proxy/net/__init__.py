@@ -1,1 +1,4 @@
-"""proxy's network shell: listeners, the runner, the recorder and the dialer, relays, the resolver, DNS and the control API (see ``egressd.proxy``)."""
+"""proxy's network shell: listeners, the runner, recorder and dialer, relays, resolver, DNS, control API.
+
+See ``egressd.proxy``.
+"""

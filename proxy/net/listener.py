@@ -15,8 +15,10 @@ import asyncio
 import contextlib
 import functools
 
+from egressd.proxy.core.conversation import Listening
 from egressd.proxy.core.modes import ListenerLimits, Mode
 from egressd.proxy.core.runs import RunRegistry
+from egressd.proxy.core.ways import WAYS
 from egressd.proxy.net.runner import EgressPath, Runner
 from egressd.proxy.net.stream import Peer
 from egressd.proxy.net.tunnel import Tunnel
@@ -25,14 +27,16 @@ from egressd.proxy.net.tunnel import Tunnel
 class Listener:
     """Accepts clients on one listening socket and serves each in a task until it is spliced or closed.
 
-    ``mode`` may be replaced before ``start`` (a test's destination port).
+    ``mode`` may be replaced (a test's destination port): from the next accept on.
     """
 
     def __init__(self, *, path: EgressPath, runs: RunRegistry, limits: ListenerLimits, mode: Mode) -> None:
         self.path = path
         self.runs = runs
         self.limits = limits
-        self.mode = mode
+        self._mode = mode
+        # What every conversation of this listener is given: made once, again when ``mode`` changes.
+        self.listening = self._listening()
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # ``start``'s: asked once, not once per client
         self._address: tuple[str, int] | None = None
@@ -47,6 +51,31 @@ class Listener:
     def address(self) -> tuple[str, int]:
         assert self._address is not None, "not started"
         return self._address
+
+    def _listening(self) -> Listening:
+        """What every conversation of this listener is given: made once, not once per connection."""
+        path, mode = self.path, self.mode
+        recorder = path.recorder
+        return Listening(
+            way=WAYS[mode.reads],
+            mode=mode,
+            limits=self.limits,
+            runs=self.runs,
+            metrics=recorder.metrics,
+            screen=path.screen,
+            audit=recorder.audit,
+            begin=recorder.begin,
+        )
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: Mode) -> None:
+        """A new mode (a test's destination port): for the connections accepted from now on."""
+        self._mode = mode
+        self.listening = self._listening()
 
     async def start(self, host: str, port: int) -> None:
         loop = self._loop = asyncio.get_running_loop()

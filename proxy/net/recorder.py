@@ -61,10 +61,6 @@ class Recorder:
         self.refusals = refusals
         self._refusals_timer: asyncio.TimerHandle | None = None
 
-    def audit_healthy(self) -> bool:
-        """Whether the audit log can be written (else new egress is refused)."""
-        return self.audit.healthy
-
     def begin(self, kind: EgressKind, client: str | None, port: int | None = None) -> Seen:
         """A new attempt's identity: what the listener learns next goes into new ``Seen`` values."""
         return Seen(id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic(), port=port)

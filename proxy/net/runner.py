@@ -15,7 +15,8 @@ last (this runner's task, or the tunnel it was spliced to):
 2. a slot under its run's cap (the conversation's ``slot``);
 3. the attempt to record when the connection ends (its ``pending``);
 4. an upstream connection: just dialled, or kept for the client's next
-   request to the same host (the HTTP modes), closed with the client.
+   request to the same host (the HTTP modes: ``Conversation.kept``), closed
+   with the client.
 """
 
 from __future__ import annotations
@@ -26,10 +27,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
-from egressd.proxy.core.attempt import Admission, Attempt, DialError
+from egressd.proxy.core.attempt import Attempt, DialError
 from egressd.proxy.core.commands import (
     STALE,
     Ask,
+    Close,
     Dial,
     Fill,
     Finish,
@@ -40,18 +42,17 @@ from egressd.proxy.core.commands import (
     Resolve,
     Send,
     Splice,
-    TakeKept,
+    Steps,
     WriteAhead,
 )
-from egressd.proxy.core.conversation import Conversation
+from egressd.proxy.core.conversation import Conversation, Listening
 from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1 import HttpError, ResponseHead
-from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits, Mode
+from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import RunRegistry, source_address
-from egressd.proxy.core.ways import WAYS
 from egressd.proxy.net.dialer import Dialer
 from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import Resolver
@@ -82,7 +83,8 @@ class Shared(Protocol):
     path: EgressPath
     runs: RunRegistry
     limits: ListenerLimits
-    mode: Mode
+    listening: Listening  # what every conversation of the listener is given (its way in, its limits, ...)
+
     tasks: dict[Peer, asyncio.Task[None]]  # each client's task while it runs
     tunnels: set[Tunnel]  # the spliced tunnels, which have no task
     cutting: bool  # the listener is ending what its grace period left open
@@ -95,7 +97,7 @@ class Shared(Protocol):
 class Runner:
     """One client connection: its conversation, executed (``run``), and what it holds."""
 
-    __slots__ = ("shared", "path", "recorder", "client", "talk", "kept", "dialled", "gone", "tunnel", "released")
+    __slots__ = ("shared", "path", "recorder", "client", "talk", "dialled", "gone", "tunnel", "released")
 
     def __init__(self, shared: Shared, client: Peer) -> None:
         self.shared = shared
@@ -103,8 +105,6 @@ class Runner:
         self.recorder = shared.path.recorder
         self.client = client
         self.talk: Conversation | None = None
-        # The HTTP modes' kept upstream connection: (host and port, the address dialled, the upstream).
-        self.kept: tuple[tuple[str, int], str | None, Peer] | None = None
         self.dialled: Peer | None = None  # an upstream not yet spliced, kept or closed
         self.gone: GoneCancels | None = None  # entered around each decision: one per connection
         self.tunnel: Tunnel | None = None
@@ -118,28 +118,17 @@ class Runner:
         shared, recorder, client = self.shared, self.recorder, self.client
         recorder.metrics.connections_open += 1
         peer = client.peername or ("", 0)
-        mode = shared.mode
         talk = self.talk = Conversation(
-            WAYS[mode.reads],
-            mode=mode,
-            limits=shared.limits,
-            runs=shared.runs,
-            metrics=recorder.metrics,
-            screen=self.path.screen,
-            healthy=recorder.audit_healthy,
-            begin=recorder.begin,
-            now=client.loop.time,
-            client=f"{peer[0]}:{peer[1]}",
-            source=source_address(str(peer[0])),
-            buf=client.buf,
+            shared.listening, client.loop.time, f"{peer[0]}:{peer[1]}", source_address(str(peer[0])), client.buf
         )
         return talk
 
     async def run(self) -> None:
         """Serve the client until its conversation ends, then release what it holds (unless spliced)."""
-        recorder, client = self.recorder, self.client
+        shared, recorder, client = self.shared, self.recorder, self.client
         talk = self.hold()
-        steps = talk.steps()
+        steps: Steps = talk.steps()
+        over = False  # the steps returned: nothing to close
         result: Any = None
         error: BaseException | None = None
         try:
@@ -147,6 +136,7 @@ class Runner:
                 try:
                     command = steps.send(result) if error is None else steps.throw(error)
                 except StopIteration:
+                    over = True
                     break
                 result = error = None
                 kind = type(command)
@@ -165,20 +155,25 @@ class Runner:
                         )
                     elif kind is Relay:
                         result = await self._relay(command)
-                    elif kind is TakeKept:
-                        result = self._take_kept(command.admission)
                     elif kind is Finish:
-                        self.finish(command.attempt)
+                        if shared.cutting:
+                            self.finish(command.attempt)
+                        else:
+                            recorder.finish(command.attempt)
                     elif kind is Send:
                         if client.write(command.data):
                             await client.drain()
                     elif kind is Splice:
+                        if command.answer and client.write(command.answer):
+                            await client.drain()
                         self._splice(command)
                     elif kind is Ask:
                         with self._gone(command.on_eof):
                             result = await self._ask(command.request)
                     elif kind is Fill:
                         result = await client.fill(command.deadline)
+                    elif kind is Close:
+                        command.upstream.close()
                     elif kind is RecordRefusal:
                         recorder.refuse(command.seen, command.reason, command.detail)
                     else:
@@ -195,8 +190,9 @@ class Runner:
             if seen is not None:
                 recorder.refuse(seen, Reason.BAD_REQUEST)
         finally:
-            steps.close()  # its cleanups run (the run's slot), whatever stopped it
-            self.shared.tasks.pop(client, None)
+            if not over:
+                steps.close()  # its cleanups run (the run's slot), whatever stopped it
+            shared.tasks.pop(client, None)
             self.release()
 
     def release(self) -> None:
@@ -206,7 +202,7 @@ class Runner:
 
     def finish(self, attempt: Attempt) -> None:
         """``Recorder.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
-        if self.shared.cutting and attempt.opened:
+        if self.shared.cutting and attempt.ahead is not None:  # opened
             attempt.ends(SHUTDOWN_END)
         self.recorder.finish(attempt)
 
@@ -283,35 +279,16 @@ class Runner:
                 self.finish(pending)
             elif pending is not None:
                 self.recorder.refuse(pending, None)
+            kept, talk.kept = talk.kept, None
+            if kept is not None:
+                kept[2].close()
         self.recorder.metrics.connections_open -= 1
-        kept, self.kept = self.kept, None
-        if kept is not None:
-            kept[2].close()
         dialled, self.dialled = self.dialled, None
         if dialled is not None:
             dialled.close()
         self.client.close()
 
     # -- HTTP/1 requests ----------------------------------------------------------------------
-
-    def _take_kept(self, admission: Admission) -> tuple[str | None, Peer] | None:
-        kept = self.kept
-        if kept is None:
-            return None
-        self.kept = None
-        key, address, upstream = kept
-        usable = (
-            key == (admission.host, admission.port)
-            and not upstream.closed
-            and not upstream.eof
-            and not upstream.buf  # an unrequested byte means the stream is out of step
-            and address in admission.texts
-        )
-        if usable:
-            self.dialled = upstream
-            return address, upstream
-        upstream.close()
-        return None
 
     async def _relay(self, command: Relay) -> Any:
         """One request out and its response back (``commands.Relay`` says what comes of it)."""
@@ -362,10 +339,8 @@ class Runner:
             attempt.ends(IDLE_END)
             return False
         finally:
-            self.dialled = None
-            if keep_upstream:
-                self.kept = (command.key, command.address, upstream)
-            else:
+            self.dialled = None  # kept by the conversation (``Conversation.kept``), or closed
+            if not keep_upstream:
                 upstream.close()
 
     async def _relay_response(

@@ -23,6 +23,7 @@ from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
 from egressd.proxy.core.commands import (
     STALE,
     Ask,
+    Close,
     Dial,
     Fill,
     Finish,
@@ -33,10 +34,9 @@ from egressd.proxy.core.commands import (
     Resolve,
     Send,
     Splice,
-    TakeKept,
     WriteAhead,
 )
-from egressd.proxy.core.conversation import Conversation
+from egressd.proxy.core.conversation import Conversation, Listening
 from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import (
@@ -63,11 +63,22 @@ SOURCE = ipaddress.ip_address("127.0.0.1")
 
 
 class Upstream:
-    """What a dial gives back: a handle the conversation only passes on."""
+    """What a dial gives back: a handle the conversation only reads and passes on."""
 
-    closed = False
-    eof = False
-    buf = b""
+    def __init__(self) -> None:
+        self.closed = False
+        self.eof = False
+        self.buf = bytearray()
+
+    def close(self) -> None:
+        raise AssertionError("the conversation asks the shell to close an upstream (``Close``)")
+
+
+class AuditLog:
+    """The audit sink as the decision sees it: writable or not."""
+
+    def __init__(self, healthy: bool) -> None:
+        self.healthy = healthy
 
 
 class Playbook:
@@ -84,21 +95,18 @@ class Playbook:
         self.metrics.connections_open = open_connections
         self.buf = bytearray()
         self.ids = iter(range(1, 1000))
-        self.talk = Conversation(
-            WAYS[mode.reads],
+        listening = Listening(
+            way=WAYS[mode.reads],
             mode=mode,
             limits=limits or ListenerLimits(),
             # anonymous: the source address finds the run (else its credentials must be sent)
             runs=RunRegistry(default=self.run) if anonymous else RunRegistry(),
             metrics=self.metrics,
             screen=Screen(allow_private=[ipaddress.ip_network("127.0.0.0/24")]),
-            healthy=lambda: healthy,
+            audit=AuditLog(healthy),
             begin=self._begin,
-            now=lambda: 100.0,
-            client="127.0.0.1:5555",
-            source=SOURCE,
-            buf=self.buf,
         )
+        self.talk = Conversation(listening, lambda: 100.0, "127.0.0.1:5555", SOURCE, self.buf)
         self.steps = self.talk.steps()
         self.seen: list[Any] = []
         self.over = False
@@ -127,6 +135,9 @@ class Playbook:
 
     def give(self, result: Any = None) -> Any:
         """Answer the current command with ``result``; the next command."""
+        command = self.command
+        if isinstance(command, WriteAhead):
+            command.attempt.address = command.address  # what the recorder does as it writes the record
         self._next(lambda: self.steps.send(result))
         return None if self.over else self.command
 
@@ -196,11 +207,8 @@ def test_every_mode_writes_the_record_before_the_dial_and_splices_after_the_answ
     dial = play.give(None)
     assert isinstance(dial, Dial) and dial.attempt is play.attempt
     upstream = Upstream()
-    after_dial = play.give(upstream)
-    if accepted is not None:
-        assert after_dial == Send(accepted)
-        after_dial = play.give(None)
-    assert after_dial == Splice(upstream, play.attempt, name_required=name == "tls")
+    # The answer (a CONNECT's 200, a SOCKS reply; nothing for TLS) goes out, then the splice.
+    assert play.give(upstream) == Splice(upstream, play.attempt, accepted, name_required=name == "tls")
     assert play.give(None) is None and play.over
     kinds = play.kinds()
     assert kinds.index(WriteAhead) < kinds.index(Dial) < kinds.index(Splice)
@@ -424,35 +432,72 @@ def _get(play: Playbook, path: bytes = b"/") -> Any:
     return play.client_sends(b"GET http://a.test" + path + b" HTTP/1.1\r\nHost: a.test\r\n\r\n")
 
 
+def _respond(play: Playbook, relay: Relay) -> Any:
+    """The runner's part of a relay: the origin answers 200 with no body, the client may go on."""
+    response, used = relay.exchange.read_response(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", False)
+    assert response is not None and used
+    return play.give(relay.exchange.finish())
+
+
+def _first_request_on_a_kept_connection(play: Playbook) -> Upstream:
+    _get(play)
+    play.give(ADDRESSES)
+    play.give(None)  # the record
+    upstream = Upstream()
+    relay = play.give(upstream)
+    assert _respond(play, relay) == Finish(play.attempt)
+    assert isinstance(play.give(None), ReadHead)
+    return upstream
+
+
 def test_http_forwarding_records_before_dialling_then_relays_and_takes_the_next_request() -> None:
     play = Playbook(EXPLICIT)
     # A plain HTTP client may half-close after its request and still read the answer.
     assert _get(play) == Resolve("a.test", on_eof=False)
-    assert play.give(ADDRESSES) == TakeKept(admission(80))
-    assert play.give(None) == WriteAhead(play.attempt, ORIGIN)
+    assert play.give(ADDRESSES) == WriteAhead(play.attempt, ORIGIN)
     assert isinstance(play.give(None), Dial)
     upstream = Upstream()
     relay = play.give(upstream)
     assert isinstance(relay, Relay) and relay.upstream is upstream and not relay.reused
     assert relay.out.startswith(b"GET / HTTP/1.1\r\n")
-    assert play.give(True) == Finish(play.attempt)
+    assert _respond(play, relay) == Finish(play.attempt)
     assert isinstance(play.give(None), ReadHead)  # keep-alive: the next request
     assert play.run.open_connections == 0 and play.talk.pending is None
+    assert play.talk.kept == (("a.test", 80), ORIGIN, upstream)
 
 
-def test_http_a_stale_kept_connection_is_replaced_once_and_recorded_once() -> None:
+def test_http_the_next_request_to_the_same_host_is_recorded_then_sent_on_the_kept_connection() -> None:
     play = Playbook(EXPLICIT)
-    _get(play)
+    upstream = _first_request_on_a_kept_connection(play)
+    first = len(play.seen)
+    play.client_sends(b"GET http://a.test/two HTTP/1.1\r\nHost: a.test\r\n\r\n")
+    assert play.give(ADDRESSES) == WriteAhead(play.attempt, ORIGIN)  # its own record, before its bytes go out
+    relay = play.give(None)
+    assert relay.upstream is upstream and relay.reused
+    assert Dial not in [type(command) for command in play.seen[first:]]
+
+
+def test_http_a_stale_kept_connection_is_replaced_once() -> None:
+    play = Playbook(EXPLICIT)
+    _first_request_on_a_kept_connection(play)
+    play.client_sends(b"GET http://a.test/two HTTP/1.1\r\nHost: a.test\r\n\r\n")
     play.give(ADDRESSES)
-    kept = Upstream()
-    assert play.give((ORIGIN, kept)) == WriteAhead(play.attempt, ORIGIN)
     relay = play.give(None)
     assert relay.reused and not relay.last_try
-    assert isinstance(play.give(STALE), TakeKept)
-    assert play.give(None) == WriteAhead(play.attempt, ORIGIN)
+    assert play.give(STALE) == WriteAhead(play.attempt, ORIGIN)  # idempotent: the record is written once
     assert isinstance(play.give(None), Dial)
     relay = play.give(Upstream())
     assert not relay.reused and relay.last_try
+
+
+def test_http_a_kept_connection_that_went_away_is_closed_and_a_new_one_dialled() -> None:
+    play = Playbook(EXPLICIT)
+    upstream = _first_request_on_a_kept_connection(play)
+    upstream.eof = True  # the origin closed it meanwhile
+    play.client_sends(b"GET http://a.test/two HTTP/1.1\r\nHost: a.test\r\n\r\n")
+    assert play.give(ADDRESSES) == Close(upstream)
+    assert play.give(None) == WriteAhead(play.attempt, ORIGIN)
+    assert isinstance(play.give(None), Dial)
 
 
 def test_http_an_upstream_that_takes_the_request_and_never_answers_is_504() -> None:
@@ -473,7 +518,7 @@ def test_a_bug_in_the_conversation_leaves_what_it_saw_to_record_as_a_bad_request
 
 
 def _all_commands() -> Iterator[type]:
-    yield from (Ask, Dial, Fill, Finish, ReadHead, RecordRefusal, Relay, Resolve, Send, Splice, TakeKept, WriteAhead)
+    yield from (Ask, Dial, Fill, Finish, ReadHead, RecordRefusal, Relay, Resolve, Send, Splice, WriteAhead, Close)
 
 
 def test_every_command_is_a_value() -> None:

@@ -131,7 +131,7 @@ async def test_after_a_splice_the_task_releases_nothing_and_the_tunnels_end_rele
     attempt = _attempt(listener, run, EgressKind.CONNECT, 443)
     talk.pending, talk.slot, talk.spliced = attempt, run, True
     run.open_connections += 1
-    runner._splice(Splice(upstream, attempt, name_required=False))
+    runner._splice(Splice(upstream, attempt, None, name_required=False))
     runner.release()
     # The tunnel has them all: still counted, nothing recorded, nothing closed.
     assert (listener.path.recorder.metrics.connections_open, run.open_connections) == (1, 1)
@@ -160,7 +160,8 @@ async def test_the_kept_and_the_dialled_upstreams_are_closed_with_the_client(set
     listener, _, _ = setup
     runner = _hold(listener, _peer())
     kept, dialled = _peer(), _peer()
-    runner.kept = (("a.test", 80), "127.0.0.2", kept)
+    assert runner.talk is not None
+    runner.talk.kept = (("a.test", 80), "127.0.0.2", kept)
     runner.dialled = dialled
     runner.release()
-    assert _transport(kept).closed and _transport(dialled).closed and runner.kept is None
+    assert _transport(kept).closed and _transport(dialled).closed and runner.talk.kept is None
