@@ -8,7 +8,7 @@ decision; ``Attempt`` is what is decided (``decision``) and recorded
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from egressd.audit.records import ApprovalSummary, Decision, EgressDecided, EgressKind
@@ -53,8 +53,8 @@ class Attempt:
     ``approval``, ``learned``; an address refused, ``message``); the
     recorder the address written ahead (``open``: ``ahead``) and ``counted``;
     the dialer the address that answered; the runner what the connection did
-    (the byte counters, ``extra`` notes such as ``status``, ``sni`` and
-    ``detail`` in the order they came, and ``end``). The recorder turns it
+    (the byte counters, ``end``, and the notes the record carries after its
+    fields: ``status``, ``sni``, ``request_host``, ``detail``). The recorder turns it
     into facts (``egressd.audit.records``): the ``EgressDecided`` written ahead
     of an allowed dial, or for a refusal the final one; and the
     ``EgressEnded`` of an opened connection.
@@ -82,7 +82,11 @@ class Attempt:
     end: str | None = None
     # The phrase a refused client reads instead of the reason's usual one (``Reason.message``).
     message: str | None = None
-    extra: dict[str, object] = field(default_factory=dict)
+    # Notes, written after the record's fields when set (``notes``):
+    status: int | None = None  # the origin's response status (plain HTTP)
+    sni: str | None = None  # the name a tunnel's ClientHello asked for instead of the host
+    request_host: str | None = None  # the host a tunnel's plain HTTP request named instead
+    detail: str | None = None  # why, in words (the first cause said stays)
     decided: bool = False
     counted: bool = False  # in the metrics and the decision log (``Recorder``), once
     # Its ``egress`` record, written ahead (``Recorder.open``): what ends it is an ``egress.end`` record.
@@ -99,8 +103,23 @@ class Attempt:
         """Deny with ``reason``; ``detail`` says more unless something already did."""
         self.decision = Decision.DENY
         self.reason = reason.value if isinstance(reason, Reason) else reason
-        if detail:
-            self.extra.setdefault("detail", detail)
+        if detail and self.detail is None:
+            self.detail = detail
+
+    def notes(self, learned: bool = True) -> dict[str, object] | None:
+        """The notes set, in the record's order (``learned`` first, when asked for); None when none is."""
+        notes: dict[str, object] = {}
+        if learned and self.learned is not None:
+            notes["learned"] = self.learned
+        if self.status is not None:
+            notes["status"] = self.status
+        if self.sni is not None:
+            notes["sni"] = self.sni
+        if self.request_host is not None:
+            notes["request_host"] = self.request_host
+        if self.detail is not None:
+            notes["detail"] = self.detail
+        return notes or None
 
     def ends(self, end: str) -> None:
         """Say why the connection ended, unless something already did."""

@@ -215,7 +215,7 @@ class Conversation:
                     attempt, run, at.screen, at.metrics, at.audit.healthy, connect
                 )
             except PeerClosed:
-                attempt.extra["detail"] = GONE_DETAIL
+                attempt.detail = GONE_DETAIL
                 raise
             conclude(attempt, admission)
             if not admission.allowed:
@@ -315,7 +315,8 @@ class Conversation:
 
 def _dial_refused(attempt: Attempt, error: DialError) -> Refused:
     """The record could not be written, or no admitted address answered: refused, with why."""
-    attempt.extra.setdefault("detail", str(error))
+    if attempt.detail is None:
+        attempt.detail = str(error)
     return Refused(attempt, Refusal(error.reason))
 
 

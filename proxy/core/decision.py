@@ -89,7 +89,7 @@ class Screen:
         if itself is not None:
             attempt.address = str(itself)
             attempt.message = OWN_ENDPOINT_MESSAGE
-            attempt.extra["detail"] = f"{self._text(itself)} port {port} is egressd itself (one of its listeners)"
+            attempt.detail = f"{self._text(itself)} port {port} is egressd itself (one of its listeners)"
         return Admission(Reason.PRIVATE_ADDRESS, host, port)
 
     # Pure functions of their argument (and of the fixed settings): their answers are remembered.
@@ -138,7 +138,7 @@ def decide(attempt: Attempt, run: Run, screen: Screen, metrics: Metrics, audit_h
         try:
             candidates = yield Resolve(host, on_eof)
         except ResolveError as exc:
-            attempt.extra["detail"] = str(exc)
+            attempt.detail = str(exc)
             return Admission(Reason.RESOLVE_FAILED, host, port)
     return screen.admission(attempt, host, port, candidates)
 

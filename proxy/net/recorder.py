@@ -153,7 +153,6 @@ class Recorder:
             self.settle(fact, run, counted=attempt.decided)
             return
         end = attempt.end or (attempt.reason if attempt.decision is Decision.DENY else None) or "closed"
-        extra = attempt.extra
         written = EgressEnded(
             id=attempt.id,
             ts=self.clock(),
@@ -163,7 +162,7 @@ class Recorder:
             bytes_down=attempt.bytes_down,
             duration_s=duration_s,
             end=end,
-            extra=dict(extra) if extra else None,
+            extra=attempt.notes(learned=False),
         ).record()
         # The whole attempt, for the run's events and the observers: what was written ahead,
         # with what the end says folded in (as ``egressd audit`` joins them).
@@ -218,10 +217,13 @@ class Recorder:
         """The attempt's ``egress`` fact: final (``duration_s`` given: bytes, duration, extras) or written ahead."""
         run = attempt.run
         final = duration_s is not None
-        extra: Mapping[str, object] | None = attempt.extra if final else None
-        if attempt.learned is not None:
+        if final:
+            extra = attempt.notes()
+        elif attempt.learned is not None:
             # Written ahead too: an allowed connection's one egress record must say it was let through by learn mode.
-            extra = {"learned": attempt.learned, **(extra or {})}
+            extra = {"learned": attempt.learned}
+        else:
+            extra = None
         return EgressDecided(
             id=attempt.id,
             ts=attempt.ts,
@@ -239,7 +241,7 @@ class Recorder:
             bytes_up=attempt.bytes_up if final else None,
             bytes_down=attempt.bytes_down if final else None,
             duration_s=duration_s,
-            extra=dict(extra) if extra else None,
+            extra=extra,
         )
 
     def _write(

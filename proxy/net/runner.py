@@ -327,7 +327,7 @@ class Runner:
             return keep_client
         except HttpError as exc:
             # The origin sent something we cannot frame safely; stop here.
-            attempt.extra["detail"] = f"bad response from upstream: {exc.detail}"
+            attempt.detail = f"bad response from upstream: {exc.detail}"
             return Reason.UPSTREAM_UNREACHABLE if attempt.bytes_down == 0 else False
         except TimeoutError as exc:
             if response is None and not isinstance(exc, IdleTimeout):
@@ -348,7 +348,7 @@ class Runner:
     ) -> bool:
         """Send the response on, as ``exchange`` framed it; True when the client may send another request."""
         client = self.client
-        attempt.extra["status"] = response.status
+        attempt.status = response.status
         out = exchange.response_out
         attempt.bytes_down += len(out)
         body = exchange.response_body

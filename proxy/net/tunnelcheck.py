@@ -96,7 +96,7 @@ class SniCheck:
             ready = http.client(tunnel.client.buf)
         except OtherHost as exc:
             if exc.named is not None:
-                self.attempt.extra["request_host"] = exc.named
+                self.attempt.request_host = exc.named
             self._refuse_http(tunnel, Reason.SNI_MISMATCH, exc.detail)
             return 0
         except HttpError as exc:
@@ -153,7 +153,7 @@ class SniCheck:
         name = normalised(hello.server_name)
         if name == self.attempt.host:
             return True
-        self.attempt.extra["sni"] = name or hello.server_name
+        self.attempt.sni = name or hello.server_name
         self._refuse(tunnel, Reason.SNI_MISMATCH)
         return False
 
@@ -162,7 +162,7 @@ class SniCheck:
         else the close alone (an answer then would land inside the origin's)."""
         attempt = self.attempt
         self.recorder.overrule(attempt, reason)
-        attempt.extra["detail"] = detail
+        attempt.detail = detail
         transport = tunnel.client.transport
         if not tunnel.bytes_up and not tunnel.bytes_down and transport is not None and not transport.is_closing():
             run = attempt.run
@@ -182,7 +182,7 @@ class SniCheck:
         record says deny with ``reason`` (written when the tunnel ends)."""
         self.recorder.overrule(self.attempt, reason)
         if detail:
-            self.attempt.extra["detail"] = detail
+            self.attempt.detail = detail
         transport = tunnel.client.transport
         if not silent and transport is not None and not transport.is_closing():
             transport.write(tls_refusal(reason, alert))

@@ -239,7 +239,7 @@ def test_a_client_gone_while_held_ends_the_conversation_with_nothing_dialled(nam
     arrive(play)
     with pytest.raises(PeerClosed):
         play.fail(PeerClosed("gone"))
-    assert play.attempt.extra["detail"] == GONE_DETAIL
+    assert play.attempt.detail == GONE_DETAIL
     assert play.talk.pending is play.attempt  # recorded by the runner as the connection ends
     assert play.run.open_connections == 0 and WriteAhead not in play.kinds()
 
@@ -315,7 +315,7 @@ def test_a_failed_dial_is_recorded_with_its_detail_and_answered(name: str, expec
     play.give(ADDRESSES)
     play.give(None)  # the record ahead
     assert play.fail(DialError(Reason.UPSTREAM_UNREACHABLE, "refused")) == Finish(play.attempt)
-    assert play.attempt.extra["detail"] == "refused"
+    assert play.attempt.detail == "refused"
     assert expected(play.give(None).data)
 
 
