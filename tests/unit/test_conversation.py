@@ -86,9 +86,16 @@ class Playbook:
 
     def __init__(self, mode: Mode, *, limits: ListenerLimits | None = None, open_connections: int = 1,
                  anonymous: bool = True, run_cap_reached: bool = False, allowlisted: bool = True,
-                 healthy: bool = True) -> None:
+                 healthy: bool = True, bound: bool = False) -> None:
         allow = (parse_entry("a.test"),) if allowlisted else ()
-        self.run = Run(id="r-1", token="t", task=None, allow=allow, deny=())
+        runs = RunRegistry()
+        if bound:  # the run the client's source address is bound to (a sandbox's)
+            self.run = runs.create(task=None, allow=allow, sources=[SOURCE], run_id="r-1")
+        elif not anonymous:  # a run only its credentials find
+            self.run = runs.create(task=None, allow=allow, run_id="r-1")
+        else:
+            self.run = Run(id="r-1", token="t", task=None, allow=allow, deny=())
+            runs = RunRegistry(default=self.run)  # the source address finds the run
         if run_cap_reached:
             self.run.open_connections = (limits or ListenerLimits()).max_connections_per_run
         self.metrics = Metrics()
@@ -99,8 +106,7 @@ class Playbook:
             way=WAYS[mode.reads],
             mode=mode,
             limits=limits or ListenerLimits(),
-            # anonymous: the source address finds the run (else its credentials must be sent)
-            runs=RunRegistry(default=self.run) if anonymous else RunRegistry(),
+            runs=runs,
             metrics=self.metrics,
             screen=Screen(allow_private=[ipaddress.ip_network("127.0.0.0/24")]),
             audit=AuditLog(healthy),
@@ -524,3 +530,96 @@ def _all_commands() -> Iterator[type]:
 def test_every_command_is_a_value() -> None:
     for kind in _all_commands():
         assert hasattr(kind, "_fields"), kind  # a NamedTuple: compared and shown by value in these playbooks
+
+
+# -- every other refusal before the decision, mode by mode -------------------------------------------
+
+
+def _refusal_after(play: Playbook, *chunks: bytes) -> tuple[Any, bytes | None]:
+    """Feed the client's ``chunks`` (each SOCKS reply taken as sent) until a refusal is recorded.
+
+    Returns the recording command and what the client hears (None: the close alone).
+    """
+    for chunk in chunks:
+        while isinstance(play.command, Send):
+            play.give(None)
+        if chunk == b"<eof>":
+            play.give(False)  # the client closed
+        elif chunk == b"<timeout>":
+            play.fail(TimeoutError())
+        else:
+            play.client_sends(chunk)
+        if isinstance(play.command, (RecordRefusal, Finish)):
+            break
+    record = play.command
+    assert isinstance(record, (RecordRefusal, Finish)), record
+    answer = play.give(None)
+    if answer is None:
+        return record, None
+    assert isinstance(answer, Send) and play.give(None) is None
+    return record, answer.data
+
+
+GREETING = b"\x05\x01\x00"
+CONNECT_A = b"\x05\x01\x00\x03\x06a.test\x01\xbb"
+HELLO = client_hello("a.test")
+
+
+@pytest.mark.parametrize(
+    ("mode", "chunks", "reason", "answer"),
+    [
+        # HTTP: a head naming no destination this listener serves.
+        (transparent_http(), [b"GET / HTTP/1.1\r\nHost: a.test:8080\r\n\r\n"], "bad_request", b"HTTP/1.1 400 "),
+        (transparent_http(), [b"CONNECT a.test:443 HTTP/1.1\r\nHost: a.test\r\n\r\n"], "bad_request", b"HTTP/1.1 400 "),
+        # TLS: malformed, cut short, too slow.
+        (transparent_tls(), [b"\x16\x03\x01\x00\x05\x02\x00\x00\x01\x00"], "bad_request", b"\x15"),
+        (transparent_tls(), [HELLO[:20], b"<eof>"], "bad_request", None),
+        (transparent_tls(), [HELLO[:20], b"<timeout>"], "limit_exceeded", None),
+        # SOCKS: a bad greeting, bad credentials' syntax, a bad request, cut short, too slow.
+        (SOCKS, [b"\x04\x01\x00"], "bad_request", None),
+        (SOCKS, [GREETING, b"\x05\x01\x00\x09"], "bad_request", b"\x05\x08"),
+        (SOCKS, [GREETING, CONNECT_A[:6], b"<eof>"], "bad_request", None),
+        (SOCKS, [GREETING[:1], b"<timeout>"], "limit_exceeded", None),
+    ],
+    ids=["host-port", "host-connect", "tls-malformed", "tls-cut", "tls-slow", "socks-version", "socks-atyp",
+         "socks-cut", "socks-slow"],
+)
+def test_a_bad_or_slow_head_is_recorded_and_answered_as_its_mode_does(
+    mode: Mode, chunks: list[bytes], reason: str, answer: bytes | None
+) -> None:
+    play = Playbook(mode)
+    record, heard = _refusal_after(play, *chunks)
+    assert isinstance(record, RecordRefusal) and record.reason is not None and record.reason.value == reason
+    if answer is None:
+        assert heard is None
+    else:
+        assert heard is not None and heard.startswith(answer)
+    assert not {Ask, Resolve, WriteAhead, Dial} & set(play.kinds())
+
+
+@pytest.mark.parametrize("name", sorted(ARRIVALS))
+def test_a_sandbox_at_its_run_cap_is_refused_before_its_head_is_read(name: str) -> None:
+    mode, _, _ = ARRIVALS[name]
+    play = Playbook(mode, bound=True, limits=ListenerLimits(max_connections_per_run=1), run_cap_reached=True)
+    record = play.command
+    assert isinstance(record, RecordRefusal) and record.reason is Reason.LIMIT_EXCEEDED
+    assert record.seen.run is play.run
+    after = play.give(None)
+    if name == "proxy":
+        assert after.data.startswith(b"HTTP/1.1 429 ")
+    elif name == "tls":
+        assert after == Send(tls_refusal(Reason.LIMIT_EXCEEDED))
+    else:
+        assert after is None  # SOCKS: before the greeting there is no reply to send
+    assert ReadHead not in play.kinds() and Fill not in play.kinds()
+
+
+def test_socks_credentials_of_a_run_are_accepted_and_decided_in_that_run() -> None:
+    play = Playbook(SOCKS, anonymous=False)
+    assert play.client_sends(b"\x05\x01\x02") == Send(b"\x05\x02")
+    play.give(None)
+    token = play.run.token.encode()
+    assert play.client_sends(b"\x01\x03r-1" + bytes([len(token)]) + token) == Send(b"\x01\x00")
+    play.give(None)
+    assert play.client_sends(CONNECT_A) == Resolve("a.test", on_eof=True)
+    assert play.attempt.run is play.run
