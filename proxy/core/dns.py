@@ -240,7 +240,7 @@ def read_name(packet: bytes, offset: int) -> tuple[tuple[bytes, ...], int]:
 # A query's header but its id (flags and counts), and its question section
 # (name, type, class) → what read_query makes of them but the id: a pure
 # function of the bytes, and a sandbox asks the same few names again and
-# again. Bounded like the gate's caches: cleared when full.
+# again. Bounded like the screen's caches: cleared when full.
 _QUESTIONS: dict[bytes, tuple[int, bytes, str | None, tuple[bytes, ...], int, int, str]] = {}
 _MAX_QUESTIONS_CACHED = 4096
 # Builds a Query from one tuple without NamedTuple's Python-level __new__.

@@ -20,7 +20,7 @@ Allowed egress is never counted instead of recorded, nor is a summary of
 other limits (the DNS server's). An interval starts with a run's first
 refusal after the previous one ended, so a quiet run has no interval open.
 
-Pure: time is passed in (``now``, monotonic seconds); the gate writes the
+Pure: time is passed in (``now``, monotonic seconds); the recorder writes the
 records and owns the timer.
 """
 

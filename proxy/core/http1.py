@@ -504,7 +504,7 @@ def _authority(text: str, default_port: int | None) -> tuple[str, int]:
 
 
 def _request_host(text: str) -> str:
-    """The host as written, brackets dropped; checked for syntax only (the gate normalises it)."""
+    """The host as written, brackets dropped; checked for syntax only (the decision normalises it)."""
     if text.startswith("["):
         host = text[1:-1]
         if ":" not in host or not _IPV6_TEXT.fullmatch(host):

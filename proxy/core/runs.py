@@ -360,8 +360,8 @@ class Run:
     def keep_event(self, record: dict[str, Any]) -> None:
         """Keep ``record`` itself in the event window, not a copy: the caller built it for this and edits it no more.
 
-        The gate's way (one record per egress attempt and DNS query): every
-        reader of the window and of the gate's observers only reads.
+        The recorder's way (one record per egress attempt and DNS query): every
+        reader of the window and of the recorder's observers only reads.
         """
         self.events.append((self.next_event, record))
         self.next_event += 1

@@ -164,7 +164,7 @@ class TlsWay:
             raise Refused(
                 seen, Refusal(Reason.BAD_REQUEST, "ClientHello without server_name", alert=Alert.MISSING_EXTENSION)
             )
-        # A name that is no host is kept as sent: the gate refuses it as bad_request.
+        # A name that is no host is kept as sent: the decision refuses it as bad_request.
         seen = talk.pending = seen._replace(host=normalised(hello.server_name) or hello.server_name)
         run = talk.at.runs.attribute(talk.source, talk.at.mode.proxy_credentials(None))
         if run is None:
@@ -278,7 +278,7 @@ class SocksWay:
             raise Refused(seen, Refusal(Reason.BAD_REQUEST, exc.detail), answer) from None
         if request is None:
             raise PeerClosed("closed before its request")
-        # A name that is no host is kept as sent: the gate refuses it as bad_request.
+        # A name that is no host is kept as sent: the decision refuses it as bad_request.
         seen = talk.pending = seen._replace(host=normalised(request.host) or request.host, port=request.port)
         if run is None:
             run = runs.attribute(talk.source, None)
