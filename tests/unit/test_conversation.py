@@ -623,3 +623,63 @@ def test_socks_credentials_of_a_run_are_accepted_and_decided_in_that_run() -> No
     play.give(None)
     assert play.client_sends(CONNECT_A) == Resolve("a.test", on_eof=True)
     assert play.attempt.run is play.run
+
+
+# -- a fourth way in is one layer ------------------------------------------------------------------
+
+
+class LineWay:
+    """A made-up way in: the client names ``host port`` on one line; refusals are a line too.
+
+    Nothing else is written for it: the conversation decides, records,
+    dials and splices for it as for the three real ones.
+    """
+
+    kind = EgressKind.CONNECT
+    counted: str | None = "line"
+    name_required = False
+    accepted: bytes | None = b"OK\n"
+
+    def arrive(self, talk: Conversation) -> Any:
+        if not talk.first:
+            return None
+        seen = talk.pending = talk.at.begin(self.kind, talk.client, None)
+        while b"\n" not in talk.buf:
+            if not (yield Fill(talk.now() + 1.0)):
+                return None
+        line, _, _ = bytes(talk.buf).partition(b"\n")
+        del talk.buf[: len(line) + 1]
+        host, port = line.decode().split()
+        run = talk.at.runs.attribute(talk.source, None)
+        assert run is not None
+        return seen.attributed(run), run, host, int(port), None, None
+
+    def answer(self, talk: Conversation, refused: Refusal, target: Seen | Attempt) -> bytes | None:
+        return f"NO {refused.reason.value}\n".encode()
+
+
+def _line_play(allowlisted: bool) -> Playbook:
+    play = Playbook(EXPLICIT, allowlisted=allowlisted)
+    listening = play.talk.at
+    play.talk = Conversation(
+        Listening(LineWay(), listening.mode, listening.limits, listening.runs, listening.metrics,
+                  listening.screen, listening.audit, listening.begin),
+        lambda: 100.0, "127.0.0.1:5555", SOURCE, play.buf,
+    )
+    play.steps, play.seen, play.over = play.talk.steps(), [], False
+    play._next(lambda: next(play.steps))
+    return play
+
+
+def test_a_fourth_way_in_is_one_layer_and_meets_the_same_decision_record_and_dial() -> None:
+    play = _line_play(allowlisted=True)
+    assert play.client_sends(b"a.test 443\n") == Resolve("a.test", on_eof=True)
+    assert play.give(ADDRESSES) == WriteAhead(play.attempt, ORIGIN)
+    assert isinstance(play.give(None), Dial)
+    upstream = Upstream()
+    assert play.give(upstream) == Splice(upstream, play.attempt, b"OK\n", name_required=False)
+    assert play.metrics.connections_total["line"] == 1
+    play = _line_play(allowlisted=False)
+    assert isinstance(play.client_sends(b"b.test 443\n"), Ask)
+    assert play.give(ApprovalOutcome(Answer.DENY)) == Finish(play.attempt)
+    assert play.give(None) == Send(b"NO denied\n")
