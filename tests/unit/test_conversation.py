@@ -45,6 +45,7 @@ from egressd.proxy.core.modes import (
     SOCKS,
     ListenerLimits,
     Mode,
+    Refusal,
     transparent_http,
     transparent_tls,
 )
