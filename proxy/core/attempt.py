@@ -129,13 +129,24 @@ class Attempt:
 
 @dataclass(frozen=True, slots=True)
 class Admission:
-    """The decision's answer: addresses to dial, or the reason for refusing."""
+    """The decision, whole, built once (``decision.decide``): addresses to dial, or the reason for refusing.
+
+    With it, what the record says of how it was reached: the policy's rule,
+    the approval asked for, learn mode's code; for a refusal, the address it
+    concerned, the phrase the client reads instead of the reason's, and why.
+    """
 
     reason: Reason | None
-    host: str
+    host: str  # as the policy normalised it
     port: int
     addresses: tuple[IPAddress, ...] = ()
     texts: tuple[str, ...] = ()  # the addresses as text, in the same order
+    rule: str | None = None
+    approval: ApprovalSummary | None = None
+    learned: str | None = None  # learn mode: the reason code the policy would have refused this with
+    address: str | None = None  # a refused address
+    message: str | None = None  # the phrase a refused client reads instead of the reason's
+    detail: str | None = None
 
     @property
     def allowed(self) -> bool:

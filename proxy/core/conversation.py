@@ -212,7 +212,7 @@ class Conversation:
                 # A client that gives up while its request is held (asked about) stops the wait; its
                 # FIN too for a tunnel, which cannot go on without sending.
                 admission: Admission = yield from decide(
-                    attempt, run, at.screen, at.metrics, at.audit.healthy, connect
+                    host, port, run, at.screen, at.metrics, at.audit.healthy, connect
                 )
             except PeerClosed:
                 attempt.detail = GONE_DETAIL

@@ -20,8 +20,10 @@ the DNS server through the same ``Run.decide``:
    listens never passes, and when that is why nothing passed the client is
    told so.
 
-The attempt is filled as it goes (rule, learned, approval, host, decision);
-the recorder writes it, the dialer dials exactly the admitted addresses.
+The answer is one value, built once: the ``Admission`` (the addresses, or
+the reason; the rule, the approval, learn mode's code), which ``conclude``
+writes into the attempt; the recorder writes the attempt, the dialer dials
+exactly the admitted addresses.
 """
 
 from __future__ import annotations
@@ -78,19 +80,31 @@ class Screen:
         self.allow_private = tuple(allow_private)
         self._address_ok.clear()  # remembered under the old ranges
 
-    def admission(self, attempt: Attempt, host: str, port: int, candidates: Sequence[IPAddress]) -> Admission:
-        """The addresses that pass, in order; ``private_address`` (with why, on the attempt) when none does."""
+    def admission(
+        self,
+        host: str,
+        port: int,
+        candidates: Sequence[IPAddress],
+        rule: str | None,
+        approval: ApprovalSummary | None,
+        learned: str | None,
+    ) -> Admission:
+        """The addresses that pass, in order; ``private_address`` (saying which and why) when none does."""
         own_port = port in self.own.ports  # most ports are none of egressd's: one set lookup
         passed = tuple(a for a in candidates if self._dialable(a) and not (own_port and self._own(a, port)))
         if passed:
-            return Admission(None, host, port, passed, tuple(map(self._text, passed)))
-        attempt.address = str(candidates[0]) if candidates else None
+            return Admission(None, host, port, passed, tuple(map(self._text, passed)), rule, approval, learned)
         itself = next((a for a in candidates if own_port and self._own(a, port)), None)
         if itself is not None:
-            attempt.address = str(itself)
-            attempt.message = OWN_ENDPOINT_MESSAGE
-            attempt.detail = f"{self._text(itself)} port {port} is egressd itself (one of its listeners)"
-        return Admission(Reason.PRIVATE_ADDRESS, host, port)
+            detail = f"{self._text(itself)} port {port} is egressd itself (one of its listeners)"
+            return Admission(
+                Reason.PRIVATE_ADDRESS, host, port, rule=rule, approval=approval, learned=learned,
+                address=str(itself), message=OWN_ENDPOINT_MESSAGE, detail=detail,
+            )
+        address = str(candidates[0]) if candidates else None
+        return Admission(
+            Reason.PRIVATE_ADDRESS, host, port, rule=rule, approval=approval, learned=learned, address=address
+        )
 
     # Pure functions of their argument (and of the fixed settings): their answers are remembered.
     def _text(self, address: IPAddress) -> str:
@@ -107,49 +121,53 @@ class Screen:
         return is_own(address, port, self.own, self.is_local)
 
 
-def decide(attempt: Attempt, run: Run, screen: Screen, metrics: Metrics, audit_healthy: bool, on_eof: bool) -> Steps:
-    """Steps 1-4 for the attempt → its ``Admission``; yields ``Ask`` and ``Resolve`` (a generator).
+def decide(
+    host: str, port: int, run: Run, screen: Screen, metrics: Metrics, audit_healthy: bool, on_eof: bool
+) -> Steps:
+    """Steps 1-4 for ``host``:``port`` in ``run`` → the whole ``Admission``; yields ``Ask`` and ``Resolve``.
 
     ``on_eof``: the client's FIN stops a wait (a tunnel cannot go on without sending).
-    ``conclude`` then writes the answer into the attempt.
+    ``conclude`` then writes the decision into the attempt, in one place.
     """
-    host, port = attempt.host, attempt.port
-    assert host is not None and port is not None
     if not audit_healthy:
         return Admission(Reason.AUDIT_UNAVAILABLE, host, port)
     verdict = run.decide(host, port)
-    host = verdict.host
-    attempt.rule = verdict.rule
+    host, rule = verdict.host, verdict.rule
+    learned = None
     if verdict.learned is not None:
-        attempt.learned = verdict.learned.value
+        learned = verdict.learned.value
         metrics.learned += 1
     if verdict.verdict is _DENY:
-        return Admission(verdict.reason, host, port)
+        return Admission(verdict.reason, host, port, rule=rule, learned=learned)
+    approval = None
     if verdict.verdict is _ASK:
         outcome: ApprovalOutcome = yield Ask(approval_request(run, host, port), on_eof)
-        attempt.approval = ApprovalSummary(outcome.approval_id, outcome.channel, outcome.by, round(outcome.waited_s, 3))
+        approval = ApprovalSummary(outcome.approval_id, outcome.channel, outcome.by, round(outcome.waited_s, 3))
         refused = apply_answer(run, host, port, outcome)
         if refused is not None:
-            return Admission(refused, host, port)
-        attempt.rule = "approved"
+            return Admission(refused, host, port, rule=rule, approval=approval, learned=learned)
+        rule = "approved"
     if verdict.address is not None:
         candidates: Sequence[IPAddress] = [verdict.address]
     else:
         try:
             candidates = yield Resolve(host, on_eof)
         except ResolveError as exc:
-            attempt.detail = str(exc)
-            return Admission(Reason.RESOLVE_FAILED, host, port)
-    return screen.admission(attempt, host, port, candidates)
+            return Admission(
+                Reason.RESOLVE_FAILED, host, port, rule=rule, approval=approval, learned=learned, detail=str(exc)
+            )
+    return screen.admission(host, port, candidates, rule, approval, learned)
 
 
 def conclude(attempt: Attempt, admission: Admission) -> None:
-    """The attempt is decided: the host as the policy normalised it, allowed or refused with the reason."""
+    """The attempt is decided: the one place its decision is written (from the ``Admission``)."""
     attempt.host = admission.host
+    attempt.rule, attempt.approval, attempt.learned = admission.rule, admission.approval, admission.learned
     if admission.reason is None:
         attempt.decision, attempt.reason = _ALLOWED, None
     else:
-        attempt.refuse(admission.reason)
+        attempt.refuse(admission.reason, admission.detail)
+        attempt.address, attempt.message = admission.address, admission.message
     attempt.decided = True
 
 
