@@ -127,13 +127,13 @@ class Attempt:
             self.end = end
 
 
-@dataclass(frozen=True, slots=True)
-class Admission:
+class Admission(NamedTuple):
     """The decision, whole, built once (``decision.decide``): addresses to dial, or the reason for refusing.
 
     With it, what the record says of how it was reached: the policy's rule,
     the approval asked for, learn mode's code; for a refusal, the address it
     concerned, the phrase the client reads instead of the reason's, and why.
+    A tuple: one is made for every request.
     """
 
     reason: Reason | None
