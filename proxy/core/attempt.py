@@ -23,7 +23,7 @@ class Seen(NamedTuple):
     ``Recorder.begin`` makes the first (its identity: id, kind, client, when);
     the way in makes each next one as it learns more (``_replace``: the kind
     and destination from the request, the run it is attributed to).
-    ``Recorder.refuse`` records an attempt refused before the policy ran; the
+    ``Recorder.record_refusal`` records an attempt refused before the policy ran; the
     conversation starts an ``Attempt`` from it otherwise. ``command`` is the
     run's current command where the attempt was attributed (``attributed``),
     not where only the run its source address is bound to is known.
@@ -99,7 +99,7 @@ class Attempt:
     def opened(self) -> bool:
         return self.ahead is not None
 
-    def refuse(self, reason: Reason | str, detail: str | None = None) -> None:
+    def deny(self, reason: Reason | str, detail: str | None = None) -> None:
         """Deny with ``reason``; ``detail`` says more unless something already did."""
         self.decision = Decision.DENY
         self.reason = reason.value if isinstance(reason, Reason) else reason

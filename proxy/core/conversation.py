@@ -178,7 +178,7 @@ class Conversation:
             self.pending = None
             return current
         if isinstance(current, Attempt) and not current.decided:
-            current.refuse(Reason.BAD_REQUEST)
+            current.deny(Reason.BAD_REQUEST)
         return None
 
     # -- the decision layer ---------------------------------------------------------------------
@@ -296,7 +296,7 @@ class Conversation:
         """Record the refusal, then answer it as the way in does (the client may be gone already)."""
         reason = refused.reason
         if isinstance(target, Attempt):
-            target.refuse(reason, refused.detail)
+            target.deny(reason, refused.detail)
         data = self.at.way.answer(self, refused, target) if answer is THE_WAYS_ANSWER else answer
         if isinstance(target, Attempt):
             yield Finish(target)

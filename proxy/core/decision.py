@@ -166,7 +166,7 @@ def conclude(attempt: Attempt, admission: Admission) -> None:
     if admission.reason is None:
         attempt.decision, attempt.reason = _ALLOWED, None
     else:
-        attempt.refuse(admission.reason, admission.detail)
+        attempt.deny(admission.reason, admission.detail)
         attempt.address, attempt.message = admission.address, admission.message
     attempt.decided = True
 

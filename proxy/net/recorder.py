@@ -3,7 +3,7 @@
 An allowed attempt's ``egress`` record is written ahead of its dial
 (``open``: if it cannot be written, ``audit_unavailable`` and nothing goes
 out); ``finish`` then writes its ``egress.end`` record, or the one
-``egress`` record of a refusal; ``refuse`` records an attempt refused
+``egress`` record of a refusal; ``record_refusal`` an attempt refused
 before the policy ran; ``settle`` a decided attempt that opened nothing (the
 DNS server's queries). A refusal past its run's budget for the interval is
 counted into one ``egress.suppressed`` record instead (``floods.RefusalBudget``).
@@ -65,7 +65,7 @@ class Recorder:
         """A new attempt's identity: what the listener learns next goes into new ``Seen`` values."""
         return Seen(id=new_request_id(), kind=kind, client=client, ts=self.clock(), started=self.monotonic(), port=port)
 
-    def refuse(self, seen: Seen, reason: Reason | None, detail: str | None = None) -> None:
+    def record_refusal(self, seen: Seen, reason: Reason | None, detail: str | None = None) -> None:
         """Record an attempt refused before the policy ran (bad request, auth, limits, ECH), at once.
 
         Its one ``egress`` fact is built whole from what the listener saw;
@@ -127,7 +127,7 @@ class Recorder:
         if attempt.counted and attempt.decision is Decision.ALLOW:
             self.metrics.decisions[("allow", "")] -= 1
             self.metrics.decisions[("deny", reason.value)] += 1
-        attempt.refuse(reason)
+        attempt.deny(reason)
         if log.isEnabledFor(logging.INFO):
             run_id = attempt.run.id if attempt.run else "-"
             target = ascii(f"{attempt.host}:{attempt.port}")[1:-1]

@@ -175,7 +175,7 @@ class Runner:
                     elif kind is Close:
                         command.upstream.close()
                     elif kind is RecordRefusal:
-                        recorder.refuse(command.seen, command.reason, command.detail)
+                        recorder.record_refusal(command.seen, command.reason, command.detail)
                     else:
                         raise TypeError(f"not a command: {command!r}")
                 except _FAILURES as exc:
@@ -188,7 +188,7 @@ class Runner:
             log.exception("connection %s failed", talk.client)
             seen = talk.failed()
             if seen is not None:
-                recorder.refuse(seen, Reason.BAD_REQUEST)
+                recorder.record_refusal(seen, Reason.BAD_REQUEST)
         finally:
             if not over:
                 steps.close()  # its cleanups run (the run's slot), whatever stopped it
@@ -278,7 +278,7 @@ class Runner:
             if isinstance(pending, Attempt):
                 self.finish(pending)
             elif pending is not None:
-                self.recorder.refuse(pending, None)
+                self.recorder.record_refusal(pending, None)
             kept, talk.kept = talk.kept, None
             if kept is not None:
                 kept[2].close()

@@ -81,7 +81,7 @@ class SniCheck:
                 assert attempt.host is not None and attempt.port is not None
                 http = self._http = RequestWatch(attempt.host, attempt.port, self.max_head_bytes)
             except ClientHelloError as exc:
-                self._refuse(tunnel, Reason.BAD_REQUEST, str(exc), alert=Alert.DECODE_ERROR)
+                self._cut(tunnel, Reason.BAD_REQUEST, str(exc), alert=Alert.DECODE_ERROR)
                 return 0
             else:
                 for hello in scanned.hellos:
@@ -97,10 +97,10 @@ class SniCheck:
         except OtherHost as exc:
             if exc.named is not None:
                 self.attempt.request_host = exc.named
-            self._refuse_http(tunnel, Reason.SNI_MISMATCH, exc.detail)
+            self._cut_http(tunnel, Reason.SNI_MISMATCH, exc.detail)
             return 0
         except HttpError as exc:
-            self._refuse_http(tunnel, Reason.LIMIT_EXCEEDED if exc.status == 431 else Reason.BAD_REQUEST, exc.detail)
+            self._cut_http(tunnel, Reason.LIMIT_EXCEEDED if exc.status == 431 else Reason.BAD_REQUEST, exc.detail)
             return 0
         self.wants_upstream = http.switching
         return ready
@@ -123,7 +123,7 @@ class SniCheck:
         try:
             over = http.upstream(data)  # an upgrade's answer: only then does the check see the upstream's bytes
         except HttpError as exc:
-            self._refuse_http(tunnel, Reason.BAD_REQUEST, f"the answer to a WebSocket upgrade: {exc.detail}")
+            self._cut_http(tunnel, Reason.BAD_REQUEST, f"the answer to a WebSocket upgrade: {exc.detail}")
             return False
         if not over and not http.switching:
             self.wants_upstream = False
@@ -132,7 +132,7 @@ class SniCheck:
 
     def expired(self, tunnel: Tunnel) -> None:
         what = "ClientHello" if self._http is None else "request head"
-        self._refuse(tunnel, Reason.LIMIT_EXCEEDED, f"{what} incomplete in time", silent=True)
+        self._cut(tunnel, Reason.LIMIT_EXCEEDED, f"{what} incomplete in time", silent=True)
 
     def eof(self, tunnel: Tunnel, source: Peer) -> bool:
         if self._http is not None:
@@ -143,21 +143,21 @@ class SniCheck:
 
     def _allowed(self, tunnel: Tunnel, hello: ClientHello) -> bool:
         if hello.ech:
-            self._refuse(tunnel, Reason.SNI_MISMATCH, ECH_DETAIL)
+            self._cut(tunnel, Reason.SNI_MISMATCH, ECH_DETAIL)
             return False
         if hello.server_name is None:
             if not self.name_required:
                 return True
-            self._refuse(tunnel, Reason.BAD_REQUEST, "ClientHello without server_name", alert=Alert.MISSING_EXTENSION)
+            self._cut(tunnel, Reason.BAD_REQUEST, "ClientHello without server_name", alert=Alert.MISSING_EXTENSION)
             return False
         name = normalised(hello.server_name)
         if name == self.attempt.host:
             return True
         self.attempt.sni = name or hello.server_name
-        self._refuse(tunnel, Reason.SNI_MISMATCH)
+        self._cut(tunnel, Reason.SNI_MISMATCH)
         return False
 
-    def _refuse_http(self, tunnel: Tunnel, reason: Reason, detail: str) -> None:
+    def _cut_http(self, tunnel: Tunnel, reason: Reason, detail: str) -> None:
         """A plain HTTP refusal: answered (``responses.refusal``) when nothing has moved either way yet,
         else the close alone (an answer then would land inside the origin's)."""
         attempt = self.attempt
@@ -169,7 +169,7 @@ class SniCheck:
             transport.write(refusal(reason, attempt.host or "-", attempt.port, run.id if run else None, attempt.id))
         tunnel.close()
 
-    def _refuse(
+    def _cut(
         self,
         tunnel: Tunnel,
         reason: Reason,
