@@ -49,7 +49,7 @@ class Attempt:
     """One attempt the decision decides, from the conversation's ``Seen`` to its records.
 
     Who sets what: the conversation its identity, run and destination;
-    ``decision.decide`` the decision (``decision``, ``reason``, ``rule``,
+    ``decision.conclude`` the decision, once, from the ``Admission`` (``decision``, ``reason``, ``rule``,
     ``approval``, ``learned``; an address refused, ``message``); the
     recorder the address written ahead (``open``: ``ahead``) and ``counted``;
     the dialer the address that answered; the runner what the connection did
