@@ -1,16 +1,17 @@
 """The egress gate: everything between a sandboxed client and the world.
 
 Two rooms. ``core`` decides and does no I/O (no event loop, socket, clock or
-process; an import contract says so): ``http1`` and ``exchange`` parse and
-frame HTTP/1, ``clienthello`` reads a TLS ClientHello, ``policy.decide`` is the
-design's decision order as a value, ``addresses`` classifies what a name
-resolved to, ``reasons`` is the one table of refusals and ``responses`` turns
-one into bytes, ``runs`` holds the runs and their allowlists, ``floods`` the
-refusal budget, ``metrics`` the counters, ``modes`` what each listener mode
-is (where a request goes, how it is attributed, which refusal a limit or a
-bad head earns), ``dns`` the one DNS codec (the sandbox's queries and our
-replies, the resolver's upstream messages) and ``dnsanswer`` what the DNS
-server answers. ``net`` executes what the core decides:
+process; an import contract says so): ``http1`` (a package: heads, framing,
+destination, forwarding) and ``exchange`` parse and frame HTTP/1,
+``clienthello`` reads a TLS ClientHello, ``policy.decide`` is the design's
+decision order as a value, ``addresses`` classifies what a name resolved to,
+``reasons`` is the one table of refusals and ``responses`` turns one into
+bytes, ``runs`` holds the runs and their allowlists, ``floods`` the refusal
+budget, ``metrics`` the counters, ``modes`` what each listener mode is (where a
+request goes, how it is attributed, which refusal a limit or a bad head earns),
+``dns`` the one DNS codec (the sandbox's queries and our replies, the
+resolver's upstream messages) and ``dnsanswer`` what the DNS server answers.
+``net`` executes what the core decides:
 
 1. ``listener`` accepts the client in its mode and holds what the connection
    claims until it ends; ``server`` feeds an HTTP client's bytes to an

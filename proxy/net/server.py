@@ -37,7 +37,9 @@ from egressd.names.addresses import IPAddress
 from egressd.names.hosts import normalised
 from egressd.proxy.core.clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client
 from egressd.proxy.core.exchange import Exchange
-from egressd.proxy.core.http1 import Destination, HttpError, ResponseHead
+from egressd.proxy.core.http1.destination import Destination
+from egressd.proxy.core.http1.heads import ResponseHead
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import (
     ECH_DETAIL,
     GONE_DETAIL,
