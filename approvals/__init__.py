@@ -24,6 +24,8 @@ the gate, which applies it to the run (``ApprovalRequest.on_late_answer``).
 - ``signing``    Standard Webhooks signing and verification (pure);
 - ``terminal``, ``slack``, ``webhook``, ``web``  the channels (``web``: the approvals
   page on the control server; ``webpage`` its pure parts: sessions, the Host rule, HTML);
+- ``relay``      ``TerminalRelay``: ``--approver terminal`` for an egressd in a container, its
+  signed webhooks shown by a ``terminal`` prompt, the answers sent to its control API;
 - ``deny``       the ``deny`` approver and ``NoApprover``;
 - ``assembly``   settings → an approver (the only module that sees the broker
   and the channels together).
