@@ -31,8 +31,8 @@ address (as ``core.dnsanswer`` plans) and forwards nothing; a transparent
 listener reads the destination of a connection that arrives there from its
 ClientHello (``transparent``) or its Host header (``server`` in
 ``modes.transparent_http``), and from then on everything happens as above.
-``control`` is the HTTP control API
-(aiohttp). Host names and authorities are ``egressd.names``' business.
+The HTTP control API that drives runs is ``egressd.control``. Host names and
+authorities are ``egressd.names``' business.
 
 Which egressd packages this one imports, and the contracts that hold it: docs/architecture.md, "Layers".
 """

@@ -22,7 +22,7 @@ internal network of its own (sandboxes of different runs never share one),
 and that egressd's container is attached to it for the run's lifetime — (4)
 registers the run through the control API, with the global control token,
 which is then dropped: every later call goes with the run's own control
-token, which acts on this run alone (``egressd.proxy.net.control``), (5) prepares the sandbox.
+token, which acts on this run alone (``egressd.control.api``), (5) prepares the sandbox.
 Leaving it ends the run, appends egressd's audit records to the host's audit
 log, and removes every container and volume of the run and its networks
 (detaching a running egressd first), whatever happened. A failure to set up
@@ -448,7 +448,7 @@ class DockerSession(SessionBase[_SessionBox]):
         created = await control.call("POST", "/runs", body)
         run_token = created.get("control_token") if isinstance(created, dict) else None
         if isinstance(run_token, str) and run_token:
-            # From here on the run's own token, which acts on this run alone (egressd.proxy.net.control): the
+            # From here on the run's own token, which acts on this run alone (egressd.control.api): the
             # global one is dropped with its client, no longer held by this session.
             run_control = ControlClient.for_url(control.url, run_token, timeout_s=CONTROL_TIMEOUT_S)
             self._stack.push_async_callback(run_control.close)

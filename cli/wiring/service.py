@@ -36,6 +36,7 @@ from egressd.audit.records import policy_reloaded_record, run_record
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.config.settings import Settings, default_state_dir, parse_hostport
+from egressd.control.api import PUBLIC_PATHS, build_app
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
 from egressd.proxy.core.floods import RefusalBudget
@@ -51,7 +52,6 @@ from egressd.proxy.core.runs import (
     entry_diff,
     new_control_token,
 )
-from egressd.proxy.net.control import PUBLIC_PATHS, build_app
 from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.gate import Gate
 from egressd.proxy.net.listener import Listener

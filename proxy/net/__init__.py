@@ -1,1 +1,1 @@
-"""proxy's network shell: listeners, the gate, relays, the resolver, DNS and the control API (see ``egressd.proxy``)."""
+"""proxy's network shell: listeners, the gate, relays, the resolver and DNS (see ``egressd.proxy``)."""
