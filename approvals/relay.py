@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from egressd.approvals.commandoutput import TerminalOutput
 from egressd.approvals.interface import (
     ANSWER_REASONS,
     Answer,
@@ -37,7 +38,7 @@ from egressd.approvals.interface import (
 )
 from egressd.approvals.message import render
 from egressd.approvals.signing import ReplayGuard, VerifyError, verify
-from egressd.approvals.terminal import TerminalChannel, TerminalOutput
+from egressd.approvals.terminal import TerminalChannel
 
 
 class ControlApi(Protocol):

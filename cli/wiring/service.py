@@ -29,8 +29,8 @@ from types import TracebackType
 from aiohttp import web
 
 from egressd.approvals.assembly import approver_from_settings as _approvals_from_settings
+from egressd.approvals.commandoutput import TerminalOutput
 from egressd.approvals.interface import Approver, ManagedApprover, SetupError
-from egressd.approvals.terminal import TerminalOutput
 from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
 from egressd.audit.records import policy_reloaded_record, run_record
 from egressd.config.allowfile import AllowFileError, read_allow_file
