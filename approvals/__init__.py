@@ -24,8 +24,9 @@ the gate, which applies it to the run (``ApprovalRequest.on_late_answer``).
 - ``signing``    Standard Webhooks signing and verification (pure);
 - ``terminal``, ``slack``, ``webhook``, ``web``  the channels (``web``: the approvals
   page on the control server; ``webpage`` its pure parts: sessions, the Host rule, HTML;
-  ``prompt`` the terminal's: what it draws; ``commandoutput`` a command's output on that
-  terminal, held back while a prompt is shown);
+  ``slackblocks`` the Slack messages as Block Kit, pure; ``prompt`` what the terminal
+  draws, pure; ``commandoutput`` a command's output on that terminal, held back while a
+  prompt is shown);
 - ``relay``      ``TerminalRelay``: ``--approver terminal`` for an egressd in a container, its
   signed webhooks shown by a ``terminal`` prompt, the answers sent to its control API;
 - ``deny``       the ``deny`` approver and ``NoApprover``;

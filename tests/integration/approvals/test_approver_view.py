@@ -31,7 +31,7 @@ from egressd.approvals.commandoutput import TerminalOutput
 from egressd.approvals.interface import Answer, ApprovalRequest, PendingApproval
 from egressd.approvals.message import UNRELATED, is_unrelated, render, shorten
 from egressd.approvals.prompt import columns_of, fit, header, keep_of, prompt_line
-from egressd.approvals.slack import request_blocks
+from egressd.approvals.slackblocks import request_blocks
 from egressd.approvals.terminal import TerminalChannel
 from egressd.approvals.webhook import request_payload
 from egressd.audit.log import MemoryAuditSink
