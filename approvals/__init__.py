@@ -23,7 +23,12 @@ the decision, which applies it to the run (``ApprovalRequest.on_late_answer``).
 - ``control``    the control API's ``/approvals`` routes (``egressd pending|allow|deny``);
 - ``signing``    Standard Webhooks signing and verification (pure);
 - ``terminal``, ``slack``, ``webhook``, ``web``  the channels (``web``: the approvals
-  page on the control server; ``webpage`` its pure parts: sessions, the Host rule, HTML);
+  page on the control server; ``webpage`` its pure parts: sessions, the Host rule, HTML;
+  ``slackblocks`` the Slack messages as Block Kit, pure; ``prompt`` what the terminal
+  draws, pure; ``commandoutput`` a command's output on that terminal, held back while a
+  prompt is shown);
+- ``relay``      ``TerminalRelay``: ``--approver terminal`` for an egressd in a container, its
+  signed webhooks shown by a ``terminal`` prompt, the answers sent to its control API;
 - ``deny``       the ``deny`` approver and ``NoApprover``;
 - ``assembly``   settings → an approver (the only module that sees the broker
   and the channels together).

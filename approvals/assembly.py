@@ -27,11 +27,12 @@ from egressd.audit.log import AuditSink
 from egressd.config.settings import Settings
 
 from .broker import ApprovalBroker
+from .commandoutput import TerminalOutput
 from .deny import DenyApprover, NoApprover
 from .interface import Approver, Channel, SetupError
 from .signing import SigningError, parse_secret
 from .slack import SlackChannel
-from .terminal import TerminalChannel, TerminalOutput
+from .terminal import TerminalChannel
 from .web import WebChannel
 from .webhook import WebhookChannel
 

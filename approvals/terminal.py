@@ -48,8 +48,12 @@ clears it, writes the log line (escaped) and draws the input line again
 below it, so a log line never lands after the ``> `` and the countdown,
 redrawn in place, never writes over one.
 
+What is drawn is worked out in ``prompt`` (pure: the message fitted, the
+input line, the answer words); this module owns the terminal: its modes,
+input, output buffer and timer.
+
 A command's output relayed to the same terminal goes through a
-``TerminalOutput``: escaped (``egressd.names.shown.TerminalText``), and held back from
+``TerminalOutput`` (``commandoutput``): escaped (``egressd.names.shown.TerminalText``), and held back from
 the moment a prompt is shown until the channel has finished drawing, so no
 command can hide, move or paint over a prompt.
 
@@ -65,19 +69,18 @@ import errno
 import getpass
 import logging
 import os
-import select
 import termios
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from egressd.names.shown import TerminalText, escape
+from egressd.names.shown import escape
 
+from .commandoutput import TerminalOutput
 from .interface import (
     Answerer,
     AnswerResult,
-    ApprovalScope,
     ChannelError,
     ChannelUnavailable,
     Choice,
@@ -86,20 +89,26 @@ from .interface import (
     Route,
     Settlement,
 )
-from .message import UNRELATED, ApprovalMessage, Room, bounded, render, settled_text, shorten
+from .message import settled_text, shorten
+from .prompt import (
+    BOLD,
+    CLEAR_LINE,
+    RESET,
+    SANE,
+    WARN,
+    allowed_text,
+    choices,
+    columns_of,
+    countdown,
+    fit,
+    header,
+    keep_of,
+    prompt_line,
+    read_answer,
+)
 
 log = logging.getLogger("egressd.approvals.terminal")
 
-BOLD = "\x1b[1m"
-WARN = "\x1b[1;33m"
-RESET = "\x1b[0m"
-# Before each drawing, whatever was written to the terminal before: the scroll
-# region back to the whole screen (DECSTBM homes the cursor, so it is saved and
-# restored around it: DECSC, DECRC), then normal attributes (SGR 0), the ASCII
-# character set in G0, shifted in (a DEC graphics set turns letters into line
-# drawing), insert mode off and line wrap on (off, a long line loses its end).
-SANE = "\x1b7\x1b[r\x1b8\x1b[0m\x0f\x1b(B\x1b[4l\x1b[?7h"
-CLEAR_LINE = SANE + "\r\x1b[K"
 # A terminal that does not say how wide it is (no window size) is taken to be this wide,
 # the width terminals have had since the VT100, so the input line still never wraps.
 DEFAULT_COLUMNS = 80
@@ -108,332 +117,6 @@ MAX_INPUT = 16
 # Output waiting for a stopped terminal (Ctrl-S); past this the terminal is
 # treated as gone rather than letting memory grow.
 MAX_PENDING_OUTPUT = 256 * 1024
-# A command's output held back while a prompt is shown: far more than a person
-# scrolls back through; past it the rest is dropped (and counted) rather than
-# letting a command that prints while a person reads grow our memory.
-MAX_HELD_OUTPUT = 1024 * 1024
-
-_DENY_WORDS = frozenset({"", "deny", "d", "n", "no"})
-# The word that allows with each scope (step 5); "allow" is the run, the answer it always was.
-_SCOPE_WORDS = {ApprovalScope.ONCE: "once", ApprovalScope.RUN: "allow", ApprovalScope.ALWAYS: "always"}
-# What each of them does, as the choices line says it.
-_SCOPE_MEANINGS = {
-    ApprovalScope.ONCE: "this connection only",
-    ApprovalScope.RUN: "this run",
-    ApprovalScope.ALWAYS: "added to the allow file",
-}
-
-
-def choices(scopes: Sequence[ApprovalScope]) -> str:
-    """The line above the input line naming every answer (step 5); the message's own lines stay the design's."""
-    offered = [f"{_SCOPE_WORDS[scope]} ({_SCOPE_MEANINGS[scope]})" for scope in _SCOPE_WORDS if scope in scopes]
-    return "Answer " + ", ".join(offered) + " or deny."
-
-
-def read_answer(typed: str, scopes: Sequence[ApprovalScope]) -> tuple[Choice, ApprovalScope] | None:
-    """A typed answer (step 5) → (allow, its scope) or (deny, RUN); None: not an answer, ask again.
-
-    A scope word that is not offered (``always`` with no allowlist file) is not an answer.
-    """
-    word = typed.strip().lower()
-    if word in _DENY_WORDS:
-        return Choice.DENY, ApprovalScope.RUN
-    for scope, allow_word in _SCOPE_WORDS.items():
-        if word == allow_word and scope in scopes:
-            return Choice.ALLOW, scope
-    return None
-
-
-def allowed_text(settlement: Settlement) -> str:
-    """How an accepted allow ended, for the line that closes the prompt (what it quotes escaped)."""
-    scope = settlement.scope
-    if scope is ApprovalScope.ONCE:
-        return "allowed for this connection only (the next one asks again)"
-    if scope is ApprovalScope.ALWAYS:
-        return f"allowed always: {escape(settlement.entry or '?')} added to the allow file"
-    if settlement.scope_error:
-        return f"allowed for this run only, not always: {bounded(settlement.scope_error, 200)}"
-    return "allowed for this run"
-
-
-def countdown(seconds: float) -> str:
-    """``9:58`` (or ``1:02:03`` past an hour) for the time left, never negative."""
-    left = max(0, int(seconds + 0.999))
-    hours, rest = divmod(left, 3600)
-    minutes, secs = divmod(rest, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
-# -- pure: what fits the screen ---------------------------------------------------------------
-
-
-def columns_of(text: str) -> int:
-    """The columns ``text`` may take on a terminal, at most: one an ASCII character, two any other.
-
-    No character takes more than two; a terminal's own width tables (wide
-    East Asian characters, ambiguous ones like "…") decide below that.
-    """
-    if text.isascii():
-        return len(text)
-    return len(text) + sum(1 for ch in text if not ch.isascii())
-
-
-def rows_of(text: str, columns: int) -> int:
-    """The rows a line of ``text`` may take on a terminal ``columns`` wide, at most.
-
-    A wide character that does not fit at the end of a row moves to the next,
-    leaving a column unused, so a row holds ``columns - 1`` of ``columns_of``
-    at the least.
-    """
-    if text.isascii():
-        return max(1, -(-len(text) // columns))
-    return max(1, -(-columns_of(text) // max(columns - 1, 1)))
-
-
-def header(approval: PendingApproval) -> str:
-    """The line above the message: which approval, for which run."""
-    return f"egressd: approval {bounded(approval.id, 64)} for run {bounded(approval.request.run_id, 64)}"
-
-
-def keep_of(message: ApprovalMessage) -> str:
-    """The end of ``message.domain`` never shortened: its registered domain and port (all of it for an IP)."""
-    site = message.registered_domain
-    if site is not None:
-        keep = f"{site}:{message.port}"
-        if message.domain == keep or message.domain.endswith("." + keep):
-            return keep
-    return message.domain
-
-
-@dataclass(frozen=True, slots=True)
-class _Rows:
-    """Rows given to the lines ``fit`` may shorten."""
-
-    domain: int
-    command: int
-    task: int
-    allowed: int
-
-
-def fit(approval: PendingApproval, *, columns: int, rows: int) -> ApprovalMessage:
-    """The approval's message as a terminal of ``columns`` × ``rows`` shows it (0: size not known).
-
-    Drawn below a line break and the ``header``, with the ``choices`` line
-    and the input line under it, the whole fits the screen, so no part of it
-    scrolls away while the prompt is up. In order:
-
-    1. the message as every channel shows it, when it fits;
-    2. else rendered again (``message.render``, the same template and rule)
-       with a ``Room`` that fits: the intro, the warning, the closing lines
-       and the scope line whole; each of the domain, command, task and
-       allowlist lines one row at the least (the domain's names shortened in
-       the middle, its registered domain whole); the rows left go to the
-       domain line, then the command, then the task, then the allowlist,
-       each up to its whole length. The "unrelated" warning is judged on the
-       command and task as cut here, and its rows are kept whether or not it
-       is shown;
-    3. on a screen too small even for that, the smallest rendering (its top
-       scrolls away).
-    """
-    message = approval.message
-    if columns <= 0 or rows <= 0:
-        return message
-    # The line break, the header, the choices line and the input line.
-    budget = rows - 2 - rows_of(header(approval), columns) - rows_of(choices(approval.scopes), columns)
-    if _rows(message, columns, warning=False) <= budget:
-        return message
-    lines = dict(message.lines)
-    fixed = sum(rows_of(text, columns) for kind, text in message.lines if kind in ("intro", "closing", "scope"))
-    fixed += rows_of(UNRELATED, columns)
-    whole = _Rows(*(rows_of(lines[kind], columns) for kind in ("domain", "command", "task", "allowed")))
-    smallest_domain = dict(_render(approval, columns, _Rows(1, 1, 1, 1), name=0).lines)["domain"]
-    smallest = _Rows(rows_of(smallest_domain, columns), 1, 1, 1)
-    left = budget - fixed - sum((smallest.domain, smallest.command, smallest.task, smallest.allowed))
-    given = []
-    for kind in ("domain", "command", "task", "allowed"):
-        extra = min(max(left, 0), max(getattr(whole, kind) - getattr(smallest, kind), 0))
-        given.append(getattr(smallest, kind) + extra)
-        left -= extra
-    share = _Rows(*given)
-    name = _name_room(approval, columns, share)
-    fitted = _render(approval, columns, share, name=name)
-    while _rows(fitted, columns, warning=True) > budget and share.command > 1:
-        # The bounds above are estimates; a command that still does not fit gives a row back.
-        share = _Rows(share.domain, share.command - 1, share.task, share.allowed)
-        fitted = _render(approval, columns, share, name=name)
-    return fitted
-
-
-def _rows(message: ApprovalMessage, columns: int, *, warning: bool) -> int:
-    """Rows the message takes; with ``warning``, counting the warning's rows also when it is not shown."""
-    used = sum(rows_of(text, columns) for _, text in message.lines)
-    if warning and not message.unrelated:
-        used += rows_of(UNRELATED, columns)
-    return used
-
-
-def _render(approval: PendingApproval, columns: int, share: _Rows, *, name: int | None) -> ApprovalMessage:
-    """The message again, each shortened line given room for its ``share`` of rows."""
-    request = approval.request
-    width = max(columns - 1, 1)
-
-    def room(prefix: str, count: int, text: str | None) -> int:
-        note = columns_of(f"… ({len(text or '')} more characters)")
-        return max(count * width - columns_of(prefix) - note, 1)
-
-    return render(
-        host=request.host,
-        port=request.port,
-        command=request.command,
-        task=request.task,
-        allowed=request.allowed,
-        room=Room(
-            command=room("Command: ", share.command, request.command),
-            task=room("Task: ", share.task, request.task),
-            allowed=max(share.allowed * width - columns_of("Allowed domains: "), 1),
-            name=name,
-            measure=columns_of,
-        ),
-    )
-
-
-def _name_room(approval: PendingApproval, columns: int, share: _Rows) -> int | None:
-    """The most columns a name on the Domain line may take so that the line fits its rows (None: whole)."""
-    message = approval.message
-    if rows_of(dict(message.lines)["domain"], columns) <= share.domain:
-        return None
-    low, high = 0, columns_of(message.domain) + columns_of(message.unicode_host or "")
-    while low < high:
-        middle = (low + high + 1) // 2
-        line = dict(_render(approval, columns, _Rows(share.domain, 1, 1, 1), name=middle).lines)["domain"]
-        if rows_of(line, columns) <= share.domain:
-            low = middle
-        else:
-            high = middle - 1
-    return low
-
-
-def prompt_line(
-    *, domain: str, left: str, more: str, typed: str, columns: int, keep: str | None = None, hint: bool = False
-) -> str:
-    """The input line, fitted to ``columns`` (0: not known) so that a redraw never wraps.
-
-    A line wider than the terminal would wrap, and each redraw (which clears
-    only the line the cursor is on) would leave a copy behind. ``keep`` is
-    the end of ``domain`` never cut (its registered domain and port; None:
-    all of it); ``hint`` says that the last answer was neither allow nor deny.
-    In order:
-
-    1. the whole line, when it fits in all but the last column (a full line
-       leaves the cursor waiting to wrap);
-    2. else the domain's middle shortened (``message.shorten``), ``keep``
-       whole; then the same without the count of approvals waiting;
-    3. else without the domain, which the Domain line above shows whole;
-    4. else the end of that, where the answer being typed is.
-
-    A domain that is not ASCII is never shown here: its width is a guess.
-    """
-    ask = "type allow or deny" if hint else "allow or deny"
-
-    def line(name: str | None, waiting: str) -> str:
-        named = f" {name}" if name is not None else ""
-        return f"{ask}{named}? [{left} left{waiting}; Enter = deny] > {typed}"
-
-    if columns <= 0:
-        return line(domain, more)
-    room = columns - 1
-    if domain.isascii():
-        whole = line(domain, more)
-        if columns_of(whole) <= room:
-            return whole
-        for waiting in (more, ""):
-            short = shorten(domain, room - columns_of(line("", waiting)), keep=keep or domain, measure=columns_of)
-            if short is not None and columns_of(line(short, waiting)) <= room:
-                return line(short, waiting)
-    bare = line(None, "")
-    if columns_of(bare) <= room:
-        return bare
-    return bare[len(bare) - room:] if room > 0 else ""
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    """Write ``data`` whole to ``fd`` (waiting while it is full); if it is gone, drop the rest."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[os.write(fd, view):]
-        except BlockingIOError:
-            select.select([], [fd], [])
-        except OSError:
-            return
-
-
-class TerminalOutput:
-    """A command's output on the terminal the prompts are drawn on: inert, and held back during a prompt.
-
-    ``stream(fd)`` is one of the command's streams (stdout or stderr, ``fd``
-    the terminal) in the shape the sandbox's relay takes: ``add(chunk)`` as
-    it arrives, ``end()`` once. Its text is escaped (``egressd.names.shown.TerminalText``).
-    The terminal channel ``hold``s the output from the moment it shows a
-    prompt and ``release``s it when it has finished drawing; what was held is
-    then written in the order it came. Past ``max_held`` bytes the rest is
-    dropped, and the release says how much.
-    """
-
-    def __init__(self, *, max_held: int = MAX_HELD_OUTPUT) -> None:
-        self.max_held = max_held
-        self.held = False
-        self._queue: deque[tuple[int, bytes]] = deque()
-        self._queued = 0
-        self._dropped: dict[int, int] = {}
-
-    def stream(self, fd: int) -> RelayedStream:
-        return RelayedStream(self, fd)
-
-    def hold(self) -> None:
-        self.held = True
-
-    def release(self) -> None:
-        if not self.held:
-            return
-        self.held = False
-        while self._queue:
-            _write_all(*self._queue.popleft())
-        self._queued = 0
-        dropped, self._dropped = self._dropped, {}
-        for fd, count in dropped.items():
-            _write_all(fd, f"\n[egressd: {count} bytes of output were dropped while an approval prompt was shown]\n"
-                       .encode())
-
-    def write(self, fd: int, data: bytes) -> None:
-        """Write ``data`` (inert text) to ``fd`` now, or on release when held."""
-        if not data:
-            return
-        if not self.held:
-            _write_all(fd, data)
-            return
-        room = self.max_held - self._queued
-        kept = data if len(data) <= room else data[:max(room, 0)].decode("utf-8", "ignore").encode()
-        if kept:
-            self._queue.append((fd, kept))
-            self._queued += len(kept)
-        if len(kept) < len(data):
-            self._dropped[fd] = self._dropped.get(fd, 0) + len(data) - len(kept)
-
-
-class RelayedStream:
-    """One of a command's output streams on its way to the terminal (``TerminalOutput.stream``)."""
-
-    def __init__(self, output: TerminalOutput, fd: int) -> None:
-        self.fd = fd
-        self._output = output
-        self._text = TerminalText()
-
-    def add(self, chunk: bytes) -> None:
-        self._output.write(self.fd, self._text.feed(chunk).encode())
-
-    def end(self) -> None:
-        self._output.write(self.fd, self._text.end().encode())
 
 
 @dataclass(frozen=True, slots=True)

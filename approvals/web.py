@@ -160,7 +160,7 @@ SECURITY_HEADERS = {
 
 @dataclass(frozen=True, slots=True)
 class ControlView:
-    """What the page needs of the control server, put on its application by ``egressd.proxy.net.control``.
+    """What the page needs of the control server, put on its application by ``egressd.control.api``.
 
     ``sign_in``: the scope a token grants (the global token, a live run's
     own), or None; ``runs``: every live run as ``GET /runs`` shows it;

@@ -7,8 +7,9 @@
 - ``log``      the single appending writer (``JsonlAuditSink``), which fails
   closed: once a write fails, ``healthy`` is false and the proxy refuses new
   egress; and the in-memory sink used by tests;
-- ``query``    reading, filtering, following and printing the log for
-  ``egressd audit``;
+- ``query``    reading, filtering and following the log for ``egressd audit``;
+- ``display``  records as lines to print: a table for a terminal (escaped), or JSON Lines;
+- ``chain``    the hash chain checked (``egressd audit verify``);
 - ``views``    an egress record read back once into what ``egressd run`` and
   ``egressd agent`` show of it (``EgressSeen``, ``Refusal``).
 

@@ -1,50 +1,38 @@
-"""Reading the audit log back: filter, follow and print it (``egressd audit``).
+"""Reading the audit log back: read, filter and follow it (``egressd audit``).
 
 Flow: ``read_records`` (or ``read_records_from`` with an offset) reads what
 is already in the file; ``follow_records`` then yields what is appended, from
 the offset the read ended at, so nothing is lost or shown twice between the
-two; ``format_table`` or ``format_json`` turn records into lines to print.
+two; ``egressd.audit.display`` turns records into lines to print.
 ``join_ends`` (pure) shows an allowed connection as one record: its
 ``egress`` record (written before the dial) with its ``egress.end`` record
-folded in, or ``end: "open"`` while there is none yet. ``verify_chain``
-(pure) checks the hash chain over lines given in order and
-``verify_files`` feeds it the lines of files (``egressd audit verify``).
+folded in, or ``end: "open"`` while there is none yet. The hash chain is
+checked by ``egressd.audit.chain`` (``egressd audit verify``).
 
-The log is written by egressd, but its fields carry what a sandboxed process
-asked for (host names, commands), so everything printed for a terminal is
-escaped: a record cannot move the cursor or repaint the screen. A line that
-is not a JSON object (a torn last write, damage) is skipped and reported
-through ``on_bad_line(offset, reason)``, where ``offset`` is the byte offset
-of the line's start in the file.
+A line that is not a JSON object (a torn last write, damage) is skipped and
+reported through ``on_bad_line(offset, reason)``, where ``offset`` is the byte
+offset of the line's start in the file.
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as _dt
-import hashlib
 import json
 import os
 import re
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
-from egressd.names.shown import ascii_escaped
-
 __all__ = [
     "AuditFilter",
-    "ChainLine",
-    "ChainReport",
     "OnBadLine",
     "follow_records",
-    "format_json",
-    "format_table",
     "join_ends",
     "parse_since",
     "read_records",
     "read_records_from",
-    "verify_chain",
-    "verify_files",
+    "record_datetime",
 ]
 
 OnBadLine = Callable[[int, str], None]
@@ -57,10 +45,6 @@ _DURATION = re.compile(r"(?P<number>\d+(?:\.\d+)?)(?P<unit>[smhdw])")
 _UNIT_SECONDS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 # --since words: days back from today's midnight UTC.
 _DAYS_BACK = {"today": 0, "yesterday": 1}
-
-# A command longer than this is cut in the table (``--json`` shows it all);
-# host names are never cut, since a cut could hide the domain that matters.
-_MAX_TEXT = 80
 
 
 @dataclass(frozen=True)
@@ -255,126 +239,6 @@ def read_records_from(
     return records, offset
 
 
-@dataclass(frozen=True)
-class ChainLine:
-    """One line of a log for ``verify_chain``: where it is, and its bytes as stored (newline included)."""
-
-    file: str
-    number: int  # 1-based, within ``file``
-    raw: bytes
-
-
-@dataclass(frozen=True)
-class ChainReport:
-    """What ``verify_chain`` found.
-
-    ``records``: the records checked and found chained before any problem;
-    ``problem``: None if the chain is intact, else a sentence naming the
-    first record edited, removed, inserted or cut short; ``notes``: what
-    the check could not cover (a first record that continues a chain from
-    a file not given).
-    """
-
-    records: int
-    problem: str | None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.problem is None
-
-
-def verify_chain(lines: Iterable[ChainLine]) -> ChainReport:
-    """Check that each record's ``prev`` is the SHA-256 (hex) of the line before it, as stored.
-
-    The lines are the log's, oldest first, across rotated files. The first
-    record may carry ``prev: null`` (a fresh log) or a hash (its chain began
-    in a file not given; noted, since what came before cannot be checked).
-    At the first break it names what the bytes show: a line whose record
-    carries the same ``prev`` as the line before it, or one the next record
-    skips over, was inserted; otherwise the line before the break was
-    edited or records were removed just before the break (an unkeyed chain
-    cannot tell those two apart, so both are named). A last line without
-    its newline is a truncated tail; a line that is not a JSON object with
-    a ``prev`` is named as damaged. Stops at the first problem.
-    """
-    it = iter(lines)
-    notes: list[str] = []
-    count = 0
-    previous: ChainLine | None = None
-    previous_prev: object = None  # the prev the previous record carried
-    current = next(it, None)
-    while current is not None:
-        following = next(it, None)
-        where = _where(current)
-        if not current.raw.endswith(b"\n"):
-            if following is None:
-                tail = f"truncated tail: {where} is cut short (the file ends mid-record)"
-                return ChainReport(count, tail, tuple(notes))
-            return ChainReport(count, f"{where} is cut short (a torn write, or an edit)", tuple(notes))
-        record = _chain_record(current.raw)
-        if record is None:
-            return ChainReport(count, f"{where} is not a chained JSON record (edited or damaged)", tuple(notes))
-        prev = record["prev"]
-        if previous is None:
-            if prev is not None:
-                notes.append(f"{where} continues a chain from a file not given; records before it are not checked")
-        else:
-            expected = hashlib.sha256(previous.raw).hexdigest()
-            if prev != expected:
-                here = f"{where} ({_describe(record)})"
-                before = _chain_record(previous.raw) or {}
-                there = f"{_where(previous)} ({_describe(before)})"
-                if prev == previous_prev:
-                    problem = f"{there} was inserted: {here} chains past it"
-                elif following is not None and (_chain_record(following.raw) or {}).get("prev") == expected:
-                    problem = f"{here} was inserted: the record after it chains past it"
-                else:
-                    problem = (
-                        f"chain broken at {here}: {there} was edited, or records were removed between it and {where}"
-                    )
-                return ChainReport(count, problem, tuple(notes))
-        count += 1
-        previous, previous_prev, current = current, prev, following
-    return ChainReport(count, None, tuple(notes))
-
-
-def verify_files(paths: Iterable[str | os.PathLike[str]]) -> ChainReport:
-    """``verify_chain`` over the lines of ``paths``, oldest first, read as a stream.
-
-    ``OSError`` (a missing or unreadable file) propagates.
-    """
-
-    def lines() -> Iterator[ChainLine]:
-        for path in paths:
-            name = os.fspath(path)
-            with open(name, "rb") as file:
-                for number, raw in enumerate(file, 1):
-                    yield ChainLine(name, number, raw)
-
-    return verify_chain(lines())
-
-
-def _where(line: ChainLine) -> str:
-    return f"line {line.number} of {_safe(line.file)}"
-
-
-def _chain_record(raw: bytes) -> dict[str, object] | None:
-    try:
-        record = json.loads(raw)
-    except ValueError:
-        return None
-    if not isinstance(record, dict) or "prev" not in record:
-        return None
-    if record["prev"] is not None and not isinstance(record["prev"], str):
-        return None
-    return record
-
-
-def _describe(record: Mapping[str, object]) -> str:
-    parts = [f"{key} {_safe(record[key])}" for key in ("id", "event", "run") if record.get(key) is not None]
-    return ", ".join(parts) or "no id"
-
 
 async def follow_records(
     path: str | os.PathLike[str],
@@ -417,50 +281,6 @@ async def follow_records(
                     pass
     finally:
         follower.close()
-
-
-def format_json(record: Mapping[str, object]) -> str:
-    """Return ``record`` as one compact JSON line (no newline).
-
-    ASCII-only, so control characters, C1 controls and look-alike letters
-    arrive on the terminal as ``\\uXXXX`` escapes, never raw.
-    """
-    return json.dumps(record, separators=(",", ":"), ensure_ascii=True)
-
-
-_COLUMNS: tuple[tuple[str, int, bool], ...] = (
-    # (title, width, right-aligned)
-    ("TIME (UTC)", 19, False),
-    ("RUN", 12, False),
-    ("KIND", 7, False),
-    ("DECISION", 8, False),
-    ("REASON", 18, False),
-    ("DESTINATION", 30, False),
-    ("ADDRESS", 15, False),
-    ("UP", 9, True),
-    ("DOWN", 9, True),
-    ("DURATION", 8, True),
-    ("BY", 0, False),
-)
-
-
-def format_table(records: Iterable[Mapping[str, object]]) -> Iterator[str]:
-    """Yield a header line, then one fixed-width line per record (no newlines).
-
-    Egress records show time (UTC), run, kind, ALLOW/DENY, reason,
-    host:port, address, bytes up/down, duration and the approver; run and
-    approval events get a one-line summary in the same time and run
-    columns. A value wider than its column pushes the rest of the line right
-    rather than being cut. Every value from the record is escaped: control
-    characters, backslashes and non-ASCII characters appear as ``\\x1b``,
-    ``\\\\``, ``\\u0430`` and so on.
-    """
-    yield _row([title for title, _, _ in _COLUMNS])
-    for record in records:
-        if record.get("event") == "egress":
-            yield _egress_row(record)
-        else:
-            yield _event_row(record)
 
 
 class _Follower:
@@ -610,11 +430,12 @@ def _host_matches(pattern: str, host: object) -> bool:
 
 
 def _record_time(record: Mapping[str, object]) -> float | None:
-    moment = _record_datetime(record)
+    moment = record_datetime(record)
     return None if moment is None else moment.timestamp()
 
 
-def _record_datetime(record: Mapping[str, object]) -> _dt.datetime | None:
+def record_datetime(record: Mapping[str, object]) -> _dt.datetime | None:
+    """The record's ``ts`` as a UTC time (naive text read as UTC); None when it has none or it does not parse."""
     ts = record.get("ts")
     if not isinstance(ts, str):
         return None
@@ -627,140 +448,3 @@ def _record_datetime(record: Mapping[str, object]) -> _dt.datetime | None:
     return moment.astimezone(_dt.UTC)
 
 
-def _safe(value: object) -> str:
-    """Render a value from a record so it prints as itself and nothing else.
-
-    Printable ASCII stays; a backslash is doubled so an escape cannot be
-    forged; everything else (C0/C1 controls, DEL, any non-ASCII letter that
-    could pose as another) becomes a Python-style escape (``egressd.names.shown.ascii_escaped``).
-    """
-    return ascii_escaped(value if isinstance(value, str) else str(value))
-
-
-def _text(value: object, limit: int | None = None) -> str:
-    if value is None:
-        return "-"
-    text = _safe(value)
-    if limit is not None and len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return text
-
-
-def _time(record: Mapping[str, object]) -> str:
-    moment = _record_datetime(record)
-    if moment is None:
-        return _text(record.get("ts"), 19)
-    return moment.strftime("%Y-%m-%d %H:%M:%S")
-
-
-def _destination(host: object, port: object) -> str:
-    if host is None:
-        return "-"
-    name = _safe(host)
-    if ":" in name:
-        name = f"[{name}]"  # an IPv6 literal, as in a URL (RFC 3986 §3.2.2)
-    return name if port is None else f"{name}:{_safe(port)}"
-
-
-def _bytes(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return _text(value, 9)
-    amount = float(value)
-    if amount < 1024:
-        return f"{amount:.0f} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB"):
-        amount /= 1024
-        if amount < 1024 or unit == "TiB":
-            break
-    return f"{amount:.1f} {unit}"
-
-
-def _duration(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
-        return _text(value, 8)
-    seconds = float(value)
-    if seconds < 1:
-        return f"{seconds * 1000:.0f}ms"
-    if seconds < 60:
-        return f"{seconds:.1f}s"
-    if seconds < 3600:
-        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
-    return f"{int(seconds // 3600)}h{int(seconds % 3600 // 60):02d}m"
-
-
-def _row(cells: list[str]) -> str:
-    parts: list[str] = []
-    for (_, width, right), cell in zip(_COLUMNS, cells, strict=True):
-        parts.append(cell.rjust(width) if right else cell.ljust(width))
-    return "  ".join(parts).rstrip()
-
-
-def _egress_row(record: Mapping[str, object]) -> str:
-    approval = record.get("approval")
-    by = "-"
-    if isinstance(approval, Mapping):
-        by = _text(approval.get("by")) if approval.get("by") is not None else "(no answer)"
-    decision = record.get("decision")
-    reason = record.get("reason")
-    if reason is None and record.get("end") not in (None, "closed"):
-        reason = record.get("end")  # open, idle_timeout, shutdown
-    return _row(
-        [
-            _time(record),
-            _text(record.get("run")),
-            _text(record.get("kind")),
-            _text(decision.upper() if isinstance(decision, str) else decision),
-            _text(reason),
-            _destination(record.get("host"), record.get("port")),
-            _text(record.get("address")),
-            _bytes(record.get("bytes_up")),
-            _bytes(record.get("bytes_down")),
-            _duration(record.get("duration_s")),
-            by,
-        ]
-    )
-
-
-def _event_row(record: Mapping[str, object]) -> str:
-    event = record.get("event")
-    if event == "approval.requested":
-        channels = record.get("channels")
-        via = ",".join(_safe(c) for c in channels) if isinstance(channels, list) else "-"
-        summary = (
-            f"APPROVAL ASKED    {_text(record.get('id'))}  "
-            f"{_destination(record.get('host'), record.get('port'))}  via {via}  "
-            f"command: {_text(record.get('command'), _MAX_TEXT)}"
-        )
-    elif event == "approval.decided":
-        decision = record.get("decision")
-        verdict = _text(decision.upper() if isinstance(decision, str) else decision)
-        who = (
-            f"by {_text(record.get('by'))} via {_text(record.get('channel'))}"
-            if record.get("by") is not None
-            else "nobody answered"
-        )
-        reason = record.get("reason")
-        because = f" ({_text(reason)})" if reason is not None else ""
-        summary = (
-            f"APPROVAL {verdict:<8} {_text(record.get('id'))}  {who}{because}"
-            f"  after {_duration(record.get('waited_s'))}"
-        )
-    else:
-        label = _text(event).upper().replace(".", " ")
-        fields = "  ".join(
-            f"{_safe(key)}: {_field(value)}" for key, value in record.items() if key not in ("event", "ts", "run")
-        )
-        summary = f"{label:<17} {fields}".rstrip()
-    return f"{_time(record):<19}  {_text(record.get('run')):<12}  {summary}"
-
-
-def _field(value: object) -> str:
-    if isinstance(value, list):
-        return ",".join(_text(item, _MAX_TEXT) for item in value) or "-"
-    if isinstance(value, Mapping):
-        return _text(json.dumps(value, separators=(",", ":"), ensure_ascii=True), _MAX_TEXT)
-    return _text(value, _MAX_TEXT)

@@ -11,17 +11,16 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
+from egressd.audit.chain import verify_files
+from egressd.audit.display import format_json, format_table
 from egressd.audit.log import STDOUT
 from egressd.audit.query import (
     AuditFilter,
     follow_records,
-    format_json,
-    format_table,
     join_ends,
     parse_since,
     read_records,
     read_records_from,
-    verify_files,
 )
 from egressd.config.settings import Settings, SettingsError
 from egressd.proxy.core.suggest import SuggestError, render, suggest

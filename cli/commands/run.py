@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from egressd.approvals.terminal import TerminalOutput
+from egressd.approvals.commandoutput import TerminalOutput
 from egressd.audit.log import STDOUT
 from egressd.audit.views import EgressSeen
 from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, config_path

@@ -29,13 +29,14 @@ from types import TracebackType
 from aiohttp import web
 
 from egressd.approvals.assembly import approver_from_settings as _approvals_from_settings
+from egressd.approvals.commandoutput import TerminalOutput
 from egressd.approvals.interface import Approver, ManagedApprover, SetupError
-from egressd.approvals.terminal import TerminalOutput
 from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
 from egressd.audit.records import policy_reloaded_record, run_record
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.config.settings import Settings, default_state_dir, parse_hostport
+from egressd.control.api import PUBLIC_PATHS, build_app
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
 from egressd.proxy.core.decision import Screen
@@ -52,7 +53,6 @@ from egressd.proxy.core.runs import (
     entry_diff,
     new_control_token,
 )
-from egressd.proxy.net.control import PUBLIC_PATHS, build_app
 from egressd.proxy.net.dialer import Dialer, bound_locally
 from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.listener import Listener

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
-from egressd.approvals.terminal import TerminalOutput
+from egressd.approvals.commandoutput import TerminalOutput
 from egressd.audit.records import run_record
 from egressd.audit.views import EgressSeen, Refusal, refusals
 from egressd.config.settings import Settings

@@ -47,7 +47,7 @@ from egressd.proxy.core.commands import (
 )
 from egressd.proxy.core.decision import Screen, conclude, decide
 from egressd.proxy.core.exchange import Exchange
-from egressd.proxy.core.http1 import Destination
+from egressd.proxy.core.http1.destination import Destination
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import GONE_DETAIL, ListenerLimits, Mode, Refusal, run_at_cap, too_many_connections
 from egressd.proxy.core.reasons import Reason

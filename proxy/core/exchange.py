@@ -50,20 +50,18 @@ from __future__ import annotations
 import enum
 from typing import Final
 
-from egressd.proxy.core.http1 import (
-    BodyKind,
-    ChunkedScanner,
-    Destination,
-    HttpError,
+from egressd.proxy.core.http1.destination import Destination
+from egressd.proxy.core.http1.forwarding import forward_request_head, forward_response_head
+from egressd.proxy.core.http1.framing import BodyKind, ChunkedScanner
+from egressd.proxy.core.http1.heads import (
     RequestHead,
     ResponseHead,
-    forward_request_head,
-    forward_response_head,
     parse_request_head,
     parse_response_head,
     request_body_kind,
     response_body_kind,
 )
+from egressd.proxy.core.http1.syntax import HttpError
 
 CONTINUE: Final = b"HTTP/1.1 100 Continue\r\n\r\n"
 # The detail of the HttpError for a peer that closed half-way through a head.

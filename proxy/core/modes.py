@@ -29,7 +29,9 @@ import enum
 from dataclasses import dataclass
 
 from egressd.proxy.core.clienthello import Alert
-from egressd.proxy.core.http1 import Destination, HttpError, RequestHead, request_destination
+from egressd.proxy.core.http1.destination import Destination, request_destination
+from egressd.proxy.core.http1.heads import RequestHead
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.reasons import Reason
 
 # DESIGN.md "What a client sees": the SNI listener's destination port is 443

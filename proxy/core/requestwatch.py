@@ -48,14 +48,9 @@ from typing import Final
 from egressd.names.authority import Colons, parse_authority
 from egressd.names.hosts import HostError, normalise_host, normalised
 from egressd.proxy.core.exchange import ChunkedBody, LengthBody
-from egressd.proxy.core.http1 import (
-    BodyKind,
-    HttpError,
-    RequestHead,
-    parse_request_head,
-    parse_response_head,
-    request_body_kind,
-)
+from egressd.proxy.core.http1.framing import BodyKind
+from egressd.proxy.core.http1.heads import RequestHead, parse_request_head, parse_response_head, request_body_kind
+from egressd.proxy.core.http1.syntax import HttpError
 
 # Every byte a request line may hold to a lenient server: printable ASCII, obs-text, HTAB and the CR
 # before its LF. Any other byte in the first line says this is not HTTP.

@@ -36,7 +36,7 @@ from egressd.proxy.core.clienthello import Alert, ClientHello, ClientHelloError,
 from egressd.proxy.core.commands import Fill, PeerClosed, ReadHead, Send, Steps
 from egressd.proxy.core.conversation import Conversation, Refused, Way
 from egressd.proxy.core.exchange import Exchange
-from egressd.proxy.core.http1 import HttpError
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import (
     ECH_DETAIL,
     Reads,

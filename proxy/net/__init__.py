@@ -1,4 +1,4 @@
-"""proxy's network shell: listeners, the runner, recorder and dialer, relays, resolver, DNS, control API.
+"""proxy's network shell: listeners, the runner, recorder and dialer, relays, the resolver and DNS.
 
 See ``egressd.proxy``.
 """

@@ -49,7 +49,8 @@ from egressd.proxy.core.conversation import Conversation, Listening
 from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.exchange import Exchange
-from egressd.proxy.core.http1 import HttpError, ResponseHead
+from egressd.proxy.core.http1.heads import ResponseHead
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import RunRegistry, source_address

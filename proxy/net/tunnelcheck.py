@@ -11,7 +11,7 @@ from __future__ import annotations
 from egressd.names.hosts import normalised
 from egressd.proxy.core.attempt import Attempt
 from egressd.proxy.core.clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client
-from egressd.proxy.core.http1 import HttpError
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import ECH_DETAIL
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.requestwatch import OtherHost, RequestWatch

@@ -58,9 +58,11 @@ from egressd.approvals.interface import (
     SetupError,
 )
 from egressd.approvals.message import UNRELATED, is_invisible, render
+from egressd.approvals.prompt import BOLD, CLEAR_LINE, RESET, SANE, WARN
 from egressd.approvals.signing import parse_secret
-from egressd.approvals.slack import ALLOW_ALWAYS_ACTION, SlackChannel
-from egressd.approvals.terminal import BOLD, CLEAR_LINE, RESET, SANE, WARN, TerminalChannel
+from egressd.approvals.slack import SlackChannel
+from egressd.approvals.slackblocks import ALLOW_ALWAYS_ACTION
+from egressd.approvals.terminal import TerminalChannel
 from egressd.approvals.web import ControlView, WebChannel
 from egressd.approvals.webhook import WebhookChannel
 from egressd.approvals.webpage import DECISIONS

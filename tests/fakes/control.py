@@ -5,7 +5,7 @@ channels': ``ApprovalBroker.routes``) on ``sock``, already listening, and
 yields its base URL. With ``tokens`` (bearer token → ``Scope``) every route
 but a public one needs one of those tokens, and its handler finds the
 caller's scope on the request, as behind the real control API's token check
-(``egressd.proxy.net.control``); without, nothing is checked (enough for the public
+(``egressd.control.api``); without, nothing is checked (enough for the public
 webhook callback and Slack endpoint).
 """
 

@@ -73,19 +73,16 @@ from dnslib import DNSRecord
 from egressd.names import authority, shown
 from egressd.names.hosts import HostError, normalise_host
 from egressd.proxy.core import clienthello as clienthello_module
-from egressd.proxy.core import dns, dnsanswer, http1, runs
+from egressd.proxy.core import dns, dnsanswer, runs
 from egressd.proxy.core.clienthello import ClientHello, ClientHelloError, ClientRecords, parse_client_hello, scan_client
 from egressd.proxy.core.dns import DnsQueryError, read_query
 from egressd.proxy.core.dnsanswer import pack_reply, plan_answer
-from egressd.proxy.core.http1 import (
-    BodyKind,
-    ChunkedScanner,
-    HttpError,
-    forward_request_head,
-    parse_request_head,
-    request_body_kind,
-    request_destination,
-)
+from egressd.proxy.core.http1 import destination, forwarding, framing, heads, syntax
+from egressd.proxy.core.http1.destination import request_destination
+from egressd.proxy.core.http1.forwarding import forward_request_head
+from egressd.proxy.core.http1.framing import BodyKind, ChunkedScanner
+from egressd.proxy.core.http1.heads import RequestHead, parse_request_head, request_body_kind
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.policy import RunPolicy, decide
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import RunRegistry, parse_proxy_authorization
@@ -589,7 +586,7 @@ def check_http_head(data: bytes) -> None:
     _check_destination(head, kind, fail)
 
 
-def _check_destination(head: http1.RequestHead, kind: tuple[BodyKind, int], fail: Callable[[str], Exception]) -> None:
+def _check_destination(head: RequestHead, kind: tuple[BodyKind, int], fail: Callable[[str], Exception]) -> None:
     try:
         dest = request_destination(head)
     except HttpError as exc:
@@ -1113,7 +1110,8 @@ TARGETS: dict[str, Target] = {
             "http_head",
             http_seeds,
             check_http_head,
-            (http1, authority),  # the request-target's authority is parsed in egressd.names.authority
+            # the request-target's authority is parsed in egressd.names.authority
+            (heads, destination, forwarding, framing, syntax, authority),
             _HTTP_TOKENS,
             (_http_line_edit, _http_request_line, _http_value),
             max_len=_HEAD_LIMIT + 64,
@@ -1122,7 +1120,7 @@ TARGETS: dict[str, Target] = {
             "chunked",
             chunked_seeds,
             check_chunked,
-            (http1,),
+            (framing, syntax),
             _CHUNK_TOKENS,
             (_chunk_size_edit, _chunk_extension, _chunk_crlf, _chunk_splice),
             max_len=8192,

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from egressd.proxy.core import runs
-from egressd.proxy.core.http1 import ChunkedScanner
+from egressd.proxy.core.http1.framing import ChunkedScanner
 from tests.fuzz import fuzz_parsers, toy_parser
 from tests.fuzz.fuzz_parsers import (
     TARGETS,

@@ -103,7 +103,7 @@ def test_nothing_generic_lands_in_site_packages() -> None:
     from importlib.metadata import packages_distributions
 
     owners = packages_distributions()
-    for package in ("proxy", "approvals", "config", "audit", "sandbox", "agent", "cli", "names"):
+    for package in ("proxy", "control", "approvals", "config", "audit", "sandbox", "agent", "cli", "names"):
         assert "egressd" not in owners.get(package, []), (package, owners.get(package))
     probe = (
         "import importlib.util, egressd.proxy, egressd.cli\n"

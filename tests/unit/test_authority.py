@@ -18,7 +18,9 @@ from hypothesis import strategies as st
 from egressd.config.settings import parse_hostport
 from egressd.names.authority import AuthorityError, Colons, Fault, parse_authority, parse_port, split_authority
 from egressd.names.hosts import HostError
-from egressd.proxy.core.http1 import HttpError, RequestHead, request_destination
+from egressd.proxy.core.http1.destination import request_destination
+from egressd.proxy.core.http1.heads import RequestHead
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.net.resolver import parse_server
 
 # -- the parser's own rules ---------------------------------------------------------------------

@@ -8,22 +8,20 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from egressd.proxy.core import http1
-from egressd.proxy.core.http1 import (
-    BodyKind,
-    ChunkedScanner,
-    Destination,
-    HttpError,
+from egressd.proxy.core.http1 import destination as destination_module
+from egressd.proxy.core.http1 import heads
+from egressd.proxy.core.http1.destination import Destination, request_destination
+from egressd.proxy.core.http1.forwarding import forward_request_head, forward_response_head
+from egressd.proxy.core.http1.framing import BodyKind, ChunkedScanner
+from egressd.proxy.core.http1.heads import (
     RequestHead,
     ResponseHead,
-    forward_request_head,
-    forward_response_head,
     parse_request_head,
     parse_response_head,
     request_body_kind,
-    request_destination,
     response_body_kind,
 )
+from egressd.proxy.core.http1.syntax import HttpError
 
 LIMIT = 64 * 1024
 
@@ -1027,13 +1025,13 @@ def _outcome(parser: Callable[[bytes, int], object], raw: bytes, limit: int) -> 
 @settings(max_examples=200)
 @given(near_heads(response=False), st.sampled_from([LIMIT, 40, 80]))
 def test_the_fast_request_parse_agrees_with_the_general_one(raw: bytes, limit: int) -> None:
-    assert _outcome(parse_request_head, raw, limit) == _outcome(http1._parse_request_head, raw, limit)
+    assert _outcome(parse_request_head, raw, limit) == _outcome(heads._parse_request_head, raw, limit)
 
 
 @settings(max_examples=200)
 @given(near_heads(response=True), st.sampled_from([LIMIT, 40, 80]))
 def test_the_fast_response_parse_agrees_with_the_general_one(raw: bytes, limit: int) -> None:
-    assert _outcome(parse_response_head, raw, limit) == _outcome(http1._parse_response_head, raw, limit)
+    assert _outcome(parse_response_head, raw, limit) == _outcome(heads._parse_response_head, raw, limit)
 
 
 _TARGET_PIECES = ["http://", "HTTP://", "hTtP://", "https://", "a.b", "EXAMPLE.com", "x-y_z.", "1.2.3.4", "[::1]",
@@ -1054,4 +1052,4 @@ def test_the_fast_destination_agrees_with_the_general_one(pieces: list[str], met
         except HttpError as exc:
             return exc.status, exc.detail
 
-    assert outcome(request_destination) == outcome(http1._request_destination)
+    assert outcome(request_destination) == outcome(destination_module._request_destination)

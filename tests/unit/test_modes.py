@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from egressd.proxy.core.clienthello import Alert
-from egressd.proxy.core.http1 import HttpError, RequestHead, parse_request_head
+from egressd.proxy.core.http1.heads import RequestHead, parse_request_head
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import (
     EXPLICIT,
     RETRY_AFTER_S,

@@ -27,7 +27,7 @@ from tests import REPO
 ROOT = REPO
 TABLE = ROOT / "proxy" / "core" / "reasons.py"
 # Where a reason code or a table of reasons could hide: every package.
-SCANNED = ("names", "proxy", "audit", "approvals", "cli", "sandbox", "agent", "config")
+SCANNED = ("names", "proxy", "control", "audit", "approvals", "cli", "sandbox", "agent", "config")
 # approvals sits below the proxy, so it cannot import the table: it names the
 # code each failed answer becomes in ``ANSWER_REASONS`` (checked below), and
 # its ``Answer`` values share some of the words.
@@ -37,7 +37,7 @@ CODES = frozenset(reason.value for reason in Reason)
 NOT_A_REASON = {
     ("proxy/core/runs.py", "denied"),  # the control API's list of a run's denied destinations
     ("approvals/message.py", "denied"),  # "denied by NAME via CHANNEL"
-    ("approvals/slack.py", "denied"),  # the word a settled message ends with
+    ("approvals/slackblocks.py", "denied"),  # the word a settled message ends with
     ("cli/commands/agent.py", "denied"),  # the tally's heading
     ("cli/commands/approvals.py", "denied"),  # "denied by NAME"
     ("cli/main.py", "approval_timeout"),  # the --approval-timeout setting's name

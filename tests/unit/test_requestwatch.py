@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egressd.proxy.core.http1 import HttpError
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.requestwatch import OtherHost, RequestWatch
 
 HOST, PORT = "origin.test", 8080

@@ -67,7 +67,7 @@ def test_terminal_text_is_escape_with_layout_read_by_read() -> None:
 
 
 def _audit_safe_before(text: str) -> str:
-    """egressd.audit.query._safe before egressd.names.shown.ascii_escaped."""
+    """egressd.audit.display._safe before egressd.names.shown.ascii_escaped."""
     out: list[str] = []
     for char in text:
         code = ord(char)

@@ -27,10 +27,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from egressd.approvals.broker import ApprovalBroker
+from egressd.approvals.commandoutput import TerminalOutput
 from egressd.approvals.interface import Answer, ApprovalRequest, PendingApproval
 from egressd.approvals.message import UNRELATED, is_unrelated, render, shorten
-from egressd.approvals.slack import request_blocks
-from egressd.approvals.terminal import TerminalChannel, TerminalOutput, columns_of, fit, header, keep_of, prompt_line
+from egressd.approvals.prompt import columns_of, fit, header, keep_of, prompt_line
+from egressd.approvals.slackblocks import request_blocks
+from egressd.approvals.terminal import TerminalChannel
 from egressd.approvals.webhook import request_payload
 from egressd.audit.log import MemoryAuditSink
 from egressd.names.shown import TerminalText, escape, escape_mrkdwn, is_invisible

@@ -24,13 +24,12 @@ from egressd.approvals.interface import (
     SetupError,
 )
 from egressd.approvals.message import render
-from egressd.approvals.slack import (
+from egressd.approvals.slack import INTERACTIVITY_PATH, SlackChannel
+from egressd.approvals.slackblocks import (
     ALLOW_ACTION,
     ALLOW_ALWAYS_ACTION,
     ALLOW_ONCE_ACTION,
     DENY_ACTION,
-    INTERACTIVITY_PATH,
-    SlackChannel,
     outcome_text,
     request_blocks,
     settled_blocks,

@@ -24,9 +24,8 @@ from hypothesis import strategies as st
 from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.interface import Answer, ApprovalRequest, Choice, PendingApproval, Settlement
 from egressd.approvals.message import render
-from egressd.approvals.slack import (
-    INTERACTIVITY_PATH,
-    SlackChannel,
+from egressd.approvals.slack import INTERACTIVITY_PATH, SlackChannel
+from egressd.approvals.slackblocks import (
     button_value,
     fallback_text,
     neutralise,

@@ -12,7 +12,8 @@ import pytest
 
 from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.interface import Answer, ChannelUnavailable, Choice
-from egressd.approvals.terminal import TerminalChannel, countdown
+from egressd.approvals.prompt import countdown
+from egressd.approvals.terminal import TerminalChannel
 from egressd.audit.log import MemoryAuditSink
 from tests.fakes.terminal import Pty
 from tests.harness import wait_until

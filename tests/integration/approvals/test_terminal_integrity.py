@@ -28,8 +28,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from egressd.approvals.broker import ApprovalBroker
+from egressd.approvals.commandoutput import MAX_HELD_OUTPUT, TerminalOutput
 from egressd.approvals.interface import Answer
-from egressd.approvals.terminal import MAX_HELD_OUTPUT, TerminalChannel, TerminalOutput, prompt_line
+from egressd.approvals.prompt import prompt_line
+from egressd.approvals.terminal import TerminalChannel
 from egressd.audit.log import MemoryAuditSink
 from egressd.names.shown import TerminalText, escape, is_invisible
 from tests.fakes.dockerbed import ORIGIN_NAME, ORIGIN_PORT

@@ -16,12 +16,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from egressd.audit.display import format_json, format_table
 from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink, MemoryAuditSink
 from egressd.audit.query import (
     AuditFilter,
     follow_records,
-    format_json,
-    format_table,
     parse_since,
     read_records,
     read_records_from,

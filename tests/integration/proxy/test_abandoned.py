@@ -20,7 +20,7 @@ import pytest
 
 from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Choice
-from egressd.approvals.slack import abandoned_blocks, fallback_text
+from egressd.approvals.slackblocks import abandoned_blocks, fallback_text
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.commands.approvals import _print_pending
 from egressd.cli.wiring.service import EgressService

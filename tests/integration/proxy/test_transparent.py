@@ -23,7 +23,8 @@ from aiohttp import web
 from dnslib import DNSRecord
 
 from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest
-from egressd.proxy.core.http1 import HttpError, RequestHead
+from egressd.proxy.core.http1.heads import RequestHead
+from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import host_destination
 from tests.fakes import hellos
 from tests.fakes.dns import FakeDns

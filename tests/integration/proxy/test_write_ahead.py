@@ -26,8 +26,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from egressd.audit.chain import verify_files
 from egressd.audit.log import AuditError, JsonlAuditSink
-from egressd.audit.query import join_ends, verify_files
+from egressd.audit.query import join_ends
 from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind
 from tests.fakes import hellos
 from tests.harness import (

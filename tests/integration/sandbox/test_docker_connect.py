@@ -40,7 +40,7 @@ from egressd.cli.wiring.control_client import ControlError
 from egressd.cli.wiring.docker_session import DockerSession, sidecar_environment, sidecar_secrets
 from egressd.cli.wiring.session import SessionError
 from egressd.config.settings import load_settings
-from egressd.proxy.net.control import _run_address
+from egressd.control.api import _run_address
 from egressd.sandbox.docker.engine import DockerEngine, clean_leftovers, containers_serving  # noqa: F401
 from egressd.sandbox.docker.networks import DockerRunNetwork  # noqa: F401
 from egressd.sandbox.docker.sidecar import start_egressd  # noqa: F401

@@ -1,0 +1,101 @@
+"""The heads sent onward: a request's to the upstream, a response's to the client (RFC 9110 §7.6.1).
+
+Hop-by-hop fields and the fields a Connection field names are dropped (never the
+framing ones: framing is ours to keep consistent), one Content-Length is kept,
+and ``Connection`` says what we decided.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from egressd.proxy.core.http1.destination import Destination
+from egressd.proxy.core.http1.heads import RequestHead, ResponseHead
+from egressd.proxy.core.http1.syntax import OWS
+
+# RFC 9110 §7.6.1 hop-by-hop fields, plus the de-facto Proxy-Connection and
+# the proxy authentication pair, which concern us and never the next hop.
+_HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "proxy-authenticate",
+        "te",
+        "trailer",
+        "upgrade",
+    }
+)
+# Framing is ours to keep consistent: a peer that names Content-Length or
+# Transfer-Encoding in Connection must not make us drop it and desync.
+_FRAMING_FIELDS: Final = frozenset({"content-length", "transfer-encoding"})
+
+
+def _forward_fields(headers: list[tuple[str, str]], drop: frozenset[str], drop_egress: bool) -> str:
+    """The field lines to send on, each ending in CRLF: no hop-by-hop fields, one Content-Length.
+
+    One pass for the common head; the fields a Connection field names (which may come after
+    them) are dropped by a second pass only when one of them is there.
+    """
+    lines: list[str] = []
+    connection: str | None = None
+    have_length = False
+    for name, value in headers:
+        key = name.lower()
+        if key in drop:
+            if key == "connection":  # always in drop: hop-by-hop
+                connection = value if connection is None else f"{connection},{value}"
+            continue
+        if key == "content-length":
+            # Parsing allowed only identical duplicates ("42, 42"); send one.
+            if have_length:
+                continue
+            have_length = True
+            value = value.partition(",")[0].strip(OWS)
+        # key.startswith("x-egress-"), by comparisons: the strings after that prefix in order.
+        elif drop_egress and "x-egress-" <= key < "x-egress.":
+            continue
+        lines.append(f"{name}: {value}\r\n")
+    if connection is not None:
+        named = {option.strip(OWS).lower() for option in connection.split(",")} - _FRAMING_FIELDS - drop
+        for name, _ in headers:
+            if name.lower() in named:
+                return _forward_fields(headers, drop | named, drop_egress)
+    return "".join(lines)
+
+
+_REQUEST_DROP: Final = _HOP_BY_HOP | {"host"}
+
+
+def forward_request_head(head: RequestHead, dest: Destination) -> bytes:
+    """The head to send upstream for an absolute-form request to ``dest``.
+
+    ``METHOD origin-form HTTP/1.1``, Host rewritten to the destination (RFC
+    9112 §3.2: first, and replacing the client's), hop-by-hop fields and the
+    fields named in Connection removed (never the framing ones), and
+    ``Connection: keep-alive`` for our upstream connection. ``head`` must come
+    from ``parse_request_head`` and ``dest`` be an "http" destination.
+    """
+    if dest.scheme != "http":
+        raise ValueError("only absolute-form http requests are forwarded")
+    host = f"[{dest.host}]" if ":" in dest.host else dest.host
+    port = "" if dest.port == 80 else f":{dest.port}"
+    fields = _forward_fields(head.headers, _REQUEST_DROP, drop_egress=False)
+    start = f"{head.method} {dest.path} HTTP/1.1\r\nHost: {host}{port}\r\n"
+    return f"{start}{fields}Connection: keep-alive\r\n\r\n".encode("latin-1")
+
+
+def forward_response_head(head: ResponseHead, client_keep_alive: bool) -> bytes:
+    """The head to send the client for an upstream response.
+
+    Hop-by-hop fields and those named in Connection removed (never the
+    framing ones), every ``X-Egress-*`` field removed so no origin can forge
+    a decision, and ``Connection: keep-alive`` or ``close`` as the caller
+    decided (close whenever the body is read until close). ``head`` must come
+    from ``parse_response_head``.
+    """
+    fields = _forward_fields(head.headers, _HOP_BY_HOP, drop_egress=True)
+    connection = "keep-alive" if client_keep_alive else "close"
+    return f"HTTP/1.1 {head.status} {head.reason}\r\n{fields}Connection: {connection}\r\n\r\n".encode("latin-1")
+
