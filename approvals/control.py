@@ -42,8 +42,7 @@ from aiohttp import web
 
 from egressd.audit.records import rfc3339
 
-from .interface import Answerer, AnswerResult, ApprovalScope, Choice, PendingApproval, Route, parse_scope
-from .message import settled_text
+from .interface import Answerer, AnswerResult, ApprovalScope, Choice, PendingApproval, Route, parse_scope, settled_text
 
 CHANNEL = "control"
 DEFAULT_BY = "cli"

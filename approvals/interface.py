@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from egressd.audit.records import rfc3339
 
+from .message import ApprovalMessage
+
 if TYPE_CHECKING:
     from aiohttp import web
-
-    from .message import ApprovalMessage
 
 
 class Answer(enum.Enum):
@@ -180,6 +180,21 @@ class Settlement:
     def reason(self) -> str | None:
         """The refusal code, or None for an allow."""
         return ANSWER_REASONS.get(self.answer)
+
+
+def settled_text(settlement: Settlement) -> str:
+    """One line saying how an approval ended, for people (escaped by the broker already)."""
+    if settlement.channel is not None:
+        verb = "denied"
+        if settlement.reason is None:
+            scope = settlement.scope.value if settlement.scope is not None else "run"
+            verb = "allowed" if scope == "run" else f"allowed ({scope})"
+        return f"{verb} by {settlement.by or 'someone'} via {settlement.channel}"
+    return {
+        Answer.TIMEOUT: "expired (denied)",
+        Answer.NO_APPROVER: "denied: nobody could be asked",
+        Answer.SHUTTING_DOWN: "denied: egressd stopped",
+    }.get(settlement.answer, settlement.reason or "settled")
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,8 +51,6 @@ from egressd.names import suffixes
 from egressd.names.authority import Colons, split_authority
 from egressd.names.shown import escape, is_invisible
 
-from .interface import Answer, Settlement
-
 __all__ = [
     "ApprovalMessage",
     "Room",
@@ -61,7 +59,6 @@ __all__ = [
     "is_unrelated",
     "registered_domain",
     "render",
-    "settled_text",
     "shorten",
     "shown",
     "stopped_asking_text",
@@ -441,18 +438,3 @@ ABANDONED_TEXT = (
     "The client gave up waiting for this request. An answer still applies to the run: "
     "allow lets its later requests to this domain through, deny refuses them."
 )
-
-
-def settled_text(settlement: Settlement) -> str:
-    """One line saying how an approval ended, for people (escaped by the broker already)."""
-    if settlement.channel is not None:
-        verb = "denied"
-        if settlement.reason is None:
-            scope = settlement.scope.value if settlement.scope is not None else "run"
-            verb = "allowed" if scope == "run" else f"allowed ({scope})"
-        return f"{verb} by {settlement.by or 'someone'} via {settlement.channel}"
-    return {
-        Answer.TIMEOUT: "expired (denied)",
-        Answer.NO_APPROVER: "denied: nobody could be asked",
-        Answer.SHUTTING_DOWN: "denied: egressd stopped",
-    }.get(settlement.answer, settlement.reason or "settled")

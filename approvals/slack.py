@@ -89,8 +89,9 @@ from .interface import (
     Route,
     Settlement,
     SetupError,
+    settled_text,
 )
-from .message import bounded, settled_text
+from .message import bounded
 from .slackblocks import (
     ACTIONS,
     FALLBACK_MAX,

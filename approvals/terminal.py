@@ -88,8 +88,9 @@ from .interface import (
     PendingApproval,
     Route,
     Settlement,
+    settled_text,
 )
-from .message import settled_text, shorten
+from .message import shorten
 from .prompt import (
     BOLD,
     CLEAR_LINE,

@@ -99,8 +99,9 @@ from .interface import (
     Route,
     Settlement,
     parse_scope,
+    settled_text,
 )
-from .message import ABANDONED_TEXT, settled_text
+from .message import ABANDONED_TEXT
 from .webpage import (
     CHANGE_SITES,
     DECISIONS,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egressd.approvals.interface import Answer, Settlement
+from egressd.approvals.interface import Answer, Settlement, settled_text
 from egressd.approvals.message import (
     CLOSING,
     INTRO,
@@ -16,7 +16,6 @@ from egressd.approvals.message import (
     bounded,
     is_unrelated,
     render,
-    settled_text,
 )
 from egressd.names.shown import escape, is_invisible
 

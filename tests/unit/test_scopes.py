@@ -14,9 +14,9 @@ from egressd.approvals.interface import (
     Choice,
     Settlement,
     parse_scope,
+    settled_text,
 )
 from egressd.approvals.ledger import Ledger
-from egressd.approvals.message import settled_text
 from egressd.approvals.prompt import allowed_text, choices, read_answer
 from egressd.audit.records import approval_decided_record
 from egressd.proxy.core.policy import EntryError, RunPolicy, Verdict, decide, lasting_entry, parse_entry
