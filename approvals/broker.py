@@ -63,13 +63,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from egressd.audit.approvalrecords import approval_abandoned_record, approval_decided_record, approval_requested_record
 from egressd.audit.log import AuditError, AuditSink
-from egressd.audit.records import (
-    approval_abandoned_record,
-    approval_decided_record,
-    approval_requested_record,
-    rfc3339,
-)
+from egressd.audit.records import rfc3339
 from egressd.config.allowfile import AllowFileError, Approved, append_approved
 
 from .control import control_routes

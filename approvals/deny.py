@@ -6,8 +6,8 @@ import logging
 import time
 from collections.abc import Callable
 
+from egressd.audit.approvalrecords import approval_decided_record, approval_requested_record
 from egressd.audit.log import AuditError, AuditSink
-from egressd.audit.records import approval_decided_record, approval_requested_record
 
 from .broker import new_approval_id
 from .interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest

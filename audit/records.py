@@ -1,21 +1,20 @@
 """Audit facts, and the records they serialise to (plain dicts, one JSON line each).
 
 A fact is what happened, typed and frozen, built once where it is known:
-``EgressDecided`` (an attempt's ``egress`` record), ``EgressEnded`` (an
-allowed connection's ``egress.end``), ``ApprovalRequested``,
-``ApprovalSettled`` (``approval.decided``) and ``ApprovalAbandoned``. Its
-``record()`` is the dict the writer serialises, keys in the design's order.
-A fact's ``record()``, or its building, checks what its types cannot
-(``RecordError``); the ``approval_*_record`` and ``run_record`` functions
-build a record from keyword arguments.
+``EgressDecided`` (an attempt's ``egress`` record) and ``EgressEnded`` (an
+allowed connection's ``egress.end``) here, the approval facts in
+``approvalrecords``. Its ``record()`` is the dict the writer serialises,
+keys in the design's order. A fact's ``record()``, or its building, checks
+what its types cannot (``fields.RecordError``); ``run_record`` and the other
+``*_record`` functions build a record from keyword arguments.
 
 Pure: no I/O, no clock (every fact and builder takes ``ts``, epoch seconds), no
 environment. The one exception is ``new_request_id``, which draws from
 ``secrets`` because a request id must be unguessable.
 
 What a record may never hold (DESIGN.md, "Audit log"): payloads, credentials
-and query strings. Callers already strip them; the builders here strip them
-again, because a leak into an append-only log cannot be taken back.
+and query strings. Callers already strip them; the builders strip them
+again (``fields``), because a leak into an append-only log cannot be taken back.
 
 ``prev`` (the hash chain) is not built here: it is the SHA-256 of the line
 written before, known only to the writer at the moment it writes
@@ -27,17 +26,15 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 import math
-import re
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from egressd.audit.fields import RecordError, approval_summary, plain, scrub_mapping, seconds, strip_host
+
 __all__ = [
     "APPROVAL_ABANDONED",
-    "ApprovalAbandoned",
-    "ApprovalRequested",
-    "ApprovalSettled",
     "ApprovalSummary",
     "Decision",
     "EgressDecided",
@@ -58,10 +55,6 @@ __all__ = [
     "RUN_CHANGED",
     "RUN_END",
     "RUN_START",
-    "RecordError",
-    "approval_abandoned_record",
-    "approval_decided_record",
-    "approval_requested_record",
     "new_request_id",
     "rfc3339",
     "policy_reloaded_record",
@@ -132,30 +125,6 @@ _EGRESS_RESERVED: frozenset[str] = _EGRESS_FIELD_SET | {CHAIN_FIELD}
 
 EGRESS_KINDS: frozenset[str] = frozenset({"connect", "http", "tls", "dns", "socks"})  # EgressKind's values
 DECISIONS: frozenset[str] = frozenset({"allow", "deny"})  # Decision's values
-
-# Substrings of key names whose values are never written. Matching substrings
-# (not whole names) errs towards dropping: losing a harmless "max_tokens" is
-# cheaper than logging a "slack_bot_token".
-_SECRET_KEY_PARTS: tuple[str, ...] = (
-    "token",
-    "password",
-    "passwd",
-    "credential",
-    "secret",
-    "authorization",
-    "api_key",
-    "apikey",
-    "cookie",
-)
-
-# scheme://userinfo@ — the userinfo part (RFC 3986 §3.2.1) is where proxy
-# URLs carry a run's credentials (http://RUN_ID:TOKEN@host:port).
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)[^/?#@\s]*@")
-
-
-class RecordError(ValueError):
-    """A record could not be built from the values given (a caller's bug)."""
-
 
 def new_request_id() -> str:
     """Return a fresh request id such as ``q-3f9c0a1b2d4e5f60``.
@@ -237,7 +206,7 @@ class ApprovalSummary:
     waited_s: float
 
     def record(self) -> dict[str, object]:
-        return _approval({"id": self.id, "channel": self.channel, "by": self.by, "waited_s": self.waited_s})
+        return approval_summary({"id": self.id, "channel": self.channel, "by": self.by, "waited_s": self.waited_s})
 
 
 class EgressDecided(NamedTuple):
@@ -318,34 +287,34 @@ class EgressDecided(NamedTuple):
             "run": run,
             "kind": kind_text,
             "client": client,
-            # _strip_host's own first test, inline: most hosts have nothing to strip.
+            # strip_host's own first test, inline: most hosts have nothing to strip.
             "host": host
             if host is None or not ("@" in host or "/" in host or "?" in host or "#" in host)
-            else _strip_host(host),
+            else strip_host(host),
             "port": port,
             "address": address,
             "decision": decision_text,
-            "reason": reason if reason.__class__ is str else _plain(reason),
+            "reason": reason if reason.__class__ is str else plain(reason),
             "rule": rule,
             "approval": (
                 None
                 if approval is None
                 else approval.record()
                 if isinstance(approval, ApprovalSummary)
-                else _approval(approval)
+                else approval_summary(approval)
             ),
             "command": command,
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,
-            # _seconds, inline for None and a finite float (inf - inf and NaN are NaN).
+            # seconds, inline for None and a finite float (inf - inf and NaN are NaN).
             "duration_s": duration_s
             if duration_s is None
             else round(duration_s, 6)
             if duration_s.__class__ is float and duration_s - duration_s == 0.0
-            else _seconds(duration_s, "duration_s"),
+            else seconds(duration_s, "duration_s"),
         }
         if extra:
-            record.update(_scrub_mapping(extra))
+            record.update(scrub_mapping(extra))
         return record
 
 
@@ -388,14 +357,14 @@ class EgressEnded(NamedTuple):
             "address": address,
             "bytes_up": bytes_up,
             "bytes_down": bytes_down,
-            # _seconds, inline for a finite float (inf - inf and NaN are NaN).
+            # seconds, inline for a finite float (inf - inf and NaN are NaN).
             "duration_s": round(duration_s, 6)
             if duration_s.__class__ is float and duration_s - duration_s == 0.0
-            else _seconds(duration_s, "duration_s"),
+            else seconds(duration_s, "duration_s"),
             "end": end,
         }
         if extra:
-            record.update(_scrub_mapping(extra))
+            record.update(scrub_mapping(extra))
         return record
 
 
@@ -414,7 +383,7 @@ def run_record(event: str, *, ts: float, run: str, **fields: object) -> dict[str
     if clash:
         raise RecordError(f"fields shadow run record keys: {', '.join(clash)}")
     record: dict[str, object] = {"event": event, "ts": rfc3339(ts), "run": run}
-    record.update(_scrub_mapping(fields))
+    record.update(scrub_mapping(fields))
     return record
 
 
@@ -538,290 +507,7 @@ def suppressed_record(
         "end": rfc3339(end),
         "suppressed": sum(by_kind[k][r] for k in by_kind for r in by_kind[k]),
         "counts": by_kind,
-        "samples": [_strip_host(sample) for sample in samples],
+        "samples": [strip_host(sample) for sample in samples],
     }
 
 
-@dataclass(frozen=True, slots=True)
-class ApprovalRequested:
-    """A person was asked: the ``approval.requested`` record.
-
-    ``id`` is the approval's id (what ``egressd allow ID`` takes);
-    ``channels`` names the channels the message went to.
-    """
-
-    id: str  # the design's field name, shadowing the builtin
-    ts: float
-    run: str | None
-    host: str
-    port: int
-    command: str | None
-    channels: Sequence[str]
-
-    def record(self) -> dict[str, object]:
-        return {
-            "event": APPROVAL_REQUESTED,
-            "id": self.id,
-            "ts": rfc3339(self.ts),
-            "run": self.run,
-            "host": _strip_host(self.host),
-            "port": self.port,
-            "command": self.command,
-            "channels": [str(channel) for channel in self.channels],
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class ApprovalSettled:
-    """How an approval was decided: the ``approval.decided`` record.
-
-    ``decision`` is allow or deny (anything else: ``RecordError``);
-    ``reason`` the refusal code of a denial (``denied``,
-    ``approval_timeout``, ...); ``channel`` and ``by`` are None when nobody
-    answered. ``run`` is not in the design's field list but lets
-    ``egressd audit --run`` keep the answer next to its request.
-    After the design's fields: ``scope``, how far an allow reaches as
-    applied (``once|run|always``; None for a denial); ``entry``, the line an
-    *always* answer appended to the allowlist file; ``scope_error``, why an
-    *always* answer was applied to the run only. Last, when known,
-    ``auth``: the credential that answered (``global token``, ``run token
-    of r-1``, ``page session "alice" (global token)``), set by egressd,
-    never by the answerer's own text as ``by`` is.
-    """
-
-    id: str  # the design's field name, shadowing the builtin
-    ts: float
-    decision: Decision
-    reason: str | None
-    channel: str | None
-    by: str | None
-    waited_s: float | None
-    run: str | None = None
-    scope: str | None = None
-    entry: str | None = None
-    scope_error: str | None = None
-    auth: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.decision.__class__ is not Decision:
-            object.__setattr__(self, "decision", Decision(_member(self.decision, DECISIONS, "decision")))
-
-    def record(self) -> dict[str, object]:
-        reason = self.reason
-        record: dict[str, object] = {
-            "event": APPROVAL_DECIDED,
-            "id": self.id,
-            "ts": rfc3339(self.ts),
-            "run": self.run,
-            "decision": _DECISION_TEXT[self.decision],
-            "reason": reason if reason.__class__ is str else _plain(reason),
-            "channel": _plain(self.channel),
-            "by": self.by,
-            "waited_s": _seconds(self.waited_s, "waited_s"),
-            "scope": _plain(self.scope),
-            "entry": _plain(self.entry),
-            "scope_error": _plain(self.scope_error),
-        }
-        if self.auth is not None:
-            record["auth"] = self.auth
-        return record
-
-
-@dataclass(frozen=True, slots=True)
-class ApprovalAbandoned:
-    """Every client waiting for an approval gave up: the ``approval.abandoned`` record.
-
-    The approval stays open until answered or expired; its
-    ``approval.decided`` record follows as for any other. ``waited_s`` is
-    how long it had been open when the last client left.
-    """
-
-    id: str  # the design's field name, shadowing the builtin
-    ts: float
-    run: str | None
-    host: str
-    port: int
-    waited_s: float | None
-
-    def record(self) -> dict[str, object]:
-        return {
-            "event": APPROVAL_ABANDONED,
-            "id": self.id,
-            "ts": rfc3339(self.ts),
-            "run": self.run,
-            "host": _strip_host(self.host),
-            "port": self.port,
-            "waited_s": _seconds(self.waited_s, "waited_s"),
-        }
-
-
-def approval_requested_record(
-    *,
-    id: str,  # the design's field name, shadowing the builtin
-    ts: float,
-    run: str | None,
-    host: str,
-    port: int,
-    command: str | None,
-    channels: Sequence[str],
-) -> dict[str, object]:
-    """The ``approval.requested`` record of an ``ApprovalRequested`` built from these fields."""
-    return ApprovalRequested(id=id, ts=ts, run=run, host=host, port=port, command=command, channels=channels).record()
-
-
-def approval_decided_record(
-    *,
-    id: str,  # the design's field name, shadowing the builtin
-    ts: float,
-    decision: str,
-    reason: str | None,
-    channel: str | None,
-    by: str | None,
-    waited_s: float | None,
-    run: str | None = None,
-    scope: str | None = None,
-    entry: str | None = None,
-    scope_error: str | None = None,
-    auth: str | None = None,
-) -> dict[str, object]:
-    """The ``approval.decided`` record of an ``ApprovalSettled`` built from these fields (``RecordError``)."""
-    return ApprovalSettled(
-        id=id,
-        ts=ts,
-        decision=decision,  # type: ignore[arg-type]  # checked and converted by the fact
-        reason=reason,
-        channel=channel,
-        by=by,
-        waited_s=waited_s,
-        run=run,
-        scope=scope,
-        entry=entry,
-        scope_error=scope_error,
-        auth=auth,
-    ).record()
-
-
-def approval_abandoned_record(
-    *,
-    id: str,  # the design's field name, shadowing the builtin
-    ts: float,
-    run: str | None,
-    host: str,
-    port: int,
-    waited_s: float | None,
-) -> dict[str, object]:
-    """The ``approval.abandoned`` record of an ``ApprovalAbandoned`` built from these fields."""
-    return ApprovalAbandoned(id=id, ts=ts, run=run, host=host, port=port, waited_s=waited_s).record()
-
-
-def _approval(approval: Mapping[str, object]) -> dict[str, object]:
-    summary = _scrub_mapping(approval)
-    waited = summary.get("waited_s")
-    if isinstance(waited, float) and math.isfinite(waited):
-        summary["waited_s"] = round(waited, 6)
-    return summary
-
-
-def _member(value: object, allowed: frozenset[str], name: str) -> str:
-    plain = _plain(value)
-    if not isinstance(plain, str) or plain not in allowed:
-        raise RecordError(f"{name} must be one of {', '.join(sorted(allowed))}, not {value!r}")
-    return plain
-
-
-def _plain(value: object) -> object:
-    # An Enum member (say a reason code enum) becomes its value: json.dumps
-    # would write a str-mixin enum as its value anyway, but a plain Enum
-    # would not serialise at all.
-    if isinstance(value, enum.Enum):
-        return value._value_  # the plain attribute: ``.value`` is a descriptor, slow once per record
-    return value
-
-
-def _seconds(value: float | None, name: str) -> float | None:
-    if value is None:
-        return None
-    if value.__class__ is float and value - value == 0.0:  # finite: inf - inf and NaN are NaN
-        return round(value, 6)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RecordError(f"{name} must be a finite number of seconds, not {value!r}")
-    return round(float(value), 6)
-
-
-def _strip_host(host: str | None) -> str | None:
-    """Remove userinfo, path, query and fragment from a host string.
-
-    Userinfo goes first, up to the LAST "@": cutting the path first would
-    leave the front of a password that contains "/" in the log.
-    """
-    # Four substring tests: half the cost of a regular expression's search (one per record).
-    if host is None or not ("@" in host or "/" in host or "?" in host or "#" in host):
-        return host
-    host = host.rpartition("@")[2]
-    for stop in "/?#":
-        host = host.partition(stop)[0]
-    return host
-
-
-def _is_secret_key(key: object) -> bool:
-    try:
-        return _secret_keys[key]
-    except (KeyError, TypeError):
-        pass
-    name = str(key).lower().replace("-", "_")
-    secret = any(part in name for part in _SECRET_KEY_PARTS)
-    # Records reuse a handful of key names; remember the answers, bounded.
-    if len(_secret_keys) >= 1024:
-        _secret_keys.clear()
-    try:
-        _secret_keys[key] = secret
-    except TypeError:
-        pass  # an unhashable key: answered, not remembered
-    return secret
-
-
-_secret_keys: dict[object, bool] = {}
-
-
-def _scrub_mapping(mapping: Mapping[str, object]) -> dict[str, object]:
-    # ``{str(key): _scrub(value) for key, value in mapping.items() if not _is_secret_key(key)}``, with
-    # the common case inline (a str key already judged, a value of a plain type): one per record's extras.
-    scrubbed: dict[str, object] = {}
-    secret_keys = _secret_keys
-    for key, value in mapping.items():
-        if key.__class__ is str:
-            secret = secret_keys.get(key)
-            if secret is None:
-                secret = _is_secret_key(key)
-            if secret:
-                continue
-        else:
-            if _is_secret_key(key):
-                continue
-            key = str(key)
-        cls = value.__class__
-        if isinstance(value, str) and cls is str:
-            if "://" in value:  # only a URL can carry userinfo
-                value = _URL_USERINFO.sub(r"\g<scheme>", value)
-        elif not (value is None or cls is int or cls is bool or cls is float):
-            value = _scrub(value)
-        scrubbed[key] = value
-    return scrubbed
-
-
-def _scrub(value: object) -> object:
-    cls = value.__class__
-    if value is None or cls is int or cls is bool or cls is float:
-        return value
-    if isinstance(value, str) and cls is str:
-        # Only a URL can carry userinfo; most strings have no "://" at all.
-        return _URL_USERINFO.sub(r"\g<scheme>", value) if "://" in value else value
-    value = _plain(value)
-    if isinstance(value, Mapping):
-        return _scrub_mapping(value)
-    if isinstance(value, list | tuple | set | frozenset):
-        items = sorted(value, key=str) if isinstance(value, set | frozenset) else value
-        return [_scrub(item) for item in items]
-    if isinstance(value, str):
-        return _URL_USERINFO.sub(r"\g<scheme>", value)
-    return value

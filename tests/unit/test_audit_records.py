@@ -11,8 +11,9 @@ import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from egressd.audit import records
-from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind, RecordError, rfc3339
+from egressd.audit import fields, records
+from egressd.audit.fields import RecordError
+from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind, rfc3339
 
 
 def _rfc3339_plainly(ts: object) -> str:
@@ -65,7 +66,7 @@ _durations = st.one_of(
 
 def _plain_seconds(value: object) -> object:
     try:
-        return records._seconds(value, "duration_s")  # type: ignore[arg-type]
+        return fields.seconds(value, "duration_s")  # type: ignore[arg-type]
     except RecordError:
         return RecordError
 
@@ -96,7 +97,7 @@ def test_an_egress_record_strips_its_host_and_rounds_its_duration_as_the_helpers
             fact.record()
         return
     record = fact.record()
-    assert record["host"] == records._strip_host(host)
+    assert record["host"] == fields.strip_host(host)
     assert record["duration_s"] == expected and type(record["duration_s"]) is type(expected)
     assert list(record) == list(records.EGRESS_FIELDS)
 

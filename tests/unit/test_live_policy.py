@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from egressd.audit.records import RecordError, policy_reloaded_record, run_changed_record
+from egressd.audit.fields import RecordError
+from egressd.audit.records import policy_reloaded_record, run_changed_record
 from egressd.proxy.core.policy import Verdict, parse_entry
 from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run, RunError, RunRegistry, entry_diff

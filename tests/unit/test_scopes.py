@@ -18,7 +18,7 @@ from egressd.approvals.interface import (
 )
 from egressd.approvals.ledger import Ledger
 from egressd.approvals.prompt import allowed_text, choices, read_answer
-from egressd.audit.records import approval_decided_record
+from egressd.audit.approvalrecords import approval_decided_record
 from egressd.proxy.core.policy import EntryError, RunPolicy, Verdict, decide, lasting_entry, parse_entry
 
 ALL = (ApprovalScope.ONCE, ApprovalScope.RUN, ApprovalScope.ALWAYS)

@@ -16,7 +16,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from egressd.audit.approvalrecords import approval_decided_record, approval_requested_record
 from egressd.audit.display import format_json, format_table
+from egressd.audit.fields import RecordError
 from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink, MemoryAuditSink
 from egressd.audit.query import (
     AuditFilter,
@@ -30,9 +32,6 @@ from egressd.audit.records import (
     Decision,
     EgressDecided,
     EgressKind,
-    RecordError,
-    approval_decided_record,
-    approval_requested_record,
     new_request_id,
     rfc3339,
     run_record,
