@@ -13,9 +13,6 @@ from dataclasses import dataclass
 from egressd.audit.fields import member, plain, seconds, strip_host
 from egressd.audit.records import APPROVAL_ABANDONED, APPROVAL_DECIDED, APPROVAL_REQUESTED, DECISIONS, Decision, rfc3339
 
-# A record's plain decision text (``.value`` is a descriptor: a Python call per record).
-_DECISION_TEXT: dict[object, str] = {decision: decision.value for decision in Decision}
-
 
 @dataclass(frozen=True, slots=True)
 class ApprovalRequested:
@@ -88,7 +85,7 @@ class ApprovalSettled:
             "id": self.id,
             "ts": rfc3339(self.ts),
             "run": self.run,
-            "decision": _DECISION_TEXT[self.decision],
+            "decision": Decision(self.decision).value,
             "reason": reason if reason.__class__ is str else plain(reason),
             "channel": plain(self.channel),
             "by": self.by,

@@ -3,6 +3,8 @@
 Every record builder (``records``, ``approvalrecords``) passes what it is
 given through these: a leak into an append-only log cannot be taken back.
 Pure.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ for is checked on every record, and anything else goes the general way:
 Anything that fails on the short road (a huge int past the digit limit, ...)
 is done again the general way, which gives the error, if there is one.
 Pure: no I/O.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ carries ``prev``, the SHA-256 of the line before it as written), rotates it
 by size and reopens it on request; given ``-`` (``STDOUT``) it writes the same
 lines to standard output, for a cluster's log collector; ``MemoryAuditSink`` keeps records in a
 list for tests (unchained: the chain is a property of the file's bytes).
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ again (``fields``), because a leak into an append-only log cannot be taken back.
 ``prev`` (the hash chain) is not built here: it is the SHA-256 of the line
 written before, known only to the writer at the moment it writes
 (``egressd.audit.log.JsonlAuditSink``), so no builder accepts a field of that name.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

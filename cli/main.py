@@ -313,9 +313,8 @@ class _LineFormatter(logging.Formatter):
 
 
 def _setup_logging(level: str) -> None:
-    # What no line of ours shows, not gathered for every record (the logging HOWTO's
-    # "Optimization"): the caller's frame, thread and process. A decision line cost about
-    # 77,000 instructions with them, a tenth of a tunnel.
+    # What no line of ours shows is not gathered for every record (the logging HOWTO's
+    # "Optimization"): the caller's frame, thread and process (docs/performance.md).
     logging._srcfile = None  # noqa: SLF001 (the documented switch)
     logging.logThreads = False
     logging.logProcesses = False

@@ -20,6 +20,8 @@ No I/O: each step is a command (``commands``) the runner
 result or throwing the failure into it. A playbook test does the same by
 hand. What is left to record when the connection ends early (its client
 gone, egressd stopping) is ``pending``; the run's slot it holds is ``slot``.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

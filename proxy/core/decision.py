@@ -24,6 +24,8 @@ The answer is one value, built once: the ``Admission`` (the addresses, or
 the reason; the rule, the approval, learn mode's code), which ``conclude``
 writes into the attempt; the recorder writes the attempt, the dialer dials
 exactly the admitted addresses.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

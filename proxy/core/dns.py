@@ -18,6 +18,8 @@ Two directions, one home (RFC 1035 §4):
 
 Pure: no socket, no clock. The limits and the wire constants both sides use
 are defined here once, each beside the RFC that sets it.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ Every refusal (decision ``deny``) carries a reason, and the reason's table row g
 code (``Reason.rcode``, through ``refused``). A ``Plan`` is what to answer; a ``PreparedReply`` is a
 plan with the record's fields and the reply's bytes worked out once, and
 ``Answers`` keeps one per distinct outcome for a server. Pure: no I/O.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -43,6 +43,8 @@ Transfer-Encoding, differing Content-Lengths, bad chunk sizes, obs-fold, bare
 CR) is refused by ``http1`` as ``HttpError``, raised from here: the status
 says whose fault it is (4xx the client's, 502 the upstream's), the detail is
 safe to show. No request smuggling, no response splitting.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ starts again: a client cycling through keys cannot grow it, and the handful
 of keys a real workload repeats are back after one miss each. Hits are a dict
 lookup at the call site (the hot paths inline them); misses go through
 ``remember``.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

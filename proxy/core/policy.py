@@ -15,6 +15,8 @@ entries, IP literals, a bad request, a host denied earlier, and the callers'
 address check) is decided exactly as without it.
 
 Pure: no I/O.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

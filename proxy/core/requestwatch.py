@@ -38,6 +38,8 @@ Refusals are exceptions: ``OtherHost`` (``sni_mismatch``) and ``HttpError``
 Hot in step 1 only: every tunnel that is not TLS runs it (bench/instructions.py's
 tunnels, a 64-byte word), so a first chunk of letters and digits is told in C
 (``isalnum``) and what only an upgrade or a body needs is set when needed.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ what the files say now instead of dropping them (``LiveMerge``).
 A connection already decided is not decided again; approvals and denials
 made during the run stay. An entry's identity is what it matches
 (``entry_key``), so ``Example.com`` removes ``example.com``.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

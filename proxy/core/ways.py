@@ -22,6 +22,8 @@ One ``Way`` per mode (``modes.Reads``), each a layer under the conversation
 
 The whole head (hello, handshake) has the head timeout; a slow one is
 shed (HTTP: 408). Pure: no I/O.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

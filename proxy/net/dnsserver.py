@@ -44,6 +44,8 @@ sockets, the rate limit (``RateLimiter``, pure: time is passed in), the
 per-run name ledger and the records. The asyncio shell answers from
 protocol callbacks: no task per query, and no waiting — a DNS query never
 triggers an approval (DESIGN.md "Decision order").
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

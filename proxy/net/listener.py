@@ -7,6 +7,8 @@ every connection is one conversation (``egressd.proxy.core.conversation``)
 that a ``runner.Runner`` executes. The listener keeps the tasks and the
 spliced tunnels, so that ``close`` can give them a grace period and then
 end them.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

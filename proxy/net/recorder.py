@@ -7,6 +7,8 @@ out); ``finish`` then writes its ``egress.end`` record, or the one
 before the policy ran; ``settle`` a decided attempt that opened nothing (the
 DNS server's queries). A refusal past its run's budget for the interval is
 counted into one ``egress.suppressed`` record instead (``floods.RefusalBudget``).
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ last (this runner's task, or the tunnel it was spliced to):
 4. an upstream connection: just dialled, or kept for the client's next
    request to the same host (the HTTP modes: ``Conversation.kept``), closed
    with the client.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

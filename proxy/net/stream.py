@@ -19,6 +19,8 @@ full makes ``send`` wait (``pause_writing``/``resume_writing``).
 ``relay_body`` takes ``idle_s``: when no byte of the body moves for
 that long (the source sends nothing, or the destination takes nothing), they
 raise ``IdleTimeout``, saying how many body bytes had gone through.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

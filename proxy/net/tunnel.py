@@ -24,6 +24,8 @@ A tunnel runs on callbacks alone: no task waits for it. Whoever spliced it
 passes ``on_end``, which runs once when it ends, so the thousands of idle
 tunnels a build can hold cost two transports, two peers and this object,
 not a suspended coroutine chain each.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

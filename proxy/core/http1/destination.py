@@ -3,6 +3,8 @@
 The Host header never decides it. The common targets are read by one compiled
 expression each; every other target, valid or not, by the general parse, which
 words every refusal (``HttpError(400)``).
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@
 ambiguous one (the smuggling vectors); ``ChunkedScanner`` finds where a chunked
 body ends. ``heads`` adds the rules by method and status (``request_body_kind``,
 ``response_body_kind``).
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@ The common head is read by a fast path (a few compiled expressions, run in C) th
 accepts a strict subset of what the general parser accepts, with the same result;
 every other input, valid or not, goes to the general parser, which decides it and
 words every refusal.
+
+Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations
