@@ -243,7 +243,6 @@ class Conversation:
                 self.slot = None
                 run.open_connections -= 1
 
-
     # -- HTTP/1 carried: one request forwarded ----------------------------------------------------
 
     def _forward(self, attempt: Attempt, admission: Admission, destination: Destination) -> Steps:
