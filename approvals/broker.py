@@ -67,10 +67,11 @@ from egressd.audit.approvalrecords import approval_abandoned_record, approval_de
 from egressd.audit.log import AuditError, AuditSink
 from egressd.audit.records import rfc3339
 from egressd.config.allowfile import AllowFileError, Approved, append_approved
+from egressd.vocabulary.egress import Decision
+from egressd.vocabulary.reasons import Answer
 
 from .control import control_routes
 from .interface import (
-    Answer,
     Answered,
     AnswerResult,
     ApprovalOutcome,
@@ -415,7 +416,7 @@ class ApprovalBroker:
                 approval_decided_record(
                     id=approval_id,
                     ts=settlement.at,
-                    decision="allow" if settlement.answer is Answer.ALLOW else "deny",
+                    decision=Decision.ALLOW if settlement.answer is Answer.ALLOW else Decision.DENY,
                     reason=settlement.reason,
                     channel=settlement.channel,
                     by=settlement.by,

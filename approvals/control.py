@@ -41,6 +41,7 @@ from typing import Any
 from aiohttp import web
 
 from egressd.audit.records import rfc3339
+from egressd.vocabulary.egress import Decision
 
 from .interface import Answerer, AnswerResult, ApprovalScope, Choice, PendingApproval, Route, parse_scope, settled_text
 
@@ -141,7 +142,7 @@ def control_routes(answerer: Answerer) -> list[Route]:
         return web.json_response(
             {
                 "id": approval_id,
-                "decision": "allow" if settlement is None or settlement.reason is None else "deny",
+                "decision": Decision.ALLOW if settlement is None or settlement.reason is None else Decision.DENY,
                 "by": settlement.by if settlement else by,
                 "scope": settlement.scope.value if settlement and settlement.scope else None,
                 "entry": settlement.entry if settlement else None,

@@ -8,9 +8,11 @@ from collections.abc import Callable
 
 from egressd.audit.approvalrecords import approval_decided_record, approval_requested_record
 from egressd.audit.log import AuditError, AuditSink
+from egressd.vocabulary.egress import Decision
+from egressd.vocabulary.reasons import ANSWER_REASONS, Answer
 
 from .broker import new_approval_id
-from .interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest
+from .interface import ApprovalOutcome, ApprovalRequest
 
 log = logging.getLogger("egressd.approvals")
 
@@ -56,7 +58,7 @@ class DenyApprover:
                     approval_decided_record(
                         id=approval_id,
                         ts=now,
-                        decision="deny",
+                        decision=Decision.DENY,
                         reason=ANSWER_REASONS[Answer.DENY],
                         channel="deny",
                         by="deny",

@@ -24,37 +24,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from egressd.audit.records import rfc3339
+from egressd.vocabulary.reasons import ANSWER_REASONS, Answer, Reason
 
 from .message import ApprovalMessage
 
 if TYPE_CHECKING:
     from aiohttp import web
 
-
-class Answer(enum.Enum):
-    """How an approval ended. Everything but ALLOW fails the request."""
-
-    ALLOW = "allow"
-    DENY = "deny"
-    TIMEOUT = "timeout"
-    NO_APPROVER = "no_approver"
-    TOO_MANY_PENDING = "too_many_pending"
-    # The run made as many approval requests as it may: nobody is asked (DESIGN.md, "Decision order").
-    STOPPED_ASKING = "stopped_asking"
-    # egressd stopped while the request was held: nobody can answer any more.
-    SHUTTING_DOWN = "shutting_down"
-
-
-# The refusal code (DESIGN.md, "What a client sees") each failed answer becomes;
-# the audit log's approval.decided record carries it as ``reason``.
-ANSWER_REASONS: dict[Answer, str] = {
-    Answer.DENY: "denied",
-    Answer.TIMEOUT: "approval_timeout",
-    Answer.NO_APPROVER: "no_approver",
-    Answer.TOO_MANY_PENDING: "too_many_pending",
-    Answer.STOPPED_ASKING: "not_allowlisted",
-    Answer.SHUTTING_DOWN: "shutting_down",
-}
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,8 +153,8 @@ class Settlement:
     auth: str | None = None
 
     @property
-    def reason(self) -> str | None:
-        """The refusal code, or None for an allow."""
+    def reason(self) -> Reason | None:
+        """The refusal, or None for an allow."""
         return ANSWER_REASONS.get(self.answer)
 
 
@@ -194,7 +170,7 @@ def settled_text(settlement: Settlement) -> str:
         Answer.TIMEOUT: "expired (denied)",
         Answer.NO_APPROVER: "denied: nobody could be asked",
         Answer.SHUTTING_DOWN: "denied: egressd stopped",
-    }.get(settlement.answer, settlement.reason or "settled")
+    }.get(settlement.answer, settlement.reason.value if settlement.reason is not None else "settled")
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .interface import Answer, Answered, AnswerResult, ApprovalRequest, ApprovalScope, Choice, Settlement
+from egressd.vocabulary.reasons import Answer
+
+from .interface import Answered, AnswerResult, ApprovalRequest, ApprovalScope, Choice, Settlement
 
 Key = tuple[str, str, int]
 

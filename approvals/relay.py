@@ -23,8 +23,6 @@ from aiohttp import web
 
 from egressd.approvals.commandoutput import TerminalOutput
 from egressd.approvals.interface import (
-    ANSWER_REASONS,
-    Answer,
     Answered,
     AnswerResult,
     ApprovalRequest,
@@ -39,6 +37,7 @@ from egressd.approvals.interface import (
 from egressd.approvals.message import render
 from egressd.approvals.signing import ReplayGuard, VerifyError, verify
 from egressd.approvals.terminal import TerminalChannel
+from egressd.vocabulary.reasons import ANSWER_REASONS, Answer
 
 
 class ControlApi(Protocol):
@@ -197,7 +196,7 @@ class TerminalRelay:
         approval = self._pending.pop(approval_id, None)
         if approval is None:
             return
-        reasons = {reason: answer for answer, reason in ANSWER_REASONS.items()}
+        reasons = {reason.value: answer for answer, reason in ANSWER_REASONS.items()}
         answer = Answer.ALLOW if payload.get("reason") is None else reasons.get(str(payload["reason"]), Answer.DENY)
         at = _epoch(payload.get("at"), now)
         entry = payload.get("entry")

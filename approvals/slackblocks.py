@@ -15,8 +15,9 @@ import time
 from typing import Any
 
 from egressd.names.shown import escape, escape_mrkdwn
+from egressd.vocabulary.reasons import Answer
 
-from .interface import Answer, ApprovalScope, Choice, Notice, PendingApproval, Settlement
+from .interface import ApprovalScope, Choice, Notice, PendingApproval, Settlement
 from .message import ABANDONED_TEXT
 
 ALLOW_ONCE_ACTION = "egressd_allow_once"

@@ -58,6 +58,7 @@ from aiohttp import web
 
 from egressd.audit.records import rfc3339
 from egressd.config.settings import protected_url
+from egressd.vocabulary.egress import Decision
 
 from .interface import (
     Answerer,
@@ -107,8 +108,8 @@ def settled_payload(approval: PendingApproval, settlement: Settlement) -> dict[s
         "type": "approval.settled",
         "id": approval.id,
         "run": approval.request.run_id,
-        "decision": "allow" if settlement.reason is None else "deny",
-        "reason": settlement.reason,
+        "decision": Decision.ALLOW if settlement.reason is None else Decision.DENY,
+        "reason": settlement.reason.value if settlement.reason is not None else None,
         "channel": settlement.channel,
         "by": settlement.by,
         "at": rfc3339(settlement.at),

@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from egressd.audit.fields import member, plain, seconds, strip_host
-from egressd.audit.records import APPROVAL_ABANDONED, APPROVAL_DECIDED, APPROVAL_REQUESTED, DECISIONS, Decision, rfc3339
+from egressd.audit.records import APPROVAL_ABANDONED, APPROVAL_DECIDED, APPROVAL_REQUESTED, DECISIONS, rfc3339
+from egressd.vocabulary.egress import Decision
+from egressd.vocabulary.reasons import Reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +66,7 @@ class ApprovalSettled:
     id: str  # the design's field name, shadowing the builtin
     ts: float
     decision: Decision
-    reason: str | None
+    reason: Reason | str | None  # a code read back from a record is a string
     channel: str | None
     by: str | None
     waited_s: float | None
@@ -146,7 +148,7 @@ def approval_decided_record(
     id: str,  # the design's field name, shadowing the builtin
     ts: float,
     decision: str,
-    reason: str | None,
+    reason: Reason | str | None,
     channel: str | None,
     by: str | None,
     waited_s: float | None,

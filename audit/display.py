@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from egressd.audit.query import record_datetime
 from egressd.names.shown import ascii_escaped
+from egressd.vocabulary.egress import End
 
 # A command longer than this is cut in the table (``--json`` shows it all);
 # host names are never cut, since a cut could hide the domain that matters.
@@ -142,7 +143,7 @@ def _egress_row(record: Mapping[str, object]) -> str:
         by = _text(approval.get("by")) if approval.get("by") is not None else "(no answer)"
     decision = record.get("decision")
     reason = record.get("reason")
-    if reason is None and record.get("end") not in (None, "closed"):
+    if reason is None and record.get("end") not in (None, End.CLOSED):
         reason = record.get("end")  # open, idle_timeout, shutdown
     return _row(
         [

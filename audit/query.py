@@ -24,6 +24,8 @@ import re
 from collections.abc import AsyncGenerator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
+from egressd.vocabulary.egress import End
+
 __all__ = [
     "AuditFilter",
     "OnBadLine",
@@ -100,8 +102,8 @@ class AuditFilter:
 # What an ``egress.end`` record adds to its ``egress`` record; the rest of it
 # (``event``, ``id``, ``ts``, ``run``, ``prev``) belongs to the end itself.
 _END_OWN = frozenset({"event", "id", "ts", "run", "prev"})
-# Ends that are not a refusal (egressd.audit.records.ENDS; the query side does not import the builders).
-_NORMAL_ENDS = frozenset({"closed", "idle_timeout", "shutdown"})
+# Ends that are not a refusal.
+_NORMAL_ENDS = frozenset(End)
 OPEN = "open"
 
 

@@ -26,7 +26,6 @@ Hot path: see docs/performance.md.
 from __future__ import annotations
 
 import datetime as _dt
-import enum
 import math
 import secrets
 from collections.abc import Mapping, Sequence
@@ -34,14 +33,13 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from egressd.audit.fields import RecordError, approval_summary, plain, scrub_mapping, seconds, strip_host
+from egressd.vocabulary.egress import Decision, EgressKind, End
 
 __all__ = [
     "APPROVAL_ABANDONED",
     "ApprovalSummary",
-    "Decision",
     "EgressDecided",
     "EgressEnded",
-    "EgressKind",
     "APPROVAL_DECIDED",
     "APPROVAL_REQUESTED",
     "CHAIN_FIELD",
@@ -117,7 +115,7 @@ EGRESS_END_FIELDS: tuple[str, ...] = (
 # Why an allowed connection ended when nothing was refused; any other ``end``
 # is a reason code (``sni_mismatch``, ``upstream_unreachable``, ...): the
 # connection was cut, and readers show it as a refusal.
-ENDS: frozenset[str] = frozenset({"closed", "idle_timeout", "shutdown"})
+ENDS: frozenset[str] = frozenset(End)
 
 _EGRESS_FIELD_SET: frozenset[str] = frozenset(EGRESS_FIELDS)
 _END_RESERVED: frozenset[str] = frozenset(EGRESS_END_FIELDS) | {"prev"}
@@ -125,8 +123,8 @@ _END_RESERVED: frozenset[str] = frozenset(EGRESS_END_FIELDS) | {"prev"}
 CHAIN_FIELD = "prev"
 _EGRESS_RESERVED: frozenset[str] = _EGRESS_FIELD_SET | {CHAIN_FIELD}
 
-EGRESS_KINDS: frozenset[str] = frozenset({"connect", "http", "tls", "dns", "socks"})  # EgressKind's values
-DECISIONS: frozenset[str] = frozenset({"allow", "deny"})  # Decision's values
+EGRESS_KINDS: frozenset[str] = frozenset(EgressKind)  # the strings a record's ``kind`` may hold
+DECISIONS: frozenset[str] = frozenset(Decision)
 
 def new_request_id() -> str:
     """Return a fresh request id such as ``q-3f9c0a1b2d4e5f60``.
@@ -174,23 +172,6 @@ _floor = math.floor
 # The epoch second rfc3339 formatted last, and its text (with the dot before the microseconds).
 _last_second: int | None = None
 _last_text = ""
-
-
-class EgressKind(enum.StrEnum):
-    """What an egress attempt was: the ``kind`` of its ``egress`` record."""
-
-    CONNECT = "connect"  # a CONNECT tunnel through the explicit proxy
-    HTTP = "http"  # a plain-HTTP request, explicit or transparent
-    TLS = "tls"  # a transparent TLS connection, decided on its SNI
-    DNS = "dns"  # a query to egressd's DNS server
-    SOCKS = "socks"  # a SOCKS5 CONNECT (or a refused BIND / UDP ASSOCIATE) through the SOCKS listener
-
-
-class Decision(enum.StrEnum):
-    """Allowed or refused: the ``decision`` of an egress or approval record."""
-
-    ALLOW = "allow"
-    DENY = "deny"
 
 
 # The plain strings a record holds (a dict lookup: cheaper than ``.value`` per record).

@@ -70,7 +70,8 @@ def _syscw() -> int:
 
 
 def _facts() -> tuple[Callable[[], object], Callable[[], object], Callable[[], object]]:
-    from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind, new_request_id
+    from egressd.audit.records import EgressDecided, EgressEnded, new_request_id
+    from egressd.vocabulary.egress import Decision, EgressKind
 
     def egress() -> EgressDecided:
         return EgressDecided(

@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 CACHE=${EGRESSD_DOCKER_CACHE:-/var/cache/egressd-docker}
 # egressd's package folders, the image's inputs (tests/project/test_imports.py
 # checks this list and the Dockerfile's COPY lines against pyproject.toml).
-EGRESSD_FOLDERS="names proxy control approvals config audit sandbox agent cli"
+EGRESSD_FOLDERS="names vocabulary proxy control approvals config audit sandbox agent cli"
 SUITE=bookworm
 IMAGE_PYTHON=3.11  # bookworm's python3: the wheels must fit it
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}

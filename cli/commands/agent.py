@@ -35,9 +35,9 @@ from egressd.agent.transcript import TranscriptError, TranscriptWriter
 from egressd.audit.views import EgressSeen, Refusal
 from egressd.config.settings import Settings, SettingsError
 from egressd.names.shown import printable
-from egressd.proxy.core.reasons import reason_message
 from egressd.sandbox.backend import EXIT_CANNOT_START, Observation, SandboxError
 from egressd.sandbox.limits import DEFAULT_MAX_PIDS, Limits
+from egressd.vocabulary.reasons import reason_message
 
 from ..wiring.docker_session import copy_out
 from ..wiring.service import StartupError, entries_from_settings

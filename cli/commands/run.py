@@ -31,12 +31,12 @@ from egressd.audit.log import STDOUT
 from egressd.audit.views import EgressSeen
 from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, config_path
 from egressd.names.shown import logged
-from egressd.proxy.core.reasons import reason_message
 from egressd.sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
 from egressd.sandbox.copyout import CopyOutError, check_destination, check_pattern
 from egressd.sandbox.docker.config import DEFAULT_DOCKER_RANGE
 from egressd.sandbox.limits import Limits
 from egressd.sandbox.network import DEFAULT_RANGE
+from egressd.vocabulary.reasons import reason_message
 
 from ..wiring.control_client import ControlError
 from ..wiring.controltoken import UntrustedEndpoint, check_url

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from egressd.audit.records import ApprovalSummary, Decision, EgressDecided, EgressKind
+from egressd.audit.records import ApprovalSummary, EgressDecided
 from egressd.names.addresses import IPAddress
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run
+from egressd.vocabulary.egress import Decision, EgressKind
+from egressd.vocabulary.reasons import Reason
 
 
 class Seen(NamedTuple):

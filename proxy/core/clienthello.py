@@ -62,14 +62,14 @@ names follows both sides until the server has settled the handshake:
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
+
+from egressd.vocabulary.wire import Alert
 
 __all__ = [
     "HRR_RANDOM",
     "MAX_BUFFER_BYTES",
     "MAX_CLIENT_HELLO_BYTES",
-    "Alert",
     "ClientHello",
     "ClientHelloError",
     "ClientRecords",
@@ -143,17 +143,6 @@ class ClientHello:
     @property
     def offers_tls13(self) -> bool:
         return 0x0304 in self.versions
-
-
-class Alert(enum.IntEnum):
-    """RFC 8446 §6.2 alert descriptions a listener may send before closing."""
-
-    HANDSHAKE_FAILURE = 40
-    ACCESS_DENIED = 49
-    DECODE_ERROR = 50
-    INTERNAL_ERROR = 80
-    MISSING_EXTENSION = 109
-    UNRECOGNIZED_NAME = 112
 
 
 def tls_alert(description: Alert) -> bytes:

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 from egressd.approvals.interface import ApprovalRequest
 from egressd.proxy.core.attempt import Admission, Attempt, Seen
 from egressd.proxy.core.exchange import Exchange
-from egressd.proxy.core.reasons import Reason
+from egressd.vocabulary.reasons import Reason
 
 # A conversation's steps, or a layer of them (``yield from``): yields commands, is sent their results.
 Steps = Generator[Any, Any, Any]

@@ -30,7 +30,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from egressd.audit.records import EgressKind
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
 from egressd.proxy.core.commands import (
@@ -52,8 +51,9 @@ from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.destination import Destination
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import GONE_DETAIL, ListenerLimits, Mode, Refusal, run_at_cap, too_many_connections
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run, RunRegistry
+from egressd.vocabulary.egress import EgressKind
+from egressd.vocabulary.reasons import Reason
 
 # ``Refused.answer``'s default: the way in renders the refusal (``Way.answer``).
 THE_WAYS_ANSWER: Final[Any] = object()

@@ -34,8 +34,8 @@ import ipaddress
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from egressd.approvals.interface import ANSWER_REASONS, Answer, ApprovalOutcome, ApprovalRequest, ApprovalScope
-from egressd.audit.records import ApprovalSummary, Decision
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, ApprovalScope
+from egressd.audit.records import ApprovalSummary
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints, forbidden_reason, is_own
 from egressd.proxy.core.attempt import Admission, Attempt
@@ -44,12 +44,12 @@ from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.memo import remembered
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.policy import EntryError, Verdict, lasting_entry
-from egressd.proxy.core.reasons import Reason, reason_for
 from egressd.proxy.core.responses import OWN_ENDPOINT_MESSAGE
 from egressd.proxy.core.runs import Run
+from egressd.vocabulary.egress import Decision
+from egressd.vocabulary.reasons import ANSWER_REASONS, Answer, Reason
 
 # The refusal each failed answer becomes: the approvals package names its code.
-ANSWER_REASON: Final[dict[Answer, Reason]] = {answer: reason_for(code) for answer, code in ANSWER_REASONS.items()}
 _DENY: Final = Verdict.DENY
 _ASK: Final = Verdict.ASK
 _ALLOWED: Final = Decision.ALLOW
@@ -201,7 +201,7 @@ def apply_answer(run: Run, host: str, port: int, outcome: ApprovalOutcome) -> Re
             run.deny_host(host)
         elif outcome.answer is Answer.STOPPED_ASKING:
             run.stop_asking()
-        return ANSWER_REASON[outcome.answer]
+        return ANSWER_REASONS[outcome.answer]
     if run.ended:
         # Allowed after its run ended (the sandbox is gone): its credentials are void.
         return Reason.AUTH_REQUIRED

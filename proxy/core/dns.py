@@ -36,7 +36,7 @@ from egressd.names.addresses import IPAddress
 from egressd.names.hosts import HostError, normalise_host
 from egressd.names.shown import shown_name
 from egressd.proxy.core.memo import remember
-from egressd.proxy.core.reasons import Rcode
+from egressd.vocabulary.wire import Rcode
 
 __all__ = [
     "CLASS_IN",

@@ -31,13 +31,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from ipaddress import IPv4Address, IPv6Address
 
-from egressd.audit.records import Decision
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.dns import CLASS_IN, TYPE_A, TYPE_AAAA, Query, ReplyTemplate
 from egressd.proxy.core.memo import remember
 from egressd.proxy.core.policy import Verdict, decide
-from egressd.proxy.core.reasons import Rcode, Reason
 from egressd.proxy.core.runs import Run
+from egressd.vocabulary.egress import Decision
+from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.wire import Rcode
 
 __all__ = [
     "UNREACHABLE",
@@ -75,8 +76,8 @@ class Plan:
     reason: Reason | None = None
 
     @property
-    def decision(self) -> str:
-        return "allow" if self.reason is None else "deny"
+    def decision(self) -> Decision:
+        return Decision.ALLOW if self.reason is None else Decision.DENY
 
     @property
     def answer_text(self) -> str:

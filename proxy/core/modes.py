@@ -28,11 +28,11 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from egressd.proxy.core.clienthello import Alert
 from egressd.proxy.core.http1.destination import Destination, request_destination
 from egressd.proxy.core.http1.heads import RequestHead
 from egressd.proxy.core.http1.syntax import HttpError
-from egressd.proxy.core.reasons import Reason
+from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.wire import Alert
 
 # DESIGN.md "What a client sees": the SNI listener's destination port is 443
 # and the Host listener's is 80. A listener on another port (a test, an
@@ -40,10 +40,6 @@ from egressd.proxy.core.reasons import Reason
 TLS_PORT = 443
 HTTP_PORT = 80
 
-# The audit record's ``end`` when a connection ended because nothing moved (DESIGN.md "Audit log").
-IDLE_END = "idle_timeout"
-# ... and when egressd cut it on stopping, after the grace period.
-SHUTDOWN_END = "shutdown"
 # A connection cap's 429 says to try again in a second: connections end all the time.
 RETRY_AFTER_S = 1
 # Why a run's connection is refused at its cap (the record's detail).

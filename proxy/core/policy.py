@@ -34,7 +34,7 @@ from egressd.names.hosts import (
     parse_ip_literal,
 )
 from egressd.names.suffixes import suffix_beneath
-from egressd.proxy.core.reasons import Reason
+from egressd.vocabulary.reasons import Reason
 
 __all__ = [
     "APPROVED_RULE",

@@ -18,8 +18,9 @@ from http import HTTPStatus
 from typing import Final
 
 from egressd.names.shown import ascii_escaped
-from egressd.proxy.core.clienthello import Alert, tls_alert
-from egressd.proxy.core.reasons import Reason
+from egressd.proxy.core.clienthello import tls_alert
+from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.wire import Alert
 
 # RFC 9110 §9.3.6: any 2xx to CONNECT opens the tunnel; no body, no fields.
 CONNECT_ESTABLISHED: Final = b"HTTP/1.1 200 Connection established\r\n\r\n"

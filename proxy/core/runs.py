@@ -59,7 +59,7 @@ from egressd.proxy.core.policy import (
     approval_ports,
     decide,
 )
-from egressd.proxy.core.reasons import Reason
+from egressd.vocabulary.reasons import Reason
 
 DEFAULT_RUN_ID = "default"
 # Enough for an agent's step to be read back by the runner; older events stay

@@ -24,6 +24,7 @@ import ipaddress
 from dataclasses import dataclass
 
 from egressd.names.addresses import IPAddress
+from egressd.vocabulary.wire import SocksReply
 
 __all__ = [
     "AUTH_OK",
@@ -32,7 +33,6 @@ __all__ = [
     "Credentials",
     "Method",
     "SocksError",
-    "SocksReply",
     "SocksRequest",
     "method_reply",
     "parse_credentials",
@@ -43,20 +43,6 @@ __all__ = [
 
 VERSION = 5
 AUTH_VERSION = 1  # RFC 1929 §2: the sub-negotiation's own version
-
-
-class SocksReply(enum.IntEnum):
-    """RFC 1928 §6 REP: what a request's reply says."""
-
-    SUCCEEDED = 0
-    GENERAL_FAILURE = 1
-    NOT_ALLOWED = 2  # connection not allowed by ruleset
-    NETWORK_UNREACHABLE = 3
-    HOST_UNREACHABLE = 4
-    CONNECTION_REFUSED = 5
-    TTL_EXPIRED = 6
-    COMMAND_NOT_SUPPORTED = 7
-    ADDRESS_TYPE_NOT_SUPPORTED = 8
 
 
 class Method(enum.IntEnum):

@@ -40,7 +40,7 @@ from egressd.names.hosts import HostError, parse_host
 from egressd.names.shown import toml_string
 from egressd.names.suffixes import registrable_domain
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
-from egressd.proxy.core.reasons import Reason, reason_for
+from egressd.vocabulary.reasons import Reason, reason_for
 
 __all__ = ["CONNECTION_KINDS", "MIN_GROUP", "Suggestion", "SuggestError", "pick_run", "render", "suggest"]
 

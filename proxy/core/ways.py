@@ -31,10 +31,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final, TypeVar
 
-from egressd.audit.records import EgressKind
 from egressd.names.hosts import normalised
 from egressd.proxy.core.attempt import Attempt, Seen
-from egressd.proxy.core.clienthello import Alert, ClientHello, ClientHelloError, NotTls, parse_client_hello
+from egressd.proxy.core.clienthello import ClientHello, ClientHelloError, NotTls, parse_client_hello
 from egressd.proxy.core.commands import Fill, PeerClosed, ReadHead, Send, Steps
 from egressd.proxy.core.conversation import Conversation, Refused, Way
 from egressd.proxy.core.exchange import Exchange
@@ -48,7 +47,6 @@ from egressd.proxy.core.modes import (
     no_destination,
     run_at_cap,
 )
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.responses import CONNECT_ESTABLISHED, refusal, tls_refusal
 from egressd.proxy.core.socks5 import (
     AUTH_FAILED,
@@ -56,7 +54,6 @@ from egressd.proxy.core.socks5 import (
     Command,
     Method,
     SocksError,
-    SocksReply,
     choose_method,
     method_reply,
     parse_credentials,
@@ -64,6 +61,9 @@ from egressd.proxy.core.socks5 import (
     parse_request,
     reply,
 )
+from egressd.vocabulary.egress import EgressKind
+from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.wire import Alert, SocksReply
 
 T = TypeVar("T")  # a SOCKS handshake message
 

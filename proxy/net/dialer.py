@@ -15,7 +15,7 @@ from typing import TypeVar
 
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.attempt import Admission, Attempt, DialError
-from egressd.proxy.core.reasons import Reason
+from egressd.vocabulary.reasons import Reason
 
 P = TypeVar("P", bound=asyncio.Protocol)
 

@@ -61,14 +61,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from ipaddress import IPv4Address, IPv6Address
 
-from egressd.audit.records import Decision, EgressDecided, EgressKind, new_request_id
+from egressd.audit.records import EgressDecided, new_request_id
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.dns import TCP_LENGTH_PREFIX, DnsQueryError, qtype_text, read_query
 from egressd.proxy.core.dnsanswer import Answers, unreachable_reason
 from egressd.proxy.core.memo import remember
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run, RunRegistry, source_address
 from egressd.proxy.net.recorder import Recorder
+from egressd.vocabulary.egress import Decision, EgressKind
+from egressd.vocabulary.reasons import Reason
 
 log = logging.getLogger("egressd.dns")
 

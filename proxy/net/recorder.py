@@ -19,20 +19,14 @@ import time
 from collections.abc import Callable, Mapping
 
 from egressd.audit.log import AuditError, AuditSink
-from egressd.audit.records import (
-    Decision,
-    EgressDecided,
-    EgressEnded,
-    EgressKind,
-    new_request_id,
-    suppressed_record,
-)
+from egressd.audit.records import EgressDecided, EgressEnded, new_request_id, suppressed_record
 from egressd.names.shown import logged
 from egressd.proxy.core.attempt import Attempt, DialError, Seen
 from egressd.proxy.core.floods import RefusalBudget, Suppressed
 from egressd.proxy.core.metrics import Metrics
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run
+from egressd.vocabulary.egress import Decision, EgressKind, End
+from egressd.vocabulary.reasons import Reason
 
 log = logging.getLogger("egressd.decisions")
 
@@ -154,7 +148,7 @@ class Recorder:
             fact = self._decided(attempt, duration_s)
             self.settle(fact, run, counted=attempt.decided)
             return
-        end = attempt.end or (attempt.reason if attempt.decision is Decision.DENY else None) or "closed"
+        end = attempt.end or (attempt.reason if attempt.decision is Decision.DENY else None) or End.CLOSED
         written = EgressEnded(
             id=attempt.id,
             ts=self.clock(),

@@ -28,7 +28,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Approver
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approver
 from egressd.proxy.core.attempt import Attempt, DialError
 from egressd.proxy.core.commands import (
     STALE,
@@ -53,8 +53,7 @@ from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.heads import ResponseHead
 from egressd.proxy.core.http1.syntax import HttpError
-from egressd.proxy.core.modes import IDLE_END, SHUTDOWN_END, ListenerLimits
-from egressd.proxy.core.reasons import Reason
+from egressd.proxy.core.modes import ListenerLimits
 from egressd.proxy.core.runs import RunRegistry, source_address
 from egressd.proxy.net.dialer import Dialer
 from egressd.proxy.net.recorder import Recorder
@@ -62,6 +61,8 @@ from egressd.proxy.net.resolver import Resolver
 from egressd.proxy.net.stream import GoneCancels, IdleTimeout, Peer
 from egressd.proxy.net.tunnel import Tunnel
 from egressd.proxy.net.tunnelcheck import SniCheck
+from egressd.vocabulary.egress import End
+from egressd.vocabulary.reasons import Answer, Reason
 
 log = logging.getLogger("egressd.proxy")
 
@@ -206,7 +207,7 @@ class Runner:
     def finish(self, attempt: Attempt) -> None:
         """``Recorder.finish``, saying ``shutdown`` for a connection cut when the grace period ran out."""
         if self.shared.cutting and attempt.ahead is not None:  # opened
-            attempt.ends(SHUTDOWN_END)
+            attempt.ends(End.SHUTDOWN)
         self.recorder.finish(attempt)
 
     def _gone(self, on_eof: bool) -> GoneCancels:
@@ -263,7 +264,7 @@ class Runner:
         attempt.bytes_up += tunnel.bytes_up
         attempt.bytes_down += tunnel.bytes_down
         if tunnel.idle_expired:
-            attempt.ends(IDLE_END)
+            attempt.ends(End.IDLE_TIMEOUT)
         tunnel.upstream.close()
         self._release()
 
@@ -339,7 +340,7 @@ class Runner:
                     attempt.bytes_up += len(out)  # sent, and not counted yet
                 return Reason.UPSTREAM_TIMEOUT
             # A body moved no byte for the idle timeout: both connections close, as an idle tunnel's do.
-            attempt.ends(IDLE_END)
+            attempt.ends(End.IDLE_TIMEOUT)
             return False
         finally:
             self.dialled = None  # kept by the conversation (``Conversation.kept``), or closed

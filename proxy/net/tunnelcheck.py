@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from egressd.names.hosts import normalised
 from egressd.proxy.core.attempt import Attempt
-from egressd.proxy.core.clienthello import Alert, ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client
+from egressd.proxy.core.clienthello import ClientHello, ClientHelloError, NotTls, ServerWatch, scan_client
 from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import ECH_DETAIL
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.requestwatch import OtherHost, RequestWatch
 from egressd.proxy.core.responses import refusal, tls_refusal
 from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.stream import Peer
 from egressd.proxy.net.tunnel import Tunnel
+from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.wire import Alert
 
 
 class SniCheck:

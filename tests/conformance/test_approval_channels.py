@@ -48,15 +48,7 @@ import pytest
 
 from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.control import Scope
-from egressd.approvals.interface import (
-    Answer,
-    ApprovalOutcome,
-    ApprovalRequest,
-    ApprovalScope,
-    Channel,
-    Choice,
-    SetupError,
-)
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, ApprovalScope, Channel, Choice, SetupError
 from egressd.approvals.message import UNRELATED, is_invisible, render
 from egressd.approvals.prompt import BOLD, CLEAR_LINE, RESET, SANE, WARN
 from egressd.approvals.signing import parse_secret
@@ -69,6 +61,7 @@ from egressd.approvals.webpage import DECISIONS
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.control_client import ControlClient
 from egressd.config.allowfile import read_allow_file
+from egressd.vocabulary.reasons import Answer
 from tests.fakes.control import control_server
 from tests.fakes.slack import FakeSlack, block_actions
 from tests.fakes.terminal import Pty

@@ -84,8 +84,8 @@ from egressd.proxy.core.http1.framing import BodyKind, ChunkedScanner
 from egressd.proxy.core.http1.heads import RequestHead, parse_request_head, request_body_kind
 from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.policy import RunPolicy, decide
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import RunRegistry, parse_proxy_authorization
+from egressd.vocabulary.reasons import Reason
 from tests.fakes import hellos
 from tests.fuzz import toy_parser
 

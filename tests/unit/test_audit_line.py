@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 
 from egressd.audit import line
 from egressd.audit.log import JsonlAuditSink
-from egressd.audit.records import EGRESS_FIELDS, Decision, EgressDecided, EgressEnded, EgressKind
+from egressd.audit.records import EGRESS_FIELDS, EgressDecided, EgressEnded
+from egressd.vocabulary.egress import Decision, EgressKind
 
 
 def _dumps(record: object) -> str:

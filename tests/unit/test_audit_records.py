@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from egressd.audit import fields, records
 from egressd.audit.fields import RecordError
-from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind, rfc3339
+from egressd.audit.records import EgressDecided, EgressEnded, rfc3339
+from egressd.vocabulary.egress import Decision, EgressKind
 
 
 def _rfc3339_plainly(ts: object) -> str:

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from egressd.proxy.core.clienthello import (
     HRR_RANDOM,
     MAX_CLIENT_HELLO_BYTES,
-    Alert,
     ClientHello,
     ClientHelloError,
     NotTls,
@@ -23,6 +22,7 @@ from egressd.proxy.core.clienthello import (
     scan_client,
     tls_alert,
 )
+from egressd.vocabulary.wire import Alert
 from tests.fakes import hellos
 from tests.fakes.hellos import (
     CCS,

@@ -17,8 +17,7 @@ from typing import Any
 
 import pytest
 
-from egressd.approvals.interface import Answer, ApprovalOutcome
-from egressd.audit.records import EgressKind
+from egressd.approvals.interface import ApprovalOutcome
 from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
 from egressd.proxy.core.commands import (
     STALE,
@@ -50,11 +49,13 @@ from egressd.proxy.core.modes import (
     transparent_tls,
 )
 from egressd.proxy.core.policy import parse_entry
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.responses import CONNECT_ESTABLISHED, tls_refusal
 from egressd.proxy.core.runs import Run, RunRegistry
-from egressd.proxy.core.socks5 import SocksReply, reply
+from egressd.proxy.core.socks5 import reply
 from egressd.proxy.core.ways import WAYS
+from egressd.vocabulary.egress import EgressKind
+from egressd.vocabulary.reasons import Answer, Reason
+from egressd.vocabulary.wire import SocksReply
 from tests.fakes.hellos import client_hello, ech_extension
 
 ORIGIN = "127.0.0.2"

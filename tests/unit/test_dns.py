@@ -35,7 +35,8 @@ from egressd.proxy.core.dns import (
     same_name,
 )
 from egressd.proxy.core.dnsanswer import Answers, Plan, PreparedReply, pack_reply, plan_answer, refused
-from egressd.proxy.core.reasons import Rcode, Reason
+from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.wire import Rcode
 
 ANSWER4 = IPv4Address("10.0.0.1")
 ANSWER6 = IPv6Address("fd00::53")

@@ -9,9 +9,9 @@ import pytest
 
 from egressd.proxy.core.dnsanswer import unreachable_reason
 from egressd.proxy.core.policy import PolicyDecision, RunPolicy, Verdict, decide, parse_entry
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import RunRegistry
 from egressd.proxy.core.suggest import SuggestError, render, suggest
+from egressd.vocabulary.reasons import Reason
 
 LEARN = RunPolicy(
     allow=(parse_entry("ok.example"),),

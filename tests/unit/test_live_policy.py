@@ -7,8 +7,8 @@ import pytest
 from egressd.audit.fields import RecordError
 from egressd.audit.records import policy_reloaded_record, run_changed_record
 from egressd.proxy.core.policy import Verdict, parse_entry
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.runs import Run, RunError, RunRegistry, entry_diff
+from egressd.vocabulary.reasons import Reason
 
 
 def entries(*texts: str) -> tuple:  # type: ignore[type-arg]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egressd.approvals.interface import Answer, Settlement, settled_text
+from egressd.approvals.interface import Settlement, settled_text
 from egressd.approvals.message import (
     CLOSING,
     INTRO,
@@ -18,6 +18,7 @@ from egressd.approvals.message import (
     render,
 )
 from egressd.names.shown import escape, is_invisible
+from egressd.vocabulary.reasons import Answer
 
 
 def test_the_message_follows_the_one_template_line_by_line() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from egressd.proxy.core.clienthello import Alert
 from egressd.proxy.core.http1.heads import RequestHead, parse_request_head
 from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import (
@@ -21,7 +20,8 @@ from egressd.proxy.core.modes import (
     transparent_http,
     transparent_tls,
 )
-from egressd.proxy.core.reasons import Reason
+from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.wire import Alert
 
 
 def _head(method: str, target: str, *headers: tuple[str, str]) -> RequestHead:

@@ -15,24 +15,24 @@ from pathlib import Path
 
 import pytest
 
-from egressd.approvals.interface import ANSWER_REASONS, Answer
 from egressd.audit.views import EgressSeen
 from egressd.cli.commands.run import refusal_line
-from egressd.proxy.core.clienthello import Alert, tls_alert
+from egressd.proxy.core.clienthello import tls_alert
 from egressd.proxy.core.dnsanswer import UNREACHABLE, refused
-from egressd.proxy.core.reasons import Rcode, Reason, reason_for, reason_message
 from egressd.proxy.core.responses import tls_refusal
+from egressd.vocabulary.egress import End
+from egressd.vocabulary.reasons import ANSWER_REASONS, Answer, Reason, reason_for, reason_message
+from egressd.vocabulary.wire import Alert, Rcode
 from tests import REPO
 
 ROOT = REPO
-TABLE = ROOT / "proxy" / "core" / "reasons.py"
+TABLE = ROOT / "vocabulary" / "reasons.py"
+END_TABLE = ROOT / "vocabulary" / "egress.py"
 # Where a reason code or a table of reasons could hide: every package.
-SCANNED = ("names", "proxy", "control", "audit", "approvals", "cli", "sandbox", "agent", "config")
-# approvals sits below the proxy, so it cannot import the table: it names the
-# code each failed answer becomes in ``ANSWER_REASONS`` (checked below), and
-# its ``Answer`` values share some of the words.
-SPELLS_ITS_OWN = ROOT / "approvals" / "interface.py"
+SCANNED = ("names", "vocabulary", "proxy", "control", "audit", "approvals", "cli", "sandbox", "agent", "config")
 CODES = frozenset(reason.value for reason in Reason)
+# How an allowed connection ended: the same rule (End).
+END_CODES = frozenset(end.value for end in End)
 # The same word meaning something else: (module, word).
 NOT_A_REASON = {
     ("proxy/core/runs.py", "denied"),  # the control API's list of a run's denied destinations
@@ -41,6 +41,9 @@ NOT_A_REASON = {
     ("cli/commands/agent.py", "denied"),  # the tally's heading
     ("cli/commands/approvals.py", "denied"),  # "denied by NAME"
     ("cli/main.py", "approval_timeout"),  # the --approval-timeout setting's name
+    ("approvals/interface.py", "denied"),  # "denied by NAME via CHANNEL"
+    ("proxy/net/stream.py", "closed"),  # a slot's name
+    ("proxy/core/exchange.py", "closed"),  # the exchange's state: it carries no more requests
 }
 # DESIGN.md "What a client sees", in its order, then egressd's additions
 # (audit_unavailable: DESIGN.md names it with shutting_down, after the list;
@@ -150,7 +153,7 @@ def test_codes_read_back_from_records_find_their_reason() -> None:
 
 
 def test_every_failed_approval_answer_names_a_reason() -> None:
-    assert {answer: reason_for(code) for answer, code in ANSWER_REASONS.items()} == {
+    assert dict(ANSWER_REASONS) == {
         Answer.DENY: Reason.DENIED,
         Answer.TIMEOUT: Reason.APPROVAL_TIMEOUT,
         Answer.NO_APPROVER: Reason.NO_APPROVER,
@@ -161,7 +164,7 @@ def test_every_failed_approval_answer_names_a_reason() -> None:
 
 
 def _modules() -> list[Path]:
-    return sorted(p for package in SCANNED for p in (ROOT / package).rglob("*.py") if p not in (TABLE, SPELLS_ITS_OWN))
+    return sorted(p for package in SCANNED for p in (ROOT / package).rglob("*.py") if p not in (TABLE, END_TABLE))
 
 
 def _reason_members(node: ast.AST) -> int:
@@ -172,25 +175,26 @@ def _reason_members(node: ast.AST) -> int:
     )
 
 
-def test_no_other_module_spells_a_reason_code_or_keeps_a_table_of_reasons() -> None:
+def test_no_other_module_spells_a_reason_or_end_code_or_keeps_a_table_of_reasons() -> None:
     found = []
     for path in _modules():
         tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
         for node in ast.walk(tree):
             where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
-            if isinstance(node, ast.Constant) and node.value in CODES:
+            if isinstance(node, ast.Constant) and node.value in CODES | END_CODES:
                 if (path.relative_to(ROOT).as_posix(), node.value) in NOT_A_REASON:
                     continue
-                found.append(f"{where}: the code {node.value!r}; use Reason (below the proxy: ANSWER_REASONS)")
+                found.append(f"{where}: the code {node.value!r}; use {'Reason' if node.value in CODES else 'End'}")
             elif isinstance(node, ast.Dict | ast.Set | ast.List | ast.Tuple) and _reason_members(node) > 1:
                 found.append(f"{where}: a table of reasons; give Reason a column instead")
     assert found == []
 
 
 def test_the_scan_sees_a_spelled_code_and_a_table(tmp_path: Path) -> None:
-    module = "A = 'upstream_timeout'\nB = {Reason.DENIED: 1, Reason.DENIED_EARLIER: 2}\n"
+    module = "A = 'upstream_timeout'\nB = {Reason.DENIED: 1, Reason.DENIED_EARLIER: 2}\nC = 'idle_timeout'\n"
     tree = ast.parse(module)
-    assert [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in CODES] == ["upstream_timeout"]
+    spelled = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in CODES | END_CODES]
+    assert spelled == ["upstream_timeout", "idle_timeout"]
     assert [_reason_members(n) for n in ast.walk(tree) if isinstance(n, ast.Dict)] == [2]
     assert len(_modules()) > 20  # the scan reads the tree, not nothing
 

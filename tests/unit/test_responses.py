@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from egressd.proxy.core.http1.framing import BodyKind
 from egressd.proxy.core.http1.heads import ResponseHead, parse_response_head, response_body_kind
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.responses import CONNECT_ESTABLISHED, refusal
+from egressd.vocabulary.reasons import Reason
 
 
 def read_back(raw: bytes) -> tuple[ResponseHead, bytes]:

@@ -7,7 +7,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from egressd.approvals.interface import (
-    Answer,
     AnswerResult,
     ApprovalRequest,
     ApprovalScope,
@@ -20,6 +19,7 @@ from egressd.approvals.ledger import Ledger
 from egressd.approvals.prompt import allowed_text, choices, read_answer
 from egressd.audit.approvalrecords import approval_decided_record
 from egressd.proxy.core.policy import EntryError, RunPolicy, Verdict, decide, lasting_entry, parse_entry
+from egressd.vocabulary.reasons import Answer
 
 ALL = (ApprovalScope.ONCE, ApprovalScope.RUN, ApprovalScope.ALWAYS)
 NO_FILE = (ApprovalScope.ONCE, ApprovalScope.RUN)

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from egressd.proxy.core.reasons import Reason
 from egressd.proxy.core.socks5 import (
     AUTH_FAILED,
     AUTH_OK,
@@ -17,7 +16,6 @@ from egressd.proxy.core.socks5 import (
     Credentials,
     Method,
     SocksError,
-    SocksReply,
     SocksRequest,
     choose_method,
     method_reply,
@@ -26,6 +24,8 @@ from egressd.proxy.core.socks5 import (
     parse_request,
     reply,
 )
+from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.wire import SocksReply
 
 
 def request(command: int, tail: bytes) -> bytes:

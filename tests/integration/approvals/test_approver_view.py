@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.commandoutput import TerminalOutput
-from egressd.approvals.interface import Answer, ApprovalRequest, PendingApproval
+from egressd.approvals.interface import ApprovalRequest, PendingApproval
 from egressd.approvals.message import UNRELATED, is_unrelated, render, shorten
 from egressd.approvals.prompt import columns_of, fit, header, keep_of, prompt_line
 from egressd.approvals.slackblocks import request_blocks
@@ -37,6 +37,7 @@ from egressd.approvals.webhook import request_payload
 from egressd.audit.log import MemoryAuditSink
 from egressd.names.shown import TerminalText, escape, escape_mrkdwn, is_invisible
 from egressd.names.suffixes import suffix_beneath
+from egressd.vocabulary.reasons import Answer
 from tests.integration.approvals.test_broker import Clock
 from tests.integration.approvals.test_terminal_integrity import Screen
 

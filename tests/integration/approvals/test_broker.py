@@ -17,7 +17,6 @@ import pytest
 import egressd.approvals.broker as broker_module
 from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.interface import (
-    Answer,
     Answered,
     Answerer,
     AnswerResult,
@@ -35,6 +34,7 @@ from egressd.approvals.interface import (
 )
 from egressd.approvals.ledger import Ledger, LedgerError
 from egressd.audit.log import MemoryAuditSink
+from egressd.vocabulary.reasons import Answer
 from tests import REPO
 from tests.harness import wait_until
 

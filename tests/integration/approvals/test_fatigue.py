@@ -28,7 +28,7 @@ import pytest
 
 from egressd.approvals.assembly import approver_from_settings
 from egressd.approvals.broker import ApprovalBroker
-from egressd.approvals.interface import Answer, Choice, Notice
+from egressd.approvals.interface import Choice, Notice
 from egressd.approvals.ledger import Ledger
 from egressd.approvals.message import render
 from egressd.approvals.slack import SlackChannel
@@ -38,6 +38,7 @@ from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.service import EgressService
 from egressd.config.settings import SettingsError, load_settings
 from egressd.proxy.core.runs import Run
+from egressd.vocabulary.reasons import Answer
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes.slack import FakeSlack
 from tests.fakes.terminal import Pty

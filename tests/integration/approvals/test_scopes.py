@@ -24,12 +24,13 @@ from typing import Any
 import pytest
 
 from egressd.approvals.broker import ApprovalBroker
-from egressd.approvals.interface import Answer, ApprovalRequest, ApprovalScope, Choice
+from egressd.approvals.interface import ApprovalRequest, ApprovalScope, Choice
 from egressd.approvals.webhook import WebhookChannel, parse_answer
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.service import EgressService
 from egressd.config.allowfile import read_allow_file
 from egressd.config.settings import load_settings
+from egressd.vocabulary.reasons import Answer
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes.control import control_server
 from tests.fakes.dns import FakeDns

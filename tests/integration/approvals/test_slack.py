@@ -15,14 +15,7 @@ import pytest
 
 from egressd.approvals.assembly import approver_from_settings
 from egressd.approvals.broker import ApprovalBroker
-from egressd.approvals.interface import (
-    Answer,
-    ApprovalRequest,
-    ApprovalScope,
-    PendingApproval,
-    Settlement,
-    SetupError,
-)
+from egressd.approvals.interface import ApprovalRequest, ApprovalScope, PendingApproval, Settlement, SetupError
 from egressd.approvals.message import render
 from egressd.approvals.slack import INTERACTIVITY_PATH, SlackChannel
 from egressd.approvals.slackblocks import (
@@ -38,6 +31,7 @@ from egressd.audit.log import MemoryAuditSink
 from egressd.config.allowfile import read_allow_file
 from egressd.config.settings import load_settings
 from egressd.names.shown import escape_mrkdwn
+from egressd.vocabulary.reasons import Answer
 from tests.conftest import Listener
 from tests.fakes.control import control_server
 from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request

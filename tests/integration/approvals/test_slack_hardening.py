@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from egressd.approvals.broker import ApprovalBroker
-from egressd.approvals.interface import Answer, ApprovalRequest, Choice, PendingApproval, Settlement
+from egressd.approvals.interface import ApprovalRequest, Choice, PendingApproval, Settlement
 from egressd.approvals.message import render
 from egressd.approvals.slack import INTERACTIVITY_PATH, SlackChannel
 from egressd.approvals.slackblocks import (
@@ -35,6 +35,7 @@ from egressd.approvals.slackblocks import (
 )
 from egressd.audit.log import MemoryAuditSink
 from egressd.names.shown import escape, escape_mrkdwn
+from egressd.vocabulary.reasons import Answer
 from tests.fakes.control import control_server
 from tests.fakes.slack import SIGNING_SECRET, FakeSlack, block_actions, interaction_request, limit_problems, units
 from tests.fakes.webhook import WebhookReceiver

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from egressd.approvals.broker import ApprovalBroker
-from egressd.approvals.interface import Answer, ChannelUnavailable, Choice
+from egressd.approvals.interface import ChannelUnavailable, Choice
 from egressd.approvals.prompt import countdown
 from egressd.approvals.terminal import TerminalChannel
 from egressd.audit.log import MemoryAuditSink
+from egressd.vocabulary.reasons import Answer
 from tests.fakes.terminal import Pty
 from tests.harness import wait_until
 from tests.integration.approvals.test_broker import Clock, RecordingChannel, request

@@ -29,11 +29,11 @@ from hypothesis import strategies as st
 
 from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.commandoutput import MAX_HELD_OUTPUT, TerminalOutput
-from egressd.approvals.interface import Answer
 from egressd.approvals.prompt import prompt_line
 from egressd.approvals.terminal import TerminalChannel
 from egressd.audit.log import MemoryAuditSink
 from egressd.names.shown import TerminalText, escape, is_invisible
+from egressd.vocabulary.reasons import Answer
 from tests.fakes.dockerbed import ORIGIN_NAME, ORIGIN_PORT
 from tests.harness import ORIGIN_RANGE, connect_status, free_port, have, require, serve_ports, wait_until
 from tests.integration.approvals.test_broker import Clock, request

@@ -15,11 +15,12 @@ import pytest
 
 from egressd.approvals.assembly import approver_from_settings
 from egressd.approvals.broker import ApprovalBroker
-from egressd.approvals.interface import Answer, SetupError
+from egressd.approvals.interface import SetupError
 from egressd.approvals.signing import ReplayGuard, SigningError, VerifyError, parse_secret, sign, signed_headers, verify
 from egressd.approvals.webhook import CALLBACK_PATH, WebhookChannel
 from egressd.audit.log import MemoryAuditSink
 from egressd.config.settings import load_settings
+from egressd.vocabulary.reasons import Answer
 from tests.conftest import Listener
 from tests.fakes.control import control_server
 from tests.fakes.webhook import WebhookReceiver, make_secret

@@ -27,15 +27,8 @@ from egressd.audit.query import (
     read_records,
     read_records_from,
 )
-from egressd.audit.records import (
-    EGRESS_FIELDS,
-    Decision,
-    EgressDecided,
-    EgressKind,
-    new_request_id,
-    rfc3339,
-    run_record,
-)
+from egressd.audit.records import EGRESS_FIELDS, EgressDecided, new_request_id, rfc3339, run_record
+from egressd.vocabulary.egress import Decision, EgressKind
 
 # 2026-11-29T10:54:52.123456Z
 T0 = 1795949692.123456

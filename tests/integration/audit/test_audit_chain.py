@@ -22,7 +22,8 @@ import pytest
 from egressd.audit.chain import ChainLine, ChainReport, verify_chain, verify_files
 from egressd.audit.fields import RecordError
 from egressd.audit.log import JsonlAuditSink
-from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind, run_record
+from egressd.audit.records import EgressDecided, EgressEnded, run_record
+from egressd.vocabulary.egress import Decision, EgressKind
 from tests.harness import free_port, require, wait_serve_ports_in
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from egressd.approvals.broker import ApprovalBroker
-from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest, Choice
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Choice
 from egressd.approvals.slackblocks import abandoned_blocks, fallback_text
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.commands.approvals import _print_pending
@@ -27,6 +27,7 @@ from egressd.cli.wiring.service import EgressService
 from egressd.proxy.core.commands import PeerClosed
 from egressd.proxy.core.policy import Verdict
 from egressd.proxy.net.stream import Peer
+from egressd.vocabulary.reasons import Answer
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes import hellos
 from tests.fakes.slack import FakeSlack, limit_problems

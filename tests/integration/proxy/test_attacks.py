@@ -277,7 +277,8 @@ async def test_audit_log_failure_refuses_new_egress(make_egressd, echo_origin) -
 
 
 async def test_an_approval_that_arrives_after_its_run_ended_lets_nothing_out(make_egressd, echo_origin) -> None:
-    from egressd.approvals.interface import Answer, ApprovalOutcome
+    from egressd.approvals.interface import ApprovalOutcome
+    from egressd.vocabulary.reasons import Answer
 
     release = asyncio.Event()
 

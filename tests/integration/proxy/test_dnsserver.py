@@ -26,9 +26,10 @@ from egressd.names.shown import shown_name
 from egressd.proxy.core.dns import DnsQueryError, header_reply, query_name, read_query
 from egressd.proxy.core.dnsanswer import Plan, pack_reply, plan_answer, unreachable_reason
 from egressd.proxy.core.policy import parse_entry
-from egressd.proxy.core.reasons import Rcode, Reason
 from egressd.proxy.core.runs import Run
 from egressd.proxy.net.dnsserver import DnsServer, RateLimiter
+from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.wire import Rcode
 from tests.fakes.dns import FakeDns
 from tests.harness import egress
 

@@ -12,7 +12,6 @@ import pytest
 
 from egressd.approvals.deny import DenyApprover
 from egressd.audit.log import MemoryAuditSink
-from egressd.audit.records import EgressKind
 from egressd.proxy.core.attempt import Attempt, Seen
 from egressd.proxy.core.commands import Splice
 from egressd.proxy.core.decision import Screen
@@ -25,6 +24,7 @@ from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import SystemResolver
 from egressd.proxy.net.runner import EgressPath, Runner
 from egressd.proxy.net.stream import Peer
+from egressd.vocabulary.egress import EgressKind
 
 
 class FakeTransport(asyncio.Transport):

@@ -11,12 +11,13 @@ import tomllib
 import pytest
 from dnslib import RCODE
 
-from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
 from egressd.audit.log import MemoryAuditSink
 from egressd.audit.records import EGRESS_FIELDS
 from egressd.cli.wiring.service import EgressService
 from egressd.config.settings import load_settings
 from egressd.proxy.core.suggest import render, suggest
+from egressd.vocabulary.reasons import Answer
 from tests.fakes.dns import FakeDns
 from tests.harness import LEAK, ORIGIN, ORIGIN_RANGE, connect_via, egress, open_proxy, read_response, wait_until
 from tests.integration.proxy.test_dnsserver import ask, dns_records

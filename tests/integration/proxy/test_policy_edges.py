@@ -28,7 +28,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from egressd.approvals.broker import ApprovalBroker
-from egressd.approvals.interface import Answer
 from egressd.approvals.message import render
 from egressd.approvals.signing import parse_secret
 from egressd.approvals.webhook import WebhookChannel
@@ -37,7 +36,7 @@ from egressd.config.settings import SettingsError, load_settings, protected_url
 from egressd.names.hosts import HostError, normalise_host
 from egressd.names.suffixes import public_suffix
 from egressd.proxy.core.policy import EntryError, RunPolicy, Verdict, decide, parse_entry
-from egressd.proxy.core.reasons import Reason
+from egressd.vocabulary.reasons import Answer, Reason
 from tests.conftest import Listener, MakeEgressd
 from tests.fakes.control import control_server
 from tests.fakes.dns import FakeDns

@@ -12,10 +12,10 @@ import asyncio
 from typing import Any
 
 from egressd.approvals.deny import DenyApprover
-from egressd.approvals.interface import Answer, ChannelError
+from egressd.approvals.interface import ChannelError
 from egressd.approvals.ledger import Ledger
 from egressd.audit.log import MemoryAuditSink
-from egressd.proxy.core.reasons import Reason
+from egressd.vocabulary.reasons import Answer, Reason
 from tests.conftest import Listener
 from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import connect_via, egress, free_port, wait_until

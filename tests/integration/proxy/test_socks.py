@@ -16,8 +16,9 @@ import pytest
 from python_socks import ProxyError
 from python_socks.async_.asyncio import Proxy
 
-from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
 from egressd.proxy.core.policy import parse_entry
+from egressd.vocabulary.reasons import Answer
 from tests.fakes.dns import FakeDns
 from tests.harness import LEAK, LEAK_SPELLINGS, ORIGIN, egress, have, mapped, wait_until
 

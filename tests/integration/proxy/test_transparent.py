@@ -22,10 +22,11 @@ import pytest
 from aiohttp import web
 from dnslib import DNSRecord
 
-from egressd.approvals.interface import Answer, ApprovalOutcome, ApprovalRequest
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
 from egressd.proxy.core.http1.heads import RequestHead
 from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import host_destination
+from egressd.vocabulary.reasons import Answer
 from tests.fakes import hellos
 from tests.fakes.dns import FakeDns
 from tests.fakes.tls import BIG, Pki, TlsOrigin, make_pki

@@ -29,7 +29,8 @@ import pytest
 from egressd.audit.chain import verify_files
 from egressd.audit.log import AuditError, JsonlAuditSink
 from egressd.audit.query import join_ends
-from egressd.audit.records import Decision, EgressDecided, EgressEnded, EgressKind
+from egressd.audit.records import EgressDecided, EgressEnded
+from egressd.vocabulary.egress import Decision, EgressKind
 from tests.fakes import hellos
 from tests.harness import (
     IN_CI,

@@ -1,4 +1,4 @@
-"""Why a request was refused: the one table of reason codes and what each becomes.
+"""Why a request was refused, and how an approval ended: the one table of each.
 
 Each ``Reason`` carries everything a refusal needs, side by side, so no other
 module keeps a table of its own (after Smokescreen's decision reasons):
@@ -18,8 +18,13 @@ module keeps a table of its own (after Smokescreen's decision reasons):
 - ``rcode``: the DNS response code (RFC 1035 §4.1.1) of a query refused
   with this reason, None for a reason no DNS answer carries.
 
-``responses`` turns a reason into HTTP bytes or a TLS alert, ``dnsanswer``
-into a reply, ``socks5.reply`` into a SOCKS reply. Pure: no I/O.
+``Answer`` is how an approval ended; ``ANSWER_REASONS`` is the reason each
+failed answer becomes (the refusal the client sees and the ``reason`` of the
+``approval.decided`` record).
+
+``proxy.core.responses`` turns a reason into HTTP bytes or a TLS alert,
+``proxy.core.dnsanswer`` into a reply, ``proxy.core.socks5.reply`` into a
+SOCKS reply. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -29,20 +34,9 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final, NamedTuple
 
-from egressd.proxy.core.clienthello import Alert
-from egressd.proxy.core.socks5 import SocksReply
+from egressd.vocabulary.wire import Alert, Rcode, SocksReply
 
-__all__ = ["Rcode", "Reason", "reason_for", "reason_message"]
-
-
-class Rcode(enum.IntEnum):
-    """RFC 1035 §4.1.1 response codes the DNS server sends."""
-
-    NOERROR = 0
-    FORMERR = 1
-    NXDOMAIN = 3
-    NOTIMP = 4
-    REFUSED = 5
+__all__ = ["ANSWER_REASONS", "Answer", "Reason", "reason_for", "reason_message"]
 
 
 class _Row(NamedTuple):
@@ -167,3 +161,31 @@ def reason_message(code: str) -> str:
     """The phrase for a reason code as read back from an audit record; an unknown code is itself."""
     reason = _BY_CODE.get(code)
     return reason.message if reason is not None else code
+
+
+class Answer(enum.Enum):
+    """How an approval ended. Everything but ALLOW fails the request."""
+
+    ALLOW = "allow"
+    DENY = "deny"
+    TIMEOUT = "timeout"
+    NO_APPROVER = "no_approver"
+    TOO_MANY_PENDING = "too_many_pending"
+    # The run made as many approval requests as it may: nobody is asked (DESIGN.md, "Decision order").
+    STOPPED_ASKING = "stopped_asking"
+    # egressd stopped while the request was held: nobody can answer any more.
+    SHUTTING_DOWN = "shutting_down"
+
+
+# The refusal (DESIGN.md, "What a client sees") each failed answer becomes;
+# the audit log's approval.decided record carries its code as ``reason``.
+ANSWER_REASONS: Final[Mapping[Answer, Reason]] = MappingProxyType(
+    {
+        Answer.DENY: Reason.DENIED,
+        Answer.TIMEOUT: Reason.APPROVAL_TIMEOUT,
+        Answer.NO_APPROVER: Reason.NO_APPROVER,
+        Answer.TOO_MANY_PENDING: Reason.TOO_MANY_PENDING,
+        Answer.STOPPED_ASKING: Reason.NOT_ALLOWLISTED,
+        Answer.SHUTTING_DOWN: Reason.SHUTTING_DOWN,
+    }
+)
