@@ -34,6 +34,7 @@ from typing import NamedTuple
 
 from egressd.audit.fields import RecordError, approval_summary, plain, scrub_mapping, seconds, strip_host
 from egressd.vocabulary.egress import Decision, EgressKind, End
+from egressd.vocabulary.reasons import Reason
 
 __all__ = [
     "APPROVAL_ABANDONED",
@@ -177,6 +178,7 @@ _last_text = ""
 # The plain strings a record holds (a dict lookup: cheaper than ``.value`` per record).
 _KIND_TEXT: dict[object, str] = {kind: kind.value for kind in EgressKind}
 _DECISION_TEXT: dict[object, str] = {decision: decision.value for decision in Decision}
+_END_TEXT: dict[object, str] = {end: end.value for end in End}
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,7 +320,7 @@ class EgressEnded(NamedTuple):
     bytes_up: int
     bytes_down: int
     duration_s: float
-    end: str
+    end: End | Reason | str  # a code read back from a record is a string
     extra: Mapping[str, object] | None = None
 
     def record(self) -> dict[str, object]:
@@ -327,6 +329,8 @@ class EgressEnded(NamedTuple):
         ``RecordError`` for an empty ``end`` or an ``extra`` key that would shadow a field.
         """
         id_, ts, run, address, bytes_up, bytes_down, duration_s, end, extra = self
+        if end.__class__ is not str:
+            end = _END_TEXT.get(end) or str(end)  # an End, or the Reason that cut the connection
         if not end or end.__class__ is not str:
             raise RecordError(f"end must be a non-empty string, not {end!r}")
         if extra and not _END_RESERVED.isdisjoint(extra):

@@ -55,10 +55,11 @@ _RULESET = SocksReply.NOT_ALLOWED
 _GENERAL = SocksReply.GENERAL_FAILURE
 
 
-class Reason(enum.Enum):
+class Reason(enum.StrEnum):
     """Why a request was refused: the codes clients see in ``X-Egress-Reason``.
 
     A member is (code, status, message, alert, socks, rcode); see the module docstring.
+    A ``str`` (its code), so a record, a metric's label or a header takes it as it is.
     """
 
     _value_: str
@@ -67,7 +68,7 @@ class Reason(enum.Enum):
     def __new__(
         cls, code: str, status: int, message: str, alert: Alert, socks: SocksReply, rcode: Rcode | None = None
     ) -> Reason:
-        member = object.__new__(cls)
+        member = str.__new__(cls, code)
         member._value_ = code
         member._row = _Row(status, message, alert, socks, rcode)
         return member

@@ -458,7 +458,7 @@ class EgressService:
             recorder=Recorder(
                 audit=audit, metrics=Metrics(), refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
             ),
-            dialer=Dialer(connect_timeout_s=s.connect_timeout_s),
+            dialer=Dialer(),
             approver=approver,
             resolver=resolver,
             screen=Screen(allow_private=s.allow_private_networks, own=own_endpoints(s), is_local=bound_locally),
@@ -481,6 +481,7 @@ class EgressService:
             max_head_bytes=s.max_head_bytes,
             head_timeout_s=s.head_timeout_s,
             idle_timeout_s=s.idle_timeout_s,
+            connect_timeout_s=s.connect_timeout_s,
             max_connections=s.max_connections,
             max_connections_per_run=s.max_connections_per_run,
         )

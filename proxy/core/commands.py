@@ -101,10 +101,14 @@ class WriteAhead(NamedTuple):
 
 
 class Dial(NamedTuple):
-    """Connect to the admitted addresses, in order → the upstream; DialError. Only after ``WriteAhead``."""
+    """Connect to the admitted addresses, in order → the upstream; DialError. Only after ``WriteAhead``.
+
+    Past ``deadline`` the dial gives up (``upstream_timeout``), whichever address it was trying.
+    """
 
     attempt: Attempt
     admission: Admission
+    deadline: float
 
 
 class Finish(NamedTuple):

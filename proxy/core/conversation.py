@@ -194,17 +194,8 @@ class Conversation:
             if kind is not None:
                 refused = refused._replace(kind=kind)
             raise Refused(refused, run_at_cap(at.mode.reads, attributed=True))
-        attempt = Attempt(
-            id=seen.id,
-            kind=seen.kind if kind is None else kind,
-            client=seen.client,
-            ts=seen.ts,
-            started=seen.started,
-            run=run,
-            host=host,
-            port=port,
-            command=run.command,
-        )
+        asked = seen._replace(host=host, port=port, run=run, command=run.command)
+        attempt = Attempt(asked if kind is None else asked._replace(kind=kind))
         self.pending = attempt
         run.open_connections += 1
         self.slot = run
@@ -226,7 +217,7 @@ class Conversation:
                 # The record, then the dial (inline: the path of every tunnel).
                 try:
                     yield WriteAhead(attempt, admission.texts[0])
-                    upstream = yield Dial(attempt, admission)
+                    upstream = yield Dial(attempt, admission, self.now() + at.limits.connect_timeout_s)
                 except DialError as exc:
                     raise _dial_refused(attempt, exc) from None
                 way = at.way
@@ -269,7 +260,7 @@ class Conversation:
             if kept is None:
                 try:
                     yield WriteAhead(attempt, admission.texts[0])  # the record before the dial
-                    upstream = yield Dial(attempt, admission)
+                    upstream = yield Dial(attempt, admission, self.now() + self.at.limits.connect_timeout_s)
                 except DialError as exc:
                     raise _dial_refused(attempt, exc) from None
                 address, reused = attempt.address, False

@@ -46,13 +46,11 @@ from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.policy import EntryError, Verdict, lasting_entry
 from egressd.proxy.core.responses import OWN_ENDPOINT_MESSAGE
 from egressd.proxy.core.runs import Run
-from egressd.vocabulary.egress import Decision
 from egressd.vocabulary.reasons import ANSWER_REASONS, Answer, Reason
 
 # The refusal each failed answer becomes: the approvals package names its code.
 _DENY: Final = Verdict.DENY
 _ASK: Final = Verdict.ASK
-_ALLOWED: Final = Decision.ALLOW
 
 
 class Screen:
@@ -89,7 +87,7 @@ class Screen:
         candidates: Sequence[IPAddress],
         rule: str | None,
         approval: ApprovalSummary | None,
-        learned: str | None,
+        learned: Reason | None,
     ) -> Admission:
         """The addresses that pass, in order; ``private_address`` (saying which and why) when none does."""
         own_port = port in self.own.ports  # most ports are none of egressd's: one set lookup
@@ -137,7 +135,7 @@ def decide(
     host, rule = verdict.host, verdict.rule
     learned = None
     if verdict.learned is not None:
-        learned = verdict.learned.value
+        learned = verdict.learned
         metrics.learned += 1
     if verdict.verdict is _DENY:
         return Admission(verdict.reason, host, port, rule=rule, learned=learned)
@@ -163,14 +161,7 @@ def decide(
 
 def conclude(attempt: Attempt, admission: Admission) -> None:
     """The attempt is decided: the one place its decision is written (from the ``Admission``)."""
-    attempt.host = admission.host
-    attempt.rule, attempt.approval, attempt.learned = admission.rule, admission.approval, admission.learned
-    if admission.reason is None:
-        attempt.decision, attempt.reason = _ALLOWED, None
-    else:
-        attempt.deny(admission.reason, admission.detail)
-        attempt.address, attempt.message = admission.address, admission.message
-    attempt.decided = True
+    attempt.conclude(admission)
 
 
 def approval_request(run: Run, host: str, port: int) -> ApprovalRequest:

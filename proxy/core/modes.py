@@ -62,6 +62,7 @@ class ListenerLimits:
     max_head_bytes: int = 64 * 1024
     head_timeout_s: float = 10.0
     idle_timeout_s: float = 300.0
+    connect_timeout_s: float = 10.0
     max_connections: int = 10000
     max_connections_per_run: int = 1000
 

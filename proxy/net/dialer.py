@@ -62,15 +62,13 @@ class _Expiry:
 class Dialer:
     """Connects an admitted attempt upstream."""
 
-    def __init__(self, *, connect_timeout_s: float = 10.0) -> None:
-        self.connect_timeout_s = connect_timeout_s
-
     async def dial(
         self,
         attempt: Attempt,
         admission: Admission,
         protocol: Callable[[], P],
-        loop: asyncio.AbstractEventLoop | None = None,
+        loop: asyncio.AbstractEventLoop,
+        deadline: float,
     ) -> P:
         """Connect to the first admitted address that answers (after ``open`` wrote the record ahead).
 
@@ -78,17 +76,15 @@ class Dialer:
         connects in its own code: on uvloop no Python socket is involved).
         The address is passed as a literal, so nothing is looked up again.
         Raises DialError (``upstream_unreachable`` or ``upstream_timeout``).
-        ``loop``: the running loop, when the caller has it at hand.
+        ``deadline``: when to give up, on ``loop``'s clock (the connection's: ``Conversation.now``).
         """
         assert attempt.opened, "the egress record is written before the dial"
-        if loop is None:
-            loop = asyncio.get_running_loop()
         # The connect timeout as ``asyncio.timeout`` would do it (the task cancelled, the
         # cancellation taken back as TimeoutError), with one timer and no context object.
         task = asyncio.current_task(loop)
         assert task is not None
         expiry = _Expiry(task)
-        timer = loop.call_later(self.connect_timeout_s, expiry.fire)
+        timer = loop.call_at(deadline, expiry.fire)
         last: OSError | None = None
         try:
             for text in admission.texts:

@@ -217,7 +217,7 @@ class Recorder:
             extra = attempt.notes()
         elif attempt.learned is not None:
             # Written ahead too: an allowed connection's one egress record must say it was let through by learn mode.
-            extra = {"learned": attempt.learned}
+            extra = {"learned": attempt.learned.value}
         else:
             extra = None
         return EgressDecided(
@@ -228,7 +228,7 @@ class Recorder:
             client=attempt.client,
             host=attempt.host,
             port=attempt.port,
-            address=attempt.address,
+            address=attempt.recorded_address,
             decision=attempt.decision,
             reason=attempt.reason,
             rule=attempt.rule,

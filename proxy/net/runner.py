@@ -155,7 +155,7 @@ class Runner:
                         recorder.open(command.attempt, command.address)
                     elif kind is Dial:
                         result = self.dialled = await self.path.dialer.dial(
-                            command.attempt, command.admission, client.new_peer, client.loop
+                            command.attempt, command.admission, client.new_peer, client.loop, command.deadline
                         )
                     elif kind is Relay:
                         result = await self._relay(command)

@@ -202,6 +202,13 @@ ARRIVALS = {
 }
 
 
+@pytest.mark.parametrize("mode", [EXPLICIT, transparent_http(), transparent_tls(), SOCKS], ids=str)
+def test_the_first_wait_of_every_mode_ends_at_the_head_timeout_on_the_one_clock(mode: Any) -> None:
+    first = Playbook(mode).command
+    assert isinstance(first, ReadHead | Fill)
+    assert first.deadline == 100.0 + ListenerLimits().head_timeout_s
+
+
 @pytest.mark.parametrize("name", sorted(ARRIVALS))
 def test_every_mode_writes_the_record_before_the_dial_and_splices_after_the_answer(name: str) -> None:
     mode, arrive, accepted = ARRIVALS[name]
@@ -214,6 +221,8 @@ def test_every_mode_writes_the_record_before_the_dial_and_splices_after_the_answ
     assert write == WriteAhead(play.attempt, ORIGIN)
     dial = play.give(None)
     assert isinstance(dial, Dial) and dial.attempt is play.attempt
+    # Every wait's deadline is an instant on the conversation's one clock (here 100.0).
+    assert dial.deadline == 100.0 + ListenerLimits().connect_timeout_s
     upstream = Upstream()
     # The answer (a CONNECT's 200, a SOCKS reply; nothing for TLS) goes out, then the splice.
     assert play.give(upstream) == Splice(upstream, play.attempt, accepted, name_required=name == "tls")
@@ -275,7 +284,7 @@ def test_a_name_resolving_only_outside_the_permitted_range_is_never_dialled(name
     play = Playbook(mode)
     arrive(play)
     assert play.give(FORBIDDEN) == Finish(play.attempt)
-    assert play.attempt.reason == "private_address" and play.attempt.address == "127.0.1.5"
+    assert play.attempt.reason == "private_address" and play.attempt.recorded_address == "127.0.1.5"
     assert not {WriteAhead, Dial} & set(play.kinds())
 
 
