@@ -295,7 +295,12 @@ class ApprovalBroker:
         loop = asyncio.get_running_loop()
         now = self._clock()
         message = render(
-            host=request.host, port=request.port, command=request.command, task=request.task, allowed=request.allowed
+            host=request.host,
+            port=request.port,
+            command=request.command,
+            task=request.task,
+            allowed=request.allowed,
+            request=request.request,
         )
         approval = self._ledger.open(request, approval_id=self._new_id(), channels=self.attached, now=now)
         view = PendingApproval(

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 from egressd.audit.records import rfc3339
 from egressd.vocabulary.reasons import ANSWER_REASONS, Answer, Reason
 
-from .message import ApprovalMessage
+from .message import ApprovalMessage, HeldRequest
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class ApprovalRequest:
-    """A held connection's question: may this run reach host:port?"""
+    """A held connection's question: may this run reach host:port (and, inspected, make this request)?"""
 
     run_id: str
     host: str
@@ -49,6 +49,8 @@ class ApprovalRequest:
     # *always* answer then applies to the run only.
     lasting: str | None = None
     lasting_error: str | None = None
+    # Inside an inspected connection: the request asked about (None: the destination alone).
+    request: HeldRequest | None = None
     # What the asker wants done with the answer when it comes after the asker
     # stopped waiting (its client gave up): the decision applies it to the run (``late_answer``).
     # Called once the approval settles, only when no client waits any more;
@@ -220,6 +222,13 @@ class PendingApproval:
             "command": request.command,
             "task": request.task,
             "allowed": list(request.allowed),
+            "request": None if request.request is None else {
+                "method": request.request.method,
+                "path": request.request.path,
+                "query_names": list(request.request.query_names),
+                "content_type": request.request.content_type,
+                "length": request.request.length,
+            },
             "unrelated": self.message.unrelated,
             "message": self.message.text,
             "expires_at": rfc3339(self.expires_at),

@@ -52,6 +52,7 @@ from egressd.names.authority import Colons, split_authority
 from egressd.names.shown import escape, is_invisible
 
 __all__ = [
+    "HeldRequest",
     "ApprovalMessage",
     "Room",
     "Shown",
@@ -72,6 +73,11 @@ MAX_FIELD_CHARS = 500
 MAX_ALLOWED_SHOWN = 30
 
 INTRO = "A command in the sandbox tried to reach a domain that is not allowlisted."
+# Inside an inspected connection: the domain is allowed for its rules, this request no rule covers.
+REQUEST_INTRO = "A command in the sandbox made a request that no rule for this domain covers."
+# A path is shown shortened in the middle past this many characters; the query's names, not values.
+MAX_PATH_CHARS = 200
+MAX_QUERY_NAMES = 10
 UNRELATED = "Unrelated: this domain is not named in the task or the command, and is not under an allowed domain."
 CLOSING = (
     "Reply allow (this run only) or deny. If you did not expect this request,",
@@ -270,7 +276,7 @@ class ApprovalMessage:
     """The rendered message and the values it was made of (all escaped and bounded).
 
     ``lines`` is the message as ``(kind, text)`` pairs, kind one of
-    ``intro domain command task allowed unrelated closing scope``, so a channel
+    ``intro domain request command task allowed unrelated closing scope``, so a channel
     can emphasise the domain and the unrelated warning without re-rendering.
     """
 
@@ -284,6 +290,7 @@ class ApprovalMessage:
     allowed: tuple[str, ...]
     unrelated: bool
     lines: tuple[tuple[str, str], ...]
+    request: str | None = None  # the ``Request:`` line's text, for a request inside an inspected connection
 
     @property
     def text(self) -> str:
@@ -320,6 +327,7 @@ def render(
     task: str | None,
     allowed: Sequence[str],
     room: Room = EVERY_CHANNEL,
+    request: HeldRequest | None = None,
 ) -> ApprovalMessage:
     """Render the message for a held request to ``host:port`` (host normalised, ASCII).
 
@@ -344,9 +352,14 @@ def render(
         allowed=allowed,
     )
 
+    request_text = _request_text(request) if request is not None else None
     lines: list[tuple[str, str]] = [
-        ("intro", INTRO),
+        ("intro", INTRO if request_text is None else REQUEST_INTRO),
         ("domain", domain_line),
+    ]
+    if request_text is not None:
+        lines.append(("request", f"Request: {request_text}"))
+    lines += [
         ("command", f"Command: {command_text}"),
         ("task", f"Task: {task_text}"),
         ("allowed", f"Allowed domains: {allowed_text}"),
@@ -354,7 +367,10 @@ def render(
     if unrelated:
         lines.append(("unrelated", UNRELATED))
     lines.extend(("closing", line) for line in CLOSING)
-    if site is not None and not _is_ip(host):
+    if request is not None:
+        lines.append(("scope", f"A deny covers {escape(request.method)} under {escape(request.prefix)} on "
+                               f"{shown_host} for this run; allow for the run allows the same."))
+    elif site is not None and not _is_ip(host):
         # DESIGN.md "Decision order": a denial covers the registered domain for the rest of the run.
         shown_site = escape(site)
         lines.append(
@@ -375,7 +391,56 @@ def render(
         allowed=shown_allowed,
         unrelated=unrelated,
         lines=tuple(lines),
+        request=request_text,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class HeldRequest:
+    """A request inside an inspected connection, as an approver is shown it (never a value or a body).
+
+    ``path`` normalised, without the query; ``prefix`` the path prefix an
+    answer for the run covers; ``query_names`` the query's parameter names
+    only; ``content_type`` and ``length`` as the request declares them
+    (None: it declares none).
+    """
+
+    method: str
+    path: str
+    prefix: str
+    query_names: tuple[str, ...] = ()
+    content_type: str | None = None
+    length: int | None = None
+
+
+def _request_text(request: HeldRequest) -> str:
+    """``POST /org/repo/issues (query: a, b; application/json; 1.2 KiB)``: escaped, the path shortened in the middle."""
+    path = escape(request.path)
+    if len(path) > MAX_PATH_CHARS:
+        half = (MAX_PATH_CHARS - 1) // 2
+        path = f"{path[:half]}…{path[-half:]}"
+    notes = []
+    if request.query_names:
+        names = [escape(name)[:40] for name in request.query_names[:MAX_QUERY_NAMES]]
+        more = len(request.query_names) - len(names)
+        notes.append("query: " + ", ".join(names) + (f" and {more} more" if more > 0 else ""))
+    if request.content_type:
+        notes.append(escape(request.content_type)[:80])
+    if request.length is not None:
+        notes.append(_size(request.length))
+    return f"{escape(request.method)} {path}" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _size(length: int) -> str:
+    """A declared body size, for people: ``512 bytes``, ``1.2 KiB``, ``48.0 MiB``."""
+    if length < 1024:
+        return f"{length} bytes"
+    size = float(length)
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024 or unit == "GiB":
+            break
+    return f"{size:.1f} {unit}"
 
 
 def _domain_line(host: str, port: int, unicode_host: str | None, site: str | None, room: Room) -> str:

@@ -203,6 +203,7 @@ def _render(approval: PendingApproval, columns: int, share: _Rows, *, name: int 
         command=request.command,
         task=request.task,
         allowed=request.allowed,
+        request=request.request,
         room=Room(
             command=room("Command: ", share.command, request.command),
             task=room("Task: ", share.task, request.task),

@@ -18,6 +18,7 @@ class EgressKind(enum.StrEnum):
     TLS = "tls"  # a transparent TLS connection, decided on its SNI
     DNS = "dns"  # a query to egressd's DNS server
     SOCKS = "socks"  # a SOCKS5 CONNECT (or a refused BIND / UDP ASSOCIATE) through the SOCKS listener
+    HTTPS = "https"  # one request inside an inspected TLS connection, decided on its method and path
 
 
 class Decision(enum.StrEnum):

@@ -144,6 +144,17 @@ class Reason(enum.StrEnum):
         _GENERAL,
         Rcode.NOERROR,
     )
+    # Inspection (DESIGN.md "Request rules"): the client would not take the run's certificate
+    # (a pinned client, mutual TLS) or the TLS handshake inside the tunnel failed.
+    TLS_INTERCEPT_FAILED = (
+        "tls_intercept_failed",
+        502,
+        "the TLS connection could not be inspected",
+        _FAILED,
+        _GENERAL,
+    )
+    # A declared secret's placeholder sent to a name the secret is not declared for.
+    SECRET_MISDIRECTED = ("secret_misdirected", 403, "a secret sent to a name it is not for", _DENIED, _RULESET)
 
 
 # Reasons by code, for codes read back from a record or named by another package.

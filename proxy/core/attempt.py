@@ -9,7 +9,6 @@ recorder (``egressd.proxy.net.recorder``) writes them;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from egressd.audit.records import ApprovalSummary, EgressDecided
@@ -46,128 +45,92 @@ class Seen(NamedTuple):
         return self._replace(run=run, command=run.command)
 
 
-@dataclass(slots=True)
 class Attempt:
     """One attempt, in three stages, each written once by the one who knows it.
 
-    - What was asked: ``seen``, the conversation's last ``Seen`` (identity, destination,
-      run, command), a value.
-    - What was decided: ``admission``, set once by ``decision.conclude``; the
-      decision's record fields (``decision``, ``reason``, ``rule``, ``approval``,
-      ``learned``, ``message``) are read from it.
-    - What happened: ``cut``, the reason a connection was refused after (or
+    - What was asked: made from the conversation's ``Seen`` (identity,
+      destination, run, command) with the destination the way in found
+      (``Attempt(seen, host, port, run, kind)``), never edited after.
+    - What was decided: ``conclude``, once, from the ``Admission``
+      (``admission``, ``decision``, ``reason``, ``rule``, ``approval``,
+      ``learned``, ``message``; ``host`` as the policy normalised it).
+    - What happened: ``deny`` when a connection is refused after (or
       without) its decision (a dial that failed, a tunnel overruled, a client
-      gone), once; the recorder the address written ahead (``open``) and the
-      dialer the one that answered (``address``); the runner the byte counters,
-      ``end`` and the notes the record carries after its fields (``status``,
-      ``sni``, ``request_host``, ``detail``: the first cause said stays).
+      gone: ``cut``, the first cause stays); the recorder the address written
+      ahead (``open``) and the dialer the one that answered (``address``);
+      the runner the byte counters, ``end`` and the notes the record carries
+      after its fields (``status``, ``sni``, ``request_host``, ``detail``).
 
-    The recorder turns it into facts (``egressd.audit.records``): the
-    ``EgressDecided`` written ahead of an allowed dial, or for a refusal the
-    final one; and the ``EgressEnded`` of an opened connection. Its own
-    bookkeeping (``counted``, ``ahead``, ``finished``) is the recorder's.
+    The stages' fields are plain slots, written only through ``conclude``,
+    ``deny`` and ``ends`` (an attempt is made per request: no property
+    stands between the recorder and them). The recorder turns it into facts
+    (``egressd.audit.records``): the ``EgressDecided`` written ahead of an
+    allowed dial, or for a refusal the final one; and the ``EgressEnded`` of
+    an opened connection. Its own bookkeeping (``counted``, ``ahead``,
+    ``finished``) is the recorder's.
     """
 
-    seen: Seen
-    admission: Admission | None = None
-    cut: Reason | None = None
-    address: str | None = None
-    bytes_up: int = 0
-    bytes_down: int = 0
-    end: End | None = None
-    status: int | None = None  # the origin's response status (plain HTTP)
-    sni: str | None = None  # the name a tunnel's ClientHello asked for instead of the host
-    request_host: str | None = None  # the host a tunnel's plain HTTP request named instead
-    detail: str | None = None  # why, in words (the first cause said stays)
-    counted: bool = False  # in the metrics and the decision log (``Recorder``), once
-    # Its ``egress`` record, written ahead (``Recorder.open``): what ends it is an ``egress.end`` record.
-    ahead: EgressDecided | None = None
-    # That fact's record as written, kept so the end folds into it without serialising it again.
-    ahead_record: dict[str, object] | None = None
-    finished: bool = False
+    __slots__ = (
+        "id", "kind", "client", "ts", "started", "run", "host", "port", "command",
+        "admission", "decision", "reason", "rule", "approval", "learned", "message", "cut",
+        "address", "bytes_up", "bytes_down", "end", "status", "sni", "request_host", "detail",
+        "counted", "ahead", "ahead_record", "finished",
+    )  # fmt: skip
 
-    # -- what was asked ------------------------------------------------------------------------
+    def __init__(
+        self,
+        seen: Seen,
+        host: str | None = None,
+        port: int | None = None,
+        run: Run | None = None,
+        kind: EgressKind | None = None,
+    ) -> None:
+        # What was asked.
+        self.id = seen.id
+        self.kind = seen.kind if kind is None else kind
+        self.client = seen.client
+        self.ts = seen.ts
+        self.started = seen.started
+        self.run = seen.run if run is None else run
+        self.host = seen.host if host is None else host
+        self.port = seen.port if port is None else port
+        self.command = seen.command if run is None else run.command
+        # What was decided (``conclude``): refused until it is.
+        self.admission: Admission | None = None
+        self.decision = Decision.DENY
+        self.reason: Reason | None = None
+        self.rule: str | None = None
+        self.approval: ApprovalSummary | None = None
+        self.learned: Reason | None = None  # learn mode: the reason the policy would have refused this with
+        self.message: str | None = None  # the phrase a refused client reads instead of the reason's usual one
+        # What happened.
+        self.cut: Reason | None = None
+        self.address: str | None = None
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.end: End | None = None
+        self.status: int | None = None  # the origin's response status (plain HTTP)
+        self.sni: str | None = None  # the name a tunnel's ClientHello asked for instead of the host
+        self.request_host: str | None = None  # the host a tunnel's plain HTTP request named instead
+        self.detail: str | None = None  # why, in words (the first cause said stays)
+        # The recorder's.
+        self.counted = False  # in the metrics and the decision log (``Recorder``), once
+        # Its ``egress`` record, written ahead (``Recorder.open``): what ends it is an ``egress.end`` record.
+        self.ahead: EgressDecided | None = None
+        # That fact's record as written, kept so the end folds into it without serialising it again.
+        self.ahead_record: dict[str, object] | None = None
+        self.finished = False
 
-    @property
-    def id(self) -> str:
-        return self.seen.id
-
-    @property
-    def kind(self) -> EgressKind:
-        return self.seen.kind
-
-    @property
-    def client(self) -> str | None:
-        return self.seen.client
-
-    @property
-    def ts(self) -> float:
-        return self.seen.ts
-
-    @property
-    def started(self) -> float:
-        return self.seen.started
-
-    @property
-    def run(self) -> Run | None:
-        return self.seen.run
-
-    @property
-    def port(self) -> int | None:
-        return self.seen.port
-
-    @property
-    def command(self) -> str | None:
-        return self.seen.command
-
-    @property
-    def host(self) -> str | None:
-        """The host as the policy normalised it once decided; as asked before."""
-        admission = self.admission
-        return admission.host if admission is not None else self.seen.host
-
-    # -- what was decided, and what became of it ---------------------------------------------
+    def __repr__(self) -> str:
+        return f"Attempt({self.id} {self.kind} {self.host}:{self.port} {self.decision} {self.reason})"
 
     @property
     def decided(self) -> bool:
         return self.admission is not None
 
     @property
-    def decision(self) -> Decision:
-        admission = self.admission
-        if self.cut is None and admission is not None and admission.reason is None:
-            return Decision.ALLOW
-        return Decision.DENY
-
-    @property
-    def reason(self) -> Reason | None:
-        """Why it was refused: what cut it, else the decision's reason (None: allowed, or never decided)."""
-        if self.cut is not None:
-            return self.cut
-        admission = self.admission
-        return admission.reason if admission is not None else None
-
-    @property
-    def rule(self) -> str | None:
-        admission = self.admission
-        return admission.rule if admission is not None else None
-
-    @property
-    def approval(self) -> ApprovalSummary | None:
-        admission = self.admission
-        return admission.approval if admission is not None else None
-
-    @property
-    def learned(self) -> Reason | None:
-        """Learn mode: the reason the policy would have refused this with (its records' ``learned``)."""
-        admission = self.admission
-        return admission.learned if admission is not None else None
-
-    @property
-    def message(self) -> str | None:
-        """The phrase a refused client reads instead of the reason's usual one (``Reason.message``)."""
-        admission = self.admission
-        return admission.message if admission is not None and self.cut is None else None
+    def opened(self) -> bool:
+        return self.ahead is not None
 
     @property
     def recorded_address(self) -> str | None:
@@ -177,32 +140,35 @@ class Attempt:
         admission = self.admission
         return admission.address if admission is not None else None
 
-    @property
-    def opened(self) -> bool:
-        return self.ahead is not None
-
     def conclude(self, admission: Admission) -> None:
         """The decision, once (``decision.conclude``); its ``detail`` is the first cause said."""
         if self.admission is not None:
-            raise ValueError(f"attempt {self.seen.id} is decided already")
+            raise ValueError(f"attempt {self.id} is decided already")
         self.admission = admission
-        if admission.detail and self.detail is None:
-            self.detail = admission.detail
+        self.host = admission.host
+        self.rule, self.approval, self.learned = admission.rule, admission.approval, admission.learned
+        reason = admission.reason
+        if reason is None:
+            self.decision = Decision.ALLOW
+        else:
+            self.reason, self.message = reason, admission.message
+            if admission.detail and self.detail is None:
+                self.detail = admission.detail
 
     def deny(self, reason: Reason, detail: str | None = None) -> None:
-        """Refuse it for ``reason`` (what happened after, or without, the decision), unless already refused so."""
-        if self.cut is None and (self.admission is None or self.admission.reason is None):
-            self.cut = reason
+        """Refuse it for ``reason`` (what happened after, or without, its decision), unless already refused."""
+        if self.reason is None:
+            self.cut = self.reason = reason
+            self.decision = Decision.DENY
+            self.message = None
         if detail and self.detail is None:
             self.detail = detail
 
     def notes(self, learned: bool = True) -> dict[str, object] | None:
         """The notes set, in the record's order (``learned`` first, when asked for); None when none is."""
         notes: dict[str, object] = {}
-        if learned:
-            would = self.learned
-            if would is not None:
-                notes["learned"] = would.value
+        if learned and self.learned is not None:
+            notes["learned"] = self.learned.value
         if self.status is not None:
             notes["status"] = self.status
         if self.sni is not None:
@@ -239,6 +205,7 @@ class Admission(NamedTuple):
     address: str | None = None  # a refused address
     message: str | None = None  # the phrase a refused client reads instead of the reason's
     detail: str | None = None
+    inspect: bool = False  # allowed, and its TLS is to be taken over: each request decided on its own
 
     @property
     def allowed(self) -> bool:

@@ -104,11 +104,14 @@ class Dial(NamedTuple):
     """Connect to the admitted addresses, in order → the upstream; DialError. Only after ``WriteAhead``.
 
     Past ``deadline`` the dial gives up (``upstream_timeout``), whichever address it was trying.
+    ``tls_name``: the connection is TLS to that name, the origin's certificate verified for it
+    (an inspected connection's upstream); a handshake that fails is ``upstream_unreachable``.
     """
 
     attempt: Attempt
     admission: Admission
     deadline: float
+    tls_name: str | None = None
 
 
 class Finish(NamedTuple):
@@ -142,6 +145,25 @@ class Splice(NamedTuple):
     attempt: Attempt
     answer: bytes | None
     name_required: bool
+
+
+class Intercept(NamedTuple):
+    """Send ``answer`` (the CONNECT's 200), then take the client's TLS for ``name`` with the run's
+    own certificate: from here its requests are read in clear → None.
+
+    InterceptFailed when the client would not take the certificate or the
+    handshake failed otherwise (``tls_intercept_failed``), TimeoutError past
+    ``deadline``; a client gone before the answer is out: PeerClosed.
+    """
+
+    attempt: Attempt
+    name: str
+    answer: bytes | None
+    deadline: float
+
+
+class InterceptFailed(Exception):
+    """The TLS handshake with the client failed: it did not trust the run's certificate, or broke off."""
 
 
 class Close(NamedTuple):

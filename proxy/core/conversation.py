@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from egressd.approvals.message import HeldRequest
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
 from egressd.proxy.core.commands import (
@@ -37,6 +38,8 @@ from egressd.proxy.core.commands import (
     Close,
     Dial,
     Finish,
+    Intercept,
+    InterceptFailed,
     PeerClosed,
     RecordRefusal,
     Relay,
@@ -46,7 +49,7 @@ from egressd.proxy.core.commands import (
     Upstream,
     WriteAhead,
 )
-from egressd.proxy.core.decision import Screen, conclude, decide
+from egressd.proxy.core.decision import Screen, conclude, decide, decide_request
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.destination import Destination
 from egressd.proxy.core.metrics import Metrics
@@ -105,6 +108,26 @@ class Way(Protocol):
 
 
 
+class InsideRequest(Protocol):
+    """A request read inside an inspected connection, as the decision judges it."""
+
+    @property
+    def method(self) -> str: ...  # the method it is judged as
+
+    @property
+    def path(self) -> str: ...  # normalised, without the query
+
+    @property
+    def shown(self) -> HeldRequest: ...  # what an approver is shown of it
+
+
+class InsideWay(Way, Protocol):
+    """The way in inside an inspected connection (``inspected.InspectedWay``): one host and port, one run."""
+
+    run: Run
+    request: InsideRequest | None  # the request ``arrive`` read last
+
+
 @dataclass(frozen=True, slots=True)
 class Listening:
     """What a listener gives each of its conversations: the same for all of them, made once."""
@@ -117,13 +140,15 @@ class Listening:
     screen: Screen  # which resolved addresses may be dialled
     audit: AuditHealth  # whether the audit log can be written
     begin: Callable[[EgressKind, str | None, int | None], Seen]  # a new attempt's identity (id, start)
+    # The way in inside an inspected connection, for (run, host, port, max head bytes); None: none is.
+    inspecting: Callable[[Run, str, int, int], InsideWay] | None = None
 
 
 class Conversation:
     """One client connection's state, and its steps (``steps``)."""
 
     __slots__ = ("at", "now", "client", "source", "buf", "pending", "slot", "spliced", "first", "holder", "exchange",
-                 "kept")
+                 "kept", "inside", "outer")
 
     def __init__(
         self, at: Listening, now: Callable[[], float], client: str, source: IPAddress | None, buf: bytearray
@@ -145,6 +170,10 @@ class Conversation:
         self.exchange: Exchange | None = None  # the HTTP modes' framing, request after request
         # The upstream connection kept for the client's next request: (host and port, address, upstream).
         self.kept: tuple[tuple[str, int], str | None, Upstream] | None = None
+        # An inspected connection: the way its requests are read in clear (``inspected``), and the
+        # tunnel's attempt (its Admission: the addresses every request dials), recorded at the end.
+        self.inside: InsideWay | None = None
+        self.outer: tuple[Attempt, Admission] | None = None
 
     def steps(self) -> Steps:
         """The whole connection: request after request until one ends it."""
@@ -158,10 +187,17 @@ class Conversation:
             return
         while True:
             try:
-                arrival = yield from way.arrive(self)
-                if arrival is None:
-                    return
-                go_on = yield from self._decide_and_carry(arrival)
+                inside = self.inside
+                if inside is None:
+                    arrival = yield from way.arrive(self)
+                    if arrival is None:
+                        return
+                    go_on = yield from self._decide_and_carry(arrival)
+                else:
+                    arrival = yield from inside.arrive(self)
+                    if arrival is None:
+                        return
+                    go_on = yield from self._carry_inside(inside, arrival)
             except Refused as refused:
                 yield from self._refuse(refused.target, refused.refusal, refused.answer)
                 return
@@ -194,8 +230,7 @@ class Conversation:
             if kind is not None:
                 refused = refused._replace(kind=kind)
             raise Refused(refused, run_at_cap(at.mode.reads, attributed=True))
-        asked = seen._replace(host=host, port=port, run=run, command=run.command)
-        attempt = Attempt(asked if kind is None else asked._replace(kind=kind))
+        attempt = Attempt(seen, host, port, run, kind)
         self.pending = attempt
         run.open_connections += 1
         self.slot = run
@@ -213,6 +248,9 @@ class Conversation:
             conclude(attempt, admission)
             if not admission.allowed:
                 raise Refused(attempt, Refusal(admission.reason or Reason.BAD_REQUEST))
+            if connect and admission.inspect:
+                yield from self._intercept(attempt, admission)
+                return True
             if connect:
                 # The record, then the dial (inline: the path of every tunnel).
                 try:
@@ -230,13 +268,68 @@ class Conversation:
             self.pending = None
             return go_on
         finally:
-            if not self.spliced:
+            if not self.spliced and self.outer is None:
                 self.slot = None
                 run.open_connections -= 1
 
+    # -- an inspected connection: HTTP/1 requests inside the client's TLS -------------------------
+
+    def _intercept(self, attempt: Attempt, admission: Admission) -> Steps:
+        """Record the tunnel, answer it, take over its TLS: its requests are read in clear from here.
+
+        The tunnel's record is written ahead with no address (nothing is
+        dialled for it: each request dials for itself); it keeps the run's
+        slot and is recorded when the connection ends (``outer``).
+        """
+        try:
+            yield WriteAhead(attempt, None)
+        except DialError as exc:
+            raise _dial_refused(attempt, exc) from None
+        run = attempt.run
+        assert run is not None and attempt.port is not None
+        limits = self.at.limits
+        try:
+            yield Intercept(attempt, admission.host, self.at.way.accepted, self.now() + limits.head_timeout_s)
+        except InterceptFailed as exc:
+            attempt.deny(Reason.TLS_INTERCEPT_FAILED, str(exc))
+            # The client is inside a TLS handshake: it cannot read an HTTP answer.
+            raise Refused(attempt, Refusal(Reason.TLS_INTERCEPT_FAILED), answer=None) from None
+        self.outer = (attempt, admission)
+        self.pending = None
+        inspecting = self.at.inspecting
+        assert inspecting is not None  # the decision admits nothing for inspection without it
+        self.inside = inspecting(run, admission.host, attempt.port, limits.max_head_bytes)
+
+    def _carry_inside(self, inside: InsideWay, arrival: Arrival) -> Steps:
+        """Decide one request inside the inspected tunnel on its method and path, then forward it."""
+        seen = arrival[0]
+        outer = self.outer
+        request = inside.request
+        assert outer is not None and request is not None
+        tunnel, tunnel_admission = outer
+        attempt = self.pending = Attempt(seen)
+        admission: Admission = yield from decide_request(
+            inside.run, tunnel_admission, request.method, request.path, request.shown, self.at.audit.healthy
+        )
+        conclude(attempt, admission)
+        if not admission.allowed:
+            raise Refused(attempt, Refusal(admission.reason or Reason.BAD_REQUEST))
+        destination = arrival[5]
+        assert destination is not None
+        try:
+            go_on = yield from self._forward(attempt, admission, destination, tls_name=admission.host)
+        finally:
+            tunnel.bytes_up += attempt.bytes_up
+            tunnel.bytes_down += attempt.bytes_down
+        yield Finish(attempt)
+        self.pending = None
+        return go_on
+
     # -- HTTP/1 carried: one request forwarded ----------------------------------------------------
 
-    def _forward(self, attempt: Attempt, admission: Admission, destination: Destination) -> Steps:
+    def _forward(
+        self, attempt: Attempt, admission: Admission, destination: Destination, tls_name: str | None = None
+    ) -> Steps:
         """Forward one request and its response; True when the client connection may carry another.
 
         The upstream connection is kept for the client's next request to the
@@ -260,7 +353,7 @@ class Conversation:
             if kept is None:
                 try:
                     yield WriteAhead(attempt, admission.texts[0])  # the record before the dial
-                    upstream = yield Dial(attempt, admission, self.now() + self.at.limits.connect_timeout_s)
+                    upstream = yield Dial(attempt, admission, self.now() + self.at.limits.connect_timeout_s, tls_name)
                 except DialError as exc:
                     raise _dial_refused(attempt, exc) from None
                 address, reused = attempt.address, False
@@ -289,7 +382,8 @@ class Conversation:
         reason = refused.reason
         if isinstance(target, Attempt):
             target.deny(reason, refused.detail)
-        data = self.at.way.answer(self, refused, target) if answer is THE_WAYS_ANSWER else answer
+        way = self.inside or self.at.way
+        data = way.answer(self, refused, target) if answer is THE_WAYS_ANSWER else answer
         if isinstance(target, Attempt):
             yield Finish(target)
             if self.pending is target:

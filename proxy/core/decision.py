@@ -34,7 +34,7 @@ import ipaddress
 from collections.abc import Callable, Sequence
 from typing import Final
 
-from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, ApprovalScope
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, ApprovalScope, HeldRequest
 from egressd.audit.records import ApprovalSummary
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints, forbidden_reason, is_own
@@ -43,7 +43,8 @@ from egressd.proxy.core.commands import Ask, Resolve, Steps
 from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.memo import remembered
 from egressd.proxy.core.metrics import Metrics
-from egressd.proxy.core.policy import EntryError, Verdict, lasting_entry
+from egressd.proxy.core.policy import EntryError, Verdict, lasting_entry, parse_entry
+from egressd.proxy.core.requestrules import RuleError, approval_prefix, suggested_rule
 from egressd.proxy.core.responses import OWN_ENDPOINT_MESSAGE
 from egressd.proxy.core.runs import Run
 from egressd.vocabulary.reasons import ANSWER_REASONS, Answer, Reason
@@ -156,7 +157,38 @@ def decide(
             return Admission(
                 Reason.RESOLVE_FAILED, host, port, rule=rule, approval=approval, learned=learned, detail=str(exc)
             )
-    return screen.admission(host, port, candidates, rule, approval, learned)
+    admission = screen.admission(host, port, candidates, rule, approval, learned)
+    if verdict.inspect and admission.reason is None:
+        return admission._replace(inspect=True)
+    return admission
+
+
+def decide_request(
+    run: Run, tunnel: Admission, method: str, path: str, shown: HeldRequest, audit_healthy: bool
+) -> Steps:
+    """One request inside an inspected tunnel, on its method and normalised path → its ``Admission``.
+
+    The tunnel's host, port and admitted addresses stand (checked once, when
+    it was decided); the run's request rules decide the request
+    (``Run.decide_request``); a request no rule covers is asked about like a
+    new domain, the request shown (``Ask``; the client's FIN does not stop
+    the wait: a client may half-close after its request).
+    """
+    host, port = tunnel.host, tunnel.port
+    if not audit_healthy:
+        return Admission(Reason.AUDIT_UNAVAILABLE, host, port)
+    verdict = run.decide_request(method, host, port, path)
+    if verdict.verdict is _DENY:
+        return Admission(verdict.reason, host, port, rule=verdict.rule, learned=verdict.learned)
+    rule, approval = verdict.rule, None
+    if verdict.verdict is _ASK:
+        outcome: ApprovalOutcome = yield Ask(request_approval(run, host, port, method, path, shown), False)
+        approval = ApprovalSummary(outcome.approval_id, outcome.channel, outcome.by, round(outcome.waited_s, 3))
+        refused = apply_request_answer(run, host, port, method, path, outcome)
+        if refused is not None:
+            return Admission(refused, host, port, approval=approval)
+        rule = "approved"
+    return tunnel._replace(rule=rule, approval=approval, learned=verdict.learned, inspect=False)
 
 
 def conclude(attempt: Attempt, admission: Admission) -> None:
@@ -198,6 +230,60 @@ def apply_answer(run: Run, host: str, port: int, outcome: ApprovalOutcome) -> Re
         return Reason.AUTH_REQUIRED
     if outcome.scope is not ApprovalScope.ONCE:
         run.approve(host, port)
+    return None
+
+
+def request_approval(run: Run, host: str, port: int, method: str, path: str, shown: HeldRequest) -> ApprovalRequest:
+    """What the approver is asked for a request no rule covers inside an inspected connection.
+
+    An *always* answer keeps the rule ``requestrules.suggested_rule`` gives (the method on the
+    path's prefix); *run* approves that method and prefix for the run; *once* this request.
+    """
+    lasting: str | None = None
+    lasting_error: str | None = None
+    try:
+        lasting = suggested_rule(method, host, port, path)
+        parse_entry(lasting)
+    except (EntryError, RuleError) as exc:
+        lasting, lasting_error = None, str(exc)
+    return ApprovalRequest(
+        run_id=run.id,
+        host=host,
+        port=port,
+        command=run.command,
+        task=run.task,
+        allowed=run.allowed_texts(),
+        lasting=lasting,
+        lasting_error=lasting_error,
+        request=shown,
+        on_late_answer=lambda outcome: _late_request(run, host, port, method, path, outcome),
+    )
+
+
+def apply_request_answer(
+    run: Run, host: str, port: int, method: str, path: str, outcome: ApprovalOutcome
+) -> Reason | None:
+    """What an answer about a request does to the run; the reason it is refused with, None when it goes on."""
+    return _apply_request(run, host, port, method, path, outcome, late=False)
+
+
+def _late_request(run: Run, host: str, port: int, method: str, path: str, outcome: ApprovalOutcome) -> None:
+    """An answer that came after the client gave up still applies to the run (not once, not to an ended run)."""
+    _apply_request(run, host, port, method, path, outcome, late=True)
+
+
+def _apply_request(
+    run: Run, host: str, port: int, method: str, path: str, outcome: ApprovalOutcome, *, late: bool
+) -> Reason | None:
+    prefix = approval_prefix(path)
+    if not outcome.allowed:
+        if outcome.answer is Answer.DENY:
+            run.deny_request(method, host, prefix)
+        elif outcome.answer is Answer.STOPPED_ASKING:
+            run.stop_asking()
+        return ANSWER_REASONS[outcome.answer]
+    if outcome.scope is not ApprovalScope.ONCE and not (late and run.ended):
+        run.approve_request(method, host, port, prefix)
     return None
 
 

@@ -34,6 +34,7 @@ from egressd.names.hosts import (
     parse_ip_literal,
 )
 from egressd.names.suffixes import suffix_beneath
+from egressd.proxy.core.requestrules import RequestRule, RuleError, parse_rule, under
 from egressd.vocabulary.reasons import Reason
 
 __all__ = [
@@ -87,6 +88,9 @@ class PolicyDecision:
     rule: str | None = None
     address: IPAddress | None = field(default=None, compare=False)
     learned: Reason | None = None
+    # Allowed for inspection: a request rule names this host and port, so each request inside
+    # its TLS is decided on its own (``decide_request``).
+    inspect: bool = False
 
     def __post_init__(self) -> None:
         if (self.reason is not None) != (self.verdict is Verdict.DENY):
@@ -130,6 +134,8 @@ class Entry:
     wildcard: bool = False
     ports: frozenset[int] | None = DEFAULT_PORTS
     address: IPAddress | None = None
+    # A request rule (``requestrules``): the entry allows the host's requests by method and path.
+    request: RequestRule | None = None
 
     def matches_host(self, host: str) -> bool:
         """Whether the entry's text covers a host, which must already be normalised.
@@ -181,6 +187,15 @@ def parse_entry(text: str) -> Entry:
     """
     if not text:
         raise EntryError("empty entry")
+    try:
+        rule = parse_rule(text)
+    except RuleError as error:
+        raise EntryError(f"entry {text!r}: {error}") from error
+    if rule is not None:
+        host_entry = parse_entry(rule.authority)
+        if host_entry.address is not None:
+            raise EntryError(f"entry {text!r}: request rules name hosts, not IP addresses")
+        return Entry(rule.text, host_entry.host, host_entry.wildcard, host_entry.ports, request=rule)
     try:
         host_text, port_text = split_authority(text)
         if port_text is None:
@@ -246,6 +261,15 @@ class RunPolicy:
     denied: frozenset[str] = frozenset()
     ask: bool = True
     learn: bool = False
+    # Requests approved (method, host, port, path prefix) and denied (method, host, path prefix)
+    # during the run, inside inspected connections.
+    approved_requests: frozenset[tuple[str, str, int, str]] = frozenset()
+    denied_requests: frozenset[tuple[str, str, str]] = frozenset()
+
+    @property
+    def inspects(self) -> bool:
+        """Whether any allow entry is a request rule (else nothing is inspected: no scan per request)."""
+        return any(entry.request is not None for entry in self.allow)
 
 
 def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
@@ -284,7 +308,13 @@ def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
         return PolicyDecision.deny(name, port, Reason.IP_LITERAL)
     for entry in matching:
         if entry.allows_port(port):
-            return PolicyDecision.allow(name, port, entry.text, address)
+            if entry.request is None and policy.inspects:
+                # A name with request rules is inspected even where a plain entry names it too.
+                rules = [e for e in matching if e.request is not None and e.allows_port(port)]
+                if rules:
+                    return PolicyDecision(Verdict.ALLOW, name, port, rule=rules[0].text, inspect=True)
+            inspect = entry.request is not None
+            return PolicyDecision(Verdict.ALLOW, name, port, rule=entry.text, address=address, inspect=inspect)
     if port in policy.approved.get(name, frozenset()):
         return PolicyDecision.allow(name, port, APPROVED_RULE, address)
     if matching:
@@ -298,6 +328,37 @@ def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
     if not policy.ask:
         return PolicyDecision.deny(name, port, Reason.NOT_ALLOWLISTED)
     return PolicyDecision.ask(name, port, address)
+
+
+def decide_request(policy: RunPolicy, method: str, host: str, port: int, path: str) -> PolicyDecision:
+    """Decide one request inside an inspected connection to ``host``:``port`` (allowed for inspection).
+
+    ``host`` is normalised, ``path`` normalised without its query
+    (``requestrules.normalise_path``), ``method`` the one the request is
+    judged as. A name's requests are decided by its request rules alone (a
+    plain entry for the same name allows none of them):
+
+    1. a request rule for the host and port covers the method and path → ALLOW (rule: the entry);
+    2. the method and a prefix of the path were approved during the run → ALLOW (rule: "approved");
+    3. they were denied during the run → DENY denied_earlier;
+    4. learn mode → ALLOW, ``learned`` not_allowlisted; asking is off → DENY not_allowlisted;
+       otherwise → ASK (the request is shown to the approver).
+    """
+    for entry in policy.allow:
+        rule = entry.request
+        if rule is not None and entry.allows_port(port) and entry.reaches(host) and rule.covers(method, path):
+            return PolicyDecision.allow(host, port, entry.text)
+    for approved_method, approved_host, approved_port, prefix in policy.approved_requests:
+        if (approved_method, approved_host, approved_port) == (method, host, port) and under(path, prefix):
+            return PolicyDecision.allow(host, port, APPROVED_RULE)
+    for denied_method, denied_host, prefix in policy.denied_requests:
+        if (denied_method, denied_host) == (method, host) and under(path, prefix):
+            return PolicyDecision.deny(host, port, Reason.DENIED_EARLIER)
+    if policy.learn:
+        return PolicyDecision.learn(host, port, Reason.NOT_ALLOWLISTED)
+    if not policy.ask:
+        return PolicyDecision.deny(host, port, Reason.NOT_ALLOWLISTED)
+    return PolicyDecision.ask(host, port)
 
 
 def approval_ports(port: int) -> frozenset[int]:

@@ -58,6 +58,7 @@ from egressd.proxy.core.policy import (
     Verdict,
     approval_ports,
     decide,
+    decide_request,
 )
 from egressd.vocabulary.reasons import Reason
 
@@ -177,6 +178,9 @@ class Run:
     command: str | None = None
     approved: dict[str, frozenset[int]] = field(default_factory=dict)
     denied: set[str] = field(default_factory=set)
+    # Inside inspected connections: (method, host, port, path prefix) approved, (method, host, prefix) denied.
+    approved_requests: set[tuple[str, str, int, str]] = field(default_factory=set)
+    denied_requests: set[tuple[str, str, str]] = field(default_factory=set)
     open_connections: int = 0
     # Connections from the run's own source addresses still sending a request head (slowloris).
     waiting_heads: int = 0
@@ -205,8 +209,30 @@ class Run:
                 denied=frozenset(self.denied),
                 ask=self.ask,
                 learn=self.learn,
+                approved_requests=frozenset(self.approved_requests),
+                denied_requests=frozenset(self.denied_requests),
             )
         return self._policy
+
+    def inspected_names(self) -> frozenset[str]:
+        """The names whose TLS the run inspects: the hosts of its request rules (``*.`` kept for a wildcard)."""
+        return frozenset(
+            f"*.{entry.host}" if entry.wildcard else entry.host for entry in self.allow if entry.request is not None
+        )
+
+    def decide_request(self, method: str, host: str, port: int, path: str) -> PolicyDecision:
+        """``policy.decide_request`` for this run (not remembered: paths are many)."""
+        return decide_request(self.policy(), method, host, port, path)
+
+    def approve_request(self, method: str, host: str, port: int, prefix: str) -> None:
+        """Allow ``method`` on the paths under ``prefix`` of host:port for the rest of the run."""
+        self.approved_requests.add((method, host, port, prefix))
+        self._changed()
+
+    def deny_request(self, method: str, host: str, prefix: str) -> None:
+        """A denied request sticks: ``method`` under ``prefix`` of the host is ``denied_earlier`` from now on."""
+        self.denied_requests.add((method, host, prefix))
+        self._changed()
 
     def decide(self, host: str, port: int) -> PolicyDecision:
         """``policy.decide`` for this run, remembered per (host, port) until the policy changes.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import socket
+import ssl
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -60,7 +61,15 @@ class _Expiry:
 
 
 class Dialer:
-    """Connects an admitted attempt upstream."""
+    """Connects an admitted attempt upstream.
+
+    ``origin_tls``: the client side of TLS toward origins (an inspected
+    connection's upstream: the system's trust store, hostname checked); None
+    when nothing is inspected.
+    """
+
+    def __init__(self, origin_tls: ssl.SSLContext | None = None) -> None:
+        self.origin_tls = origin_tls
 
     async def dial(
         self,
@@ -69,6 +78,7 @@ class Dialer:
         protocol: Callable[[], P],
         loop: asyncio.AbstractEventLoop,
         deadline: float,
+        tls_name: str | None = None,
     ) -> P:
         """Connect to the first admitted address that answers (after ``open`` wrote the record ahead).
 
@@ -77,6 +87,8 @@ class Dialer:
         The address is passed as a literal, so nothing is looked up again.
         Raises DialError (``upstream_unreachable`` or ``upstream_timeout``).
         ``deadline``: when to give up, on ``loop``'s clock (the connection's: ``Conversation.now``).
+        ``tls_name``: TLS to that name, the origin's certificate verified for it (``origin_tls``);
+        a certificate that does not verify is ``upstream_unreachable``, as a refused connection is.
         """
         assert attempt.opened, "the egress record is written before the dial"
         # The connect timeout as ``asyncio.timeout`` would do it (the task cancelled, the
@@ -90,7 +102,14 @@ class Dialer:
             for text in admission.texts:
                 try:
                     # Both asyncio and uvloop set TCP_NODELAY on every TCP transport.
-                    _transport, peer = await loop.create_connection(protocol, text, admission.port)
+                    if tls_name is None:
+                        _transport, peer = await loop.create_connection(protocol, text, admission.port)
+                    else:
+                        if self.origin_tls is None:
+                            raise DialError(Reason.TLS_INTERCEPT_FAILED, "no TLS settings for inspected origins")
+                        _transport, peer = await loop.create_connection(
+                            protocol, text, admission.port, ssl=self.origin_tls, server_hostname=tls_name
+                        )
                 except OSError as exc:
                     last = exc
                     continue

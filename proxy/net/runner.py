@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -37,6 +38,8 @@ from egressd.proxy.core.commands import (
     Dial,
     Fill,
     Finish,
+    Intercept,
+    InterceptFailed,
     PeerClosed,
     ReadHead,
     RecordRefusal,
@@ -53,9 +56,11 @@ from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.heads import ResponseHead
 from egressd.proxy.core.http1.syntax import HttpError
+from egressd.proxy.core.inspectca import InspectCAError
 from egressd.proxy.core.modes import ListenerLimits
 from egressd.proxy.core.runs import RunRegistry, source_address
 from egressd.proxy.net.dialer import Dialer
+from egressd.proxy.net.inspector import Inspector
 from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import Resolver
 from egressd.proxy.net.stream import GoneCancels, IdleTimeout, Peer
@@ -67,7 +72,7 @@ from egressd.vocabulary.reasons import Answer, Reason
 log = logging.getLogger("egressd.proxy")
 
 # What executing a command may fail with: thrown into the conversation, which decides what it means.
-_FAILURES = (PeerClosed, TimeoutError, DialError, HttpError, ResolveError)
+_FAILURES = (PeerClosed, TimeoutError, DialError, HttpError, ResolveError, InterceptFailed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +84,7 @@ class EgressPath:
     approver: Approver
     resolver: Resolver
     screen: Screen
+    inspector: Inspector | None = None  # the TLS ends of inspected connections (None: nothing is inspected)
 
 
 class Shared(Protocol):
@@ -155,7 +161,8 @@ class Runner:
                         recorder.open(command.attempt, command.address)
                     elif kind is Dial:
                         result = self.dialled = await self.path.dialer.dial(
-                            command.attempt, command.admission, client.new_peer, client.loop, command.deadline
+                            command.attempt, command.admission, client.new_peer, client.loop, command.deadline,
+                            command.tls_name,
                         )
                     elif kind is Relay:
                         result = await self._relay(command)
@@ -178,6 +185,8 @@ class Runner:
                         result = await client.fill(command.deadline)
                     elif kind is Close:
                         command.upstream.close()
+                    elif kind is Intercept:
+                        await self._intercept(command)
                     elif kind is RecordRefusal:
                         recorder.record_refusal(command.seen, command.reason, command.detail)
                     else:
@@ -232,6 +241,37 @@ class Runner:
             return ApprovalOutcome(Answer.NO_APPROVER)
         finally:
             metrics.held_requests -= 1
+
+    # -- an inspected connection ------------------------------------------------------------
+
+    async def _intercept(self, command: Intercept) -> None:
+        """Answer the CONNECT, then take over the client's TLS with the run's certificate for the name."""
+        client = self.client
+        inspector = self.path.inspector
+        run = command.attempt.run
+        if inspector is None or run is None:
+            raise InterceptFailed("nothing is set up to inspect TLS")
+        if client.buf:
+            # Bytes sent before the answer would be lost to the TLS layer: refuse rather than guess.
+            raise InterceptFailed("the client sent bytes before its CONNECT was answered")
+        try:
+            context = inspector.server_context(run, command.name)
+        except InspectCAError as exc:
+            raise InterceptFailed(str(exc)) from None
+        if command.answer and client.write(command.answer):
+            await client.drain()
+        transport = client.transport
+        if transport is None or client.closed:
+            raise PeerClosed("the client went away")
+        loop = client.loop
+        timeout_s = max(0.001, command.deadline - loop.time())
+        try:
+            tls = await loop.start_tls(transport, client, context, server_side=True, ssl_handshake_timeout=timeout_s)
+        except (ssl.SSLError, OSError, TimeoutError) as exc:
+            raise InterceptFailed(f"TLS handshake with the client failed: {exc}") from None
+        if tls is None:
+            raise PeerClosed("the client went away during the TLS handshake")
+        client.transport = tls  # the client's bytes are read in clear from here
 
     # -- a tunnel ----------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ NOT_A_REASON = {
 # (audit_unavailable: DESIGN.md names it with shutting_down, after the list;
 # unsupported_query: a DNS query of a type egressd does not answer;
 # empty_answer: an AAAA query answered with no address, recorded deny as DESIGN.md says).
+# tls_intercept_failed, secret_misdirected: inspection's, named in DESIGN.md "Policy" (request rules) and the issue.
 DESIGN_REASONS = (
     "denylisted",
     "not_allowlisted",
@@ -71,6 +72,8 @@ DESIGN_REASONS = (
     "shutting_down",
     "unsupported_query",
     "empty_answer",
+    "tls_intercept_failed",
+    "secret_misdirected",
 )
 # DESIGN.md's statuses: 403 unless it says otherwise.
 DESIGN_STATUSES = {
@@ -84,6 +87,7 @@ DESIGN_STATUSES = {
     "shutting_down": 503,
     "unsupported_query": 400,
     "empty_answer": 400,
+    "tls_intercept_failed": 502,
 }
 
 

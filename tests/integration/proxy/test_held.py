@@ -90,7 +90,7 @@ def _egress(audit: MemoryAuditSink) -> list[dict[str, object]]:
 
 def _attempt(listener: Listener, run: Run, kind: EgressKind, port: int) -> Attempt:
     seen: Seen = listener.path.recorder.begin(kind, "127.0.0.1:5555")
-    return Attempt(seen._replace(kind=kind, run=run, host="a.test", port=port, command=run.command))
+    return Attempt(seen, "a.test", port, run, kind)
 
 
 def _hold(listener: Listener, client: Peer) -> Runner:

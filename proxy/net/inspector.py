@@ -1,0 +1,101 @@
+"""The two TLS ends of an inspected connection: the run's certificate toward the client, trust toward origins.
+
+A run whose rules name a method or a path (``requestrules``) has its HTTPS
+to those names inspected (DESIGN.md "Policy", request rules). For each such
+run the inspector holds one certificate authority (``inspectca.RunCA``):
+made when the run's CA is first asked for, in memory only, name-constrained
+to the run's inspected names, forgotten with the run. Toward the client it
+gives a server context per run and name, its leaf certificate minted on
+demand; toward origins one client context: the system's trust store (plus
+``origin_cafile``, for private origins and tests), the hostname checked,
+ALPN offering HTTP/1.1 only (what egressd can inspect).
+
+``ssl`` loads a certificate chain only from a path: the leaf's key goes
+through an anonymous memory file (``memfd_create``), never a file on disk.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import ssl
+from collections import OrderedDict
+from collections.abc import Callable
+
+from egressd.proxy.core.inspectca import RunCA
+from egressd.proxy.core.runs import Run
+
+# Server contexts kept (one per run and name): a context holds its leaf's key; the CA's own
+# leaf cache is bounded as well.
+MAX_CONTEXTS = 1024
+# How long a run's CA is valid: a run lasts hours, not weeks; a margin comes on top (``RunCA``).
+CA_LIFETIME = _dt.timedelta(days=2)
+
+
+def _utcnow() -> _dt.datetime:
+    return _dt.datetime.now(_dt.UTC)
+
+
+class Inspector:
+    """The per-run CAs and the TLS contexts built from them."""
+
+    def __init__(self, *, origin_cafile: str | None = None, clock: Callable[[], _dt.datetime] = _utcnow) -> None:
+        self._clock = clock
+        self._cas: dict[str, RunCA] = {}
+        self._contexts: OrderedDict[tuple[str, str], ssl.SSLContext] = OrderedDict()
+        origin = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        if origin_cafile is not None:
+            origin.load_verify_locations(cafile=origin_cafile)
+        origin.set_alpn_protocols(["http/1.1"])
+        self.origin = origin
+
+    def ca(self, run: Run) -> RunCA:
+        """The run's CA, made on first use for the run's inspected names."""
+        ca = self._cas.get(run.id)
+        if ca is None:
+            names = sorted(run.inspected_names())
+            ca = self._cas[run.id] = RunCA.create(names, self._clock(), CA_LIFETIME, run_id=run.id)
+        return ca
+
+    def certificate_pem(self, run: Run) -> bytes:
+        """The run's CA certificate (never its key): what the sandbox's trust bundle adds."""
+        return self.ca(run).certificate_pem()
+
+    def server_context(self, run: Run, name: str) -> ssl.SSLContext:
+        """The client-facing context for ``name`` in ``run``: its leaf, HTTP/1.1 in ALPN.
+
+        Raises ``inspectca.InspectCAError`` for a name the run's CA does not cover.
+        """
+        key = (run.id, name)
+        context = self._contexts.get(key)
+        if context is not None:
+            self._contexts.move_to_end(key)
+            return context
+        leaf = self.ca(run).leaf(name)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        context.set_alpn_protocols(["http/1.1"])
+        _load_chain(context, leaf.chain_pem, leaf.key_pem)
+        self._contexts[key] = context
+        if len(self._contexts) > MAX_CONTEXTS:
+            self._contexts.popitem(last=False)
+        return context
+
+    def forget(self, run_id: str) -> None:
+        """The run ended: its CA and contexts go (its leaves can be minted no more)."""
+        self._cas.pop(run_id, None)
+        for key in [key for key in self._contexts if key[0] == run_id]:
+            del self._contexts[key]
+
+
+def _load_chain(context: ssl.SSLContext, chain_pem: bytes, key_pem: bytes) -> None:
+    """``load_cert_chain`` from memory: two anonymous memory files, closed at once."""
+    chain_fd = os.memfd_create("egressd-chain", os.MFD_CLOEXEC)
+    key_fd = os.memfd_create("egressd-key", os.MFD_CLOEXEC)
+    try:
+        os.write(chain_fd, chain_pem)
+        os.write(key_fd, key_pem)
+        context.load_cert_chain(f"/proc/self/fd/{chain_fd}", f"/proc/self/fd/{key_fd}")
+    finally:
+        os.close(chain_fd)
+        os.close(key_fd)
