@@ -72,6 +72,9 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--allow-private", "allow_private",
      {"action": "append", "metavar": "CIDR",
       "help": "let allowed names resolve into this private/special range (repeatable)"}),
+    ("--inspect-origin-ca-file", "inspect_origin_ca_file",
+     {"metavar": "PATH",
+      "help": "a CA file trusted for inspected origins besides the system's (names with request rules)"}),
     ("--approver", "approver",
      {"action": "append", "choices": ["terminal", "slack", "webhook", "web", "deny"],
       "help": "who answers requests for unknown domains (repeatable; default: the terminal when a person "

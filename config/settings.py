@@ -186,6 +186,10 @@ class Settings(BaseSettings):
         None, description="allowlist file (TOML): its entries apply, and approvals with scope always append to it"
     )
     allow_private: CsvList = Field(default_factory=list, description="CIDRs exempt from the private-address check")
+    inspect_origin_ca_file: Path | None = Field(
+        None,
+        description="a CA file trusted for inspected origins besides the system's (private origins, tests)",
+    )
     ask: bool = Field(True, description="ask an approver about unknown domains (--no-ask: refuse them)")
     require_auth: bool = Field(False, description="no default run: every client needs run credentials")
     learn: bool = Field(

@@ -72,6 +72,7 @@ from egressd.proxy.core.addresses import forbidden_reason
 from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
 from egressd.proxy.core.runs import Run, RunError, RunRegistry
+from egressd.proxy.net.inspector import Inspector
 from egressd.proxy.net.recorder import Recorder
 
 RECORDER = web.AppKey("recorder", Recorder)
@@ -80,6 +81,7 @@ RUNS = web.AppKey("runs", RunRegistry)
 PROXY_ADDRESS = web.AppKey("proxy_address", tuple)
 PUBLIC_PATHS = web.AppKey("public_paths", set)
 TOKEN = web.AppKey("token", str)
+INSPECTOR: web.AppKey[Inspector | None] = web.AppKey("inspector")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -347,22 +349,44 @@ async def run_events(request: web.Request) -> web.Response:
     return web.json_response({"events": events, "cursor": cursor})
 
 
+async def run_ca(request: web.Request) -> web.Response:
+    """``GET /runs/{id}/ca``: the run's inspection CA certificate, PEM (never its key); global token only.
+
+    For a launcher that installs it where the run's clients look (``egressd run`` does it itself).
+    """
+    run = _run(request)
+    inspector = request.app[INSPECTOR]
+    if inspector is None or not run.inspected_names():
+        raise json_error(404, f"run {run.id} inspects no names (no request rule names a method or a path)")
+    return web.Response(body=inspector.certificate_pem(run), content_type="application/x-pem-file")
+
+
 async def end_run(request: web.Request) -> web.Response:
     run = _run(request)
     try:
         request.app[RUNS].end(run.id)
     except RunError as exc:
         raise json_error(404, str(exc)) from None
+    inspector = request.app[INSPECTOR]
+    if inspector is not None:
+        inspector.forget(run.id)  # its CA goes: no leaf is minted for it again
     request.app[RECORDER].flush_suppressed(run.id)  # what was counted in the run comes before its end
     _write_audit(request, run_record("run.end", ts=time.time(), run=run.id))
     return web.json_response({"id": run.id, "ended": True})
 
 
 def build_app(
-    *, recorder: Recorder, screen: Screen, runs: RunRegistry, proxy_address: tuple[str, int], token: str
+    *,
+    recorder: Recorder,
+    screen: Screen,
+    runs: RunRegistry,
+    proxy_address: tuple[str, int],
+    token: str,
+    inspector: Inspector | None = None,
 ) -> web.Application:
     """The control application; the caller may add routes, then serves it."""
     app = web.Application(middlewares=[_require_token], client_max_size=1024 * 1024)
+    app[INSPECTOR] = inspector
     app[RECORDER] = recorder
     app[SCREEN] = screen
     app[RUNS] = runs
@@ -378,6 +402,7 @@ def build_app(
     app.router.add_put("/runs/{run_id}/command", set_command)
     app.router.add_get("/runs/{run_id}/events", run_events)
     app.router.add_delete("/runs/{run_id}", end_run)
+    app.router.add_get("/runs/{run_id}/ca", run_ca)
     # What the approvals page (``--approver web``) reads: sign-in, runs, egress records.
     app[CONTROL_VIEW] = ControlView(
         sign_in=lambda given: token_scope(app, given),

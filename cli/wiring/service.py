@@ -19,6 +19,7 @@ import ipaddress
 import logging
 import os
 import secrets
+import ssl
 import sys
 import time
 from collections.abc import Mapping
@@ -55,6 +56,7 @@ from egressd.proxy.core.runs import (
 )
 from egressd.proxy.net.dialer import Dialer, bound_locally
 from egressd.proxy.net.dnsserver import DnsServer
+from egressd.proxy.net.inspector import Inspector
 from egressd.proxy.net.listener import Listener
 from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
@@ -454,14 +456,19 @@ class EgressService:
                     raise StartupError(str(exc)) from None
 
         listen_host, listen_port = s.listen_address
+        try:
+            inspector = Inspector(origin_cafile=str(s.inspect_origin_ca_file) if s.inspect_origin_ca_file else None)
+        except (OSError, ssl.SSLError) as exc:
+            raise StartupError(f"bad setting inspect_origin_ca_file: {exc}") from None
         self.path = EgressPath(
             recorder=Recorder(
                 audit=audit, metrics=Metrics(), refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
             ),
-            dialer=Dialer(),
+            dialer=Dialer(origin_tls=inspector.origin),
             approver=approver,
             resolver=resolver,
             screen=Screen(allow_private=s.allow_private_networks, own=own_endpoints(s), is_local=bound_locally),
+            inspector=inspector,
         )
         default = None
         if not s.require_auth:
@@ -572,6 +579,7 @@ class EgressService:
             runs=self.runs,
             proxy_address=self.proxy_address,
             token=self.control_token,
+            inspector=self.path.inspector,
         )
         pages: list[str] = []  # the approvals page's own random path, printed with its URL
         if isinstance(self.path.approver, ManagedApprover):

@@ -52,6 +52,8 @@ from egressd.proxy.core.commands import (
 from egressd.proxy.core.decision import Screen, conclude, decide, decide_request
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.destination import Destination
+from egressd.proxy.core.http1.syntax import HttpError
+from egressd.proxy.core.insiderequest import plain_request
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import GONE_DETAIL, ListenerLimits, Mode, Refusal, run_at_cap, too_many_connections
 from egressd.proxy.core.runs import Run, RunRegistry
@@ -124,8 +126,11 @@ class InsideRequest(Protocol):
 class InsideWay(Way, Protocol):
     """The way in inside an inspected connection (``inspected.InspectedWay``): one host and port, one run."""
 
-    run: Run
-    request: InsideRequest | None  # the request ``arrive`` read last
+    @property
+    def run(self) -> Run: ...
+
+    @property
+    def request(self) -> InsideRequest | None: ...  # the request ``arrive`` read last
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +250,13 @@ class Conversation:
             except PeerClosed:
                 attempt.detail = GONE_DETAIL
                 raise
+            if admission.inspect:
+                if at.inspecting is None:
+                    # Its requests must each be decided, and this listener cannot see them: fail closed.
+                    admission = admission._replace(reason=Reason.TLS_INTERCEPT_FAILED, inspect=False,
+                                                   detail="this listener cannot inspect a name with request rules")
+                elif destination is not None:
+                    admission = yield from self._plain_request(run, admission, destination)
             conclude(attempt, admission)
             if not admission.allowed:
                 raise Refused(attempt, Refusal(admission.reason or Reason.BAD_REQUEST))
@@ -299,6 +311,20 @@ class Conversation:
         inspecting = self.at.inspecting
         assert inspecting is not None  # the decision admits nothing for inspection without it
         self.inside = inspecting(run, admission.host, attempt.port, limits.max_head_bytes)
+
+    def _plain_request(self, run: Run, admission: Admission, destination: Destination) -> Steps:
+        """A plain-HTTP request to an inspected name: decided on its method and path as inside a tunnel."""
+        exchange = self.exchange
+        assert exchange is not None and exchange.request is not None
+        try:
+            request = plain_request(exchange.request, destination)
+        except HttpError as exc:
+            return Admission(Reason.BAD_REQUEST, admission.host, admission.port, detail=exc.detail)
+        destination.path = request.destination.path  # the normalised target is what goes upstream
+        decided: Admission = yield from decide_request(
+            run, admission, request.method, request.path, request.shown, self.at.audit.healthy
+        )
+        return decided
 
     def _carry_inside(self, inside: InsideWay, arrival: Arrival) -> Steps:
         """Decide one request inside the inspected tunnel on its method and path, then forward it."""

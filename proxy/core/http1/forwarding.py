@@ -75,12 +75,14 @@ def forward_request_head(head: RequestHead, dest: Destination) -> bytes:
     9112 §3.2: first, and replacing the client's), hop-by-hop fields and the
     fields named in Connection removed (never the framing ones), and
     ``Connection: keep-alive`` for our upstream connection. ``head`` must come
-    from ``parse_request_head`` and ``dest`` be an "http" destination.
+    from ``parse_request_head`` and ``dest`` be an "http" destination, or an
+    "https" one: a request inside an inspected connection (its port 443 by default).
     """
-    if dest.scheme != "http":
-        raise ValueError("only absolute-form http requests are forwarded")
+    scheme = dest.scheme
+    if scheme != "http" and scheme != "https":
+        raise ValueError("only http requests and those inside an inspected connection are forwarded")
     host = f"[{dest.host}]" if ":" in dest.host else dest.host
-    port = "" if dest.port == 80 else f":{dest.port}"
+    port = "" if dest.port == (80 if scheme == "http" else 443) else f":{dest.port}"
     fields = _forward_fields(head.headers, _REQUEST_DROP, drop_egress=False)
     start = f"{head.method} {dest.path} HTTP/1.1\r\nHost: {host}{port}\r\n"
     return f"{start}{fields}Connection: keep-alive\r\n\r\n".encode("latin-1")

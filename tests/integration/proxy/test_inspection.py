@@ -1,0 +1,308 @@
+"""HTTPS inspection through the explicit proxy: real TLS both ways, curl and Python's ssl as clients.
+
+A name with request rules (``GET origin.test:PORT/docs/**``) is inspected:
+the CONNECT is answered, the client's TLS is taken over with the run's own
+CA, each request is decided on its method and its normalised path, and an
+allowed one goes on over TLS to the origin (verified against the test's
+origin CA, ``inspect_origin_ca_file``). Attacks first: a write, path
+spellings, a Host naming another host, a CONNECT inside, a pinned client;
+for each, the refusal, the origin's count (nothing reached it) and the record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import ipaddress
+import ssl
+import subprocess
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import ClientSession, web
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from egressd.cli.wiring.service import EgressService
+from tests.conftest import MakeEgressd
+from tests.harness import ORIGIN, have, require
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclass
+class TlsOrigin:
+    port: int
+    ca_file: Path
+    requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+
+
+def _name(text: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+
+def _origin_certificates(directory: Path) -> tuple[Path, Path, Path]:
+    """A test CA and a certificate for origin.test it signed: (ca.pem, cert.pem, key.pem)."""
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder().subject_name(_name("test origin CA")).issuer_name(_name("test origin CA"))
+        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder().subject_name(_name("origin.test")).issuer_name(ca.subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("origin.test")]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )  # fmt: skip
+    paths = directory / "origin-ca.pem", directory / "origin.pem", directory / "origin.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return paths
+
+
+@pytest.fixture
+async def tls_origin(tmp_path: Path) -> AsyncIterator[TlsOrigin]:
+    """An HTTPS origin for origin.test on ORIGIN that records each request (method, path with query, headers)."""
+    ca_file, cert_file, key_file = _origin_certificates(tmp_path)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    seen: list[tuple[str, str, dict[str, str]]] = []
+
+    async def any_path(request: web.Request) -> web.Response:
+        body = await request.read()
+        seen.append((request.method, request.raw_path, dict(request.headers)))
+        return web.Response(text=f"origin: {request.method} {request.raw_path} {len(body)}")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", any_path)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, ORIGIN, 0, ssl_context=context)
+    await site.start()
+    origin = TlsOrigin(runner.addresses[0][1], ca_file, seen)
+    yield origin
+    await runner.cleanup()
+
+
+async def _inspecting(make_egressd: MakeEgressd, origin: TlsOrigin, *rules: str, **values: Any) -> EgressService:
+    return await make_egressd(
+        allow=[rule.replace("PORT", str(origin.port)) for rule in rules],
+        inspect_origin_ca_file=str(origin.ca_file),
+        **values,
+    )
+
+
+async def _run_ca(svc: EgressService, tmp_path: Path, token: str | None = "test-token") -> Path:
+    """The default run's CA, fetched as a launcher would: the control API with the global token."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with ClientSession() as session, session.get(f"{svc.control_address}/runs/default/ca", headers=headers) as r:
+        assert r.status == 200, await r.text()
+        path = tmp_path / "run-ca.pem"
+        path.write_bytes(await r.read())
+    return path
+
+
+async def _curl(svc: EgressService, ca: Path, url: str, *args: str) -> tuple[int, str, str]:
+    """curl through the proxy trusting only ``ca``: (exit code, status and headers and body, stderr)."""
+    require(have("curl"), "curl is not installed")
+    proc = await asyncio.create_subprocess_exec(
+        "curl", "-sS", "-i", "--max-time", "10", "--noproxy", "", "-x", f"http://127.0.0.1:{svc.proxy_address[1]}",
+        "--cacert", str(ca), *args, url,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode("latin-1"), err.decode("latin-1")
+
+
+def _https(svc: EgressService) -> list[dict[str, Any]]:
+    return [r for r in svc.audit_records if r.get("kind") == "https"]
+
+
+async def test_an_allowed_get_goes_through_inspected_and_is_recorded_with_its_method_and_path(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**")
+    ca = await _run_ca(svc, tmp_path)
+    code, out, err = await _curl(svc, ca, f"https://origin.test:{tls_origin.port}/docs/a%7Eb/./c?x=1&y=2")
+    assert code == 0, err
+    assert out.startswith("HTTP/1.1 200 Connection established") and "\r\n\r\nHTTP/1.1 200" in out, out
+    # The normalised path went upstream, the query as sent.
+    assert [(m, p) for m, p, _ in tls_origin.requests] == [("GET", "/docs/a~b/c?x=1&y=2")]
+    (record,) = _https(svc)
+    assert (record["decision"], record["rule"], record["host"], record["port"]) == (
+        "allow", f"GET origin.test:{tls_origin.port}/docs/**", "origin.test", tls_origin.port)
+
+
+async def test_a_write_no_rule_covers_is_refused_and_never_reaches_the_origin(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    ca = await _run_ca(svc, tmp_path)
+    code, out, err = await _curl(
+        svc, ca, f"https://origin.test:{tls_origin.port}/docs/a", "-X", "POST", "--data-binary", "secret=1"
+    )
+    assert code == 0, err
+    assert "\r\n\r\nHTTP/1.1 403 " in out and "X-Egress-Reason: not_allowlisted" in out, out
+    assert tls_origin.requests == []
+    (record,) = _https(svc)
+    assert (record["decision"], record["reason"]) == ("deny", "not_allowlisted")
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/docs/%2e%2e/admin", "/docs/..%2Fadmin", "/docs/%2fadmin", "/docs//a", "/docs/a;x=1", "/docs/%c0%ae%c0%ae/a",
+     "/docs/%5cadmin", "/docs/%00"],
+)  # fmt: skip
+async def test_every_ambiguous_path_spelling_is_bad_request_and_reaches_nothing(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path, path: str
+) -> None:
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    ca = await _run_ca(svc, tmp_path)
+    code, out, err = await _curl(svc, ca, f"https://origin.test:{tls_origin.port}{path}", "--path-as-is")
+    assert code == 0, err
+    assert "\r\n\r\nHTTP/1.1 400 " in out and "X-Egress-Reason: bad_request" in out, out
+    assert tls_origin.requests == []
+    (record,) = _https(svc)
+    assert (record["decision"], record["reason"]) == ("deny", "bad_request")
+
+
+async def test_dot_segments_cannot_climb_out_of_the_allowed_prefix(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    ca = await _run_ca(svc, tmp_path)
+    code, out, err = await _curl(svc, ca, f"https://origin.test:{tls_origin.port}/docs/../admin", "--path-as-is")
+    assert code == 0, err
+    assert "\r\n\r\nHTTP/1.1 403 " in out and "X-Egress-Reason: not_allowlisted" in out, out
+    assert tls_origin.requests == []
+
+
+async def test_a_method_override_header_is_judged_as_the_method_it_names(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    ca = await _run_ca(svc, tmp_path)
+    code, out, err = await _curl(
+        svc, ca, f"https://origin.test:{tls_origin.port}/docs/a", "-H", "X-HTTP-Method-Override: DELETE"
+    )
+    assert code == 0, err
+    assert "\r\n\r\nHTTP/1.1 403 " in out, out
+    assert tls_origin.requests == []
+
+
+async def _raw_inside(svc: EgressService, ca: Path, port: int, data: bytes) -> bytes:
+    """CONNECT origin.test, take the TLS with the run's CA trusted, send ``data`` inside, read to the close."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", svc.proxy_address[1])
+    writer.write(f"CONNECT origin.test:{port} HTTP/1.1\r\nHost: origin.test:{port}\r\n\r\n".encode())
+    await writer.drain()
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    context = ssl.create_default_context(cafile=str(ca))
+    await writer.start_tls(context, server_hostname="origin.test")
+    writer.write(data)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(65536), 10)
+    finally:
+        writer.close()
+
+
+async def test_a_host_header_naming_another_host_inside_the_tunnel_is_refused(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    ca = await _run_ca(svc, tmp_path)
+    got = await _raw_inside(svc, ca, tls_origin.port, b"GET /docs/a HTTP/1.1\r\nHost: leak.test\r\n\r\n")
+    assert got.startswith(b"HTTP/1.1 403 ") and b"X-Egress-Reason: sni_mismatch" in got, got
+    inner = f"CONNECT leak.test:443 HTTP/1.1\r\nHost: origin.test:{tls_origin.port}\r\n\r\n"
+    got = await _raw_inside(svc, ca, tls_origin.port, inner.encode())
+    assert got.startswith(b"HTTP/1.1 400 ") and b"X-Egress-Reason: bad_request" in got, got
+    assert tls_origin.requests == []
+
+
+async def test_a_second_request_on_the_same_connection_is_decided_again(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    ca = await _run_ca(svc, tmp_path)
+    host = f"origin.test:{tls_origin.port}"
+    got = await _raw_inside(
+        svc, ca, tls_origin.port,
+        f"GET /docs/a HTTP/1.1\r\nHost: {host}\r\n\r\nGET /admin HTTP/1.1\r\nHost: {host}\r\n\r\n".encode(),
+    )  # fmt: skip
+    await asyncio.sleep(0.2)
+    assert [(m, p) for m, p, _ in tls_origin.requests] == [("GET", "/docs/a")]
+    decisions = [(r["decision"], r["reason"]) for r in _https(svc)]
+    assert decisions == [("allow", None), ("deny", "not_allowlisted")], (decisions, got)
+
+
+async def test_a_client_that_does_not_trust_the_runs_ca_fails_with_a_clear_record(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**")
+    # A pinned client: it trusts the origin's own CA, not the run's.
+    code, _, err = await _curl(svc, tls_origin.ca_file, f"https://origin.test:{tls_origin.port}/docs/a")
+    assert code != 0, err
+    assert tls_origin.requests == []
+    # The tunnel's record was written ahead (allowed); its end says why it was cut.
+    (connect,) = [r for r in svc.audit_records if r.get("kind") == "connect"]
+    for _ in range(50):
+        ends = [r for r in svc.audit_records if r["event"] == "egress.end" and r["id"] == connect["id"]]
+        if ends:
+            break
+        await asyncio.sleep(0.1)
+    assert [r["end"] for r in ends] == ["tls_intercept_failed"], ends
+    assert "TLS handshake with the client failed" in ends[0]["detail"]
+
+
+async def test_an_origin_whose_certificate_does_not_verify_is_not_reached(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    # No origin CA given: the test origin's certificate verifies against nothing egressd trusts.
+    svc = await make_egressd(allow=[f"GET origin.test:{tls_origin.port}/docs/**"])
+    ca = await _run_ca(svc, tmp_path)
+    code, out, err = await _curl(svc, ca, f"https://origin.test:{tls_origin.port}/docs/a")
+    assert code == 0, err
+    assert "\r\n\r\nHTTP/1.1 502 " in out and "X-Egress-Reason: upstream_unreachable" in out, out
+    assert tls_origin.requests == []
+
+
+async def test_other_names_stay_opaque_tunnels(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    # origin.test has a plain entry and no rule: spliced, the origin's own certificate seen end to end.
+    svc = await make_egressd(allow=[f"origin.test:{tls_origin.port}"])
+    code, out, err = await _curl(svc, tls_origin.ca_file, f"https://origin.test:{tls_origin.port}/anything")
+    assert code == 0, err
+    assert "\r\n\r\nHTTP/1.1 200" in out, out
+    assert _https(svc) == []
+
+
+async def test_the_runs_ca_is_handed_out_with_the_global_token_only(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**")
+    pem = (await _run_ca(svc, tmp_path)).read_bytes()
+    assert pem.startswith(b"-----BEGIN CERTIFICATE-----") and b"PRIVATE KEY" not in pem
+    certificate = x509.load_pem_x509_certificate(pem)
+    constraints = certificate.extensions.get_extension_for_class(x509.NameConstraints)
+    assert constraints.critical and [n.value for n in constraints.value.permitted_subtrees or []] == ["origin.test"]
+    async with ClientSession() as session, session.get(f"{svc.control_address}/runs/default/ca") as r:
+        assert r.status == 401
+    excluded = {n.value for n in constraints.value.excluded_subtrees or []}
+    assert excluded == {ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0")}
