@@ -145,6 +145,10 @@ def _print_pending(approvals: list[dict[str, Any]]) -> None:
     rows = [("ID", "RUN", "DOMAIN", "LEFT", "COMMAND")]
     for a in approvals:
         domain = escape(f"{a.get('host')}:{a.get('port')}") + (" (unrelated)" if a.get("unrelated") else "")
+        held = a.get("request")
+        if isinstance(held, dict):  # a request inside an inspected connection: what it is
+            request = escape(f"{held.get('method')} {held.get('path')}")
+            domain += " " + (request[:60] + "…" if len(request) > 60 else request)
         if a.get("abandoned"):
             domain += " (client gave up)"  # still answerable: the answer applies to the run
         command = escape(str(a.get("command") or "-"))

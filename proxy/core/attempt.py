@@ -73,7 +73,7 @@ class Attempt:
     __slots__ = (
         "id", "kind", "client", "ts", "started", "run", "host", "port", "command",
         "admission", "decision", "reason", "rule", "approval", "learned", "message", "cut",
-        "address", "bytes_up", "bytes_down", "end", "status", "sni", "request_host", "detail",
+        "address", "bytes_up", "bytes_down", "end", "method", "path", "status", "sni", "request_host", "detail",
         "counted", "ahead", "ahead_record", "finished",
     )  # fmt: skip
 
@@ -109,6 +109,9 @@ class Attempt:
         self.bytes_up = 0
         self.bytes_down = 0
         self.end: End | None = None
+        # An inspected request's method and normalised path, without the query (its record's ``method``, ``path``).
+        self.method: str | None = None
+        self.path: str | None = None
         self.status: int | None = None  # the origin's response status (plain HTTP)
         self.sni: str | None = None  # the name a tunnel's ClientHello asked for instead of the host
         self.request_host: str | None = None  # the host a tunnel's plain HTTP request named instead
@@ -164,11 +167,17 @@ class Attempt:
         if detail and self.detail is None:
             self.detail = detail
 
-    def notes(self, learned: bool = True) -> dict[str, object] | None:
-        """The notes set, in the record's order (``learned`` first, when asked for); None when none is."""
+    def notes(self, learned: bool = True, request: bool = True) -> dict[str, object] | None:
+        """The notes set, in the record's order (``learned`` and the request first, when asked for); None when none is.
+
+        ``egress.end`` asks for neither: its ``egress`` record, written ahead, has them.
+        """
         notes: dict[str, object] = {}
         if learned and self.learned is not None:
             notes["learned"] = self.learned.value
+        if request and self.method is not None:
+            notes["method"] = self.method
+            notes["path"] = self.path
         if self.status is not None:
             notes["status"] = self.status
         if self.sni is not None:

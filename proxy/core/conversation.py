@@ -256,7 +256,7 @@ class Conversation:
                     admission = admission._replace(reason=Reason.TLS_INTERCEPT_FAILED, inspect=False,
                                                    detail="this listener cannot inspect a name with request rules")
                 elif destination is not None:
-                    admission = yield from self._plain_request(run, admission, destination)
+                    admission = yield from self._plain_request(attempt, run, admission, destination)
             conclude(attempt, admission)
             if not admission.allowed:
                 raise Refused(attempt, Refusal(admission.reason or Reason.BAD_REQUEST))
@@ -312,7 +312,7 @@ class Conversation:
         assert inspecting is not None  # the decision admits nothing for inspection without it
         self.inside = inspecting(run, admission.host, attempt.port, limits.max_head_bytes)
 
-    def _plain_request(self, run: Run, admission: Admission, destination: Destination) -> Steps:
+    def _plain_request(self, attempt: Attempt, run: Run, admission: Admission, destination: Destination) -> Steps:
         """A plain-HTTP request to an inspected name: decided on its method and path as inside a tunnel."""
         exchange = self.exchange
         assert exchange is not None and exchange.request is not None
@@ -320,6 +320,7 @@ class Conversation:
             request = plain_request(exchange.request, destination)
         except HttpError as exc:
             return Admission(Reason.BAD_REQUEST, admission.host, admission.port, detail=exc.detail)
+        attempt.method, attempt.path = request.method, request.path
         destination.path = request.destination.path  # the normalised target is what goes upstream
         decided: Admission = yield from decide_request(
             run, admission, request.method, request.path, request.shown, self.at.audit.healthy
@@ -334,6 +335,7 @@ class Conversation:
         assert outer is not None and request is not None
         tunnel, tunnel_admission = outer
         attempt = self.pending = Attempt(seen)
+        attempt.method, attempt.path = request.method, request.path
         admission: Admission = yield from decide_request(
             inside.run, tunnel_admission, request.method, request.path, request.shown, self.at.audit.healthy
         )

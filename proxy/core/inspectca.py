@@ -172,7 +172,7 @@ class RunCA:
             raise InspectCAError(f"the run's CA does not cover {name!r}")
         leaf = self._mint(name)
         self._leaves[name] = leaf
-        if len(self._leaves) > MAX_LEAVES:
+        while len(self._leaves) > MAX_LEAVES:
             self._leaves.popitem(last=False)
         return leaf
 

@@ -158,7 +158,7 @@ class Recorder:
             bytes_down=attempt.bytes_down,
             duration_s=duration_s,
             end=end,
-            extra=attempt.notes(learned=False),
+            extra=attempt.notes(learned=False, request=False),
         ).record()
         # The whole attempt, for the run's events and the observers: what was written ahead,
         # with what the end says folded in (as ``egressd audit`` joins them).
@@ -215,9 +215,14 @@ class Recorder:
         final = duration_s is not None
         if final:
             extra = attempt.notes()
-        elif attempt.learned is not None:
-            # Written ahead too: an allowed connection's one egress record must say it was let through by learn mode.
-            extra = {"learned": attempt.learned.value}
+        elif attempt.learned is not None or attempt.method is not None:
+            # Written ahead too: an allowed connection's one egress record must say it was let through by
+            # learn mode, and an inspected request what it was (method, path).
+            extra = {}
+            if attempt.learned is not None:
+                extra["learned"] = attempt.learned.value
+            if attempt.method is not None:
+                extra["method"], extra["path"] = attempt.method, attempt.path
         else:
             extra = None
         return EgressDecided(

@@ -13,6 +13,7 @@ from egressd.approvals.message import (
     CLOSING,
     INTRO,
     UNRELATED,
+    HeldRequest,
     bounded,
     is_unrelated,
     render,
@@ -157,3 +158,24 @@ def test_settled_text_says_who_and_how() -> None:
     assert settled_text(Settlement(Answer.TIMEOUT, None, None, 0, 1)) == "expired (denied)"
     assert "nobody could be asked" in settled_text(Settlement(Answer.NO_APPROVER, None, None, 0, 1))
     assert settled_text(Settlement(Answer.SHUTTING_DOWN, None, None, 0, 1)) == "denied: egressd stopped"
+
+
+def test_a_request_inside_an_inspected_connection_is_shown_without_values_and_the_path_middle_shortened() -> None:
+    held = HeldRequest("POST", "/gists/" + "a" * 400 + "/\x1b[2Jx", "/gists/aaa", ("token", "q\u202e"),
+                       "application/json", 48 * 1024 * 1024)
+    message = render(host="api.github.com", port=443, command="curl -d @.env", task="read the docs",
+                     allowed=("GET api.github.com/repos/**",), request=held)
+    lines = dict(message.lines)
+    assert lines["intro"] == "A command in the sandbox made a request that no rule for this domain covers."
+    request = lines["request"]
+    assert request.startswith("Request: POST /gists/aaa") and "…" in request
+    assert request.endswith("(query: token, q\\u202e; application/json; 48.0 MiB)"), request
+    assert "\x1b" not in request and "\\x1b" in request  # the agent's bytes are inert
+    assert len(request) < 400
+    assert "A deny covers POST under /gists/aaa on api.github.com" in lines["scope"]
+    assert [kind for kind, _ in message.lines][:3] == ["intro", "domain", "request"]
+
+
+def test_without_a_request_the_message_is_the_new_domain_one() -> None:
+    message = render(host="example.com", port=443, command=None, task=None, allowed=())
+    assert "request" not in dict(message.lines) and message.request is None

@@ -12,8 +12,8 @@ for each, the refusal, the origin's count (nothing reached it) and the record.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import ipaddress
+import json
 import ssl
 import subprocess
 from collections.abc import AsyncIterator
@@ -24,12 +24,12 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, web
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, ApprovalScope
 from egressd.cli.wiring.service import EgressService
+from egressd.vocabulary.reasons import Answer
 from tests.conftest import MakeEgressd
+from tests.fakes.tls import make_pki
 from tests.harness import ORIGIN, have, require
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,44 +42,11 @@ class TlsOrigin:
     requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
 
 
-def _name(text: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
-
-
-def _origin_certificates(directory: Path) -> tuple[Path, Path, Path]:
-    """A test CA and a certificate for origin.test it signed: (ca.pem, cert.pem, key.pem)."""
-    now = dt.datetime.now(dt.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder().subject_name(_name("test origin CA")).issuer_name(_name("test origin CA"))
-        .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    key = ec.generate_private_key(ec.SECP256R1())
-    cert = (
-        x509.CertificateBuilder().subject_name(_name("origin.test")).issuer_name(ca.subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("origin.test")]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )  # fmt: skip
-    paths = directory / "origin-ca.pem", directory / "origin.pem", directory / "origin.key"
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return paths
-
-
 @pytest.fixture
 async def tls_origin(tmp_path: Path) -> AsyncIterator[TlsOrigin]:
     """An HTTPS origin for origin.test on ORIGIN that records each request (method, path with query, headers)."""
-    ca_file, cert_file, key_file = _origin_certificates(tmp_path)
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(cert_file, key_file)
+    pki = make_pki(tmp_path, ["origin.test"])
+    context = pki.server_context()
     seen: list[tuple[str, str, dict[str, str]]] = []
 
     async def any_path(request: web.Request) -> web.Response:
@@ -93,7 +60,7 @@ async def tls_origin(tmp_path: Path) -> AsyncIterator[TlsOrigin]:
     await runner.setup()
     site = web.TCPSite(runner, ORIGIN, 0, ssl_context=context)
     await site.start()
-    origin = TlsOrigin(runner.addresses[0][1], ca_file, seen)
+    origin = TlsOrigin(runner.addresses[0][1], pki.ca_pem, seen)
     yield origin
     await runner.cleanup()
 
@@ -146,6 +113,12 @@ async def test_an_allowed_get_goes_through_inspected_and_is_recorded_with_its_me
     (record,) = _https(svc)
     assert (record["decision"], record["rule"], record["host"], record["port"]) == (
         "allow", f"GET origin.test:{tls_origin.port}/docs/**", "origin.test", tls_origin.port)
+    # DESIGN.md "Audit log": an https record carries the method, the path without its query, the status.
+    # (the status on its egress.end: known once the origin answered).
+    assert (record["method"], record["path"]) == ("GET", "/docs/a~b/c"), record
+    (end,) = [r for r in svc.audit_records if r["event"] == "egress.end" and r["id"] == record["id"]]
+    assert end["status"] == 200 and end["bytes_down"] > 0, end
+    assert "x=1" not in json.dumps(svc.audit_records)
 
 
 async def test_a_write_no_rule_covers_is_refused_and_never_reaches_the_origin(
@@ -306,3 +279,47 @@ async def test_the_runs_ca_is_handed_out_with_the_global_token_only(
         assert r.status == 401
     excluded = {n.value for n in constraints.value.excluded_subtrees or []}
     assert excluded == {ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0")}
+
+
+class Scripted:
+    """An approver that records what it is asked and answers each with the next of ``answers``."""
+
+    def __init__(self, *answers: ApprovalOutcome) -> None:
+        self.asked: list[ApprovalRequest] = []
+        self.answers = list(answers)
+
+    async def ask(self, request: ApprovalRequest) -> ApprovalOutcome:
+        self.asked.append(request)
+        return self.answers.pop(0)
+
+
+async def test_a_request_no_rule_covers_is_asked_about_showing_the_request_and_a_run_answer_covers_its_prefix(
+    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+) -> None:
+    approver = Scripted(
+        ApprovalOutcome(Answer.ALLOW, "a-1", "test", "alice", 0.1, ApprovalScope.RUN),
+        ApprovalOutcome(Answer.DENY, "a-2", "test", "alice", 0.1),
+    )
+    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", approver=approver)
+    ca = await _run_ca(svc, tmp_path)
+    base = f"https://origin.test:{tls_origin.port}"
+    code, out, err = await _curl(svc, ca, f"{base}/repo/upload?name=x&token=SECRET", "--data-binary", "12345678")
+    assert code == 0 and "\r\n\r\nHTTP/1.1 200" in out, (out, err)
+    (asked,) = approver.asked
+    shown = asked.request
+    assert shown is not None
+    assert (shown.method, shown.path, shown.prefix, shown.query_names) == ("POST", "/repo/upload", "/repo/upload",
+                                                                          ("name", "token"))
+    assert (shown.content_type, shown.length) == ("application/x-www-form-urlencoded", 8)
+    assert asked.lasting == f"POST origin.test:{tls_origin.port}/repo/upload/**"
+    # The run's answer covers the method under the prefix: no second question.
+    code, out, err = await _curl(svc, ca, f"{base}/repo/upload/2", "--data-binary", "x")
+    assert code == 0 and "\r\n\r\nHTTP/1.1 200" in out, (out, err)
+    assert len(approver.asked) == 1
+    # Another prefix is asked about again, and a denial is final for it.
+    code, out, err = await _curl(svc, ca, f"{base}/repo/delete", "-X", "DELETE")
+    assert code == 0 and "\r\n\r\nHTTP/1.1 403" in out and "X-Egress-Reason: denied" in out, (out, err)
+    assert [(m, p) for m, p, _ in tls_origin.requests] == [
+        ("POST", "/repo/upload?name=x&token=SECRET"), ("POST", "/repo/upload/2")]
+    # The query's values never reach a record (the path there has no query at all).
+    assert "SECRET" not in json.dumps(svc.audit_records)
