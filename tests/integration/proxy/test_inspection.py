@@ -12,6 +12,7 @@ for each, the refusal, the origin's count (nothing reached it) and the record.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import ipaddress
 import json
 import ssl
@@ -24,9 +25,13 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, web
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, ApprovalScope
 from egressd.cli.wiring.service import EgressService
+from egressd.proxy.core.inspectca import RunCA
 from egressd.vocabulary.reasons import Answer
 from tests.conftest import MakeEgressd
 from tests.fakes.tls import make_pki
@@ -323,3 +328,32 @@ async def test_a_request_no_rule_covers_is_asked_about_showing_the_request_and_a
         ("POST", "/repo/upload?name=x&token=SECRET"), ("POST", "/repo/upload/2")]
     # The query's values never reach a record (the path there has no query at all).
     assert "SECRET" not in json.dumps(svc.audit_records)
+
+
+def test_openssls_verifier_honours_the_name_constraints(tmp_path: Path) -> None:
+    """A thief with the run CA's key mints a leaf for another name: OpenSSL rejects it (the constraint holds)."""
+    require(have("openssl"), "openssl is not installed")
+    now = dt.datetime.now(dt.UTC)
+    ca = RunCA.create(["origin.test"], now, dt.timedelta(hours=1), run_id="r-1")
+    (tmp_path / "ca.pem").write_bytes(ca.certificate_pem())
+    (tmp_path / "good.pem").write_bytes(ca.leaf("origin.test").chain_pem.split(b"-----END CERTIFICATE-----")[0]
+                                        + b"-----END CERTIFICATE-----\n")
+    key = ec.generate_private_key(ec.SECP256R1())
+    forged = (
+        x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bank.test")]))
+        .issuer_name(ca.certificate.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=1)).not_valid_after(now + dt.timedelta(minutes=30))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("bank.test")]), critical=False)
+        .sign(ca._key, hashes.SHA256())
+    )  # fmt: skip
+    (tmp_path / "forged.pem").write_bytes(forged.public_bytes(serialization.Encoding.PEM))
+
+    def verify(leaf: str, name: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"), "-verify_hostname", name, str(tmp_path / leaf)],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+
+    assert verify("good.pem", "origin.test").returncode == 0
+    rejected = verify("forged.pem", "bank.test")
+    assert rejected.returncode != 0 and "permitted subtree violation" in rejected.stdout + rejected.stderr, rejected
