@@ -70,9 +70,29 @@ class BwrapSpec:
     uid: int = SANDBOX_UID  # who the command is inside: the working directory's owner
     gid: int = SANDBOX_GID
     args_fd: int | None = None  # a descriptor holding ``environment_args(env)``: the command's environment
+    trusted: bool = False  # ``etc_dir`` holds ``TRUST_BUNDLE``: bound over ``SYSTEM_BUNDLE``
 
 
 GENERATED_ETC = ("resolv.conf", "hosts", "passwd", "group", "nsswitch.conf", "hostname")
+
+# A run that inspects names trusts its own CA besides the system's: one bundle, bound over the
+# standard bundle path and named by every variable the usual clients read (DESIGN.md "Policy").
+SYSTEM_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+TRUST_BUNDLE = "ca-bundle.crt"  # in the generated /etc directory
+CA_VARIABLES = ("SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PIP_CERT",
+                "GIT_SSL_CAINFO", "AWS_CA_BUNDLE")
+
+
+def trust_bundle(system_pem: bytes, run_ca_pem: bytes) -> bytes:
+    """The system's certificates, then the run's CA: what the sandbox's clients trust."""
+    if system_pem and not system_pem.endswith(b"\n"):
+        system_pem += b"\n"
+    return system_pem + b"# egressd: this run's inspection CA\n" + run_ca_pem
+
+
+def trust_environment() -> dict[str, str]:
+    """Every variable a usual client reads for its CA bundle, naming the bundle's standard path."""
+    return dict.fromkeys(CA_VARIABLES, SYSTEM_BUNDLE)
 
 
 def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
@@ -97,6 +117,8 @@ def bwrap_argv(spec: BwrapSpec, bwrap: str = "bwrap") -> list[str]:
         args += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
     for name in GENERATED_ETC:
         args += ["--ro-bind", os.path.join(spec.etc_dir, name), f"/etc/{name}"]
+    if spec.trusted:
+        args += ["--ro-bind", os.path.join(spec.etc_dir, TRUST_BUNDLE), SYSTEM_BUNDLE]
     for path in spec.extra_readonly:
         args += ["--ro-bind", path, path]
     args += ["--bind", spec.workdir, SANDBOX_WORKDIR, "--chdir", SANDBOX_WORKDIR]

@@ -53,6 +53,8 @@ from .backend import (
     within_time_limit,
 )
 from .bwrap import (
+    SYSTEM_BUNDLE,
+    TRUST_BUNDLE,
     BwrapSpec,
     base_environment,
     bwrap_argv,
@@ -60,6 +62,8 @@ from .bwrap import (
     exec_or_not_found,
     generated_etc,
     host_layout,
+    trust_bundle,
+    trust_environment,
 )
 from .copyout import CopyReport, copy_out
 from .identity import refusal, run_as
@@ -130,7 +134,9 @@ class BwrapSandbox:
         term: str | None = None,
         nsenter: str = "nsenter",
         bwrap: str = "bwrap",
+        run_ca_pem: bytes | None = None,
     ) -> None:
+        """``run_ca_pem``: the run's inspection CA (it inspects names), trusted besides the system's."""
         self.network = network
         self.workdir = workdir.resolve()
         if not self.workdir.is_dir():
@@ -145,6 +151,9 @@ class BwrapSandbox:
             raise SandboxError(refusal(str(workdir)))
         self.uid, self.gid = ids
         self.env = base_environment(term=term, proxy_url=proxy_url, socks_url=socks_url, extra=extra_env)
+        self._trusted = run_ca_pem is not None
+        if self._trusted:
+            self.env.update(trust_environment())
         self.extra_readonly = list(extra_readonly)
         self._links, self._dirs, self._etc_ro = host_layout()
         self._nsenter = shutil.which(nsenter) or nsenter
@@ -157,6 +166,11 @@ class BwrapSandbox:
             ).items():
                 (self._etc / name).write_text(content)
                 (self._etc / name).chmod(0o644)
+            if run_ca_pem is not None:
+                system = Path(SYSTEM_BUNDLE)
+                bundle = trust_bundle(system.read_bytes() if system.is_file() else b"", run_ca_pem)
+                (self._etc / TRUST_BUNDLE).write_bytes(bundle)
+                (self._etc / TRUST_BUNDLE).chmod(0o644)
             # bwrap runs as the owner and binds these files itself: it must reach them (nothing here is secret).
             self._etc.chmod(0o755)
         except BaseException:
@@ -180,6 +194,7 @@ class BwrapSandbox:
             uid=self.uid,
             gid=self.gid,
             args_fd=args_fd,
+            trusted=self._trusted,
         )
         # nsenter joins the namespace as root, then drops the supplementary groups and
         # sets gid and uid, in that order, before it runs bwrap as the owner.

@@ -31,6 +31,7 @@ from egressd.audit.log import AuditSink, MemoryAuditSink
 from egressd.cli.wiring.service import EgressService
 from egressd.config.settings import load_settings
 from tests.fakes.dns import FakeDns
+from tests.fakes.tls import make_pki
 from tests.harness import LEAK, NET, ORIGIN, ORIGIN_RANGE
 
 
@@ -214,3 +215,33 @@ def workdir() -> Iterator[Path]:
     os.chown(path, 1000, 1000)
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class HttpsOrigin:
+    port: int
+    ca_file: Path
+    requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
+
+
+@pytest.fixture
+async def https_origin(tmp_path: Path) -> AsyncIterator[HttpsOrigin]:
+    """An HTTPS origin for origin.test on ORIGIN that records each request (method, path with query, headers)."""
+    pki = make_pki(tmp_path, ["origin.test"])
+    context = pki.server_context()
+    seen: list[tuple[str, str, dict[str, str]]] = []
+
+    async def any_path(request: web.Request) -> web.Response:
+        body = await request.read()
+        seen.append((request.method, request.raw_path, dict(request.headers)))
+        return web.Response(text=f"origin: {request.method} {request.raw_path} {len(body)}")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", any_path)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, ORIGIN, 0, ssl_context=context)
+    await site.start()
+    origin = HttpsOrigin(runner.addresses[0][1], pki.ca_pem, seen)
+    yield origin
+    await runner.cleanup()

@@ -314,10 +314,19 @@ class SandboxSession(SessionBase[BwrapSandbox]):
                 socks_url=f"socks5h://{run.id}:{run.token}@{host}:{ports.socks}",
                 extra_env=self.extra_env,
                 term=self.term,
+                run_ca_pem=self._run_ca(run),
             )
         except SandboxError as exc:
             raise SessionError(str(exc)) from None
         stack.push_async_callback(self._box.destroy)
+
+    def _run_ca(self, run: Run) -> bytes | None:
+        """The run's inspection CA when it inspects names (its sandbox trusts it), else None."""
+        assert self.service is not None and self.service.path is not None
+        inspector = self.service.path.inspector
+        if inspector is None or not run.inspected_names():
+            return None
+        return inspector.certificate_pem(run)
 
     def _audit(self, record: dict[str, object]) -> None:
         assert self.service is not None and self.service.path is not None

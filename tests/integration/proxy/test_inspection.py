@@ -17,13 +17,11 @@ import ipaddress
 import json
 import ssl
 import subprocess
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -33,44 +31,13 @@ from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approv
 from egressd.cli.wiring.service import EgressService
 from egressd.proxy.core.inspectca import RunCA
 from egressd.vocabulary.reasons import Answer
-from tests.conftest import MakeEgressd
-from tests.fakes.tls import make_pki
-from tests.harness import ORIGIN, have, require
+from tests.conftest import HttpsOrigin, MakeEgressd
+from tests.harness import have, require
 
 pytestmark = pytest.mark.timeout(60)
 
 
-@dataclass
-class TlsOrigin:
-    port: int
-    ca_file: Path
-    requests: list[tuple[str, str, dict[str, str]]] = field(default_factory=list)
-
-
-@pytest.fixture
-async def tls_origin(tmp_path: Path) -> AsyncIterator[TlsOrigin]:
-    """An HTTPS origin for origin.test on ORIGIN that records each request (method, path with query, headers)."""
-    pki = make_pki(tmp_path, ["origin.test"])
-    context = pki.server_context()
-    seen: list[tuple[str, str, dict[str, str]]] = []
-
-    async def any_path(request: web.Request) -> web.Response:
-        body = await request.read()
-        seen.append((request.method, request.raw_path, dict(request.headers)))
-        return web.Response(text=f"origin: {request.method} {request.raw_path} {len(body)}")
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", any_path)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, ORIGIN, 0, ssl_context=context)
-    await site.start()
-    origin = TlsOrigin(runner.addresses[0][1], pki.ca_pem, seen)
-    yield origin
-    await runner.cleanup()
-
-
-async def _inspecting(make_egressd: MakeEgressd, origin: TlsOrigin, *rules: str, **values: Any) -> EgressService:
+async def _inspecting(make_egressd: MakeEgressd, origin: HttpsOrigin, *rules: str, **values: Any) -> EgressService:
     return await make_egressd(
         allow=[rule.replace("PORT", str(origin.port)) for rule in rules],
         inspect_origin_ca_file=str(origin.ca_file),
@@ -106,18 +73,18 @@ def _https(svc: EgressService) -> list[dict[str, Any]]:
 
 
 async def test_an_allowed_get_goes_through_inspected_and_is_recorded_with_its_method_and_path(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**")
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**")
     ca = await _run_ca(svc, tmp_path)
-    code, out, err = await _curl(svc, ca, f"https://origin.test:{tls_origin.port}/docs/a%7Eb/./c?x=1&y=2")
+    code, out, err = await _curl(svc, ca, f"https://origin.test:{https_origin.port}/docs/a%7Eb/./c?x=1&y=2")
     assert code == 0, err
     assert out.startswith("HTTP/1.1 200 Connection established") and "\r\n\r\nHTTP/1.1 200" in out, out
     # The normalised path went upstream, the query as sent.
-    assert [(m, p) for m, p, _ in tls_origin.requests] == [("GET", "/docs/a~b/c?x=1&y=2")]
+    assert [(m, p) for m, p, _ in https_origin.requests] == [("GET", "/docs/a~b/c?x=1&y=2")]
     (record,) = _https(svc)
     assert (record["decision"], record["rule"], record["host"], record["port"]) == (
-        "allow", f"GET origin.test:{tls_origin.port}/docs/**", "origin.test", tls_origin.port)
+        "allow", f"GET origin.test:{https_origin.port}/docs/**", "origin.test", https_origin.port)
     # DESIGN.md "Audit log": an https record carries the method, the path without its query, the status.
     # (the status on its egress.end: known once the origin answered).
     assert (record["method"], record["path"]) == ("GET", "/docs/a~b/c"), record
@@ -127,16 +94,16 @@ async def test_an_allowed_get_goes_through_inspected_and_is_recorded_with_its_me
 
 
 async def test_a_write_no_rule_covers_is_refused_and_never_reaches_the_origin(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**", ask=False)
     ca = await _run_ca(svc, tmp_path)
     code, out, err = await _curl(
-        svc, ca, f"https://origin.test:{tls_origin.port}/docs/a", "-X", "POST", "--data-binary", "secret=1"
+        svc, ca, f"https://origin.test:{https_origin.port}/docs/a", "-X", "POST", "--data-binary", "secret=1"
     )
     assert code == 0, err
     assert "\r\n\r\nHTTP/1.1 403 " in out and "X-Egress-Reason: not_allowlisted" in out, out
-    assert tls_origin.requests == []
+    assert https_origin.requests == []
     (record,) = _https(svc)
     assert (record["decision"], record["reason"]) == ("deny", "not_allowlisted")
 
@@ -147,40 +114,40 @@ async def test_a_write_no_rule_covers_is_refused_and_never_reaches_the_origin(
      "/docs/%5cadmin", "/docs/%00"],
 )  # fmt: skip
 async def test_every_ambiguous_path_spelling_is_bad_request_and_reaches_nothing(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path, path: str
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path, path: str
 ) -> None:
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**", ask=False)
     ca = await _run_ca(svc, tmp_path)
-    code, out, err = await _curl(svc, ca, f"https://origin.test:{tls_origin.port}{path}", "--path-as-is")
+    code, out, err = await _curl(svc, ca, f"https://origin.test:{https_origin.port}{path}", "--path-as-is")
     assert code == 0, err
     assert "\r\n\r\nHTTP/1.1 400 " in out and "X-Egress-Reason: bad_request" in out, out
-    assert tls_origin.requests == []
+    assert https_origin.requests == []
     (record,) = _https(svc)
     assert (record["decision"], record["reason"]) == ("deny", "bad_request")
 
 
 async def test_dot_segments_cannot_climb_out_of_the_allowed_prefix(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**", ask=False)
     ca = await _run_ca(svc, tmp_path)
-    code, out, err = await _curl(svc, ca, f"https://origin.test:{tls_origin.port}/docs/../admin", "--path-as-is")
+    code, out, err = await _curl(svc, ca, f"https://origin.test:{https_origin.port}/docs/../admin", "--path-as-is")
     assert code == 0, err
     assert "\r\n\r\nHTTP/1.1 403 " in out and "X-Egress-Reason: not_allowlisted" in out, out
-    assert tls_origin.requests == []
+    assert https_origin.requests == []
 
 
 async def test_a_method_override_header_is_judged_as_the_method_it_names(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**", ask=False)
     ca = await _run_ca(svc, tmp_path)
     code, out, err = await _curl(
-        svc, ca, f"https://origin.test:{tls_origin.port}/docs/a", "-H", "X-HTTP-Method-Override: DELETE"
+        svc, ca, f"https://origin.test:{https_origin.port}/docs/a", "-H", "X-HTTP-Method-Override: DELETE"
     )
     assert code == 0, err
     assert "\r\n\r\nHTTP/1.1 403 " in out, out
-    assert tls_origin.requests == []
+    assert https_origin.requests == []
 
 
 async def _raw_inside(svc: EgressService, ca: Path, port: int, data: bytes) -> bytes:
@@ -201,42 +168,42 @@ async def _raw_inside(svc: EgressService, ca: Path, port: int, data: bytes) -> b
 
 
 async def test_a_host_header_naming_another_host_inside_the_tunnel_is_refused(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**", ask=False)
     ca = await _run_ca(svc, tmp_path)
-    got = await _raw_inside(svc, ca, tls_origin.port, b"GET /docs/a HTTP/1.1\r\nHost: leak.test\r\n\r\n")
+    got = await _raw_inside(svc, ca, https_origin.port, b"GET /docs/a HTTP/1.1\r\nHost: leak.test\r\n\r\n")
     assert got.startswith(b"HTTP/1.1 403 ") and b"X-Egress-Reason: sni_mismatch" in got, got
-    inner = f"CONNECT leak.test:443 HTTP/1.1\r\nHost: origin.test:{tls_origin.port}\r\n\r\n"
-    got = await _raw_inside(svc, ca, tls_origin.port, inner.encode())
+    inner = f"CONNECT leak.test:443 HTTP/1.1\r\nHost: origin.test:{https_origin.port}\r\n\r\n"
+    got = await _raw_inside(svc, ca, https_origin.port, inner.encode())
     assert got.startswith(b"HTTP/1.1 400 ") and b"X-Egress-Reason: bad_request" in got, got
-    assert tls_origin.requests == []
+    assert https_origin.requests == []
 
 
 async def test_a_second_request_on_the_same_connection_is_decided_again(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", ask=False)
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**", ask=False)
     ca = await _run_ca(svc, tmp_path)
-    host = f"origin.test:{tls_origin.port}"
+    host = f"origin.test:{https_origin.port}"
     got = await _raw_inside(
-        svc, ca, tls_origin.port,
+        svc, ca, https_origin.port,
         f"GET /docs/a HTTP/1.1\r\nHost: {host}\r\n\r\nGET /admin HTTP/1.1\r\nHost: {host}\r\n\r\n".encode(),
     )  # fmt: skip
     await asyncio.sleep(0.2)
-    assert [(m, p) for m, p, _ in tls_origin.requests] == [("GET", "/docs/a")]
+    assert [(m, p) for m, p, _ in https_origin.requests] == [("GET", "/docs/a")]
     decisions = [(r["decision"], r["reason"]) for r in _https(svc)]
     assert decisions == [("allow", None), ("deny", "not_allowlisted")], (decisions, got)
 
 
 async def test_a_client_that_does_not_trust_the_runs_ca_fails_with_a_clear_record(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**")
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**")
     # A pinned client: it trusts the origin's own CA, not the run's.
-    code, _, err = await _curl(svc, tls_origin.ca_file, f"https://origin.test:{tls_origin.port}/docs/a")
+    code, _, err = await _curl(svc, https_origin.ca_file, f"https://origin.test:{https_origin.port}/docs/a")
     assert code != 0, err
-    assert tls_origin.requests == []
+    assert https_origin.requests == []
     # The tunnel's record was written ahead (allowed); its end says why it was cut.
     (connect,) = [r for r in svc.audit_records if r.get("kind") == "connect"]
     for _ in range(50):
@@ -249,32 +216,32 @@ async def test_a_client_that_does_not_trust_the_runs_ca_fails_with_a_clear_recor
 
 
 async def test_an_origin_whose_certificate_does_not_verify_is_not_reached(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
     # No origin CA given: the test origin's certificate verifies against nothing egressd trusts.
-    svc = await make_egressd(allow=[f"GET origin.test:{tls_origin.port}/docs/**"])
+    svc = await make_egressd(allow=[f"GET origin.test:{https_origin.port}/docs/**"])
     ca = await _run_ca(svc, tmp_path)
-    code, out, err = await _curl(svc, ca, f"https://origin.test:{tls_origin.port}/docs/a")
+    code, out, err = await _curl(svc, ca, f"https://origin.test:{https_origin.port}/docs/a")
     assert code == 0, err
     assert "\r\n\r\nHTTP/1.1 502 " in out and "X-Egress-Reason: upstream_unreachable" in out, out
-    assert tls_origin.requests == []
+    assert https_origin.requests == []
 
 
 async def test_other_names_stay_opaque_tunnels(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
     # origin.test has a plain entry and no rule: spliced, the origin's own certificate seen end to end.
-    svc = await make_egressd(allow=[f"origin.test:{tls_origin.port}"])
-    code, out, err = await _curl(svc, tls_origin.ca_file, f"https://origin.test:{tls_origin.port}/anything")
+    svc = await make_egressd(allow=[f"origin.test:{https_origin.port}"])
+    code, out, err = await _curl(svc, https_origin.ca_file, f"https://origin.test:{https_origin.port}/anything")
     assert code == 0, err
     assert "\r\n\r\nHTTP/1.1 200" in out, out
     assert _https(svc) == []
 
 
 async def test_the_runs_ca_is_handed_out_with_the_global_token_only(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**")
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**")
     pem = (await _run_ca(svc, tmp_path)).read_bytes()
     assert pem.startswith(b"-----BEGIN CERTIFICATE-----") and b"PRIVATE KEY" not in pem
     certificate = x509.load_pem_x509_certificate(pem)
@@ -299,15 +266,15 @@ class Scripted:
 
 
 async def test_a_request_no_rule_covers_is_asked_about_showing_the_request_and_a_run_answer_covers_its_prefix(
-    make_egressd: MakeEgressd, tls_origin: TlsOrigin, tmp_path: Path
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
     approver = Scripted(
         ApprovalOutcome(Answer.ALLOW, "a-1", "test", "alice", 0.1, ApprovalScope.RUN),
         ApprovalOutcome(Answer.DENY, "a-2", "test", "alice", 0.1),
     )
-    svc = await _inspecting(make_egressd, tls_origin, "GET origin.test:PORT/docs/**", approver=approver)
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**", approver=approver)
     ca = await _run_ca(svc, tmp_path)
-    base = f"https://origin.test:{tls_origin.port}"
+    base = f"https://origin.test:{https_origin.port}"
     code, out, err = await _curl(svc, ca, f"{base}/repo/upload?name=x&token=SECRET", "--data-binary", "12345678")
     assert code == 0 and "\r\n\r\nHTTP/1.1 200" in out, (out, err)
     (asked,) = approver.asked
@@ -316,7 +283,7 @@ async def test_a_request_no_rule_covers_is_asked_about_showing_the_request_and_a
     assert (shown.method, shown.path, shown.prefix, shown.query_names) == ("POST", "/repo/upload", "/repo/upload",
                                                                           ("name", "token"))
     assert (shown.content_type, shown.length) == ("application/x-www-form-urlencoded", 8)
-    assert asked.lasting == f"POST origin.test:{tls_origin.port}/repo/upload/**"
+    assert asked.lasting == f"POST origin.test:{https_origin.port}/repo/upload/**"
     # The run's answer covers the method under the prefix: no second question.
     code, out, err = await _curl(svc, ca, f"{base}/repo/upload/2", "--data-binary", "x")
     assert code == 0 and "\r\n\r\nHTTP/1.1 200" in out, (out, err)
@@ -324,7 +291,7 @@ async def test_a_request_no_rule_covers_is_asked_about_showing_the_request_and_a
     # Another prefix is asked about again, and a denial is final for it.
     code, out, err = await _curl(svc, ca, f"{base}/repo/delete", "-X", "DELETE")
     assert code == 0 and "\r\n\r\nHTTP/1.1 403" in out and "X-Egress-Reason: denied" in out, (out, err)
-    assert [(m, p) for m, p, _ in tls_origin.requests] == [
+    assert [(m, p) for m, p, _ in https_origin.requests] == [
         ("POST", "/repo/upload?name=x&token=SECRET"), ("POST", "/repo/upload/2")]
     # The query's values never reach a record (the path there has no query at all).
     assert "SECRET" not in json.dumps(svc.audit_records)

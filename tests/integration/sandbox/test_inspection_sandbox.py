@@ -1,0 +1,42 @@
+"""Inspection inside `egressd run`'s sandbox: the command trusts the run's CA with no flags, and cannot read its key.
+
+curl and Python's urllib, run as a user would, reach an inspected name
+over HTTPS (the run's CA is in the bundle at the standard path and named
+by the usual variables), a write no rule covers is refused, and nothing
+of the CA's key is anywhere the command can look.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from tests.conftest import HttpsOrigin
+from tests.integration.sandbox.test_sandbox import _needs_root_and_tools, assert_no_leftovers, egressd_run
+
+__all__ = ["_needs_root_and_tools"]  # the autouse fixture: root, bwrap, nft, ip, nsenter, curl
+
+
+async def test_curl_and_python_in_the_sandbox_trust_the_runs_ca_and_a_write_is_refused(
+    tmp_path: Path, dns, https_origin: HttpsOrigin  # type: ignore[no-untyped-def]
+) -> None:
+    base = f"https://origin.test:{https_origin.port}"
+    fetch = f"import urllib.request; print(urllib.request.urlopen('{base}/docs/from-python', timeout=10).read().decode())"
+    script = textwrap.dedent(f"""
+        curl -sS -m 10 {base}/docs/from-curl; echo
+        python3 -c "{fetch}"
+        curl -sS -m 10 -o /dev/null -w 'post=%{{http_code}}\\n' -X POST --data-binary @/etc/hostname {base}/docs/upload
+        echo "bundle=$(grep -c 'egressd: this run' /etc/ssl/certs/ca-certificates.crt)"
+        echo "vars=$SSL_CERT_FILE $REQUESTS_CA_BUNDLE $NODE_EXTRA_CA_CERTS $PIP_CERT $GIT_SSL_CAINFO"
+        echo "keys=$(cat /proc/self/environ /etc/ssl/certs/ca-certificates.crt 2>/dev/null | grep -c 'PRIVATE KEY')"
+    """)
+    code, out, err = await egressd_run(
+        tmp_path, dns, "--allow", f"GET origin.test:{https_origin.port}/docs/**", "--no-ask",
+        "--inspect-origin-ca-file", str(https_origin.ca_file), "--", "sh", "-c", script,
+    )  # fmt: skip
+    assert code == 0, err
+    assert "origin: GET /docs/from-curl" in out and "origin: GET /docs/from-python" in out, (out, err)
+    assert "post=403" in out and "bundle=1" in out and "keys=0" in out, out
+    assert "vars=/etc/ssl/certs/ca-certificates.crt" in out, out
+    assert [(m, p) for m, p, _ in https_origin.requests] == [("GET", "/docs/from-curl"), ("GET", "/docs/from-python")]
+    await assert_no_leftovers()
