@@ -21,7 +21,7 @@ async def test_curl_and_python_in_the_sandbox_trust_the_runs_ca_and_a_write_is_r
     tmp_path: Path, dns, https_origin: HttpsOrigin  # type: ignore[no-untyped-def]
 ) -> None:
     base = f"https://origin.test:{https_origin.port}"
-    fetch = f"import urllib.request; print(urllib.request.urlopen('{base}/docs/from-python', timeout=10).read().decode())"
+    fetch = f"import urllib.request as u; print(u.urlopen('{base}/docs/from-python', timeout=10).read().decode())"
     script = textwrap.dedent(f"""
         curl -sS -m 10 {base}/docs/from-curl; echo
         python3 -c "{fetch}"
