@@ -74,6 +74,14 @@ class ControlClient:
 
     async def request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """(status, the JSON body or None): any status; ``ControlError`` only when egressd could not be asked."""
+        status, text = await self.request_text(method, path, body)
+        try:
+            return status, (json.loads(text) if text else None)
+        except ValueError:
+            return status, None
+
+    async def request_text(self, method: str, path: str, body: Any = None) -> tuple[int, str]:
+        """(status, the body as text): for what is not JSON (a run's CA certificate, PEM)."""
         try:
             async with self._http.request(
                 method, self.url + path, json=body, headers={"Authorization": f"Bearer {self._token}"},
@@ -85,10 +93,7 @@ class ControlClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             why = exc or type(exc).__name__
             raise ControlError(f"cannot reach egressd's control API at {self._shown}: {why}") from None
-        try:
-            return resp.status, (json.loads(text) if text else None)
-        except ValueError:
-            return resp.status, None
+        return resp.status, text
 
     async def call(self, method: str, path: str, body: Any = None) -> Any:
         """The JSON body of a successful call; ``ControlError`` (with ``status``) for a refusal too."""

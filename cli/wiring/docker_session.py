@@ -326,6 +326,7 @@ class DockerSession(SessionBase[_SessionBox]):
             # The sidecar has a SOCKS5 listener; a running egressd joined with --connect may not.
             socks_url=None if self.connect else str(URL(self._proxy_url).with_scheme("socks5h").with_port(SOCKS_PORT)),
             extra_env=self.extra_env, term=self.term, runtime=runtime, machine=machine, staged=staged,
+            run_ca_pem=await self._run_ca(),
         ))
         stack.push_async_callback(self._box.sandbox.destroy)
         poller = asyncio.ensure_future(self._poll_forever())
@@ -521,6 +522,21 @@ class DockerSession(SessionBase[_SessionBox]):
                         observer(seen)
                 if not events:
                     return
+
+    async def _run_ca(self) -> bytes | None:
+        """The run's inspection CA (its command trusts it), or None when the run inspects no names."""
+        assert self.control is not None and self.run_id is not None
+        status, text = await self.control.request_text("GET", f"/runs/{self.run_id}/ca")
+        if status == 404:
+            return None
+        if status in (401, 403):
+            # A run-scoped token may not read it: the command then cannot take inspected TLS (it fails closed).
+            sys.stderr.write("egressd: this run's inspection CA needs egressd's global control token; "
+                             "inspected names will fail\n")
+            return None
+        if status != 200 or "BEGIN CERTIFICATE" not in text:
+            raise ControlError(f"egressd's control API refused GET /runs/{self.run_id}/ca: {status}", status)
+        return text.encode()
 
     async def _poll_forever(self) -> None:
         while True:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import stat
 import sys
 import tarfile
@@ -30,7 +31,7 @@ from ..backend import (
     observation,
     within_time_limit,
 )
-from ..bwrap import SANDBOX_WORKDIR, base_environment
+from ..bwrap import SANDBOX_WORKDIR, SYSTEM_BUNDLE, TRUST_BUNDLE, base_environment, trust_bundle, trust_environment
 from ..copyout import MAX_BYTES, MAX_FILES, CopyDestination, CopyReport, check_pattern, unmatched_patterns
 from ..limits import Limits
 from ..stage import marker, stage, unstage
@@ -176,7 +177,9 @@ class DockerSandbox:
     cpus: float | None = DEFAULT_CPUS
     machine: str = "x86_64"  # the engine's architecture, for the seccomp profile
     staged: StagedWorkdir | None = None  # the working directory staged already (``StagedWorkdir.check_seen``)
+    run_ca_pem: bytes | None = None  # the run's inspection CA (it inspects names): trusted besides the system's
     env: dict[str, str] = field(init=False)
+    _trust: Path | None = field(default=None, init=False)  # a directory holding the bundle, removed with the box
     user: tuple[int, int] = field(init=False)
     _stage: Path = field(init=False)  # what the engine mounts at /work: the working directory, nosuid,nodev
     _current: str | None = field(default=None, init=False)
@@ -191,6 +194,15 @@ class DockerSandbox:
         self.env = base_environment(
             term=self.term, proxy_url=self.proxy_url, socks_url=self.socks_url, extra=self.extra_env
         )
+        if self.run_ca_pem is not None:
+            # The host's bundle and the run's CA, bound read-only over the image's (nothing here is secret).
+            self._trust = Path(tempfile.mkdtemp(prefix="egressd-trust-"))
+            system = Path(SYSTEM_BUNDLE)
+            bundle = self._trust / TRUST_BUNDLE
+            bundle.write_bytes(trust_bundle(system.read_bytes() if system.is_file() else b"", self.run_ca_pem))
+            bundle.chmod(0o644)
+            self._trust.chmod(0o755)
+            self.env.update(trust_environment())
 
     async def run(
         self,
@@ -216,7 +228,8 @@ class DockerSandbox:
         spec = CommandSpec(image=self.image, argv=command, env=self.env, workdir=str(self._stage),
                            network=self.network, address=self.address, dns=self.dns, labels=self.labels,
                            limits=limits, user=self.user, cpus=self.cpus, runtime=self.runtime,
-                           stdin=stdin is not None, machine=self.machine)
+                           stdin=stdin is not None, machine=self.machine,
+                           trust_bundle=str(self._trust / TRUST_BUNDLE) if self._trust is not None else None)
         started = time.monotonic()
         out, err = BoundedOutput(max_output), BoundedOutput(max_output)
         sinks = None if capture else (relay or (FdOutput(sys.stdout.fileno()), FdOutput(sys.stderr.fileno())))
@@ -372,6 +385,8 @@ class DockerSandbox:
         if self._current is not None:
             await self._remove(self._current)
         unstage(self._stage)
+        if self._trust is not None:
+            shutil.rmtree(self._trust, ignore_errors=True)
 
 
 def _extract(

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from ..backend import (
     SandboxError,
 )
-from ..bwrap import SANDBOX_GID, SANDBOX_HOSTNAME, SANDBOX_UID, SANDBOX_WORKDIR
+from ..bwrap import SANDBOX_GID, SANDBOX_HOSTNAME, SANDBOX_UID, SANDBOX_WORKDIR, SYSTEM_BUNDLE
 from ..copyout import MAX_BYTES, MAX_FILES, CopyReport
 from ..identity import refusal, run_as
 from ..limits import Limits
@@ -217,6 +217,7 @@ class CommandSpec:
     runtime: str | None = None
     stdin: bool = False
     machine: str = "x86_64"  # the engine's architecture (its /version "Arch"): the seccomp profile's
+    trust_bundle: str | None = None  # host path of the CA bundle bound over the standard one (a run that inspects)
 
 
 @functools.lru_cache(maxsize=4)
@@ -252,6 +253,8 @@ def command_config(spec: CommandSpec) -> dict[str, Any]:
             "OomScoreAdj": 500,  # when memory runs short on the host, the sandbox goes first
         }
     )
+    if spec.trust_bundle is not None:
+        host["Mounts"].append({"Type": "bind", "Source": spec.trust_bundle, "Target": SYSTEM_BUNDLE, "ReadOnly": True})
     if spec.limits.memory_mb:
         size = spec.limits.memory_mb * 1024 * 1024
         host["Memory"] = size

@@ -229,6 +229,16 @@ def test_a_command_container_is_hardened() -> None:
     assert config["User"] == "1000:1000" and config["Env"] == ["A=1"]
 
 
+def test_a_run_that_inspects_binds_its_ca_bundle_read_only_over_the_standard_one() -> None:
+    config = command_config(CommandSpec(
+        image="img", argv=["true"], env={}, workdir="/w", network="net", address="169.254.64.3",
+        dns="169.254.64.2", labels={}, trust_bundle="/tmp/egressd-trust-x/ca-bundle.crt",
+    ))
+    mounts = config["HostConfig"]["Mounts"]
+    assert [m["Target"] for m in mounts] == ["/work", "/etc/ssl/certs/ca-certificates.crt"]
+    assert mounts[1]["ReadOnly"] and mounts[1]["Source"] == "/tmp/egressd-trust-x/ca-bundle.crt"
+
+
 def test_the_sidecar_gets_our_policy_settings_but_its_own_listeners() -> None:
     settings = load_settings({"allow_private": ["169.254.64.16/28"], "approver": ["terminal", "webhook"],
                               "webhook_url": "http://h/hook", "unsafe_webhook_http": True,
