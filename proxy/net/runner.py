@@ -164,6 +164,8 @@ class Runner:
                             command.attempt, command.admission, client.new_peer, client.loop, command.deadline,
                             command.tls_name,
                         )
+                        if command.tls_name is not None:
+                            result.half_open = False  # TLS cannot half-close
                     elif kind is Relay:
                         result = await self._relay(command)
                     elif kind is Finish:
@@ -272,6 +274,7 @@ class Runner:
         if tls is None:
             raise PeerClosed("the client went away during the TLS handshake")
         client.transport = tls  # the client's bytes are read in clear from here
+        client.half_open = False
 
     # -- a tunnel ----------------------------------------------------------------------------
 

@@ -92,7 +92,7 @@ class Peer(asyncio.Protocol):
     # Thousands of these are alive at once (two per tunnel): no per-instance dict.
     __slots__ = ("transport", "buf", "eof", "closed", "_on_connect", "_read_waiter", "_write_waiter",
                  "_write_paused", "_read_paused", "relay", "_on_gone", "loop", "_read_deadline", "_timer",
-                 "_timer_at")
+                 "_timer_at", "half_open")
 
     def __init__(
         self, on_connect: Callable[[Peer], None] | None = None, loop: asyncio.AbstractEventLoop | None = None
@@ -119,6 +119,9 @@ class Peer(asyncio.Protocol):
         self._read_deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        # A peer's FIN leaves our side open (a half-closed peer may still read); not over TLS,
+        # which cannot half-close (the runner clears it when it takes over the client's TLS).
+        self.half_open = True
 
     # -- protocol callbacks ---------------------------------------------------
 
@@ -155,7 +158,7 @@ class Peer(asyncio.Protocol):
             self.relay.peer_eof(self)
         if self._read_waiter is not None:
             self._wake_reader()
-        return True  # keep our side open: a half-closed peer may still read
+        return self.half_open  # keep our side open: a half-closed peer may still read
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
