@@ -92,6 +92,8 @@ _RUN_ROUTES = frozenset(
         ("PUT", "/runs/{run_id}/command"),
         ("GET", "/runs/{run_id}/events"),
         ("DELETE", "/runs/{run_id}"),
+        # Its CA certificate (never the key), for the launcher that installs it in the run's sandbox.
+        ("GET", "/runs/{run_id}/ca"),
     }
 ) | RUN_SCOPED_ROUTES
 
@@ -350,9 +352,10 @@ async def run_events(request: web.Request) -> web.Response:
 
 
 async def run_ca(request: web.Request) -> web.Response:
-    """``GET /runs/{id}/ca``: the run's inspection CA certificate, PEM (never its key); global token only.
+    """``GET /runs/{id}/ca``: the run's inspection CA certificate, PEM (never its key).
 
-    For a launcher that installs it where the run's clients look (``egressd run`` does it itself).
+    The global token, or the run's own (its launcher's: a sandbox holds neither), for a launcher
+    that installs it where the run's clients look (``egressd run`` does it itself).
     """
     run = _run(request)
     inspector = request.app[INSPECTOR]

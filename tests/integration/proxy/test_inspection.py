@@ -238,7 +238,7 @@ async def test_other_names_stay_opaque_tunnels(
     assert _https(svc) == []
 
 
-async def test_the_runs_ca_is_handed_out_with_the_global_token_only(
+async def test_the_runs_ca_certificate_is_handed_out_to_a_token_and_never_its_key(
     make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
 ) -> None:
     svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**")
