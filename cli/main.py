@@ -72,6 +72,10 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--allow-private", "allow_private",
      {"action": "append", "metavar": "CIDR",
       "help": "let allowed names resolve into this private/special range (repeatable)"}),
+    ("--secret", "secret",
+     {"action": "append", "metavar": "NAME@HOST",
+      "help": "a secret the sandbox never holds: NAME@HOST[|HOST...][ HEADER] (default header Authorization); "
+      "its value is egressd's environment variable NAME, the sandbox gets a placeholder (repeatable)"}),
     ("--inspect-origin-ca-file", "inspect_origin_ca_file",
      {"metavar": "PATH",
       "help": "a CA file trusted for inspected origins besides the system's (names with request rules)"}),

@@ -186,6 +186,11 @@ class Settings(BaseSettings):
         None, description="allowlist file (TOML): its entries apply, and approvals with scope always append to it"
     )
     allow_private: CsvList = Field(default_factory=list, description="CIDRs exempt from the private-address check")
+    secret: CsvList = Field(
+        default_factory=list,
+        description="declared secrets, NAME@HOST[|HOST...][ HEADER]: the sandbox gets a placeholder as NAME, "
+        "egressd puts the value of its own environment variable NAME into inspected requests to those hosts only",
+    )
     inspect_origin_ca_file: Path | None = Field(
         None,
         description="a CA file trusted for inspected origins besides the system's (private origins, tests)",
@@ -313,7 +318,7 @@ class Settings(BaseSettings):
         "info", description="stderr log level: debug, info, warning, error"
     )
 
-    @field_validator("allow", "deny", "preset", "allow_private", "approver", "slack_approvers", mode="before")
+    @field_validator("allow", "deny", "preset", "allow_private", "approver", "slack_approvers", "secret", mode="before")
     @classmethod
     def _split_csv(cls, value: Any) -> Any:
         # "a,b" from the environment, and ["a,b", "c"] from repeated flags, both split.

@@ -106,6 +106,9 @@ SIDECAR_OWN = frozenset({
     "allow", "deny", "preset", "ask",
     # its audit log: in its volume, appended to ours when the run ends
     "audit_log", "audit_max_bytes", "audit_keep",
+    # host paths and values the container cannot have: inspected origins there are verified against the
+    # system's trust store only; declared secrets are refused on this backend (``DockerSession``)
+    "inspect_origin_ca_file", "secret",
 })
 PASSTHROUGH = tuple(
     name for name in Settings.model_fields
@@ -293,6 +296,8 @@ class DockerSession(SessionBase[_SessionBox]):
 
     async def _enter(self) -> None:
         entries_from_settings(self.settings)  # a bad entry stops us before anything is created
+        if self.settings.secret:
+            raise StartupError("--secret is not supported with --backend docker yet: use the bubblewrap backend")
         self._prepare_workdir()  # so does a root-owned working directory: before the engine is asked anything
         stack = self._stack
         # SIGUSR1 (logrotate) must not kill the run: this backend opens the host's audit log only when the

@@ -22,7 +22,7 @@ import secrets
 import ssl
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -54,6 +54,7 @@ from egressd.proxy.core.runs import (
     entry_diff,
     new_control_token,
 )
+from egressd.proxy.core.secrets import Secret, SecretError, Secrets, parse_secret, placeholder
 from egressd.proxy.net.dialer import Dialer, bound_locally
 from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.inspector import Inspector
@@ -135,6 +136,32 @@ def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[
             raise StartupError(f"bad setting {setting}: {exc}{where}") from None
     from_file = parsed[2]
     return parsed[0] + from_file[: len(file_allow)], parsed[1] + from_file[len(file_allow) :]
+
+
+def secrets_from_settings(settings: Settings, allow: Sequence[Entry], environ: Mapping[str, str]) -> Secrets | None:
+    """The declared secrets with their values (egressd's environment) and fresh placeholders; StartupError.
+
+    Each secret's names must be inspected (a request rule names them): elsewhere egressd cannot put it in.
+    """
+    if not settings.secret:
+        return None
+    inspected = [entry for entry in allow if entry.request is not None]
+    declared: list[Secret] = []
+    for text in settings.secret:
+        name = text.partition("@")[0].strip()
+        try:
+            secret = parse_secret(text, value=environ.get(name, ""), placeholder=placeholder(secrets.token_hex(16)))
+        except SecretError as exc:
+            missing = f" (egressd's environment has no {name})" if name and not environ.get(name) else ""
+            raise StartupError(f"bad setting secret: {exc}{missing}") from None
+        for entry in secret.hosts:
+            if not any(rule.host == entry.host and rule.wildcard == entry.wildcard for rule in inspected):
+                raise StartupError(
+                    f"bad setting secret: {secret.name}: {entry.text} has no request rule, so egressd cannot put the "
+                    f"secret in (add one, e.g. '{entry.text}/**')"
+                )
+        declared.append(secret)
+    return Secrets(declared)
 
 
 def _describe_change(entries: EntryChange, changed: tuple[str, ...]) -> str:
@@ -469,6 +496,7 @@ class EgressService:
             resolver=resolver,
             screen=Screen(allow_private=s.allow_private_networks, own=own_endpoints(s), is_local=bound_locally),
             inspector=inspector,
+            secrets=secrets_from_settings(s, entries_from_settings(s)[0], os.environ),
         )
         default = None
         if not s.require_auth:

@@ -306,6 +306,10 @@ class SandboxSession(SessionBase[BwrapSandbox]):
         )  # fmt: skip
         if registration is not None:
             stack.callback(registration.remove)
+        secrets = self.service.path.secrets
+        if secrets is not None:
+            # The command holds each secret's placeholder under its name, never its value.
+            self.extra_env.update({secret.name: secret.placeholder for secret in secrets.declared})
         try:
             self._box = BwrapSandbox(
                 network=self.network,

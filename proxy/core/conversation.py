@@ -57,6 +57,7 @@ from egressd.proxy.core.insiderequest import plain_request
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import GONE_DETAIL, ListenerLimits, Mode, Refusal, run_at_cap, too_many_connections
 from egressd.proxy.core.runs import Run, RunRegistry
+from egressd.proxy.core.secrets import Secrets
 from egressd.vocabulary.egress import EgressKind
 from egressd.vocabulary.reasons import Reason
 
@@ -147,6 +148,7 @@ class Listening:
     begin: Callable[[EgressKind, str | None, int | None], Seen]  # a new attempt's identity (id, start)
     # The way in inside an inspected connection, for (run, host, port, max head bytes); None: none is.
     inspecting: Callable[[Run, str, int, int], InsideWay] | None = None
+    secrets: Secrets | None = None  # declared secrets: their placeholders checked and replaced (None: none)
 
 
 class Conversation:
@@ -237,6 +239,8 @@ class Conversation:
             raise Refused(refused, run_at_cap(at.mode.reads, attributed=True))
         attempt = Attempt(seen, host, port, run, kind)
         self.pending = attempt
+        if destination is not None and at.secrets is not None:
+            self._no_misdirected_secret(attempt, host, port, inspected=False)
         run.open_connections += 1
         self.slot = run
         try:
@@ -327,6 +331,16 @@ class Conversation:
         )
         return decided
 
+    def _no_misdirected_secret(self, attempt: Attempt, host: str, port: int, *, inspected: bool) -> None:
+        """Refuse (``secret_misdirected``) a request carrying a secret's placeholder where it may not go."""
+        secrets, exchange = self.at.secrets, self.exchange
+        assert secrets is not None and exchange is not None and exchange.request is not None
+        found = secrets.misdirected(exchange.request, host.lower().rstrip("."), port, inspected=inspected)
+        if found is not None:
+            secret, where = found
+            attempt.deny(Reason.SECRET_MISDIRECTED, f"the placeholder of the secret {secret.name} {where}")
+            raise Refused(attempt, Refusal(Reason.SECRET_MISDIRECTED))
+
     def _carry_inside(self, inside: InsideWay, arrival: Arrival) -> Steps:
         """Decide one request inside the inspected tunnel on its method and path, then forward it."""
         seen = arrival[0]
@@ -336,6 +350,9 @@ class Conversation:
         tunnel, tunnel_admission = outer
         attempt = self.pending = Attempt(seen)
         attempt.method, attempt.path = request.method, request.path
+        secrets = self.at.secrets
+        if secrets is not None:
+            self._no_misdirected_secret(attempt, tunnel_admission.host, tunnel_admission.port, inspected=True)
         admission: Admission = yield from decide_request(
             inside.run, tunnel_admission, request.method, request.path, request.shown, self.at.audit.healthy
         )
@@ -344,6 +361,9 @@ class Conversation:
             raise Refused(attempt, Refusal(admission.reason or Reason.BAD_REQUEST))
         destination = arrival[5]
         assert destination is not None
+        if secrets is not None:
+            assert self.exchange is not None and self.exchange.request is not None
+            secrets.substitute(self.exchange.request, admission.host, admission.port)
         try:
             go_on = yield from self._forward(attempt, admission, destination, tls_name=admission.host)
         finally:

@@ -70,6 +70,7 @@ class Listener:
             begin=recorder.begin,
             # Only the explicit proxy's CONNECT is inspected so far (the transparent TLS listener: not yet).
             inspecting=InspectedWay if path.inspector is not None and mode is EXPLICIT else None,
+            secrets=path.secrets,
         )
 
     @property

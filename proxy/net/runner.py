@@ -59,6 +59,7 @@ from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.inspectca import InspectCAError
 from egressd.proxy.core.modes import ListenerLimits
 from egressd.proxy.core.runs import RunRegistry, source_address
+from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.dialer import Dialer
 from egressd.proxy.net.inspector import Inspector
 from egressd.proxy.net.recorder import Recorder
@@ -85,6 +86,7 @@ class EgressPath:
     resolver: Resolver
     screen: Screen
     inspector: Inspector | None = None  # the TLS ends of inspected connections (None: nothing is inspected)
+    secrets: Secrets | None = None  # declared secrets (None: none)
 
 
 class Shared(Protocol):

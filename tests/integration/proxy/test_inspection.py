@@ -324,3 +324,35 @@ def test_openssls_verifier_honours_the_name_constraints(tmp_path: Path) -> None:
     assert verify("good.pem", "origin.test").returncode == 0
     rejected = verify("forged.pem", "bank.test")
     assert rejected.returncode != 0 and "permitted subtree violation" in rejected.stdout + rejected.stderr, rejected
+
+
+async def test_a_declared_secret_goes_only_to_its_name_and_its_placeholder_elsewhere_is_refused(
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, http_origin: Any, leak: Any, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("ORIGIN_TOKEN", "real-secret-value")
+    svc = await _inspecting(
+        make_egressd, https_origin, "origin.test:PORT/**", f"origin.test:{http_origin.port}", f"leak.test:{leak.port}",
+        secret=[f"ORIGIN_TOKEN@origin.test:{https_origin.port}"], ask=False,
+    )  # fmt: skip
+    assert svc.path is not None and svc.path.secrets is not None
+    (secret,) = svc.path.secrets.declared
+    mark = secret.placeholder
+    ca = await _run_ca(svc, tmp_path)
+    base = f"https://origin.test:{https_origin.port}"
+    code, out, err = await _curl(svc, ca, f"{base}/api", "-H", f"Authorization: Bearer {mark}")
+    assert code == 0 and "\r\n\r\nHTTP/1.1 200" in out, (out, err)
+    assert https_origin.requests[-1][2]["Authorization"] == "Bearer real-secret-value"
+    # The placeholder anywhere else: another header, the URL, plain HTTP to another name.
+    for url, args in [
+        (f"{base}/api", ["-H", f"X-Leak: {mark}"]),
+        (f"{base}/api?t={mark}", []),
+        (f"http://origin.test:{http_origin.port}/", ["-H", f"Authorization: Bearer {mark}"]),
+        (f"http://leak.test:{leak.port}/", ["-H", f"Authorization: Bearer {mark}"]),
+    ]:
+        code, out, err = await _curl(svc, ca, url, *args)
+        assert code == 0 and "X-Egress-Reason: secret_misdirected" in out, (url, out, err)
+    assert len(https_origin.requests) == 1 and http_origin.requests == [] and leak.connections == 0
+    refused = [r for r in svc.audit_records if r.get("reason") == "secret_misdirected"]
+    assert len(refused) == 4 and all("ORIGIN_TOKEN" in r["detail"] for r in refused), refused
+    assert "real-secret-value" not in json.dumps(svc.audit_records)

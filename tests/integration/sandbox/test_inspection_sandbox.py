@@ -40,3 +40,25 @@ async def test_curl_and_python_in_the_sandbox_trust_the_runs_ca_and_a_write_is_r
     assert "vars=/etc/ssl/certs/ca-certificates.crt" in out, out
     assert [(m, p) for m, p, _ in https_origin.requests] == [("GET", "/docs/from-curl"), ("GET", "/docs/from-python")]
     await assert_no_leftovers()
+
+
+async def test_a_declared_secret_never_enters_the_sandbox_and_still_reaches_its_name(
+    tmp_path: Path, dns, https_origin: HttpsOrigin  # type: ignore[no-untyped-def]
+) -> None:
+    base = f"https://origin.test:{https_origin.port}"
+    script = textwrap.dedent(f"""
+        echo "placeholder=$ORIGIN_TOKEN"
+        curl -sS -m 10 -H "Authorization: Bearer $ORIGIN_TOKEN" {base}/api; echo
+        echo "found=$(cat /proc/self/environ /proc/1/environ 2>/dev/null | grep -c real-secret-value)"
+    """)
+    code, out, err = await egressd_run(
+        tmp_path, dns, "--allow", f"origin.test:{https_origin.port}/**", "--no-ask",
+        "--secret", f"ORIGIN_TOKEN@origin.test:{https_origin.port}",
+        "--inspect-origin-ca-file", str(https_origin.ca_file), "--", "sh", "-c", script,
+        env={"ORIGIN_TOKEN": "real-secret-value"},
+    )  # fmt: skip
+    assert code == 0, err
+    assert "placeholder=egressd-secret-" in out and "found=0" in out and "real-secret-value" not in out, out
+    assert "origin: GET /api" in out, out
+    assert https_origin.requests[-1][2]["Authorization"] == "Bearer real-secret-value"
+    await assert_no_leftovers()
