@@ -58,6 +58,7 @@ __all__ = [
     "Shown",
     "bounded",
     "is_unrelated",
+    "is_unrelated_write",
     "registered_domain",
     "render",
     "shorten",
@@ -79,6 +80,9 @@ REQUEST_INTRO = "A command in the sandbox made a request that no rule for this d
 MAX_PATH_CHARS = 200
 MAX_QUERY_NAMES = 10
 UNRELATED = "Unrelated: this domain is not named in the task or the command, and is not under an allowed domain."
+UNRELATED_WRITE = "Unrelated: a write to a path the task does not name."
+# Methods that only read (RFC 9110 §9.2.1 safe methods): never "a write".
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "TRACE"})
 CLOSING = (
     "Reply allow (this run only) or deny. If you did not expect this request,",
     "deny it: it may come from instructions planted in a file the agent read.",
@@ -261,6 +265,19 @@ def is_unrelated(host: str, *, command: str | None, task: str | None, allowed: S
     return True
 
 
+def is_unrelated_write(method: str, path: str, task: str | None) -> bool:
+    """A request that writes (not a safe method) to a path of which the task, as shown, names no segment.
+
+    Segments shorter than three characters (``v1``, ``a``) name nothing; a
+    segment counts when the task holds it as a word or a path part, case aside.
+    """
+    if method in SAFE_METHODS:
+        return False
+    words = {word.lower() for word in re.split(r"[^A-Za-z0-9_.~-]+", task or "") if word}
+    segments = [segment.lower() for segment in path.split("/") if len(segment) >= 3]
+    return not any(segment in words for segment in segments)
+
+
 def _unicode_form(host: str) -> str | None:
     """The U-label form of a host with IDNA labels, or None when it has none (or does not decode)."""
     if not any(label.startswith("xn--") for label in host.split(".")):
@@ -345,12 +362,15 @@ def render(
     command_text = command_shown.text if command_shown else "(not known)"
     task_text = task_shown.text if task_shown else "(none given)"
     shown_allowed, allowed_text = _allowed_text(allowed, room)
-    unrelated = is_unrelated(
-        host,
-        command=command_shown.read if command_shown else None,
-        task=task_shown.read if task_shown else None,
-        allowed=allowed,
-    )
+    if request is None:
+        unrelated = is_unrelated(
+            host,
+            command=command_shown.read if command_shown else None,
+            task=task_shown.read if task_shown else None,
+            allowed=allowed,
+        )
+    else:  # the domain is allowed already: what may be unrelated is the write
+        unrelated = is_unrelated_write(request.method, request.path, task_shown.read if task_shown else None)
 
     request_text = _request_text(request) if request is not None else None
     lines: list[tuple[str, str]] = [
@@ -365,7 +385,7 @@ def render(
         ("allowed", f"Allowed domains: {allowed_text}"),
     ]
     if unrelated:
-        lines.append(("unrelated", UNRELATED))
+        lines.append(("unrelated", UNRELATED if request is None else UNRELATED_WRITE))
     lines.extend(("closing", line) for line in CLOSING)
     if request is not None:
         lines.append(("scope", f"A deny covers {escape(request.method)} under {escape(request.prefix)} on "

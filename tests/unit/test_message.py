@@ -179,3 +179,22 @@ def test_a_request_inside_an_inspected_connection_is_shown_without_values_and_th
 def test_without_a_request_the_message_is_the_new_domain_one() -> None:
     message = render(host="example.com", port=443, command=None, task=None, allowed=())
     assert "request" not in dict(message.lines) and message.request is None
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "task", "unrelated"),
+    [
+        ("POST", "/gists", "summarise the open issues of org/repo", True),
+        ("POST", "/repos/org/repo/issues", "summarise the open issues of org/repo", False),
+        ("PUT", "/v1/a", "anything", True),
+        ("GET", "/gists", "summarise the issues", False),  # a read is never "a write"
+        ("DELETE", "/branches/main", None, True),
+    ],
+)
+def test_a_write_to_a_path_the_task_does_not_name_is_flagged(
+    method: str, path: str, task: str | None, unrelated: bool
+) -> None:
+    held = HeldRequest(method, path, path)
+    message = render(host="api.github.com", port=443, command="curl", task=task, allowed=(), request=held)
+    assert message.unrelated is unrelated
+    assert ("unrelated", "Unrelated: a write to a path the task does not name.") in message.lines or not unrelated
