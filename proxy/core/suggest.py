@@ -22,6 +22,13 @@ What counts, for the run chosen (``pick_run``):
    (a reason whose status is 403: a deny entry, a private address, a
    person's denial, ...): those are listed in a closing comment.
 
+Requests on inspected names (``https`` records, and ``http`` ones that name a
+method and path) become request rules instead of their host's entry: per host,
+port and path prefix (``requestrules.approval_prefix``, the first two
+segments) one rule naming every method used under it, ``GET|POST
+api.github.com/org/repo/**`` (``requestrules.suggested_rule``'s form); to
+learn them, run with ``--learn`` and ``inspect HOST`` for the names to watch.
+
 Entries: a host used on 80 or 443 is ``host``; another port is
 ``host:PORT``. Three or more names under one registered domain (names
 below it, used on 80 or 443) become ``*.domain`` — a registered domain is
@@ -40,6 +47,7 @@ from egressd.names.hosts import HostError, parse_host
 from egressd.names.shown import toml_string
 from egressd.names.suffixes import registrable_domain
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
+from egressd.proxy.core.requestrules import approval_prefix, suggested_rule
 from egressd.vocabulary.reasons import Reason, reason_for
 
 __all__ = ["CONNECTION_KINDS", "MIN_GROUP", "Suggestion", "SuggestError", "pick_run", "render", "suggest"]
@@ -85,6 +93,8 @@ class Suggestion:
 @dataclass
 class _Seen:
     ports: dict[str, set[int]] = field(default_factory=dict)  # host → ports used (443 for a DNS name)
+    # (host, port, path prefix) → the methods used under it, on an inspected name
+    requests: dict[tuple[str, int, str], set[str]] = field(default_factory=dict)
     refused: dict[str, str] = field(default_factory=dict)  # host → the first reason it was refused
     literals: set[str] = field(default_factory=set)
     learned: int = 0
@@ -143,20 +153,24 @@ def suggest(
         elif event == "approval.decided" and record.get("decision") == "allow":
             host, port = requested.get(record.get("id"), (None, None))
             _use(seen, host, port)
-        elif event == "egress" and record.get("kind") in kinds:
+        elif event == "egress" and (record.get("kind") in kinds or record.get("kind") == "https"):
             decision, reason = record.get("decision"), _reason(record.get("reason"))
             if decision == "allow" and record.get("id") in cut:
                 decision, reason = "deny", _reason(cut[record.get("id")])
             port = record.get("port") if record.get("kind") != "dns" else 443
             if decision == "allow" or (reason is not None and reason.status in _UPSTREAM_STATUSES):
-                _use(seen, record.get("host"), port)
+                if not _request(seen, record):
+                    _use(seen, record.get("host"), port)
                 if record.get("learned") is not None:
                     seen.learned += 1
             elif reason is not None and reason.status == _POLICY_STATUS:
                 host = _name(record.get("host"))
                 if host is not None:
                     seen.refused.setdefault(host, reason.value)
-    entries, hosts = _entries(seen.ports)
+    inspected = {host for host, _, _ in seen.requests}
+    entries, hosts = _entries({h: p for h, p in seen.ports.items() if h not in inspected})
+    entries += _rules(seen.requests)
+    hosts += len(inspected)
     refused = tuple(sorted((h, why) for h, why in seen.refused.items() if h not in seen.ports))
     return Suggestion(
         run=run_id,
@@ -197,6 +211,26 @@ def _use(seen: _Seen, host_value: object, port: object) -> None:
         seen.literals.add(host)
         return
     seen.ports.setdefault(host, set()).add(port)
+
+
+def _request(seen: _Seen, record: Mapping[str, object]) -> bool:
+    """Count an allowed request on an inspected name (it names a method and a path); False for anything else."""
+    method, path, port = record.get("method"), record.get("path"), record.get("port")
+    host = _name(record.get("host"))
+    if not (isinstance(method, str) and isinstance(path, str) and isinstance(port, int) and host is not None):
+        return False
+    seen.requests.setdefault((host, port, approval_prefix(path)), set()).add(method)
+    return True
+
+
+def _rules(requests: Mapping[tuple[str, int, str], set[str]]) -> tuple[tuple[str, str | None], ...]:
+    """One rule per host, port and prefix, naming the methods used; only what ``parse_entry`` accepts."""
+    rows = []
+    for (host, port, prefix), methods in sorted(requests.items(), key=lambda item: (_order(item[0][0]), item[0])):
+        text = suggested_rule("|".join(sorted(methods)), host, port, prefix)
+        if _entry(text) is not None:
+            rows.append((text, None))
+    return tuple(rows)
 
 
 def _entries(ports: Mapping[str, set[int]]) -> tuple[tuple[tuple[str, str | None], ...], int]:

@@ -244,3 +244,25 @@ def test_egressd_run_tells_of_each_attempt_learn_mode_let_through() -> None:
         "egressd: learned new.example:443 (let through by --learn: not on the allowlist)\n"
     )
     assert refusal_line(EgressSeen.of(_egress("ok.example"))) is None
+
+
+def test_requests_on_inspected_names_become_request_rules_grouped_by_prefix_with_their_methods() -> None:
+    def request(method: str, path: str, decision: str = "allow", **extra: Any) -> dict[str, Any]:
+        return _egress("api.github.com", 443, decision, id=f"{method}{path}{decision}", kind="https",
+                       method=method, path=path, **extra)
+
+    records = [
+        START,
+        _egress("api.github.com", 443),  # the tunnel itself: its requests say more than its host
+        request("GET", "/repos/org/repo/issues", learned="not_allowlisted"),
+        request("GET", "/repos/org/repo/pulls/3"),
+        request("POST", "/repos/org/repo/issues"),
+        request("DELETE", "/repos/org/other", "deny", reason="denied"),
+        _egress("pypi.org", 443),
+        _egress("uploads.test", 8443, kind="https", method="PUT", path="/"),
+    ]
+    assert _allow(records) == [  # hosts first, then the rules
+        "pypi.org",
+        "GET|POST api.github.com/repos/org/**",
+        "PUT uploads.test:8443/**",
+    ]
