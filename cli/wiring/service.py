@@ -491,7 +491,7 @@ class EgressService:
             recorder=Recorder(
                 audit=audit, metrics=Metrics(), refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
             ),
-            dialer=Dialer(origin_tls=inspector.origin),
+            dialer=Dialer(origin_tls=inspector.origin_context),
             approver=approver,
             resolver=resolver,
             screen=Screen(allow_private=s.allow_private_networks, own=own_endpoints(s), is_local=bound_locally),

@@ -63,12 +63,12 @@ class _Expiry:
 class Dialer:
     """Connects an admitted attempt upstream.
 
-    ``origin_tls``: the client side of TLS toward origins (an inspected
-    connection's upstream: the system's trust store, hostname checked); None
-    when nothing is inspected.
+    ``origin_tls``: gives the client side of TLS toward origins (an inspected
+    connection's upstream: the system's trust store, hostname checked), made
+    when first asked for; None when nothing is inspected.
     """
 
-    def __init__(self, origin_tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, origin_tls: Callable[[], ssl.SSLContext] | None = None) -> None:
         self.origin_tls = origin_tls
 
     async def dial(
@@ -108,7 +108,7 @@ class Dialer:
                         if self.origin_tls is None:
                             raise DialError(Reason.TLS_INTERCEPT_FAILED, "no TLS settings for inspected origins")
                         _transport, peer = await loop.create_connection(
-                            protocol, text, admission.port, ssl=self.origin_tls, server_hostname=tls_name
+                            protocol, text, admission.port, ssl=self.origin_tls(), server_hostname=tls_name
                         )
                 except OSError as exc:
                     last = exc

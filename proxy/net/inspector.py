@@ -21,8 +21,7 @@ import os
 import ssl
 from collections import OrderedDict
 from collections.abc import Callable
-
-from egressd.proxy.core.inspectca import RunCA
+from egressd.proxy.core.inspectca import InspectCAError, RunCA
 from egressd.proxy.core.runs import Run
 
 # Server contexts kept (one per run and name): a context holds its leaf's key; the CA's own
@@ -36,18 +35,35 @@ def _utcnow() -> _dt.datetime:
     return _dt.datetime.now(_dt.UTC)
 
 
+class CannotInspect(Exception):
+    """The run's CA does not cover the name (the run's rules changed after its CA was made)."""
+
+
 class Inspector:
-    """The per-run CAs and the TLS contexts built from them."""
+    """The per-run CAs and the TLS contexts built from them, each made when first needed.
+
+    ``origin_cafile`` is loaded at once (a bad file stops egressd's start, ``ssl.SSLError``
+    or ``OSError``); the system's trust store when the first inspected request goes upstream.
+    """
 
     def __init__(self, *, origin_cafile: str | None = None, clock: Callable[[], _dt.datetime] = _utcnow) -> None:
         self._clock = clock
         self._cas: dict[str, RunCA] = {}
         self._contexts: OrderedDict[tuple[str, str], ssl.SSLContext] = OrderedDict()
-        origin = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+        self._origin_cafile = origin_cafile
+        self._origin: ssl.SSLContext | None = None
         if origin_cafile is not None:
-            origin.load_verify_locations(cafile=origin_cafile)
-        origin.set_alpn_protocols(["http/1.1"])
-        self.origin = origin
+            self.origin_context()
+
+    def origin_context(self) -> ssl.SSLContext:
+        """The client side toward inspected origins: the system's trust store (and ``origin_cafile``)."""
+        if self._origin is None:
+            origin = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+            if self._origin_cafile is not None:
+                origin.load_verify_locations(cafile=self._origin_cafile)
+            origin.set_alpn_protocols(["http/1.1"])
+            self._origin = origin
+        return self._origin
 
     def ca(self, run: Run) -> RunCA:
         """The run's CA, made on first use for the run's inspected names."""
@@ -64,14 +80,17 @@ class Inspector:
     def server_context(self, run: Run, name: str) -> ssl.SSLContext:
         """The client-facing context for ``name`` in ``run``: its leaf, HTTP/1.1 in ALPN.
 
-        Raises ``inspectca.InspectCAError`` for a name the run's CA does not cover.
+        Raises ``CannotInspect`` for a name the run's CA does not cover.
         """
         key = (run.id, name)
         context = self._contexts.get(key)
         if context is not None:
             self._contexts.move_to_end(key)
             return context
-        leaf = self.ca(run).leaf(name)
+        try:
+            leaf = self.ca(run).leaf(name)
+        except InspectCAError as exc:
+            raise CannotInspect(str(exc)) from None
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_2
         context.set_alpn_protocols(["http/1.1"])

@@ -56,12 +56,11 @@ from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.heads import ResponseHead
 from egressd.proxy.core.http1.syntax import HttpError
-from egressd.proxy.core.inspectca import InspectCAError
 from egressd.proxy.core.modes import ListenerLimits
 from egressd.proxy.core.runs import RunRegistry, source_address
 from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.dialer import Dialer
-from egressd.proxy.net.inspector import Inspector
+from egressd.proxy.net.inspector import CannotInspect, Inspector
 from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import Resolver
 from egressd.proxy.net.stream import GoneCancels, IdleTimeout, Peer
@@ -260,7 +259,7 @@ class Runner:
             raise InterceptFailed("the client sent bytes before its CONNECT was answered")
         try:
             context = inspector.server_context(run, command.name)
-        except InspectCAError as exc:
+        except CannotInspect as exc:
             raise InterceptFailed(str(exc)) from None
         if command.answer and client.write(command.answer):
             await client.drain()
