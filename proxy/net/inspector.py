@@ -21,6 +21,7 @@ import os
 import ssl
 from collections import OrderedDict
 from collections.abc import Callable
+
 from egressd.proxy.core.inspectca import InspectCAError, RunCA
 from egressd.proxy.core.runs import Run
 
