@@ -301,6 +301,7 @@ class ApprovalBroker:
             task=request.task,
             allowed=request.allowed,
             request=request.request,
+            uploaded=request.uploaded,
         )
         approval = self._ledger.open(request, approval_id=self._new_id(), channels=self.attached, now=now)
         view = PendingApproval(

@@ -51,6 +51,8 @@ class ApprovalRequest:
     lasting_error: str | None = None
     # Inside an inspected connection: the request asked about (None: the destination alone).
     request: HeldRequest | None = None
+    # An upload budget's question: the bytes the run has sent to ``host`` (its registered domain) so far.
+    uploaded: int | None = None
     # What the asker wants done with the answer when it comes after the asker
     # stopped waiting (its client gave up): the decision applies it to the run (``late_answer``).
     # Called once the approval settles, only when no client waits any more;
@@ -229,6 +231,7 @@ class PendingApproval:
                 "content_type": request.request.content_type,
                 "length": request.request.length,
             },
+            "uploaded": request.uploaded,
             "unrelated": self.message.unrelated,
             "message": self.message.text,
             "expires_at": rfc3339(self.expires_at),

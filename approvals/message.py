@@ -345,6 +345,7 @@ def render(
     allowed: Sequence[str],
     room: Room = EVERY_CHANNEL,
     request: HeldRequest | None = None,
+    uploaded: int | None = None,
 ) -> ApprovalMessage:
     """Render the message for a held request to ``host:port`` (host normalised, ASCII).
 
@@ -362,7 +363,9 @@ def render(
     command_text = command_shown.text if command_shown else "(not known)"
     task_text = task_shown.text if task_shown else "(none given)"
     shown_allowed, allowed_text = _allowed_text(allowed, room)
-    if request is None:
+    if uploaded is not None:
+        unrelated = False  # a domain the run was allowed to reach: the question is how much
+    elif request is None:
         unrelated = is_unrelated(
             host,
             command=command_shown.read if command_shown else None,
@@ -373,8 +376,11 @@ def render(
         unrelated = is_unrelated_write(request.method, request.path, task_shown.read if task_shown else None)
 
     request_text = _request_text(request) if request is not None else None
+    intro = INTRO if request_text is None else REQUEST_INTRO
+    if uploaded is not None:
+        intro = f"This run has sent {_size(uploaded)} to {shown_host}, past its upload budget: let it continue?"
     lines: list[tuple[str, str]] = [
-        ("intro", INTRO if request_text is None else REQUEST_INTRO),
+        ("intro", intro),
         ("domain", domain_line),
     ]
     if request_text is not None:
@@ -387,7 +393,9 @@ def render(
     if unrelated:
         lines.append(("unrelated", UNRELATED if request is None else UNRELATED_WRITE))
     lines.extend(("closing", line) for line in CLOSING)
-    if request is not None:
+    if uploaded is not None:
+        lines.append(("scope", "Allow lets it send another budget's worth; a deny, or no answer, ends the connection."))
+    elif request is not None:
         lines.append(("scope", f"A deny covers {escape(request.method)} under {escape(request.prefix)} on "
                                f"{shown_host} for this run; allow for the run allows the same."))
     elif site is not None and not _is_ip(host):

@@ -204,6 +204,7 @@ def _render(approval: PendingApproval, columns: int, share: _Rows, *, name: int 
         task=request.task,
         allowed=request.allowed,
         request=request.request,
+        uploaded=request.uploaded,
         room=Room(
             command=room("Command: ", share.command, request.command),
             task=room("Task: ", share.task, request.task),

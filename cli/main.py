@@ -151,6 +151,10 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
      {"type": float, "metavar": "S", "help": "time to send a request head (default 10)"}),
     ("--connect-timeout-s", "connect_timeout_s",
      {"type": float, "metavar": "S", "help": "time to connect upstream (default 10)"}),
+    ("--upload-budget-mb", "upload_budget_mb",
+     {"type": float, "metavar": "MIB",
+      "help": "MiB a run may send to one registered domain before a person is asked to let it go on "
+      "(default 0: no budget)"}),
     ("--idle-timeout-s", "idle_timeout_s",
      {"type": float, "metavar": "S", "help": "idle tunnel lifetime (default 300)"}),
     ("--max-connections", "max_connections",

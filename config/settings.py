@@ -294,6 +294,13 @@ class Settings(BaseSettings):
     max_head_bytes: int = Field(64 * 1024, ge=1024, le=1024 * 1024, description="request head size (431 past it)")
     head_timeout_s: float = Field(10.0, gt=0, le=600, description="time to receive a request head")
     connect_timeout_s: float = Field(10.0, gt=0, le=600, description="time to connect upstream")
+    upload_budget_mb: float = Field(
+        0.0,
+        ge=0,
+        le=1024 * 1024,
+        description="MiB a run may send to one registered domain before a person is asked to let it go on "
+        "(the connection paused meanwhile; 0: no budget)",
+    )
     idle_timeout_s: float = Field(
         300.0,
         gt=0,

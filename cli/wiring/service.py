@@ -517,6 +517,7 @@ class EgressService:
             head_timeout_s=s.head_timeout_s,
             idle_timeout_s=s.idle_timeout_s,
             connect_timeout_s=s.connect_timeout_s,
+            upload_budget_bytes=int(s.upload_budget_mb * 1024 * 1024),
             max_connections=s.max_connections,
             max_connections_per_run=s.max_connections_per_run,
         )

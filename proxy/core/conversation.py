@@ -30,11 +30,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
 from egressd.approvals.message import HeldRequest
 from egressd.names.addresses import IPAddress
+from egressd.names.suffixes import registrable_domain
 from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
+from egressd.proxy.core.budget import Budget
 from egressd.proxy.core.commands import (
     STALE,
+    Ask,
     Close,
     Dial,
     Finish,
@@ -59,7 +63,7 @@ from egressd.proxy.core.modes import GONE_DETAIL, ListenerLimits, Mode, Refusal,
 from egressd.proxy.core.runs import Run, RunRegistry
 from egressd.proxy.core.secrets import Secrets
 from egressd.vocabulary.egress import EgressKind
-from egressd.vocabulary.reasons import Reason
+from egressd.vocabulary.reasons import ANSWER_REASONS, Reason
 
 # ``Refused.answer``'s default: the way in renders the refusal (``Way.answer``).
 THE_WAYS_ANSWER: Final[Any] = object()
@@ -387,6 +391,21 @@ class Conversation:
         """
         exchange = self.exchange
         assert exchange is not None
+        grant = self.at.limits.upload_budget_bytes
+        if not grant:
+            return (yield from self._send_on(attempt, admission, destination, tls_name))
+        budget: Budget = yield from self._within_budget(attempt, admission, grant)
+        try:
+            return (yield from self._send_on(attempt, admission, destination, tls_name))
+        finally:
+            budget.spend(attempt.bytes_up)  # what it sent, counted once it is over
+
+    def _send_on(
+        self, attempt: Attempt, admission: Admission, destination: Destination, tls_name: str | None
+    ) -> Steps:
+        """``_forward``'s work: the request out, the response back, the upstream kept or closed."""
+        exchange = self.exchange
+        assert exchange is not None
         out = exchange.forward(destination)
         if exchange.interim:
             yield Send(exchange.interim)
@@ -422,6 +441,34 @@ class Conversation:
                 raise Refused(attempt, Refusal(outcome))
             return bool(outcome)
         return False
+
+    def _within_budget(self, attempt: Attempt, admission: Admission, grant: int) -> Steps:
+        """An HTTP request's upload budget (``budget``): one that would go past it (its declared length
+        counted) is asked about before anything of it is sent; what it sends is counted when it ends.
+
+        (A chunked body declares no length: it is counted after, so it may pass the budget by itself.)
+        Returns the budget, to count the request in when it ends.
+        """
+        run, exchange = attempt.run, self.exchange
+        assert run is not None and exchange is not None and exchange.request is not None
+        budget = run.budget(registrable_domain(admission.host) or admission.host, grant)
+        declared = exchange.request.get("Content-Length")
+        length = int(declared) if declared is not None and declared.isdigit() else 0
+        if budget.sent + length > budget.limit:
+            request = ApprovalRequest(
+                run_id=run.id, host=budget.site, port=admission.port, command=run.command, task=run.task,
+                allowed=run.allowed_texts(), lasting_error="an upload budget's answer lasts for this run only",
+                uploaded=budget.sent,
+            )  # fmt: skip
+            outcome: ApprovalOutcome = yield Ask(request, False)
+            if not outcome.allowed:
+                attempt.deny(ANSWER_REASONS[outcome.answer], f"past the run's upload budget ({budget.sent} bytes sent "
+                             f"to {budget.site})")
+                raise Refused(attempt, Refusal(ANSWER_REASONS[outcome.answer]))
+            budget.sent += length
+            budget.granted()
+            budget.sent -= length
+        return budget
 
     # -- refusals -----------------------------------------------------------------------------
 

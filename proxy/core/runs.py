@@ -49,6 +49,7 @@ from typing import Any
 
 from egressd.names.addresses import IPAddress, unmapped
 from egressd.names.hosts import HostError, registered_domain
+from egressd.proxy.core.budget import Budget
 from egressd.proxy.core.memo import remember
 from egressd.proxy.core.policy import (
     DEFAULT_PORTS,
@@ -181,6 +182,8 @@ class Run:
     # Inside inspected connections: (method, host, port, path prefix) approved, (method, host, prefix) denied.
     approved_requests: set[tuple[str, str, int, str]] = field(default_factory=set)
     denied_requests: set[tuple[str, str, str]] = field(default_factory=set)
+    # Upload budgets, per registered domain (``budget``): made when the first byte goes there.
+    budgets: dict[str, Budget] = field(default_factory=dict)
     open_connections: int = 0
     # Connections from the run's own source addresses still sending a request head (slowloris).
     waiting_heads: int = 0
@@ -223,6 +226,13 @@ class Run:
     def decide_request(self, method: str, host: str, port: int, path: str) -> PolicyDecision:
         """``policy.decide_request`` for this run (not remembered: paths are many)."""
         return decide_request(self.policy(), method, host, port, path)
+
+    def budget(self, site: str, grant: int) -> Budget:
+        """The run's upload budget for ``site`` (a registered domain), ``grant`` bytes at a time."""
+        budget = self.budgets.get(site)
+        if budget is None:
+            budget = self.budgets[site] = Budget(site, grant)
+        return budget
 
     def approve_request(self, method: str, host: str, port: int, prefix: str) -> None:
         """Allow ``method`` on the paths under ``prefix`` of host:port for the rest of the run."""

@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approver
+from egressd.names.suffixes import registrable_domain
 from egressd.proxy.core.attempt import Attempt, DialError
+from egressd.proxy.core.budget import Budget
 from egressd.proxy.core.commands import (
     STALE,
     Ask,
@@ -67,7 +69,7 @@ from egressd.proxy.net.stream import GoneCancels, IdleTimeout, Peer
 from egressd.proxy.net.tunnel import Tunnel
 from egressd.proxy.net.tunnelcheck import SniCheck
 from egressd.vocabulary.egress import End
-from egressd.vocabulary.reasons import Answer, Reason
+from egressd.vocabulary.reasons import ANSWER_REASONS, Answer, Reason
 
 log = logging.getLogger("egressd.proxy")
 
@@ -295,8 +297,55 @@ class Runner:
             check_timeout_s=limits.head_timeout_s,
             loop=self.client.loop,
         )
+        run = command.attempt.run
+        if limits.upload_budget_bytes and run is not None and command.attempt.host is not None:
+            host = command.attempt.host
+            tunnel.budget = run.budget(registrable_domain(host) or host, limits.upload_budget_bytes)
+            tunnel.on_over_budget = self._over_budget
         self.shared.tunnels.add(tunnel)
         tunnel.start()
+
+    # -- an upload budget ----------------------------------------------------------------------
+
+    def _over_budget(self, tunnel: Tunnel) -> None:
+        """The tunnel's run went past its upload budget: ask once for every connection waiting on it."""
+        budget = tunnel.budget
+        talk = self.talk
+        assert budget is not None and talk is not None
+        attempt = talk.pending
+        assert isinstance(attempt, Attempt)
+        if budget.asking is None:
+            budget.asking = self.client.loop.create_task(self._ask_budget(attempt, budget))
+        budget.asking.add_done_callback(lambda asked: self._budget_answered(tunnel, attempt, asked))
+
+    async def _ask_budget(self, attempt: Attempt, budget: Budget) -> ApprovalOutcome:
+        run = attempt.run
+        assert run is not None and attempt.port is not None
+        request = ApprovalRequest(
+            run_id=run.id, host=budget.site, port=attempt.port, command=run.command, task=run.task,
+            allowed=run.allowed_texts(), lasting_error="an upload budget's answer lasts for this run only",
+            uploaded=budget.sent,
+        )  # fmt: skip
+        try:
+            outcome = await self._ask(request)
+        finally:
+            budget.asking = None
+        if outcome.allowed:
+            budget.granted()
+        return outcome
+
+    def _budget_answered(self, tunnel: Tunnel, attempt: Attempt, asked: asyncio.Task[ApprovalOutcome]) -> None:
+        if tunnel.ended:
+            return
+        outcome = None if asked.cancelled() or asked.exception() is not None else asked.result()
+        if outcome is not None and outcome.allowed:
+            tunnel.release_budget()
+            return
+        budget = tunnel.budget
+        sent = f"{budget.sent} bytes sent to {budget.site}" if budget is not None else "over budget"
+        attempt.deny(ANSWER_REASONS[outcome.answer] if outcome is not None else Reason.NO_APPROVER,
+                     f"past the run's upload budget ({sent})")
+        tunnel.close()
 
     def _tunnel_ended(self, tunnel: Tunnel) -> None:
         """Everything the connection's task would have done when it finished."""

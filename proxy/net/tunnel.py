@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from egressd.proxy.core.budget import Budget
 from egressd.proxy.net.stream import Peer
 
 
@@ -72,7 +73,7 @@ class Tunnel:
 
     __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_client_eof", "_upstream_eof", "ended",
                  "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired",
-                 "_check", "_check_timeout_s", "_check_timer")
+                 "_check", "_check_timeout_s", "_check_timer", "budget", "on_over_budget", "held_for_budget")
 
     def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
                  on_end: Callable[[Tunnel], None] | None = None,
@@ -95,6 +96,11 @@ class Tunnel:
         self._check = check
         self._check_timeout_s = check_timeout_s
         self._check_timer: asyncio.TimerHandle | None = None
+        # An upload budget (``budget.Budget``): past it the client is no longer read and
+        # ``on_over_budget(tunnel)`` asks; ``release_budget`` reads it again.
+        self.budget: Budget | None = None
+        self.on_over_budget: Callable[[Tunnel], None] | None = None
+        self.held_for_budget = False
 
     def start(self) -> None:
         """Begin relaying; bytes already buffered on either side go first (or to the check)."""
@@ -162,8 +168,25 @@ class Tunnel:
         self._last = time.monotonic()
         if source is self.client:
             self.bytes_up += len(data)
+            budget = self.budget
+            if budget is not None and not budget.spend(len(data)) and not self.held_for_budget:
+                self._hold_for_budget()
         else:
             self.bytes_down += len(data)
+
+    def _hold_for_budget(self) -> None:
+        """Past the run's upload budget: stop reading from the client until a person answers."""
+        self.held_for_budget = True
+        if self.client.transport is not None and not self.client.closed:
+            self.client.transport.pause_reading()
+        if self.on_over_budget is not None:
+            self.on_over_budget(self)
+
+    def release_budget(self) -> None:
+        """The run may go on: read the client again (unless its side is over)."""
+        self.held_for_budget = False
+        if not self.ended and not self._client_eof and self.client.transport is not None and not self.client.closed:
+            self.client.transport.resume_reading()
 
     def peer_eof(self, source: Peer) -> None:
         if self._check is not None and self._check.eof(self, source):
@@ -192,6 +215,8 @@ class Tunnel:
 
     def resume_from(self, target: Peer) -> None:
         source = self.upstream if target is self.client else self.client
+        if source is self.client and self.held_for_budget:
+            return  # held for a person's answer, not for flow control
         ended = self._client_eof if source is self.client else self._upstream_eof
         if source.transport is not None and not source.closed and not ended:
             source.transport.resume_reading()
@@ -239,7 +264,9 @@ class Tunnel:
 
     def _check_idle(self) -> None:
         idle = time.monotonic() - self._last
-        if idle >= self._idle_timeout_s:
+        if self.held_for_budget:  # waiting on a person is not idleness: look again a whole timeout later
+            self._timer = self._loop.call_later(self._idle_timeout_s, self._check_idle)
+        elif idle >= self._idle_timeout_s:
             self.idle_expired = True
             self.close()
         else:

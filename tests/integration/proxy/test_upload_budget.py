@@ -1,0 +1,136 @@
+"""Upload budgets: past what a run may send to a registered domain, the connection waits for a person.
+
+Attacks first: a tunnel that keeps writing while it is paused gets nothing
+more through (the origin counts what arrives) and egressd holds none of it
+(the client's own writes stop: the kernel's buffers fill, not egressd's); a
+denial cuts the connection and says why in its record; plain HTTP is asked
+about before a body that would pass the budget is sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
+from egressd.vocabulary.reasons import Answer
+from tests.conftest import MakeEgressd
+from tests.harness import ORIGIN, read_response
+
+pytestmark = pytest.mark.timeout(60)
+
+BUDGET_MB = 0.0625  # 64 KiB
+BUDGET = 64 * 1024
+
+
+@dataclass
+class Sink:
+    port: int
+    received: list[int] = field(default_factory=lambda: [0])
+
+
+@pytest.fixture
+async def sink() -> AsyncIterator[Sink]:
+    """An origin on ORIGIN that reads and counts every byte, answering nothing."""
+    state = Sink(0)
+
+    async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            state.received[0] += len(data)
+        writer.close()
+
+    server = await asyncio.start_server(take, ORIGIN, 0)
+    state.port = server.sockets[0].getsockname()[1]
+    yield state
+    server.close()
+    await server.wait_closed()
+
+
+class Reviewer:
+    """An approver that records each question and answers when the test says (``answer``)."""
+
+    def __init__(self) -> None:
+        self.asked: list[ApprovalRequest] = []
+        self.answers: asyncio.Queue[Answer] = asyncio.Queue()
+
+    async def ask(self, request: ApprovalRequest) -> ApprovalOutcome:
+        self.asked.append(request)
+        return ApprovalOutcome(await self.answers.get(), "a-1", "test", "alice", 0.1)
+
+
+async def _tunnel(svc: Any, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", svc.proxy_address[1])
+    writer.write(f"CONNECT origin.test:{port} HTTP/1.1\r\nHost: origin.test:{port}\r\n\r\n".encode())
+    head = await reader.readuntil(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    return reader, writer
+
+
+async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not met in time")
+
+
+async def test_a_tunnel_past_its_budget_is_paused_and_a_person_lets_it_go_on_or_ends_it(
+    make_egressd: MakeEgressd, sink: Sink
+) -> None:
+    reviewer = Reviewer()
+    svc = await make_egressd(allow=[f"origin.test:{sink.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
+    _, writer = await _tunnel(svc, sink.port)
+    # Plain HTTP in the tunnel (its head is checked, then its body flows): one large upload.
+    writer.write(f"PUT /big HTTP/1.1\r\nHost: origin.test:{sink.port}\r\nContent-Length: {8 << 20}\r\n\r\n".encode())
+    chunk = b"x" * 16384
+    # The attack: keep writing, far past the budget, while the question is open.
+    writing = asyncio.ensure_future(_write(writer, chunk, 4 * 1024 * 1024))
+    await _until(lambda: len(reviewer.asked) == 1)
+    (asked,) = reviewer.asked
+    assert (asked.host, asked.uploaded is not None) == ("origin.test", True)
+    assert asked.uploaded is not None and BUDGET < asked.uploaded <= BUDGET + 256 * 1024
+    await asyncio.sleep(0.5)
+    held = sink.received[0]
+    assert held <= BUDGET + 256 * 1024, held  # nothing more went through while paused
+    assert not writing.done()  # the client's writes block: its bytes wait in its own socket, not in egressd
+    reviewer.answers.put_nowait(Answer.ALLOW)
+    await _until(lambda: len(reviewer.asked) == 2, 20)  # went on, passed the next budget's worth, asked again
+    assert sink.received[0] > held
+    reviewer.answers.put_nowait(Answer.DENY)
+    with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+        await asyncio.wait_for(writing, 10)
+    await _until(lambda: any(r.get("event") == "egress.end" for r in svc.audit_records))
+    (end,) = [r for r in svc.audit_records if r.get("event") == "egress.end"]
+    assert end["end"] == "denied" and "upload budget" in end["detail"], end
+    assert end["bytes_up"] <= 2 * BUDGET + 2 * 256 * 1024
+
+
+async def _write(writer: asyncio.StreamWriter, chunk: bytes, total: int) -> None:
+    sent = 0
+    while sent < total:
+        writer.write(chunk)
+        await writer.drain()
+        sent += len(chunk)
+
+
+async def test_a_plain_http_body_that_would_pass_the_budget_is_asked_about_before_it_is_sent(
+    make_egressd: MakeEgressd, http_origin: Any
+) -> None:
+    reviewer = Reviewer()
+    svc = await make_egressd(allow=[f"origin.test:{http_origin.port}"], upload_budget_mb=BUDGET_MB,
+                             approver=reviewer)  # fmt: skip
+    reviewer.answers.put_nowait(Answer.DENY)
+    reader, writer = await asyncio.open_connection("127.0.0.1", svc.proxy_address[1])
+    body = b"y" * (BUDGET + 1)
+    writer.write(f"POST http://origin.test:{http_origin.port}/upload HTTP/1.1\r\nHost: origin.test\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode())  # fmt: skip
+    await writer.drain()
+    status, headers, _ = await read_response(reader)
+    writer.close()
+    assert status == 403 and headers.get("x-egress-reason") == "denied", headers
+    assert http_origin.requests == []
+    assert reviewer.asked[0].uploaded == 0
