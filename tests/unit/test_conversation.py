@@ -10,6 +10,7 @@ a request that was refused.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import struct
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from egressd.proxy.core.commands import (
     Dial,
     Fill,
     Finish,
+    Intercept,
     PeerClosed,
     ReadHead,
     RecordRefusal,
@@ -694,3 +696,27 @@ def test_a_fourth_way_in_is_one_layer_and_meets_the_same_decision_record_and_dia
     assert isinstance(play.client_sends(b"b.test 443\n"), Ask)
     assert play.give(ApprovalOutcome(Answer.DENY)) == Finish(play.attempt)
     assert play.give(None) == Send(b"NO denied\n")
+
+
+# -- a name with request rules ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tls", "socks", "proxy"])
+def test_a_name_with_request_rules_is_never_spliced_unseen(name: str) -> None:
+    """Where the listener cannot inspect (transparent TLS, SOCKS) it is refused; the proxy intercepts it."""
+    mode, arrive, _ = ARRIVALS[name]
+    play = Playbook(mode)
+    play.run.set_entries([parse_entry("GET a.test/**")], [])
+    if name == "proxy":  # the explicit proxy's listener can inspect
+        play.talk.at = dataclasses.replace(play.talk.at, inspecting=lambda run, host, port, head: object())
+    arrive(play)
+    after = play.give(ADDRESSES)
+    if name == "proxy":
+        assert after == WriteAhead(play.attempt, None)  # the tunnel's record: nothing dialled for it
+        intercept = play.give(None)
+        assert isinstance(intercept, Intercept) and intercept.name == "a.test"
+        assert intercept.deadline == 100.0 + ListenerLimits().head_timeout_s
+        return
+    assert after == Finish(play.attempt)
+    assert play.attempt.reason == "tls_intercept_failed" and "cannot inspect" in (play.attempt.detail or "")
+    assert not {WriteAhead, Dial, Splice} & set(play.kinds())

@@ -356,3 +356,25 @@ async def test_a_declared_secret_goes_only_to_its_name_and_its_placeholder_elsew
     refused = [r for r in svc.audit_records if r.get("reason") == "secret_misdirected"]
     assert len(refused) == 4 and all("ORIGIN_TOKEN" in r["detail"] for r in refused), refused
     assert "real-secret-value" not in json.dumps(svc.audit_records)
+
+
+@pytest.mark.parametrize(
+    ("inside", "what"),
+    [
+        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "an h2 preface after HTTP/1.1 was negotiated"),
+        (b"GET /docs/a HTTP/1.1\r\nHost: H\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+         b"GET /admin HTTP/1.1\r\nHost: H\r\n\r\n", "CL.TE smuggling"),
+        (b"GET /docs/a HTTP/1.1\r\nHost: H\r\nTransfer-Encoding: chunked\r\nContent-Length: 4\r\n\r\n5c\r\n"
+         b"GET /admin HTTP/1.1\r\nHost: H\r\n\r\n0\r\n\r\n", "TE.CL smuggling"),
+        (b"GET https://leak.test/docs/a HTTP/1.1\r\nHost: H\r\n\r\n", "an absolute-form target naming another host"),
+    ],
+)  # fmt: skip
+async def test_what_could_be_read_two_ways_inside_the_tunnel_reaches_nothing(
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path, inside: bytes, what: str
+) -> None:
+    svc = await _inspecting(make_egressd, https_origin, "GET origin.test:PORT/docs/**", ask=False)
+    ca = await _run_ca(svc, tmp_path)
+    data = inside.replace(b"Host: H", f"Host: origin.test:{https_origin.port}".encode())
+    got = await _raw_inside(svc, ca, https_origin.port, data)
+    assert got.startswith(b"HTTP/1.1 ") and b"X-Egress-Decision: deny" in got, (what, got)
+    assert https_origin.requests == [], what
