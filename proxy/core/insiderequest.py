@@ -25,6 +25,10 @@ from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.requestrules import PathError, RequestError, approval_prefix, normalise_path, override_method
 
 
+# TRACE echoes the request back (a secret put in included); CONNECT opens a tunnel no rule sees.
+NEVER_INSPECTED = frozenset({"TRACE", "CONNECT"})
+
+
 class NamedElsewhere(HttpError):
     """A request inside the tunnel names another host or port than the tunnel's (``named``: which)."""
 
@@ -74,6 +78,8 @@ def inside_request(head: RequestHead, host: str, port: int) -> Inside:
 
 
 def _judged(head: RequestHead, host: str, port: int, target: str, scheme: str) -> Inside:
+    if head.method in NEVER_INSPECTED:
+        raise HttpError(400, f"{head.method} is never let through an inspected connection")
     try:
         normal = normalise_path(target)
     except PathError as exc:

@@ -65,6 +65,9 @@ _METHOD: Final = re.compile(r"[A-Z][A-Z0-9_-]{0,31}")
 _HEX: Final = frozenset("0123456789abcdefABCDEF")
 # Printable ASCII, no space; '\\' and ';' are refused by name below.
 _PATH_CHARS: Final = re.compile(r"[!-~]*")
+# What RFC 3986 lets a path hold (pchar, "/", "%"): anything else ("|", "[", "{", "<", "^", "`", '"')
+# is read differently by different servers, so it is refused rather than passed on.
+_PCHARS: Final = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*")
 
 
 class PathError(ValueError):
@@ -99,6 +102,8 @@ def normalise_path(target: str) -> NormalisedPath:
     raw_path, mark, query = target.partition("?")
     if "\\" in raw_path:
         raise PathError("a backslash in the path")
+    if not _PCHARS.fullmatch(raw_path):
+        raise PathError("a character RFC 3986 does not allow in a path (escape it)")
     if ";" in raw_path:
         raise PathError("a ';' (path parameters) in the path")
     segments: list[str] = []

@@ -207,3 +207,10 @@ def test_rules_name_hosts_and_keep_entries_errors() -> None:
         parse_entry("GET 127.0.0.1/a")
     with pytest.raises(EntryError, match="public suffix"):
         parse_entry("GET *.com/a")
+
+
+@pytest.mark.parametrize("target", ["/a|b", "/a[0]", "/a{b}", "/a<b>", "/a^b", "/a`b", '/a"b'])
+def test_characters_rfc_3986_does_not_allow_in_a_path_are_refused(target: str) -> None:
+    with pytest.raises(PathError, match="RFC 3986"):
+        normalise_path(target)
+    assert normalise_path("/a?filter[x]=1|2").query == "filter[x]=1|2"  # the query is never decided on

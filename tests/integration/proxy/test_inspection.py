@@ -378,3 +378,15 @@ async def test_what_could_be_read_two_ways_inside_the_tunnel_reaches_nothing(
     got = await _raw_inside(svc, ca, https_origin.port, data)
     assert got.startswith(b"HTTP/1.1 ") and b"X-Egress-Decision: deny" in got, (what, got)
     assert https_origin.requests == [], what
+
+
+async def test_trace_never_goes_through_even_where_a_rule_allows_every_method(
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path
+) -> None:
+    """TRACE echoes the request back: with a secret put in, the sandbox would read it."""
+    svc = await _inspecting(make_egressd, https_origin, "origin.test:PORT/**", ask=False)
+    ca = await _run_ca(svc, tmp_path)
+    inside = f"TRACE /docs/a HTTP/1.1\r\nHost: origin.test:{https_origin.port}\r\n\r\n".encode()
+    got = await _raw_inside(svc, ca, https_origin.port, inside)
+    assert got.startswith(b"HTTP/1.1 400 ") and b"X-Egress-Reason: bad_request" in got, got
+    assert https_origin.requests == []
