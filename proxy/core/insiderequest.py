@@ -24,7 +24,6 @@ from egressd.proxy.core.http1.heads import RequestHead
 from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.requestrules import PathError, RequestError, approval_prefix, normalise_path, override_method
 
-
 # TRACE echoes the request back (a secret put in included); CONNECT opens a tunnel no rule sees.
 NEVER_INSPECTED = frozenset({"TRACE", "CONNECT"})
 
