@@ -30,7 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
+from egressd.approvals.interface import ApprovalOutcome
 from egressd.approvals.message import HeldRequest
 from egressd.names.addresses import IPAddress
 from egressd.names.suffixes import registrable_domain
@@ -53,7 +53,7 @@ from egressd.proxy.core.commands import (
     Upstream,
     WriteAhead,
 )
-from egressd.proxy.core.decision import Screen, conclude, decide, decide_request
+from egressd.proxy.core.decision import Screen, budget_approval, conclude, decide, decide_request
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.destination import Destination
 from egressd.proxy.core.http1.syntax import HttpError
@@ -455,12 +455,7 @@ class Conversation:
         declared = exchange.request.get("Content-Length")
         length = int(declared) if declared is not None and declared.isdigit() else 0
         if budget.sent + length > budget.limit:
-            request = ApprovalRequest(
-                run_id=run.id, host=budget.site, port=admission.port, command=run.command, task=run.task,
-                allowed=run.allowed_texts(), lasting_error="an upload budget's answer lasts for this run only",
-                uploaded=budget.sent,
-            )  # fmt: skip
-            outcome: ApprovalOutcome = yield Ask(request, False)
+            outcome: ApprovalOutcome = yield Ask(budget_approval(run, budget.site, admission.port, budget.sent), False)
             if not outcome.allowed:
                 attempt.deny(ANSWER_REASONS[outcome.answer], f"past the run's upload budget ({budget.sent} bytes sent "
                              f"to {budget.site})")

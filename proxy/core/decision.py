@@ -204,6 +204,21 @@ def approval_request(run: Run, host: str, port: int) -> ApprovalRequest:
         lasting = lasting_entry(host, port)
     except EntryError as exc:
         lasting_error = str(exc)
+    return _question(run, host, port, lasting, lasting_error, lambda outcome: late_answer(run, host, port, outcome))
+
+
+def _question(
+    run: Run,
+    host: str,
+    port: int,
+    lasting: str | None,
+    lasting_error: str | None,
+    on_late_answer: Callable[[ApprovalOutcome], None] | None = None,
+    *,
+    request: HeldRequest | None = None,
+    uploaded: int | None = None,
+) -> ApprovalRequest:
+    """An approval request about ``host``:``port`` in ``run``, or about a request there, or an upload to it."""
     return ApprovalRequest(
         run_id=run.id,
         host=host,
@@ -213,8 +228,15 @@ def approval_request(run: Run, host: str, port: int) -> ApprovalRequest:
         allowed=run.allowed_texts(),
         lasting=lasting,
         lasting_error=lasting_error,
-        on_late_answer=lambda outcome: late_answer(run, host, port, outcome),
+        on_late_answer=on_late_answer,
+        request=request,
+        uploaded=uploaded,
     )
+
+
+def budget_approval(run: Run, site: str, port: int, sent: int) -> ApprovalRequest:
+    """What the approver is asked when the run passes its upload budget to ``site`` (``budget``)."""
+    return _question(run, site, port, None, "an upload budget's answer lasts for this run only", uploaded=sent)
 
 
 def apply_answer(run: Run, host: str, port: int, outcome: ApprovalOutcome) -> Reason | None:
@@ -246,18 +268,10 @@ def request_approval(run: Run, host: str, port: int, method: str, path: str, sho
         parse_entry(lasting)
     except (EntryError, RuleError) as exc:
         lasting, lasting_error = None, str(exc)
-    return ApprovalRequest(
-        run_id=run.id,
-        host=host,
-        port=port,
-        command=run.command,
-        task=run.task,
-        allowed=run.allowed_texts(),
-        lasting=lasting,
-        lasting_error=lasting_error,
-        request=shown,
-        on_late_answer=lambda outcome: _late_request(run, host, port, method, path, outcome),
-    )
+    return _question(
+        run, host, port, lasting, lasting_error,
+        lambda outcome: _late_request(run, host, port, method, path, outcome), request=shown,
+    )  # fmt: skip
 
 
 def apply_request_answer(

@@ -53,7 +53,7 @@ from egressd.proxy.core.commands import (
     WriteAhead,
 )
 from egressd.proxy.core.conversation import Conversation, Listening
-from egressd.proxy.core.decision import Screen
+from egressd.proxy.core.decision import Screen, budget_approval
 from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.heads import ResponseHead
@@ -321,13 +321,8 @@ class Runner:
     async def _ask_budget(self, attempt: Attempt, budget: Budget) -> ApprovalOutcome:
         run = attempt.run
         assert run is not None and attempt.port is not None
-        request = ApprovalRequest(
-            run_id=run.id, host=budget.site, port=attempt.port, command=run.command, task=run.task,
-            allowed=run.allowed_texts(), lasting_error="an upload budget's answer lasts for this run only",
-            uploaded=budget.sent,
-        )  # fmt: skip
         try:
-            outcome = await self._ask(request)
+            outcome = await self._ask(budget_approval(run, budget.site, attempt.port, budget.sent))
         finally:
             budget.asking = None
         if outcome.allowed:
