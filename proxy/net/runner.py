@@ -371,6 +371,9 @@ class Runner:
                 self.finish(pending)
             elif pending is not None:
                 self.recorder.record_refusal(pending, None)
+            outer, talk.outer = talk.outer, None
+            if outer is not None:  # an inspected tunnel: its egress.end, with what its requests moved
+                self.finish(outer[0])
             kept, talk.kept = talk.kept, None
             if kept is not None:
                 kept[2].close()

@@ -32,7 +32,7 @@ from egressd.cli.wiring.service import EgressService
 from egressd.proxy.core.inspectca import RunCA
 from egressd.vocabulary.reasons import Answer
 from tests.conftest import HttpsOrigin, MakeEgressd
-from tests.harness import have, require
+from tests.harness import have, require, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -90,6 +90,12 @@ async def test_an_allowed_get_goes_through_inspected_and_is_recorded_with_its_me
     assert (record["method"], record["path"]) == ("GET", "/docs/a~b/c"), record
     (end,) = [r for r in svc.audit_records if r["event"] == "egress.end" and r["id"] == record["id"]]
     assert end["status"] == 200 and end["bytes_down"] > 0, end
+    # The tunnel keeps its own pair: its end comes when the connection closes, with what its requests moved.
+    (tunnel,) = [r for r in svc.audit_records if r.get("kind") == "connect"]
+    await wait_until(lambda: any(r["event"] == "egress.end" and r["id"] == tunnel["id"] for r in svc.audit_records))
+    (tunnel_end,) = [r for r in svc.audit_records if r["event"] == "egress.end" and r["id"] == tunnel["id"]]
+    assert (tunnel_end["end"], tunnel_end["bytes_up"], tunnel_end["bytes_down"]) == (
+        "closed", end["bytes_up"], end["bytes_down"]), tunnel_end
     assert "x=1" not in json.dumps(svc.audit_records)
 
 
