@@ -58,7 +58,7 @@ import ipaddress
 import itertools
 import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -82,6 +82,7 @@ PROXY_ADDRESS = web.AppKey("proxy_address", tuple)
 PUBLIC_PATHS = web.AppKey("public_paths", set)
 TOKEN = web.AppKey("token", str)
 INSPECTOR: web.AppKey[Inspector | None] = web.AppKey("inspector")
+SECRETS: web.AppKey[dict[str, str]] = web.AppKey("secrets")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -264,6 +265,9 @@ async def create_run(request: web.Request) -> web.Response:
             "token": run.token,
             "proxy_url": f"http://{run.id}:{run.token}@{host}:{port}",
             "control_token": run.control_token,
+            # The declared secrets' placeholders, for the launcher to put in the command's environment
+            # under each secret's name (never a value: egressd puts that in itself).
+            **({"secrets": request.app[SECRETS]} if request.app[SECRETS] else {}),
         },
         status=201,
     )
@@ -386,10 +390,15 @@ def build_app(
     proxy_address: tuple[str, int],
     token: str,
     inspector: Inspector | None = None,
+    placeholders: Mapping[str, str] | None = None,
 ) -> web.Application:
-    """The control application; the caller may add routes, then serves it."""
+    """The control application; the caller may add routes, then serves it.
+
+    ``placeholders``: the declared secrets' placeholders by name, handed to whoever creates a run.
+    """
     app = web.Application(middlewares=[_require_token], client_max_size=1024 * 1024)
     app[INSPECTOR] = inspector
+    app[SECRETS] = dict(placeholders or {})
     app[RECORDER] = recorder
     app[SCREEN] = screen
     app[RUNS] = runs

@@ -609,6 +609,7 @@ class EgressService:
             proxy_address=self.proxy_address,
             token=self.control_token,
             inspector=self.path.inspector,
+            placeholders={s.name: s.placeholder for s in self.path.secrets.declared} if self.path.secrets else None,
         )
         pages: list[str] = []  # the approvals page's own random path, printed with its URL
         if isinstance(self.path.approver, ManagedApprover):

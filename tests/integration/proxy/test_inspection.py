@@ -396,3 +396,21 @@ async def test_trace_never_goes_through_even_where_a_rule_allows_every_method(
     got = await _raw_inside(svc, ca, https_origin.port, inside)
     assert got.startswith(b"HTTP/1.1 400 ") and b"X-Egress-Reason: bad_request" in got, got
     assert https_origin.requests == []
+
+
+async def test_a_launcher_of_serve_gets_the_placeholders_with_its_run_and_never_a_value(
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("ORIGIN_TOKEN", "real-secret-value")
+    svc = await _inspecting(make_egressd, https_origin, "origin.test:PORT/**",
+                            secret=[f"ORIGIN_TOKEN@origin.test:{https_origin.port}"], ask=False)  # fmt: skip
+    headers = {"Authorization": "Bearer test-token"}
+    async with ClientSession() as session, session.post(
+        f"{svc.control_address}/runs", json={"task": "t", "allow": [f"origin.test:{https_origin.port}/**"]},
+        headers=headers,
+    ) as r:
+        created = await r.json()
+    assert r.status == 201, created
+    assert set(created["secrets"]) == {"ORIGIN_TOKEN"} and created["secrets"]["ORIGIN_TOKEN"].startswith(
+        "egressd-secret-")
+    assert "real-secret-value" not in json.dumps(created)
