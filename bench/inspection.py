@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from cryptography import x509
@@ -127,33 +128,34 @@ def _figures(times: list[float], spent: float) -> tuple[float, float]:
     return (len(times) / spent if spent else 0.0), p99 * 1000
 
 
-async def handshakes(proxy: int | None, origin: int, trust: ssl.SSLContext, n: int) -> tuple[float, float]:
+async def _timed(n: int, operation: Callable[[], Awaitable[None]]) -> tuple[float, float]:
+    """Run ``operation`` up to ``n`` times (at most ``MAX_S`` seconds): (per second, p99 ms)."""
     times: list[float] = []
     started = time.perf_counter()
     for _ in range(n):
         if time.perf_counter() - started > MAX_S:
             break
         t = time.perf_counter()
+        await operation()
+        times.append(time.perf_counter() - t)
+    return _figures(times, time.perf_counter() - started)
+
+
+async def handshakes(proxy: int | None, origin: int, trust: ssl.SSLContext, n: int) -> tuple[float, float]:
+    async def one() -> None:
         reader, writer = await _connect(proxy, origin, trust)
         await _get(reader, writer, origin)
         writer.close()
-        times.append(time.perf_counter() - t)
-    return _figures(times, time.perf_counter() - started)
+
+    return await _timed(n, one)
 
 
 async def requests(proxy: int | None, origin: int, trust: ssl.SSLContext, n: int) -> tuple[float, float]:
     reader, writer = await _connect(proxy, origin, trust)
     await _get(reader, writer, origin)  # warm
-    times: list[float] = []
-    started = time.perf_counter()
-    for _ in range(n):
-        if time.perf_counter() - started > MAX_S:
-            break
-        t = time.perf_counter()
-        await _get(reader, writer, origin)
-        times.append(time.perf_counter() - t)
+    figures = await _timed(n, lambda: _get(reader, writer, origin))
     writer.close()
-    return _figures(times, time.perf_counter() - started)
+    return figures
 
 
 async def _wait_listening(port: int, proc: subprocess.Popen[bytes], what: str) -> None:
