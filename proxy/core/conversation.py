@@ -259,12 +259,12 @@ class Conversation:
                 attempt.detail = GONE_DETAIL
                 raise
             if admission.inspect:
-                if at.inspecting is None:
-                    # Its requests must each be decided, and this listener cannot see them: fail closed.
+                if destination is not None:
+                    admission = yield from self._plain_request(attempt, run, admission, destination)
+                elif at.inspecting is None:
+                    # Its requests must each be decided, and nothing here can read them: fail closed.
                     admission = admission._replace(reason=Reason.TLS_INTERCEPT_FAILED, inspect=False,
                                                    detail="this listener cannot inspect a name with request rules")
-                elif destination is not None:
-                    admission = yield from self._plain_request(attempt, run, admission, destination)
             conclude(attempt, admission)
             if not admission.allowed:
                 raise Refused(attempt, Refusal(admission.reason or Reason.BAD_REQUEST))

@@ -19,7 +19,7 @@ import functools
 
 from egressd.proxy.core.conversation import Listening
 from egressd.proxy.core.inspected import InspectedWay
-from egressd.proxy.core.modes import EXPLICIT, ListenerLimits, Mode
+from egressd.proxy.core.modes import ListenerLimits, Mode
 from egressd.proxy.core.runs import RunRegistry
 from egressd.proxy.core.ways import WAYS
 from egressd.proxy.net.runner import EgressPath, Runner
@@ -68,8 +68,8 @@ class Listener:
             screen=path.screen,
             audit=recorder.audit,
             begin=recorder.begin,
-            # Only the explicit proxy's CONNECT is inspected so far (the transparent TLS listener: not yet).
-            inspecting=InspectedWay if path.inspector is not None and mode is EXPLICIT else None,
+            # Every way in whose tunnels may carry TLS: CONNECT, the transparent TLS listener, SOCKS.
+            inspecting=InspectedWay if path.inspector is not None else None,
             secrets=path.secrets,
         )
 

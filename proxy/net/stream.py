@@ -305,7 +305,7 @@ class Peer(asyncio.Protocol):
         while self._write_paused and not self.closed:
             loop = self.loop
             waiter = self._write_waiter = loop.create_future()
-            timer = loop.call_at(deadline, _expire, waiter) if deadline is not None else None
+            timer = loop.call_at(deadline, expire, waiter) if deadline is not None else None
             try:
                 await waiter
             finally:
@@ -575,6 +575,7 @@ class GoneCancels:
             raise PeerClosed(GONE) from None
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
+def expire(waiter: asyncio.Future[None]) -> None:
+    """A wait's deadline came: it ends with TimeoutError (unless it ended already)."""
     if not waiter.done():
         waiter.set_exception(TimeoutError())

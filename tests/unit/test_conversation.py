@@ -702,20 +702,23 @@ def test_a_fourth_way_in_is_one_layer_and_meets_the_same_decision_record_and_dia
 
 
 @pytest.mark.parametrize("name", ["tls", "socks", "proxy"])
-def test_a_name_with_request_rules_is_never_spliced_unseen(name: str) -> None:
-    """Where the listener cannot inspect (transparent TLS, SOCKS) it is refused; the proxy intercepts it."""
+@pytest.mark.parametrize("can_inspect", [True, False])
+def test_a_name_with_request_rules_is_never_spliced_unseen(name: str, can_inspect: bool) -> None:
+    """Every way in whose tunnel carries TLS intercepts it; a listener given nothing to inspect with refuses it."""
     mode, arrive, _ = ARRIVALS[name]
     play = Playbook(mode)
     play.run.set_entries([parse_entry("GET a.test/**")], [])
-    if name == "proxy":  # the explicit proxy's listener can inspect
-        play.talk.at = dataclasses.replace(play.talk.at, inspecting=lambda run, host, port, head: object())
+    play.talk.at = dataclasses.replace(
+        play.talk.at, inspecting=(lambda run, host, port, head: object()) if can_inspect else None
+    )
     arrive(play)
     after = play.give(ADDRESSES)
-    if name == "proxy":
+    if can_inspect:
         assert after == WriteAhead(play.attempt, None)  # the tunnel's record: nothing dialled for it
         intercept = play.give(None)
         assert isinstance(intercept, Intercept) and intercept.name == "a.test"
         assert intercept.deadline == 100.0 + ListenerLimits().head_timeout_s
+        assert intercept.answer == play.talk.at.way.accepted  # the transparent TLS listener's: none
         return
     assert after == Finish(play.attempt)
     assert play.attempt.reason == "tls_intercept_failed" and "cannot inspect" in (play.attempt.detail or "")
