@@ -1,4 +1,5 @@
-"""Inspection inside `egressd run`'s sandbox: the command trusts the run's CA with no flags, and cannot read its key.
+"""Inspection inside `egressd run`'s sandbox: the command trusts the run's CA with no flags, and cannot read its key;
+a program that ignores the proxy settings is inspected too.
 
 curl and Python's urllib, run as a user would, reach an inspected name
 over HTTPS (the run's CA is in the bundle at the standard path and named
@@ -8,10 +9,13 @@ of the CA's key is anywhere the command can look.
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
 from tests.conftest import HttpsOrigin
+from tests.fakes.tls import TlsOrigin, make_pki
+from tests.harness import ORIGIN
 from tests.integration.sandbox.test_sandbox import _needs_root_and_tools, assert_no_leftovers, egressd_run
 
 __all__ = ["_needs_root_and_tools"]  # the autouse fixture: root, bwrap, nft, ip, nsenter, curl
@@ -61,4 +65,30 @@ async def test_a_declared_secret_never_enters_the_sandbox_and_still_reaches_its_
     assert "placeholder=egressd-secret-" in out and "found=0" in out and "real-secret-value" not in out, out
     assert "origin: GET /api" in out, out
     assert https_origin.requests[-1][2]["Authorization"] == "Bearer real-secret-value"
+    await assert_no_leftovers()
+
+
+async def test_a_program_that_ignores_the_proxy_is_inspected_all_the_same(tmp_path: Path, dns) -> None:  # type: ignore[no-untyped-def]
+    """curl told to use no proxy lands on the transparent TLS listener, which inspects the name as CONNECT would."""
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki", ["origin.test"])
+    origin = await TlsOrigin(pki, ORIGIN, 443).start()  # where the name really is, on the port the sandbox asks
+    try:
+        script = textwrap.dedent("""
+            curl --noproxy '*' -sS -m 10 https://origin.test/docs/./direct; echo
+            curl --noproxy '*' -sS -m 10 -o /dev/null -w 'post=%{http_code}\\n' -X POST -d k=v https://origin.test/docs/up
+        """)
+        code, out, err = await egressd_run(
+            tmp_path, dns, "--allow", "GET origin.test/docs/**", "--no-ask",
+            "--inspect-origin-ca-file", str(pki.ca_pem), "--", "sh", "-c", script,
+        )  # fmt: skip
+    finally:
+        await origin.close()
+    assert code == 0, err
+    assert "hello from tls origin origin.test /docs/direct" in out and "post=403" in out, (out, err)
+    assert origin.requests == ["/docs/direct"]  # the normalised path; the POST reached nothing
+    records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    decided = [(r["kind"], r["decision"], r.get("method")) for r in records if r["event"] == "egress"]
+    assert ("tls", "allow", None) in decided and ("https", "allow", "GET") in decided, decided
+    assert ("https", "deny", "POST") in decided, decided
     await assert_no_leftovers()
