@@ -48,6 +48,7 @@ import asyncio
 import contextlib
 import ipaddress
 import json
+import os
 import secrets
 import signal
 import sys
@@ -86,7 +87,7 @@ from egressd.sandbox.docker.sidecar import read_file, start_egressd
 from .control_client import ControlClient, ControlError
 from .controltoken import TokenFileError, read_token_file
 from .instances import register_quietly
-from .service import StartupError, entries_from_settings, token_path
+from .service import StartupError, entries_from_settings, secrets_from_settings, token_path
 from .session import SessionBase, SessionError
 
 # The control API answers at once; anything slower means it is not there.
@@ -106,10 +107,13 @@ SIDECAR_OWN = frozenset({
     "allow", "deny", "preset", "ask",
     # its audit log: in its volume, appended to ours when the run ends
     "audit_log", "audit_max_bytes", "audit_keep",
-    # host paths and values the container cannot have: inspected origins there are verified against the
-    # system's trust store only; declared secrets are refused on this backend (``DockerSession``)
-    "inspect_origin_ca_file", "secret",
+    # a host path: the file's contents go to the container as one of its files (``sidecar_files``)
+    "inspect_origin_ca_file",
 })
+# The container's files besides the secret settings' (``sidecar_files``): a declared secret's value is
+# ``declared.NAME``, named to egressd there by NAME_FILE; the CA for inspected origins is ORIGIN_CA.
+DECLARED = "declared."
+ORIGIN_CA = "inspect_origin_ca"
 PASSTHROUGH = tuple(
     name for name in Settings.model_fields
     if name not in SIDECAR_OWN and not name.endswith("_file")  # a *_file secret arrives as its value
@@ -133,6 +137,7 @@ def sidecar_environment(
     egressd_ip: str,
     control_ip: str,
     token: str,
+    files: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """egressd's configuration in its container, as EGRESSD_* variables (pure).
 
@@ -142,7 +147,7 @@ def sidecar_environment(
     the control API on the outgoing network's address only (published on
     the host's loopback), every client bound to a run. Secrets are not
     values here: EGRESSD_<NAME>_FILE names the file ``sidecar_secrets``
-    puts in the container.
+    puts in the container; ``files`` are ``sidecar_files``'s.
     """
     env: dict[str, str] = {}
     for name in PASSTHROUGH:
@@ -171,22 +176,43 @@ def sidecar_environment(
             "EGRESSD_AUDIT_LOG": f"{EGRESSD_STATE}/audit.jsonl",
         }
     )
-    for name in sidecar_secrets(settings, token=token):
-        env[f"EGRESSD_{name.upper()}_FILE"] = f"{SECRETS_DIR}/{name}"
+    for name in sidecar_secrets(settings, token=token, files=files):
+        path = f"{SECRETS_DIR}/{name}"
+        if name.startswith(DECLARED):
+            env[f"{name.removeprefix(DECLARED)}_FILE"] = path  # as ``secrets_from_settings`` looks for it
+        elif name == ORIGIN_CA:
+            env["EGRESSD_INSPECT_ORIGIN_CA_FILE"] = path
+        else:
+            env[f"EGRESSD_{name.upper()}_FILE"] = path
     return env
 
 
-def sidecar_secrets(settings: Settings, *, token: str) -> dict[str, str]:
+def sidecar_secrets(settings: Settings, *, token: str, files: Mapping[str, str] | None = None) -> dict[str, str]:
     """The secrets egressd's container reads from files (name -> value) (pure).
 
-    The run's control ``token`` and each of our secret settings that is
-    passed on (``PASSTHROUGH``) and set.
+    The run's control ``token``, each of our secret settings that is
+    passed on (``PASSTHROUGH``) and set, and ``files`` (``sidecar_files``).
     """
-    files = {"control_token": token}
+    secret_files = {"control_token": token}
     for name in PASSTHROUGH:
         value = getattr(settings, name)
         if name in SECRET_SETTINGS and value is not None:
-            files[name] = env_value(value)
+            secret_files[name] = env_value(value)
+    secret_files.update(files or {})
+    return secret_files
+
+
+def sidecar_files(settings: Settings, environ: Mapping[str, str]) -> dict[str, str]:
+    """What else egressd's container reads from files: each declared secret's value (from ``environ``,
+    as ``secrets_from_settings`` takes it) and the CA for inspected origins; StartupError when one cannot
+    be had (nothing is created before this)."""
+    declared = secrets_from_settings(settings, entries_from_settings(settings)[0], environ)
+    files = {f"{DECLARED}{secret.name}": secret.value for secret in declared.declared} if declared else {}
+    if settings.inspect_origin_ca_file is not None:
+        try:
+            files[ORIGIN_CA] = settings.inspect_origin_ca_file.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise StartupError(f"bad setting inspect_origin_ca_file: {exc}") from None
     return files
 
 
@@ -282,6 +308,7 @@ class DockerSession(SessionBase[_SessionBox]):
         self._command: str | None = None
         self._command_sent = True
         self._poll_lock = asyncio.Lock()
+        self._files: dict[str, str] = {}  # ``sidecar_files``'s
 
     async def __aenter__(self) -> DockerSession:
         try:
@@ -296,8 +323,10 @@ class DockerSession(SessionBase[_SessionBox]):
 
     async def _enter(self) -> None:
         entries_from_settings(self.settings)  # a bad entry stops us before anything is created
-        if self.settings.secret:
-            raise StartupError("--secret is not supported with --backend docker yet: use the bubblewrap backend")
+        # Declared secrets' values and the origins' CA, for the sidecar: a missing one stops us here.
+        self._files = {} if self.connect else sidecar_files(self.settings, os.environ)
+        if self.connect and self.settings.secret:
+            raise StartupError("--secret cannot be given with --connect: declare it to the egressd you connect to")
         self._prepare_workdir()  # so does a root-owned working directory: before the engine is asked anything
         stack = self._stack
         # SIGUSR1 (logrotate) must not kill the run: this backend opens the host's audit log only when the
@@ -364,9 +393,9 @@ class DockerSession(SessionBase[_SessionBox]):
         token = new_control_token()
         settings = await self._with_terminal_relay(str(p.outgoing.network_address + 1))
         env = sidecar_environment(settings, egressd_ip=str(p.egressd_ip), control_ip=str(p.egressd_outgoing_ip),
-                                  token=token)
+                                  token=token, files=self._files)
         sidecar = await start_egressd(net, image=self.egressd_image, env=env,
-                                      secrets=sidecar_secrets(settings, token=token))
+                                      secrets=sidecar_secrets(settings, token=token, files=self._files))
         self.egressd_container = sidecar.id
         self._stack.push_async_callback(self._save_audit)
         await self._register(sidecar.control_url, token, p.sandbox_ip)
@@ -461,6 +490,10 @@ class DockerSession(SessionBase[_SessionBox]):
             await control.close()
             control = run_control
         self.control = control
+        placeholders = created.get("secrets") if isinstance(created, dict) else None
+        if isinstance(placeholders, dict):
+            # The command holds each declared secret's placeholder under its name, never its value.
+            self.extra_env.update({str(k): str(v) for k, v in placeholders.items()})
         if isinstance(run_token, str) and run_token:
             # In the registry of running instances, with the run's own token (in a file of its own there).
             registration = register_quietly(kind=self.kind, control=control.url, task=self.task, token=run_token)

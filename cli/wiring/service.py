@@ -36,7 +36,7 @@ from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
 from egressd.audit.records import policy_reloaded_record, run_record
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
-from egressd.config.settings import Settings, default_state_dir, parse_hostport
+from egressd.config.settings import Settings, default_state_dir, parse_hostport, read_secret_file
 from egressd.control.api import PUBLIC_PATHS, build_app
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
@@ -139,9 +139,13 @@ def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[
 
 
 def secrets_from_settings(settings: Settings, allow: Sequence[Entry], environ: Mapping[str, str]) -> Secrets | None:
-    """The declared secrets with their values (egressd's environment) and fresh placeholders; StartupError.
+    """The declared secrets with their values (egressd's environment, or the file NAME_FILE names) and
+    fresh placeholders; StartupError.
 
-    Each secret's names must be inspected (a request rule names them): elsewhere egressd cannot put it in.
+    Each secret's names must be inspected (a request rule in ``allow`` names them): elsewhere egressd
+    cannot put it in. With no ``allow`` (``serve``, whose runs bring their own lists; the Docker
+    backend's sidecar, whose run's list its launcher checked) that is not checked here: a secret to a
+    name a run does not inspect is never put in, and its placeholder goes nowhere it could be read.
     """
     if not settings.secret:
         return None
@@ -149,12 +153,18 @@ def secrets_from_settings(settings: Settings, allow: Sequence[Entry], environ: M
     declared: list[Secret] = []
     for text in settings.secret:
         name = text.partition("@")[0].strip()
+        value = environ.get(name, "")
+        if not value and environ.get(f"{name}_FILE"):
+            try:
+                value = read_secret_file(Path(environ[f"{name}_FILE"]), euid=os.geteuid())
+            except ValueError as exc:
+                raise StartupError(f"bad setting secret: {name}_FILE: {exc}") from None
         try:
-            secret = parse_secret(text, value=environ.get(name, ""), placeholder=placeholder(secrets.token_hex(16)))
+            secret = parse_secret(text, value=value, placeholder=placeholder(secrets.token_hex(16)))
         except SecretError as exc:
             missing = f" (egressd's environment has no {name})" if name and not environ.get(name) else ""
             raise StartupError(f"bad setting secret: {exc}{missing}") from None
-        for entry in secret.hosts:
+        for entry in secret.hosts if allow else ():
             if not any(rule.host == entry.host and rule.wildcard == entry.wildcard for rule in inspected):
                 raise StartupError(
                     f"bad setting secret: {secret.name}: {entry.text} has no request rule, so egressd cannot put the "

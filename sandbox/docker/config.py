@@ -11,6 +11,7 @@ import functools
 import io
 import ipaddress
 import json
+import re
 import tarfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -297,12 +298,17 @@ class EgressdSpec:
     labels: Mapping[str, str]
 
 
+# A file of the archive: a setting's name, or "declared." and a declared secret's variable name.
+_FILE_NAME = re.compile(r"[a-z_]+|declared\.[A-Za-z_][A-Za-z0-9_]*")
+
+
 def secrets_archive(secrets: Mapping[str, str], *, uid: int = SIDECAR_UID, gid: int = SIDECAR_GID) -> bytes:
     """A tar of ``secrets/NAME`` files (mode 0400 in a 0700 directory, ``uid``:``gid``'s) for ``EGRESSD_STATE`` (pure).
 
     egressd reads them as NAME_file settings, which refuse a file that
-    anyone but its owner may read. A name is a setting's: lower case and
-    underscores, nothing that could climb out of the directory.
+    anyone but its owner may read. A name is a setting's (lower case and
+    underscores), or ``declared.`` and a declared secret's variable name:
+    nothing that could climb out of the directory.
     """
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -310,7 +316,7 @@ def secrets_archive(secrets: Mapping[str, str], *, uid: int = SIDECAR_UID, gid: 
         directory.type, directory.mode, directory.uid, directory.gid = tarfile.DIRTYPE, 0o700, uid, gid
         tar.addfile(directory)
         for name, value in sorted(secrets.items()):
-            if not name or not name.replace("_", "a").isalpha() or not name.islower():
+            if not _FILE_NAME.fullmatch(name):
                 raise ValueError(f"{name!r} is not a setting's name")
             data = value.encode()
             member = tarfile.TarInfo(f"secrets/{name}")

@@ -65,6 +65,45 @@ ORIGIN_SCRIPT = textwrap.dedent("""
     servers[0].serve_forever()
 """)
 
+
+def tls_origin_script(cert_pem: str, key_pem: str) -> str:
+    """An HTTPS origin on port 443 with ``cert_pem`` and ``key_pem`` (in memory: the helper's root is read-only).
+
+    It answers every GET and POST with its method and path, and prints "ARRIVAL ..." per connection and
+    "AUTH <Authorization header>" per request to its log, never to the client (a secret put in by egressd
+    must not come back to the sandbox).
+    """
+    return f"CERT = {cert_pem!r}\nKEY = {key_pem!r}\n" + textwrap.dedent("""
+        import http.server, os, ssl
+        def pem_path(text):
+            fd = os.memfd_create("pem")
+            os.write(fd, text.encode())
+            return f"/proc/self/fd/{fd}"
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                print("AUTH", self.headers.get("Authorization"), flush=True)
+                body = f"hello from tls origin: {self.command} {self.path}".encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            do_POST = do_GET
+            def log_message(self, *args):
+                pass
+        class Server(http.server.ThreadingHTTPServer):
+            def process_request(self, request, client_address):
+                print("ARRIVAL", client_address[0], self.server_address[1], flush=True)
+                super().process_request(request, client_address)
+        server = Server(("0.0.0.0", 443), Handler)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(pem_path(CERT), pem_path(KEY))
+        server.socket = context.wrap_socket(server.socket, server_side=True)
+        print("ready", flush=True)
+        server.serve_forever()
+    """)
+
+
 # The leak detector: counts every TCP connection and UDP datagram that reaches it.
 LEAK_SCRIPT = textwrap.dedent("""
     import selectors, socket

@@ -81,7 +81,9 @@ from tests.fakes.dockerbed import (
     leftovers,
     split_range,
     start_helper,
+    tls_origin_script,
 )
+from tests.fakes.tls import make_pki
 from tests.harness import IN_CI, LEAK, listening_socket, require
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
@@ -283,6 +285,9 @@ async def engine() -> AsyncIterator[DockerEngine]:
         assert await leftovers(engine, "egressd.run", owner_pid=os.getpid()) == []
 
 
+SECURE_NAME = "secure.test"  # an HTTPS origin's name (tls_origin_script)
+
+
 @dataclass
 class Bed:
     session: DockerSession
@@ -368,6 +373,43 @@ async def test_allowed_origin_is_reached_through_the_sidecar(make_bed: Any, tmp_
     kinds = {(r.get("kind"), r.get("decision")) for r in records if r.get("event") == "egress"}
     assert ("http", "allow") in kinds and ("dns", "allow") in kinds  # egressd's records, appended to ours
     assert any(r.get("event") == "run.end" for r in records)
+
+
+async def test_inspection_and_a_declared_secret_work_through_the_sidecar(
+    make_bed: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An inspected name on Docker: the command trusts the run's CA with no flags, a GET goes through with the
+    real secret put in by the sidecar, a POST no rule covers is refused, a program ignoring the proxy is
+    inspected too; the command holds only the placeholder."""
+    value = f"real-{secrets.token_hex(8)}"
+    monkeypatch.setenv("SECURE_TOKEN", value)  # egressd run's environment, as a user would export it
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki", [SECURE_NAME])
+    async with make_bed(allow=[f"GET {SECURE_NAME}/docs/**"], secret=[f"SECURE_TOKEN@{SECURE_NAME}"],
+                        inspect_origin_ca_file=str(pki.ca_pem), ask=False) as bed:
+        net = bed.session.resources
+        secure = await start_helper(
+            bed.engine, network=f"egressd-{net.run_key}-outgoing", address=str(bed.outgoing.network_address + 7),
+            script=tls_origin_script(pki.cert_pem.read_text(), pki.key_pem.read_text()),
+            labels=net.labels_for("helper"), aliases=[SECURE_NAME],
+        )
+        obs = await bed.sh(
+            f'curl -sS -m 10 -H "Authorization: Bearer $SECURE_TOKEN" https://{SECURE_NAME}/docs/a; echo;'
+            f" curl -sS -m 10 -o /dev/null -w 'post=%{{http_code}}\\n' -X POST -d k=v https://{SECURE_NAME}/docs/up;"
+            f" curl --noproxy '*' -sS -m 10 https://{SECURE_NAME}/docs/./direct; echo;"
+            ' echo "placeholder=$SECURE_TOKEN"'
+        )
+        logs = await secure.logs()
+    assert obs.exit_code == 0, obs.stderr
+    assert "hello from tls origin: GET /docs/a" in obs.stdout and "post=403" in obs.stdout, (obs.stdout, obs.stderr)
+    assert "hello from tls origin: GET /docs/direct" in obs.stdout, obs.stdout
+    assert "placeholder=egressd-secret-" in obs.stdout and value not in obs.stdout + obs.stderr
+    assert f"AUTH Bearer {value}" in logs.splitlines(), logs  # the sidecar put the real value in
+    assert len([line for line in logs.splitlines() if line.startswith("AUTH")]) == 2  # the POST reached nothing
+    records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    decided = {(r["kind"], r["decision"], r.get("method")) for r in records if r.get("event") == "egress"}
+    assert {("https", "allow", "GET"), ("https", "deny", "POST"), ("tls", "allow", None)} <= decided, decided
+    assert value not in json.dumps(records)
 
 
 async def test_all_proxy_names_the_sidecars_socks_listener(make_bed: Any, tmp_path: Path) -> None:

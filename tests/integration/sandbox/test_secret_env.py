@@ -427,3 +427,43 @@ async def test_no_secret_of_egressd_is_visible_in_a_docker_sandbox_or_in_the_sid
             await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 128 + signal.SIGTERM
         assert await leftovers(engine, "egressd.run", owner_pid=proc.pid) == []
+
+
+def test_a_declared_secret_and_the_origins_ca_reach_the_sidecar_as_files_and_the_value_nowhere_else(
+    tmp_path: Path,
+) -> None:
+    from egressd.cli.wiring.docker_session import sidecar_environment, sidecar_files, sidecar_secrets
+    from egressd.cli.wiring.service import StartupError
+    from egressd.sandbox.docker.config import SECRETS_DIR
+
+    value = f"real-{uuid.uuid4().hex}"
+    ca = tmp_path / "origin-ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMII...\n-----END CERTIFICATE-----\n")
+    settings = load_settings({"allow": ["api.example.test/**"], "secret": ["API_TOKEN@api.example.test"],
+                              "inspect_origin_ca_file": str(ca)})
+    files = sidecar_files(settings, {"API_TOKEN": value})
+    assert files == {"declared.API_TOKEN": value, "inspect_origin_ca": ca.read_text()}
+    env = sidecar_environment(settings, egressd_ip="169.254.64.2", control_ip="169.254.64.18", token="t", files=files)
+    # The sidecar is told which secrets there are and where their values are; the values are files only.
+    assert env["EGRESSD_SECRET"] == "API_TOKEN@api.example.test"
+    assert env["API_TOKEN_FILE"] == f"{SECRETS_DIR}/declared.API_TOKEN"
+    assert env["EGRESSD_INSPECT_ORIGIN_CA_FILE"] == f"{SECRETS_DIR}/inspect_origin_ca"
+    assert value not in json.dumps(env)
+    assert sidecar_secrets(settings, token="t", files=files)["declared.API_TOKEN"] == value
+    # A declared secret with no value, or a name no rule inspects, stops the run before anything is made.
+    with pytest.raises(StartupError, match="API_TOKEN"):
+        sidecar_files(settings, {})
+    plain = load_settings({"allow": ["api.example.test"], "secret": ["API_TOKEN@api.example.test"]})
+    with pytest.raises(StartupError, match="no request rule"):
+        sidecar_files(plain, {"API_TOKEN": value})
+
+
+def test_egressd_reads_a_declared_secrets_value_from_the_file_name_file_names(tmp_path: Path) -> None:
+    from egressd.cli.wiring.service import secrets_from_settings
+
+    path = tmp_path / "value"
+    path.write_text("from-a-file\n")
+    path.chmod(0o400)
+    settings = load_settings({"allow": ["api.example.test/**"], "secret": ["API_TOKEN@api.example.test"]})
+    declared = secrets_from_settings(settings, [], {"API_TOKEN_FILE": str(path)})
+    assert declared is not None and declared.declared[0].value == "from-a-file"
