@@ -7,7 +7,9 @@ cd "$(dirname "$0")/.."
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     need=()
     # chromium and its driver: the approvals page in a real browser (tests/integration/approvals/test_web.py).
-    for pkg_bin in bubblewrap:bwrap nftables:nft iproute2:ip curl:curl dnsutils:dig chromium:chromium chromium-driver:chromedriver; do
+    # python3-pip: pip inside the sandbox downloads from an inspected package index (test_inspection_sandbox.py).
+    for pkg_bin in bubblewrap:bwrap nftables:nft iproute2:ip curl:curl dnsutils:dig chromium:chromium \
+                   chromium-driver:chromedriver python3-pip:pip3; do
         command -v "${pkg_bin#*:}" >/dev/null || need+=("${pkg_bin%%:*}")
     done
     # The Docker tests: debootstrap makes the images' base (docker/build.sh),

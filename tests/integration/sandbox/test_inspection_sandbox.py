@@ -1,5 +1,5 @@
 """Inspection inside `egressd run`'s sandbox: the command trusts the run's CA with no flags, and cannot read its key;
-a program that ignores the proxy settings is inspected too.
+a program that ignores the proxy settings is inspected too; pip downloads from a TLS package index.
 
 curl and Python's urllib, run as a user would, reach an inspected name
 over HTTPS (the run's CA is in the bundle at the standard path and named
@@ -9,13 +9,19 @@ of the CA's key is anywhere the command can look.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import io
 import json
 import textwrap
+import zipfile
 from pathlib import Path
+
+from aiohttp import web
 
 from tests.conftest import HttpsOrigin
 from tests.fakes.tls import TlsOrigin, make_pki
-from tests.harness import ORIGIN
+from tests.harness import ORIGIN, have, require
 from tests.integration.sandbox.test_sandbox import _needs_root_and_tools, assert_no_leftovers, egressd_run
 
 __all__ = ["_needs_root_and_tools"]  # the autouse fixture: root, bwrap, nft, ip, nsenter, curl
@@ -91,4 +97,73 @@ async def test_a_program_that_ignores_the_proxy_is_inspected_all_the_same(tmp_pa
     decided = [(r["kind"], r["decision"], r.get("method")) for r in records if r["event"] == "egress"]
     assert ("tls", "allow", None) in decided and ("https", "allow", "GET") in decided, decided
     assert ("https", "deny", "POST") in decided, decided
+    await assert_no_leftovers()
+
+
+def _wheel(name: str, version: str) -> bytes:
+    """A minimal, valid pure-Python wheel (PEP 427): one module, METADATA, WHEEL and RECORD."""
+    dist = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": b"VALUE = 1\n",
+        f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: egressd-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = "".join(
+        f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},{len(data)}\n"
+        for path, data in files.items()
+    ) + f"{dist}/RECORD,,\n"
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path, data in [*files.items(), (f"{dist}/RECORD", record.encode())]:
+            archive.writestr(path, data)
+    return buffer.getvalue()
+
+
+async def test_pip_downloads_from_an_inspected_tls_package_index_trusting_the_runs_ca_with_no_flags(
+    tmp_path: Path, dns  # type: ignore[no-untyped-def]
+) -> None:
+    """A PEP 503 index served over TLS by the test: pip inside the sandbox (PIP_CERT names the run's bundle)
+    reads /simple/ and fetches the wheel, each request decided by its rule; an upload to the index is refused."""
+    require(have("pip3"), "pip is not installed (Debian: python3-pip)")
+    wheel = _wheel("egressd_demo", "1.0")
+    filename = "egressd_demo-1.0-py3-none-any.whl"
+    digest = hashlib.sha256(wheel).hexdigest()
+    seen: list[tuple[str, str]] = []
+
+    async def index(request: web.Request) -> web.Response:
+        seen.append((request.method, request.path))
+        if request.path == "/simple/egressd-demo/":
+            link = f'<a href="/files/{filename}#sha256={digest}">{filename}</a>'
+            return web.Response(text=f"<html><body>{link}</body></html>", content_type="text/html")
+        if request.path == f"/files/{filename}":
+            return web.Response(body=wheel, content_type="application/octet-stream")
+        return web.Response(status=404)
+
+    (tmp_path / "pki").mkdir()
+    pki = make_pki(tmp_path / "pki", ["origin.test"])
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", index)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, ORIGIN, 0, ssl_context=pki.server_context()).start()
+    port = runner.addresses[0][1]
+    base = f"https://origin.test:{port}"
+    script = textwrap.dedent(f"""
+        python3 -m pip download --no-deps --disable-pip-version-check --no-cache-dir -d /tmp/got \\
+            --index-url {base}/simple/ egressd-demo 2>&1 | tail -2
+        ls /tmp/got
+        curl -sS -m 10 -o /dev/null -w 'upload=%{{http_code}}\\n' -X POST --data-binary @/etc/hostname {base}/legacy/
+    """)
+    try:
+        code, out, err = await egressd_run(
+            tmp_path, dns, "--allow", f"GET origin.test:{port}/simple/**",
+            "--allow", f"GET origin.test:{port}/files/**", "--no-ask",
+            "--inspect-origin-ca-file", str(pki.ca_pem), "--", "sh", "-c", script,
+        )  # fmt: skip
+    finally:
+        await runner.cleanup()
+    assert code == 0, err
+    assert filename in out and "upload=403" in out, (out, err)
+    assert ("GET", "/simple/egressd-demo/") in seen and ("GET", f"/files/{filename}") in seen, seen
+    assert all(method == "GET" for method, _ in seen), seen  # the upload reached nothing
     await assert_no_leftovers()
