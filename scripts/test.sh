@@ -7,11 +7,13 @@ cd "$(dirname "$0")/.."
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     need=()
     # chromium and its driver: the approvals page in a real browser (tests/integration/approvals/test_web.py).
-    # python3-pip: pip inside the sandbox downloads from an inspected package index (test_inspection_sandbox.py).
     for pkg_bin in bubblewrap:bwrap nftables:nft iproute2:ip curl:curl dnsutils:dig chromium:chromium \
-                   chromium-driver:chromedriver python3-pip:pip3; do
+                   chromium-driver:chromedriver; do
         command -v "${pkg_bin#*:}" >/dev/null || need+=("${pkg_bin%%:*}")
     done
+    # The system's pip: pip inside the sandbox downloads from an inspected package index
+    # (tests/integration/sandbox/test_inspection_sandbox.py).
+    /usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
     # The Docker tests: debootstrap makes the images' base (docker/build.sh),
     # and the compose example needs a compose (the plugin or docker-compose).
     if command -v docker >/dev/null; then

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from tests.conftest import HttpsOrigin
 from tests.fakes.tls import TlsOrigin, make_pki
-from tests.harness import ORIGIN, have, require
+from tests.harness import ORIGIN, require
 from tests.integration.sandbox.test_sandbox import _needs_root_and_tools, assert_no_leftovers, egressd_run
 
 __all__ = ["_needs_root_and_tools"]  # the autouse fixture: root, bwrap, nft, ip, nsenter, curl
@@ -100,6 +100,10 @@ async def test_a_program_that_ignores_the_proxy_is_inspected_all_the_same(tmp_pa
     await assert_no_leftovers()
 
 
+# The pip of the system's python3, which the sandbox runs.
+SYSTEM_PIP = Path("/usr/lib/python3/dist-packages/pip")
+
+
 def _wheel(name: str, version: str) -> bytes:
     """A minimal, valid pure-Python wheel (PEP 427): one module, METADATA, WHEEL and RECORD."""
     dist = f"{name}-{version}.dist-info"
@@ -124,7 +128,7 @@ async def test_pip_downloads_from_an_inspected_tls_package_index_trusting_the_ru
 ) -> None:
     """A PEP 503 index served over TLS by the test: pip inside the sandbox (PIP_CERT names the run's bundle)
     reads /simple/ and fetches the wheel, each request decided by its rule; an upload to the index is refused."""
-    require(have("pip3"), "pip is not installed (Debian: python3-pip)")
+    require(SYSTEM_PIP.is_dir(), "the system's pip is not installed (Debian: python3-pip)")
     wheel = _wheel("egressd_demo", "1.0")
     filename = "egressd_demo-1.0-py3-none-any.whl"
     digest = hashlib.sha256(wheel).hexdigest()
