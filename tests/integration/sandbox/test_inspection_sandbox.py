@@ -101,7 +101,7 @@ async def test_a_program_that_ignores_the_proxy_is_inspected_all_the_same(tmp_pa
 
 
 # The pip of the system's python3, which the sandbox runs.
-SYSTEM_PIP = Path("/usr/lib/python3/dist-packages/pip")
+HAVE_SYSTEM_PIP = Path("/usr/lib/python3/dist-packages/pip").is_dir()
 
 
 def _wheel(name: str, version: str) -> bytes:
@@ -128,7 +128,7 @@ async def test_pip_downloads_from_an_inspected_tls_package_index_trusting_the_ru
 ) -> None:
     """A PEP 503 index served over TLS by the test: pip inside the sandbox (PIP_CERT names the run's bundle)
     reads /simple/ and fetches the wheel, each request decided by its rule; an upload to the index is refused."""
-    require(SYSTEM_PIP.is_dir(), "the system's pip is not installed (Debian: python3-pip)")
+    require(HAVE_SYSTEM_PIP, "the system's pip is not installed (Debian: python3-pip)")
     wheel = _wheel("egressd_demo", "1.0")
     filename = "egressd_demo-1.0-py3-none-any.whl"
     digest = hashlib.sha256(wheel).hexdigest()
