@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp import ClientSession, web
+from aiohttp import ClientSession
 
 from egressd.cli.wiring.service import EgressService
 from egressd.proxy.core.modes import transparent_http, transparent_tls
-from tests.conftest import HttpsOrigin, MakeEgressd
-from tests.harness import ORIGIN, have, require, wait_until
+from tests.conftest import HttpOrigin, HttpsOrigin, MakeEgressd
+from tests.harness import have, require, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -102,32 +101,27 @@ async def test_an_allowed_get_is_inspected_and_forwarded_with_its_normalised_pat
     assert (tunnel["decision"], tunnel["host"], tunnel["port"]) == ("allow", "origin.test", https_origin.port)
 
 
-@pytest.mark.parametrize("way", WAYS)
-async def test_a_write_no_rule_covers_is_refused_inside_the_tls_and_reaches_nothing(
-    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path, way: str
-) -> None:
-    svc = await _egressd(make_egressd, https_origin, way, ask=False)
-    ca = await _run_ca(svc, tmp_path)
-    code, out, err = await _curl(svc, way, https_origin.port, ca, "/docs/a", "-X", "POST", "--data-binary", "k=v")
-    assert code == 0, err
-    assert out.startswith("HTTP/1.1 403 ") and "X-Egress-Reason: not_allowlisted" in out, out
-    assert https_origin.requests == []
-    (record,) = _records(svc, "https")
-    assert (record["decision"], record["reason"], record["method"]) == ("deny", "not_allowlisted", "POST")
+# Attacks inside the TLS: a write no rule covers; a Host naming another host than the tunnel's.
+REFUSED = [
+    (["-X", "POST", "--data-binary", "k=v"], "not_allowlisted", "POST"),
+    (["-H", "Host: other.test"], "sni_mismatch", None),  # refused as it is read: before any method is judged
+]
 
 
 @pytest.mark.parametrize("way", WAYS)
-async def test_a_host_header_naming_another_host_is_refused(
-    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path, way: str
+@pytest.mark.parametrize(("args", "reason", "method"), REFUSED, ids=["write", "other-host"])
+async def test_a_request_no_rule_allows_is_refused_inside_the_tls_and_reaches_nothing(
+    make_egressd: MakeEgressd, https_origin: HttpsOrigin, tmp_path: Path, way: str,
+    args: list[str], reason: str, method: str | None,
 ) -> None:
     svc = await _egressd(make_egressd, https_origin, way, ask=False)
     ca = await _run_ca(svc, tmp_path)
-    code, out, err = await _curl(svc, way, https_origin.port, ca, "/docs/a", "-H", "Host: other.test")
+    code, out, err = await _curl(svc, way, https_origin.port, ca, "/docs/a", *args)
     assert code == 0, err
-    assert out.startswith("HTTP/1.1 403 ") and "X-Egress-Reason: sni_mismatch" in out, out
+    assert out.startswith("HTTP/1.1 403 ") and f"X-Egress-Reason: {reason}" in out, out
     assert https_origin.requests == []
     (record,) = _records(svc, "https")
-    assert (record["decision"], record["reason"]) == ("deny", "sni_mismatch")
+    assert (record["decision"], record["reason"], record.get("method")) == ("deny", reason, method)
 
 
 @pytest.mark.parametrize("way", WAYS)
@@ -150,31 +144,12 @@ async def test_a_client_that_does_not_trust_the_runs_ca_fails_with_a_clear_recor
 # -- plain HTTP to an inspected name: the same rules, nothing to take over -------------------------
 
 
-@pytest.fixture
-async def http_origin() -> AsyncIterator[tuple[int, list[tuple[str, str]]]]:
-    """A plain HTTP origin on ORIGIN: (its port, the (method, path) of each request it got)."""
-    seen: list[tuple[str, str]] = []
-
-    async def any_path(request: web.Request) -> web.Response:
-        seen.append((request.method, request.raw_path))
-        return web.Response(text="plain origin")
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", any_path)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, ORIGIN, 0)
-    await site.start()
-    yield runner.addresses[0][1], seen
-    await runner.cleanup()
-
-
 @pytest.mark.parametrize("way", ["proxy", "transparent_http"])
 async def test_plain_http_to_an_inspected_name_is_decided_on_its_method_and_path(
-    make_egressd: MakeEgressd, http_origin: tuple[int, list[tuple[str, str]]], way: str
+    make_egressd: MakeEgressd, http_origin: HttpOrigin, way: str
 ) -> None:
     require(have("curl"), "curl is not installed")
-    port, seen = http_origin
+    port = http_origin.port
     svc = await make_egressd(allow=[RULE.format(port=port)], ask=False, transparent_http="127.0.0.1:0")
     if way == "proxy":
         route = ["-x", f"http://127.0.0.1:{svc.proxy_address[1]}"]
@@ -191,7 +166,7 @@ async def test_plain_http_to_an_inspected_name_is_decided_on_its_method_and_path
     assert proc.returncode == 0, err
     text = out.decode("latin-1")
     assert "HTTP/1.1 200 OK" in text and "X-Egress-Reason: not_allowlisted" in text, text
-    assert seen == [("GET", "/docs/a")]  # the normalised path went; /admin did not
+    assert [(r["method"], r["path"]) for r in http_origin.requests] == [("GET", "/docs/a")]  # /admin did not go
     decided = [(r["decision"], r.get("method"), r.get("path")) for r in svc.audit_records
                if r["event"] == "egress" and r["kind"] == "http"]  # fmt: skip
     assert decided == [("allow", "GET", "/docs/a"), ("deny", "GET", "/admin")], decided
