@@ -53,7 +53,12 @@ import enum
 from typing import Final
 
 from egressd.proxy.core.http1.destination import Destination
-from egressd.proxy.core.http1.forwarding import forward_request_head, forward_response_head
+from egressd.proxy.core.http1.forwarding import (
+    asks_websocket,
+    forward_request_head,
+    forward_response_head,
+    names_websocket,
+)
 from egressd.proxy.core.http1.framing import BodyKind, ChunkedScanner
 from egressd.proxy.core.http1.heads import (
     RequestHead,
@@ -172,6 +177,8 @@ class Exchange:
         "response_body",
         "keep_client",
         "keep_upstream",
+        "upgrade",
+        "upgraded",
     )
 
     def __init__(self, max_head_bytes: int) -> None:
@@ -185,6 +192,8 @@ class Exchange:
         self.response_body: Framer | None = None
         self.keep_client = False
         self.keep_upstream = False
+        self.upgrade = False  # the request asks for a WebSocket upgrade, and is forwarded asking for it
+        self.upgraded = False  # the origin switched (101): the connection carries WebSocket both ways now
 
     def _out_of_turn(self, state: State) -> ExchangeError:
         return ExchangeError(f"{self.state.value}, not {state.value}")
@@ -233,7 +242,11 @@ class Exchange:
         kind, length = request_body_kind(head)
         body = self.request_body = None if kind is _NO_BODY else _framer(kind, length, 400)
         self.state = _SENDING if body is not None else _WAITING
-        return forward_request_head(head, destination)
+        # A WebSocket upgrade (RFC 6455 §4.1: a GET with no body) goes on as one; any other Upgrade is dropped.
+        upgrade = self.upgrade = (
+            (lowered is None or "\nupgrade:" in lowered) and body is None and asks_websocket(head)
+        )
+        return forward_request_head(head, destination, upgrade)
 
     # -- the upstream's side ---------------------------------------------------
 
@@ -266,6 +279,8 @@ class Exchange:
                 break
         request = self.request
         assert request is not None
+        if response.status == 101:
+            return self._switched(response), used
         kind, length = response_body_kind(response, request.method)
         # ``keep_alive`` as the parse knew it (``persists``), else asked: a property's call less per message.
         persists = request.persists
@@ -281,6 +296,18 @@ class Exchange:
         self.state = _RELAYING
         return response, used
 
+    def _switched(self, response: ResponseHead) -> ResponseHead:
+        """A 101: the WebSocket upgrade the request asked for, and nothing else (HttpError 502)."""
+        if not self.upgrade or not names_websocket(response.get_all("Upgrade")):
+            raise HttpError(502, "a 101 Switching Protocols to what the request did not ask for")
+        self.response = response
+        self.response_out = forward_response_head(response, False, upgrade=True)
+        self.response_body = None
+        self.keep_client = self.keep_upstream = False
+        self.upgraded = True
+        self.state = _RELAYING
+        return response
+
     def finish(self) -> bool:
         """The response is through: True when the client connection may carry another request."""
         if self.state is not _RELAYING:
@@ -289,4 +316,6 @@ class Exchange:
         self.state = _IDLE if keep else _CLOSED
         self.request = self.response = None
         self.request_body = self.response_body = None
+        self.upgrade = self.upgraded = False
         return keep
+

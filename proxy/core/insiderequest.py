@@ -7,7 +7,8 @@ refuses it ``sni_mismatch``, as a tunnel's plain HTTP is); a CONNECT inside
 is refused. A plain-HTTP request to an inspected name (``plain_request``)
 already has its destination. Either way the path is normalised
 (``requestrules.normalise_path``: what is decided is what is forwarded),
-the method is the one an override header names when one does, and the
+the method is the one an override header names when one does (``WEBSOCKET``
+for a WebSocket upgrade, whatever it says), and the
 approver is shown the request (``HeldRequest``: names, never values).
 Pure: no I/O.
 """
@@ -20,9 +21,17 @@ from egressd.approvals.message import HeldRequest
 from egressd.names.authority import AuthorityError, Colons, parse_authority
 from egressd.names.hosts import normalised
 from egressd.proxy.core.http1.destination import Destination
+from egressd.proxy.core.http1.forwarding import asks_websocket
 from egressd.proxy.core.http1.heads import RequestHead
 from egressd.proxy.core.http1.syntax import HttpError
-from egressd.proxy.core.requestrules import PathError, RequestError, approval_prefix, normalise_path, override_method
+from egressd.proxy.core.requestrules import (
+    WEBSOCKET,
+    PathError,
+    RequestError,
+    approval_prefix,
+    normalise_path,
+    override_method,
+)
 
 # TRACE echoes the request back (a secret put in included); CONNECT opens a tunnel no rule sees.
 NEVER_INSPECTED = frozenset({"TRACE", "CONNECT"})
@@ -84,7 +93,9 @@ def _judged(head: RequestHead, host: str, port: int, target: str, scheme: str) -
     except PathError as exc:
         raise HttpError(400, f"path not normalisable: {exc}") from None
     try:
-        method = override_method(head.headers) or head.method
+        # A WebSocket upgrade carries what it likes once switched: judged as the method WEBSOCKET, which
+        # only a rule naming it (or naming no method) allows, never ``read_only``.
+        method = WEBSOCKET if asks_websocket(head) else override_method(head.headers) or head.method
     except RequestError as exc:
         raise HttpError(400, str(exc)) from None
     shown = HeldRequest(

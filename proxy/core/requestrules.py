@@ -55,6 +55,9 @@ __all__ = [
 ]
 
 READ_ONLY: Final = frozenset({"GET", "HEAD", "OPTIONS"})
+# What a WebSocket upgrade is judged as (its GET would let ``read_only`` open a channel that carries
+# anything): allowed by a rule naming it, or naming no method.
+WEBSOCKET: Final = "WEBSOCKET"
 # Never named by a rule (see the module docstring).
 UNNAMEABLE: Final = frozenset({"CONNECT", "TRACE"})
 # The headers that ask a server to treat a request as another method (Rails, Express, Google APIs, ...).

@@ -313,15 +313,18 @@ class Runner:
             check_timeout_s=limits.head_timeout_s,
             loop=self.client.loop,
         )
-        run = command.attempt.run
-        if limits.upload_budget_bytes and run is not None and command.attempt.host is not None:
-            host = command.attempt.host
-            tunnel.budget = run.budget(registrable_domain(host) or host, limits.upload_budget_bytes)
-            tunnel.on_over_budget = self._over_budget
+        self._budgeted(tunnel, command.attempt)
         self.shared.tunnels.add(tunnel)
         tunnel.start()
 
     # -- an upload budget ----------------------------------------------------------------------
+
+    def _budgeted(self, tunnel: Tunnel, attempt: Attempt) -> None:
+        """Hold ``tunnel`` to the run's upload budget for the attempt's registered domain (when budgets are on)."""
+        limits, run, host = self.shared.limits, attempt.run, attempt.host
+        if limits.upload_budget_bytes and run is not None and host is not None:
+            tunnel.budget = run.budget(registrable_domain(host) or host, limits.upload_budget_bytes)
+            tunnel.on_over_budget = self._over_budget
 
     def _over_budget(self, tunnel: Tunnel) -> None:
         """The tunnel's run went past its upload budget: ask once for every connection waiting on it."""
@@ -474,4 +477,29 @@ class Runner:
         except (IdleTimeout, PeerClosed) as exc:
             attempt.bytes_down += exc.moved  # what reached the client counts, cut short or not
             raise
+        if exchange.upgraded:
+            await self._both_ways(attempt, upstream)
         return exchange.finish()
+
+    async def _both_ways(self, attempt: Attempt, upstream: Peer) -> None:
+        """After a 101 to WebSocket (decided on its upgrade request, like any request): the bytes go both
+        ways, unread, as a tunnel's do, until either side closes or nothing moves for the idle timeout."""
+        client = self.client
+        ended: asyncio.Future[None] = client.loop.create_future()
+        tunnel = Tunnel(client, upstream, idle_timeout_s=self.shared.limits.idle_timeout_s,
+                        on_end=lambda _: _settle(ended), loop=client.loop)
+        self._budgeted(tunnel, attempt)
+        tunnel.start()
+        try:
+            await ended
+        finally:
+            tunnel.close()
+            attempt.bytes_up += tunnel.bytes_up
+            attempt.bytes_down += tunnel.bytes_down
+            if tunnel.idle_expired:
+                attempt.ends(End.IDLE_TIMEOUT)
+
+
+def _settle(ended: asyncio.Future[None]) -> None:
+    if not ended.done():
+        ended.set_result(None)

@@ -138,6 +138,9 @@ class ServerTls(asyncio.Protocol):
     def resume_reading(self) -> None:
         self._raw.resume_reading()
 
+    def can_write_eof(self) -> bool:
+        return False  # TLS cannot half-close
+
     def get_write_buffer_size(self) -> int:
         return self._raw.get_write_buffer_size()
 

@@ -377,6 +377,47 @@ def test_101_is_final_and_the_upstream_is_not_kept() -> None:
     assert not wire.exchange.keep_upstream
 
 
+def test_a_websocket_upgrade_goes_on_asking_for_it_and_its_101_switches() -> None:
+    wire = Wire()
+    wire.client_sends(get(extra="Connection: keep-alive, Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Key: k\r\n"))
+    out = wire.forward()
+    assert out.endswith(b"Sec-WebSocket-Key: k\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"), out
+    response = wire.upstream_sends(
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+        b"Sec-WebSocket-Accept: a\r\n\r\n"
+    )
+    assert response is not None and response.status == 101 and wire.exchange.upgraded
+    switched = b"Sec-WebSocket-Accept: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+    assert wire.exchange.response_out.endswith(switched)
+    assert not wire.exchange.keep_upstream and not wire.exchange.finish()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "Connection: Upgrade\r\nUpgrade: h2c\r\n",  # another protocol: the field is dropped
+        "Upgrade: websocket\r\n",  # Connection does not name it: not an upgrade
+    ],
+)
+def test_other_upgrades_are_not_forwarded_and_a_101_nobody_asked_for_is_refused(extra: str) -> None:
+    wire = Wire()
+    wire.client_sends(get(extra=extra))
+    out = wire.forward()
+    assert b"upgrade:" not in out.lower() and out.endswith(b"Connection: keep-alive\r\n\r\n"), out
+    with pytest.raises(HttpError) as refused:
+        wire.upstream_sends(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n\r\n")
+    assert refused.value.status == 502
+
+
+def test_a_post_asking_for_a_websocket_is_not_upgraded() -> None:
+    wire = Wire()
+    wire.client_sends(
+        b"POST http://example.com/ HTTP/1.1\r\nHost: example.com\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\nContent-Length: 0\r\n\r\n"
+    )
+    assert b"upgrade" not in wire.forward().lower()
+
+
 # --- keep-alive ---------------------------------------------------------------------
 
 

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from egressd.proxy.core.policy import EntryError, RunPolicy, Verdict, decide, decide_request, parse_entry
 from egressd.proxy.core.requestrules import (
     READ_ONLY,
+    WEBSOCKET,
     PathError,
     RequestError,
     RuleError,
@@ -214,3 +215,22 @@ def test_characters_rfc_3986_does_not_allow_in_a_path_are_refused(target: str) -
     with pytest.raises(PathError, match="RFC 3986"):
         normalise_path(target)
     assert normalise_path("/a?filter[x]=1|2").query == "filter[x]=1|2"  # the query is never decided on
+
+
+def test_a_websocket_upgrade_is_judged_as_websocket_which_only_a_rule_naming_it_or_no_method_allows() -> None:
+    from egressd.proxy.core.http1.heads import parse_request_head
+    from egressd.proxy.core.insiderequest import inside_request
+
+    raw = (b"GET /ws HTTP/1.1\r\nHost: a.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+           b"X-HTTP-Method-Override: GET\r\n\r\n")  # fmt: skip
+    parsed = parse_request_head(raw, 8192)
+    assert parsed is not None
+    request = inside_request(parsed[0], "a.test", 443)
+    assert request.method == WEBSOCKET  # whatever an override header says
+    for rules, verdict in [
+        (("GET a.test/**",), Verdict.ASK),
+        (("read_only a.test",), Verdict.ASK),
+        (("WEBSOCKET a.test/ws",), Verdict.ALLOW),
+        (("a.test/**",), Verdict.ALLOW),
+    ]:
+        assert decide_request(_policy(*rules), request.method, "a.test", 443, request.path).verdict is verdict, rules

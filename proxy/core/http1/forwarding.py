@@ -68,13 +68,18 @@ def _forward_fields(headers: list[tuple[str, str]], drop: frozenset[str], drop_e
 _REQUEST_DROP: Final = _HOP_BY_HOP | {"host"}
 
 
-def forward_request_head(head: RequestHead, dest: Destination) -> bytes:
+# What a WebSocket upgrade's head ends with, both ways (RFC 6455 §4.1, §4.2.2), in place of keep-alive.
+_UPGRADE: Final = "Connection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+
+
+def forward_request_head(head: RequestHead, dest: Destination, upgrade: bool = False) -> bytes:
     """The head to send upstream for an absolute-form request to ``dest``.
 
     ``METHOD origin-form HTTP/1.1``, Host rewritten to the destination (RFC
     9112 §3.2: first, and replacing the client's), hop-by-hop fields and the
     fields named in Connection removed (never the framing ones), and
-    ``Connection: keep-alive`` for our upstream connection. ``head`` must come
+    ``Connection: keep-alive`` for our upstream connection (``upgrade``: the
+    WebSocket upgrade the client asked for, in its place). ``head`` must come
     from ``parse_request_head`` and ``dest`` be an "http" destination, or an
     "https" one: a request inside an inspected connection (its port 443 by default).
     """
@@ -85,19 +90,36 @@ def forward_request_head(head: RequestHead, dest: Destination) -> bytes:
     port = "" if dest.port == (80 if scheme == "http" else 443) else f":{dest.port}"
     fields = _forward_fields(head.headers, _REQUEST_DROP, drop_egress=False)
     start = f"{head.method} {dest.path} HTTP/1.1\r\nHost: {host}{port}\r\n"
-    return f"{start}{fields}Connection: keep-alive\r\n\r\n".encode("latin-1")
+    end = _UPGRADE if upgrade else "Connection: keep-alive\r\n\r\n"
+    return f"{start}{fields}{end}".encode("latin-1")
 
 
-def forward_response_head(head: ResponseHead, client_keep_alive: bool) -> bytes:
+def forward_response_head(head: ResponseHead, client_keep_alive: bool, upgrade: bool = False) -> bytes:
     """The head to send the client for an upstream response.
 
     Hop-by-hop fields and those named in Connection removed (never the
     framing ones), every ``X-Egress-*`` field removed so no origin can forge
     a decision, and ``Connection: keep-alive`` or ``close`` as the caller
     decided (close whenever the body is read until close). ``head`` must come
-    from ``parse_response_head``.
+    from ``parse_response_head``. ``upgrade``: a 101 switching to WebSocket,
+    which says so in place of ``Connection``.
     """
     fields = _forward_fields(head.headers, _HOP_BY_HOP, drop_egress=True)
+    if upgrade:
+        return f"HTTP/1.1 {head.status} {head.reason}\r\n{fields}{_UPGRADE}".encode("latin-1")
     connection = "keep-alive" if client_keep_alive else "close"
     return f"HTTP/1.1 {head.status} {head.reason}\r\n{fields}Connection: {connection}\r\n\r\n".encode("latin-1")
 
+
+def asks_websocket(head: RequestHead) -> bool:
+    """Whether the request asks for a WebSocket upgrade (RFC 6455 §4.1): a GET naming ``websocket`` in
+    Upgrade and ``upgrade`` in Connection."""
+    if head.method != "GET" or not names_websocket(head.get_all("Upgrade")):
+        return False
+    connection = head.get_all("Connection")
+    return any(token.strip(" \t").lower() == "upgrade" for value in connection for token in value.split(","))
+
+
+def names_websocket(values: list[str]) -> bool:
+    """Whether an Upgrade field's values name ``websocket``."""
+    return any(token.strip(" \t").lower() == "websocket" for value in values for token in value.split(","))
