@@ -86,8 +86,9 @@ from egressd.sandbox.docker.sidecar import read_file, start_egressd
 
 from .control_client import ControlClient, ControlError
 from .controltoken import TokenFileError, read_token_file
+from .declared import SecretSettingError, secrets_from_settings
 from .instances import register_quietly
-from .service import StartupError, entries_from_settings, secrets_from_settings, token_path
+from .service import StartupError, entries_from_settings, token_path
 from .session import SessionBase, SessionError
 
 # The control API answers at once; anything slower means it is not there.
@@ -206,7 +207,10 @@ def sidecar_files(settings: Settings, environ: Mapping[str, str]) -> dict[str, s
     """What else egressd's container reads from files: each declared secret's value (from ``environ``,
     as ``secrets_from_settings`` takes it) and the CA for inspected origins; StartupError when one cannot
     be had (nothing is created before this)."""
-    declared = secrets_from_settings(settings, entries_from_settings(settings)[0], environ)
+    try:
+        declared = secrets_from_settings(settings, entries_from_settings(settings)[0], environ)
+    except SecretSettingError as exc:
+        raise StartupError(str(exc)) from None
     files = {f"{DECLARED}{secret.name}": secret.value for secret in declared.declared} if declared else {}
     if settings.inspect_origin_ca_file is not None:
         try:

@@ -36,7 +36,7 @@ from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
 from egressd.audit.records import policy_reloaded_record, run_record
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
-from egressd.config.settings import Settings, default_state_dir, parse_hostport, read_secret_file
+from egressd.config.settings import Settings, default_state_dir, parse_hostport
 from egressd.control.api import PUBLIC_PATHS, build_app
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
@@ -54,7 +54,7 @@ from egressd.proxy.core.runs import (
     entry_diff,
     new_control_token,
 )
-from egressd.proxy.core.secrets import Secret, SecretError, Secrets, parse_secret, placeholder
+from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.dialer import Dialer, bound_locally
 from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.inspector import Inspector
@@ -64,6 +64,7 @@ from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, pa
 from egressd.proxy.net.runner import EgressPath
 
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
+from .declared import SecretSettingError, secrets_from_settings
 
 log = logging.getLogger("egressd")
 
@@ -138,40 +139,12 @@ def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[
     return parsed[0] + from_file[: len(file_allow)], parsed[1] + from_file[len(file_allow) :]
 
 
-def secrets_from_settings(settings: Settings, allow: Sequence[Entry], environ: Mapping[str, str]) -> Secrets | None:
-    """The declared secrets with their values (egressd's environment, or the file NAME_FILE names) and
-    fresh placeholders; StartupError.
-
-    Each secret's names must be inspected (a request rule in ``allow`` names them): elsewhere egressd
-    cannot put it in. With no ``allow`` (``serve``, whose runs bring their own lists; the Docker
-    backend's sidecar, whose run's list its launcher checked) that is not checked here: a secret to a
-    name a run does not inspect is never put in, and its placeholder goes nowhere it could be read.
-    """
-    if not settings.secret:
-        return None
-    inspected = [entry for entry in allow if entry.request is not None]
-    declared: list[Secret] = []
-    for text in settings.secret:
-        name = text.partition("@")[0].strip()
-        value = environ.get(name, "")
-        if not value and environ.get(f"{name}_FILE"):
-            try:
-                value = read_secret_file(Path(environ[f"{name}_FILE"]), euid=os.geteuid())
-            except ValueError as exc:
-                raise StartupError(f"bad setting secret: {name}_FILE: {exc}") from None
-        try:
-            secret = parse_secret(text, value=value, placeholder=placeholder(secrets.token_hex(16)))
-        except SecretError as exc:
-            missing = f" (egressd's environment has no {name})" if name and not environ.get(name) else ""
-            raise StartupError(f"bad setting secret: {exc}{missing}") from None
-        for entry in secret.hosts if allow else ():
-            if not any(rule.host == entry.host and rule.wildcard == entry.wildcard for rule in inspected):
-                raise StartupError(
-                    f"bad setting secret: {secret.name}: {entry.text} has no request rule, so egressd cannot put the "
-                    f"secret in (add one, e.g. '{entry.text}/**')"
-                )
-        declared.append(secret)
-    return Secrets(declared)
+def declared_secrets(settings: Settings, allow: Sequence[Entry]) -> Secrets | None:
+    """``secrets_from_settings`` with egressd's own environment; StartupError."""
+    try:
+        return secrets_from_settings(settings, allow, os.environ)
+    except SecretSettingError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def _describe_change(entries: EntryChange, changed: tuple[str, ...]) -> str:
@@ -506,7 +479,7 @@ class EgressService:
             resolver=resolver,
             screen=Screen(allow_private=s.allow_private_networks, own=own_endpoints(s), is_local=bound_locally),
             inspector=inspector,
-            secrets=secrets_from_settings(s, entries_from_settings(s)[0], os.environ),
+            secrets=declared_secrets(s, entries_from_settings(s)[0]),
         )
         default = None
         if not s.require_auth:

@@ -459,7 +459,7 @@ def test_a_declared_secret_and_the_origins_ca_reach_the_sidecar_as_files_and_the
 
 
 def test_egressd_reads_a_declared_secrets_value_from_the_file_name_file_names(tmp_path: Path) -> None:
-    from egressd.cli.wiring.service import secrets_from_settings
+    from egressd.cli.wiring.declared import secrets_from_settings
 
     path = tmp_path / "value"
     path.write_text("from-a-file\n")
