@@ -21,18 +21,21 @@ class SecretSettingError(Exception):
     """The ``secret`` setting cannot be used as it is (the message says why)."""
 
 
-def secrets_from_settings(settings: Settings, allow: Sequence[Entry], environ: Mapping[str, str]) -> Secrets | None:
+def secrets_from_settings(
+    settings: Settings, allow: Sequence[Entry] | None, environ: Mapping[str, str]
+) -> Secrets | None:
     """The declared secrets with their values (egressd's environment, or the file NAME_FILE names) and
     fresh placeholders; SecretSettingError saying why not.
 
-    Each secret's names must be inspected (a request rule in ``allow`` names them): elsewhere egressd
-    cannot put it in. With no ``allow`` (``serve``, whose runs bring their own lists; the Docker
-    backend's sidecar, whose run's list its launcher checked) that is not checked here: a secret to a
-    name a run does not inspect is never put in, and its placeholder goes nowhere it could be read.
+    Each secret's names must be inspected (a request rule in ``allow`` names them; an empty ``allow``
+    names none): elsewhere egressd cannot put it in. ``allow`` None is for where runs bring their own
+    lists (``serve --require-auth``; the Docker backend's sidecar, whose run's list its launcher
+    checked): a secret to a name a run does not inspect is never put in, and its placeholder goes
+    nowhere it could be read.
     """
     if not settings.secret:
         return None
-    inspected = [entry for entry in allow if entry.request is not None]
+    inspected = [entry for entry in allow or () if entry.request is not None]
     declared: list[Secret] = []
     for text in settings.secret:
         name = text.partition("@")[0].strip()
@@ -47,7 +50,7 @@ def secrets_from_settings(settings: Settings, allow: Sequence[Entry], environ: M
         except SecretError as exc:
             missing = f" (egressd's environment has no {name})" if name and not environ.get(name) else ""
             raise SecretSettingError(f"bad setting secret: {exc}{missing}") from None
-        for entry in secret.hosts if allow else ():
+        for entry in secret.hosts if allow is not None else ():
             if not any(rule.host == entry.host and rule.wildcard == entry.wildcard for rule in inspected):
                 raise SecretSettingError(
                     f"bad setting secret: {secret.name}: {entry.text} has no request rule, so egressd cannot put the "

@@ -139,7 +139,7 @@ def entries_from_settings(settings: Settings) -> tuple[tuple[Entry, ...], tuple[
     return parsed[0] + from_file[: len(file_allow)], parsed[1] + from_file[len(file_allow) :]
 
 
-def declared_secrets(settings: Settings, allow: Sequence[Entry]) -> Secrets | None:
+def declared_secrets(settings: Settings, allow: Sequence[Entry] | None) -> Secrets | None:
     """``secrets_from_settings`` with egressd's own environment; StartupError."""
     try:
         return secrets_from_settings(settings, allow, os.environ)
@@ -479,7 +479,8 @@ class EgressService:
             resolver=resolver,
             screen=Screen(allow_private=s.allow_private_networks, own=own_endpoints(s), is_local=bound_locally),
             inspector=inspector,
-            secrets=declared_secrets(s, entries_from_settings(s)[0]),
+            # With --require-auth runs bring their own lists (a run session checks its list first).
+            secrets=declared_secrets(s, None if s.require_auth else entries_from_settings(s)[0]),
         )
         default = None
         if not s.require_auth:

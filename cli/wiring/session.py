@@ -54,7 +54,7 @@ from egressd.sandbox.network import (
 from egressd.sandbox.seccomp import SeccompUnsupported, check_machine
 
 from .instances import register_quietly
-from .service import EgressService, StartupError, entries_from_settings, token_path
+from .service import EgressService, StartupError, declared_secrets, entries_from_settings, token_path
 
 
 def refusal_summaries(records: Iterable[Mapping[str, object]]) -> list[Refusal]:
@@ -253,6 +253,10 @@ class SandboxSession(SessionBase[BwrapSandbox]):
     async def _enter(self) -> None:
         check_host()
         allow, deny = entries_from_settings(self.settings)
+        try:  # a secret no rule of the run's list lets egressd put in: said before anything is made
+            declared_secrets(self.settings, allow)
+        except StartupError as exc:
+            raise SessionError(str(exc)) from None
         uid, gid = self._take_workdir()
         # bwrap runs as the owner and opens the directory itself (Docker's engine binds it as root).
         if not await owner_reaches(self.workdir, uid, gid):

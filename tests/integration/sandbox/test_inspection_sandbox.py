@@ -17,6 +17,7 @@ import textwrap
 import zipfile
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 from tests.conftest import HttpsOrigin
@@ -71,6 +72,20 @@ async def test_a_declared_secret_never_enters_the_sandbox_and_still_reaches_its_
     assert "placeholder=egressd-secret-" in out and "found=0" in out and "real-secret-value" not in out, out
     assert "origin: GET /api" in out, out
     assert https_origin.requests[-1][2]["Authorization"] == "Bearer real-secret-value"
+    await assert_no_leftovers()
+
+
+@pytest.mark.parametrize("allow", [(), ("--allow", "origin.test")], ids=["no-allow", "plain-entry"])
+async def test_a_secret_no_rule_can_put_in_stops_the_run_before_anything_is_made(  # type: ignore[no-untyped-def]
+    tmp_path: Path, dns, allow: tuple[str, ...]
+) -> None:
+    """With no --allow at all, as with a plain entry, egressd could never put the secret in: say so, start nothing."""
+    code, out, err = await egressd_run(
+        tmp_path, dns, *allow, "--no-ask", "--secret", "ORIGIN_TOKEN@origin.test", "--", "true",
+        env={"ORIGIN_TOKEN": "real-secret-value"},
+    )  # fmt: skip
+    assert code != 0 and "ORIGIN_TOKEN" in err and "no request rule" in err, (code, out, err)
+    assert "real-secret-value" not in out + err
     await assert_no_leftovers()
 
 

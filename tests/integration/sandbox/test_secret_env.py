@@ -456,6 +456,9 @@ def test_a_declared_secret_and_the_origins_ca_reach_the_sidecar_as_files_and_the
     plain = load_settings({"allow": ["api.example.test"], "secret": ["API_TOKEN@api.example.test"]})
     with pytest.raises(StartupError, match="no request rule"):
         sidecar_files(plain, {"API_TOKEN": value})
+    unlisted = load_settings({"secret": ["API_TOKEN@api.example.test"]})  # no --allow at all
+    with pytest.raises(StartupError, match="no request rule"):
+        sidecar_files(unlisted, {"API_TOKEN": value})
 
 
 def test_egressd_reads_a_declared_secrets_value_from_the_file_name_file_names(tmp_path: Path) -> None:
@@ -465,5 +468,5 @@ def test_egressd_reads_a_declared_secrets_value_from_the_file_name_file_names(tm
     path.write_text("from-a-file\n")
     path.chmod(0o400)
     settings = load_settings({"allow": ["api.example.test/**"], "secret": ["API_TOKEN@api.example.test"]})
-    declared = secrets_from_settings(settings, [], {"API_TOKEN_FILE": str(path)})
+    declared = secrets_from_settings(settings, None, {"API_TOKEN_FILE": str(path)})
     assert declared is not None and declared.declared[0].value == "from-a-file"
