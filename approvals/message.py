@@ -377,7 +377,10 @@ def render(
 
     request_text = _request_text(request) if request is not None else None
     intro = INTRO if request_text is None else REQUEST_INTRO
-    if uploaded is not None:
+    if uploaded is not None and request is not None:
+        intro = (f"This request's body has sent {_size(uploaded)} to {shown_host}, past the per-request cap: "
+                 "let it continue?")
+    elif uploaded is not None:
         intro = f"This run has sent {_size(uploaded)} to {shown_host}, past its upload budget: let it continue?"
     lines: list[tuple[str, str]] = [
         ("intro", intro),
@@ -394,7 +397,8 @@ def render(
         lines.append(("unrelated", UNRELATED if request is None else UNRELATED_WRITE))
     lines.extend(("closing", line) for line in CLOSING)
     if uploaded is not None:
-        lines.append(("scope", "Allow lets it send another budget's worth; a deny, or no answer, ends the connection."))
+        worth = "cap's" if request is not None else "budget's"
+        lines.append(("scope", f"Allow lets it send another {worth} worth; a deny, or no answer, ends the connection."))
     elif request is not None:
         lines.append(("scope", f"A deny covers {escape(request.method)} under {escape(request.prefix)} on "
                                f"{shown_host} for this run; allow for the run allows the same."))

@@ -155,6 +155,10 @@ _COMMON: list[tuple[str, str, dict[str, Any]]] = [
      {"type": float, "metavar": "MIB",
       "help": "MiB a run may send to one registered domain before a person is asked to let it go on "
       "(default 0: no budget)"}),
+    ("--request-body-cap-mb", "request_body_cap_mb",
+     {"type": float, "metavar": "MIB",
+      "help": "MiB one request's body may send to an inspected name before a person is asked to let it go on "
+      "(default 0: no cap)"}),
     ("--idle-timeout-s", "idle_timeout_s",
      {"type": float, "metavar": "S", "help": "idle tunnel lifetime (default 300)"}),
     ("--max-connections", "max_connections",

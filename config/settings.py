@@ -301,6 +301,13 @@ class Settings(BaseSettings):
         description="MiB a run may send to one registered domain before a person is asked to let it go on "
         "(the connection paused meanwhile; 0: no budget)",
     )
+    request_body_cap_mb: float = Field(
+        0.0,
+        ge=0,
+        le=1024 * 1024,
+        description="MiB one request's body may send to an inspected name before a person is asked to let it go "
+        "on (the client no longer read meanwhile; 0: no cap)",
+    )
     idle_timeout_s: float = Field(
         300.0,
         gt=0,

@@ -502,6 +502,7 @@ class EgressService:
             idle_timeout_s=s.idle_timeout_s,
             connect_timeout_s=s.connect_timeout_s,
             upload_budget_bytes=int(s.upload_budget_mb * 1024 * 1024),
+            request_body_cap_bytes=int(s.request_body_cap_mb * 1024 * 1024),
             max_connections=s.max_connections,
             max_connections_per_run=s.max_connections_per_run,
         )

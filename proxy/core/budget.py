@@ -42,6 +42,11 @@ class Budget:
     def over(self) -> bool:
         return self.sent > self.limit
 
+    @property
+    def over_or_at(self) -> bool:
+        """Nothing more may be sent before a person is asked."""
+        return self.sent >= self.limit
+
     def granted(self) -> None:
         """A person let the run go on: another budget's worth, from what it has sent."""
         self.limit = self.sent + self.grant

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple, Protocol
 
 from egressd.approvals.interface import ApprovalRequest
 from egressd.proxy.core.attempt import Admission, Attempt, Seen
+from egressd.proxy.core.budget import Budget
 from egressd.proxy.core.exchange import Exchange
 from egressd.vocabulary.reasons import Reason
 
@@ -189,6 +190,10 @@ class Relay(NamedTuple):
     out: bytes
     reused: bool
     last_try: bool
+    # The run's upload budget for the host's registered domain (None: no budget), and the body bytes
+    # one request may send before a person is asked (0: no cap); the runner counts the request in.
+    budget: Budget | None = None
+    cap: int = 0
 
 
 STALE: Any = object()

@@ -389,19 +389,17 @@ class Conversation:
         connection the origin has meanwhile closed is replaced once, for a
         request without a body (nothing is lost by sending it again).
         """
-        exchange = self.exchange
-        assert exchange is not None
-        grant = self.at.limits.upload_budget_bytes
-        if not grant:
-            return (yield from self._send_on(attempt, admission, destination, tls_name))
-        budget: Budget = yield from self._within_budget(attempt, admission, grant)
-        try:
-            return (yield from self._send_on(attempt, admission, destination, tls_name))
-        finally:
-            budget.spend(attempt.bytes_up)  # what it sent, counted once it is over
+        limits = self.at.limits
+        budget: Budget | None = None
+        if limits.upload_budget_bytes:
+            budget = yield from self._within_budget(attempt, admission, limits.upload_budget_bytes)
+        # The per-request cap is for requests decided on their method and path (an inspected name's).
+        cap = limits.request_body_cap_bytes if attempt.method is not None else 0
+        return (yield from self._send_on(attempt, admission, destination, tls_name, budget, cap))
 
     def _send_on(
-        self, attempt: Attempt, admission: Admission, destination: Destination, tls_name: str | None
+        self, attempt: Attempt, admission: Admission, destination: Destination, tls_name: str | None,
+        budget: Budget | None, cap: int,
     ) -> Steps:
         """``_forward``'s work: the request out, the response back, the upstream kept or closed."""
         exchange = self.exchange
@@ -432,7 +430,7 @@ class Conversation:
                 except DialError as exc:  # the runner closes the kept connection with the client
                     raise Refused(attempt, Refusal(exc.reason)) from None
             self.kept = None  # the relay closes it, or it is kept again below
-            outcome = yield Relay(attempt, exchange, upstream, out, reused, last_try)
+            outcome = yield Relay(attempt, exchange, upstream, out, reused, last_try, budget, cap)
             if outcome is STALE:
                 continue
             if outcome is True and exchange.keep_upstream:
@@ -444,10 +442,9 @@ class Conversation:
 
     def _within_budget(self, attempt: Attempt, admission: Admission, grant: int) -> Steps:
         """An HTTP request's upload budget (``budget``): one that would go past it (its declared length
-        counted) is asked about before anything of it is sent; what it sends is counted when it ends.
-
-        (A chunked body declares no length: it is counted after, so it may pass the budget by itself.)
-        Returns the budget, to count the request in when it ends.
+        counted) is asked about before anything of it is sent. The runner counts what it sends as it
+        goes, and pauses a body that passes the budget all the same (a chunked one declares no length).
+        Returns the budget, for the runner.
         """
         run, exchange = attempt.run, self.exchange
         assert run is not None and exchange is not None and exchange.request is not None

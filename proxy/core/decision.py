@@ -239,6 +239,12 @@ def budget_approval(run: Run, site: str, port: int, sent: int) -> ApprovalReques
     return _question(run, site, port, None, "an upload budget's answer lasts for this run only", uploaded=sent)
 
 
+def cap_approval(run: Run, host: str, port: int, shown: HeldRequest, sent: int) -> ApprovalRequest:
+    """What the approver is asked when one request's body passes the per-request cap (``sent`` bytes so far)."""
+    return _question(run, host, port, None, "a body cap's answer is for this request only", request=shown,
+                     uploaded=sent)
+
+
 def apply_answer(run: Run, host: str, port: int, outcome: ApprovalOutcome) -> Reason | None:
     """What an answer does to the run; the reason the request is refused with, None when it goes on."""
     if not outcome.allowed:

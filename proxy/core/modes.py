@@ -64,6 +64,7 @@ class ListenerLimits:
     idle_timeout_s: float = 300.0
     connect_timeout_s: float = 10.0
     upload_budget_bytes: int = 0  # per run and registered domain before a person is asked again (0: none)
+    request_body_cap_bytes: int = 0  # one inspected request's body before a person is asked (0: none)
     max_connections: int = 10000
     max_connections_per_run: int = 1000
 

@@ -29,7 +29,7 @@ import ssl
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approver
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approver, HeldRequest
 from egressd.names.suffixes import registrable_domain
 from egressd.proxy.core.attempt import Attempt, DialError
 from egressd.proxy.core.budget import Budget
@@ -53,19 +53,20 @@ from egressd.proxy.core.commands import (
     WriteAhead,
 )
 from egressd.proxy.core.conversation import Conversation, Listening
-from egressd.proxy.core.decision import Screen, budget_approval
+from egressd.proxy.core.decision import Screen, budget_approval, cap_approval
 from egressd.proxy.core.dns import ResolveError
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.heads import ResponseHead
 from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import ListenerLimits
+from egressd.proxy.core.requestrules import approval_prefix
 from egressd.proxy.core.runs import RunRegistry, source_address
 from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.dialer import Dialer
 from egressd.proxy.net.inspector import CannotInspect, Inspector
 from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import Resolver
-from egressd.proxy.net.stream import GoneCancels, IdleTimeout, Peer
+from egressd.proxy.net.stream import Framing, GoneCancels, IdleTimeout, OverAllowance, Peer
 from egressd.proxy.net.tlslayer import ServerTls
 from egressd.proxy.net.tunnel import Tunnel
 from egressd.proxy.net.tunnelcheck import SniCheck
@@ -409,7 +410,6 @@ class Runner:
         attempt, exchange, out = command.attempt, command.exchange, command.out
         upstream = command.upstream
         assert isinstance(upstream, Peer)
-        client = self.client
         idle_s = self.shared.limits.idle_timeout_s
         body = exchange.request_body
         keep_upstream = False
@@ -425,13 +425,11 @@ class Runner:
                 pass
             if response is None and command.reused and not command.last_try and body is None:
                 return STALE  # a stale kept connection: dial a fresh one
-            attempt.bytes_up += len(out)
+            _count_up(attempt, command.budget, len(out))
             if body is not None:
-                try:
-                    attempt.bytes_up += await client.relay_body(body, upstream, idle_s=idle_s)
-                except (IdleTimeout, PeerClosed) as exc:
-                    attempt.bytes_up += exc.moved
-                    raise
+                refused = await self._send_body(attempt, body, upstream, command)
+                if refused is not None:
+                    return refused
             if response is None:
                 response = await upstream.read_head(exchange.read_response, upstream.loop.time() + idle_s)
             if response is None:
@@ -447,7 +445,7 @@ class Runner:
             if response is None and not isinstance(exc, IdleTimeout):
                 # The origin took the whole request and began no answer: 504, the client hears why.
                 if body is None:
-                    attempt.bytes_up += len(out)  # sent, and not counted yet
+                    _count_up(attempt, command.budget, len(out))  # sent, and not counted yet
                 return Reason.UPSTREAM_TIMEOUT
             # A body moved no byte for the idle timeout: both connections close, as an idle tunnel's do.
             attempt.ends(End.IDLE_TIMEOUT)
@@ -456,6 +454,55 @@ class Runner:
             self.dialled = None  # kept by the conversation (``Conversation.kept``), or closed
             if not keep_upstream:
                 upstream.close()
+
+    async def _send_body(self, attempt: Attempt, body: Framing, upstream: Peer, command: Relay) -> Reason | None:
+        """The request's body to the origin, counted in ``attempt.bytes_up`` and the run's upload budget.
+
+        Past the budget, or past the per-request cap (``command.cap``), the client is no longer read
+        while a person is asked: what it goes on writing waits in its own socket. An allow lets the
+        body go on (another budget's or cap's worth); anything else is the Reason the request is
+        refused with (the origin has had part of the body; the connection closes).
+        """
+        budget, cap = command.budget, command.cap
+        idle_s = self.shared.limits.idle_timeout_s
+        moved, cap_at = 0, cap
+        while True:
+            allowance = None if budget is None else max(0, budget.limit - budget.sent)
+            if cap:
+                allowance = cap_at - moved if allowance is None else min(allowance, cap_at - moved)
+            over = False
+            try:
+                n = await self.client.relay_body(body, upstream, idle_s=idle_s, allowance=allowance)
+            except OverAllowance as exc:
+                n, over = exc.moved, True
+            except (IdleTimeout, PeerClosed) as exc:
+                _count_up(attempt, budget, exc.moved)
+                raise
+            _count_up(attempt, budget, n)
+            moved += n
+            if not over:
+                return None
+            if budget is not None and budget.over_or_at:
+                outcome = await self._budget_answer(attempt, budget)
+                why = f"past the run's upload budget ({budget.sent} bytes sent to {budget.site})"
+            else:
+                outcome = await self._ask(_cap_question(attempt, command.exchange, moved))
+                why = f"past the per-request body cap ({moved} bytes of its body sent)"
+                cap_at = moved + cap
+            if not outcome.allowed:
+                attempt.deny(ANSWER_REASONS[outcome.answer], why)
+                return ANSWER_REASONS[outcome.answer]
+
+    async def _budget_answer(self, attempt: Attempt, budget: Budget) -> ApprovalOutcome:
+        """The answer to the run's open budget question (asked now when none is open)."""
+        if budget.asking is None:
+            budget.asking = self.client.loop.create_task(self._ask_budget(attempt, budget))
+        try:
+            return await asyncio.shield(budget.asking)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the question broke: nothing was allowed
+            return ApprovalOutcome(Answer.NO_APPROVER)
 
     async def _relay_response(
         self, attempt: Attempt, exchange: Exchange, upstream: Peer, response: ResponseHead
@@ -503,3 +550,20 @@ class Runner:
 def _settle(ended: asyncio.Future[None]) -> None:
     if not ended.done():
         ended.set_result(None)
+
+
+def _count_up(attempt: Attempt, budget: Budget | None, n: int) -> None:
+    """``n`` bytes of the request sent upstream: the record's count and the run's upload budget."""
+    attempt.bytes_up += n
+    if budget is not None:
+        budget.spend(n)
+
+
+def _cap_question(attempt: Attempt, exchange: Exchange, sent: int) -> ApprovalRequest:
+    """What the approver is asked when a request's body passes the per-request cap: the request, what it sent."""
+    run, host, port, method, path = attempt.run, attempt.host, attempt.port, attempt.method, attempt.path
+    head = exchange.request
+    assert run is not None and host is not None and port is not None and method is not None
+    assert path is not None and head is not None
+    shown = HeldRequest(method, path, approval_prefix(path), (), head.get("Content-Type"), None)
+    return cap_approval(run, host, port, shown, sent)

@@ -71,6 +71,15 @@ class IdleTimeout(TimeoutError):
         self.moved = moved
 
 
+class OverAllowance(Exception):
+    """A body reached the bytes it was allowed (``relay_body``'s ``allowance``) before its end; ``moved``
+    body bytes had gone through, and reading from the source is held until the body is relayed again."""
+
+    def __init__(self, moved: int) -> None:
+        super().__init__(f"the body reached its allowance after {moved} bytes")
+        self.moved = moved
+
+
 class Relay(Protocol):
     """What takes a peer's callbacks while it is set as ``Peer.relay``: a spliced
     tunnel (``tunnel.Tunnel``) or a body being passed on (``_PassOn``)."""
@@ -359,20 +368,26 @@ class Peer(asyncio.Protocol):
                 self._read_waiter = None
                 self._read_deadline = None
 
-    async def relay_body(self, body: Framing, dst: Peer, *, head: bytes = b"", idle_s: float | None = None) -> int:
+    async def relay_body(
+        self, body: Framing, dst: Peer, *, head: bytes = b"", idle_s: float | None = None,
+        allowance: int | None = None,
+    ) -> int:
         """Copy a body to ``dst`` until ``body`` says it is done, after ``head`` (one write when it can be).
 
         The body bytes moved are returned. This peer closing cuts the body
         short (PeerClosed) unless ``body.ends_at_close``; ``body.feed``'s
         errors come out as they are, after ``head`` has been sent. ``idle_s``:
-        IdleTimeout when no byte moves for that long.
+        IdleTimeout when no byte moves for that long. ``allowance``: at most
+        that many body bytes move, then OverAllowance with this peer no longer
+        read (call again, with another allowance, to go on: the body's state
+        and the bytes not moved are kept).
         """
         moved = 0
         passing: _PassOn | None = None
         try:
             if head:
                 try:
-                    n = body.feed(self.buf) if self.buf else 0
+                    n = body.feed(self._allowed(allowance)) if self.buf else 0
                 except Exception:
                     await dst.send(head, self._deadline(idle_s))
                     raise
@@ -380,11 +395,15 @@ class Peer(asyncio.Protocol):
                     await dst.drain(self._deadline(idle_s))
                 moved += n
             while not body.done:
+                if allowance is not None and moved >= allowance:
+                    self.hold_reading()
+                    raise OverAllowance(moved)
+                room = None if allowance is None else allowance - moved
                 if not self.buf:
                     if body.passes_on:
                         # Nothing buffered: pass what arrives straight on, from the
                         # callbacks, until the body is done or ``dst`` is full.
-                        passing = _PassOn(self.loop, dst, body, idle_s)
+                        passing = _PassOn(self.loop, dst, body, idle_s, room)
                         await self._pass_on(passing)
                         moved += passing.moved
                         passing = None
@@ -393,16 +412,23 @@ class Peer(asyncio.Protocol):
                         if body.ends_at_close:
                             return moved
                         raise PeerClosed("peer closed inside a body")
-                n = body.feed(self.buf)
+                n = body.feed(self.buf if room is None else self._allowed(room))
                 if dst.write(self.take(n)):
                     await dst.drain(self._deadline(idle_s))
                 moved += n
         except TimeoutError:
             raise IdleTimeout(moved + (passing.moved if passing is not None else 0)) from None
+        except OverAllowance:
+            raise
         except PeerClosed as exc:
             exc.moved = moved + (passing.moved if passing is not None else 0)
             raise
         return moved
+
+    def _allowed(self, room: int | None) -> bytearray:
+        """The buffer, or its first ``room`` bytes (what a body with an allowance may still take)."""
+        buf = self.buf
+        return buf if room is None or len(buf) <= room else buf[:room]
 
     async def _pass_on(self, passing: _PassOn) -> None:
         """Write the next bytes of ``passing.body`` to its ``dst`` as they arrive.
@@ -456,13 +482,17 @@ class _PassOn:
     TimeoutError once no byte has come for that long.
     """
 
-    __slots__ = ("dst", "body", "moved", "done", "idle_s", "_last", "_timer", "_loop")
+    __slots__ = ("dst", "body", "moved", "room", "done", "idle_s", "_last", "_timer", "_loop")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, dst: Peer, body: Framing, idle_s: float | None = None) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, dst: Peer, body: Framing, idle_s: float | None = None,
+        room: int | None = None,
+    ) -> None:
         self._loop = loop
         self.dst = dst
         self.body = body
         self.moved = 0
+        self.room = room  # body bytes it may still pass on (None: no limit)
         self.idle_s = idle_s
         self.done: asyncio.Future[None] = loop.create_future()
         self._last = 0.0
@@ -498,9 +528,10 @@ class _PassOn:
             source.keep(data)
             self.done.set_exception(PeerClosed("connection closed"))
             return
-        n = self.body.feed(data)
+        room = self.room
+        n = self.body.feed(data if room is None or len(data) <= room - self.moved else data[: room - self.moved])
         if n < len(data):
-            # The body ends inside this chunk: the rest is the next message's.
+            # The body ends inside this chunk (the rest is the next message's), or reached its allowance.
             source.keep(data[n:])
             data = data[:n]
         dst.transport.write(data)
@@ -508,7 +539,7 @@ class _PassOn:
         if self._timer is not None:
             self._last = time.monotonic()
         done = self.body.done
-        backed_up = dst.backed_up
+        backed_up = dst.backed_up or (room is not None and self.moved >= room)
         if backed_up and not done:
             # Leave the rest in the kernel rather than in our buffer: the
             # coroutine resumes reading once ``dst`` has drained.

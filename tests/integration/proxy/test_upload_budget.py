@@ -134,3 +134,83 @@ async def test_a_plain_http_body_that_would_pass_the_budget_is_asked_about_befor
     assert status == 403 and headers.get("x-egress-reason") == "denied", headers
     assert http_origin.requests == []
     assert reviewer.asked[0].uploaded == 0
+
+
+async def _chunked_upload(writer: asyncio.StreamWriter, head: str, total: int) -> None:
+    """A chunked POST that declares no length and keeps writing 16 KiB chunks up to ``total`` bytes."""
+    writer.write(head.encode())
+    chunk = b"4000\r\n" + b"z" * 16384 + b"\r\n"
+    await _write(writer, chunk, total)
+
+
+async def _refused_in_the_middle(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, writing: asyncio.Future[None]
+) -> None:
+    """The 403 comes, or, since the client was still writing what egressd will never read, a reset."""
+    try:
+        status, headers, _ = await asyncio.wait_for(read_response(reader), 10)
+        assert status == 403 and headers.get("x-egress-reason") == "denied", headers
+    except (ConnectionResetError, asyncio.IncompleteReadError):
+        pass
+    with pytest.raises((ConnectionError, asyncio.CancelledError)):  # the connection is gone either way
+        writing.cancel()
+        await writing
+    writer.close()
+
+
+async def test_a_chunked_body_past_the_budget_is_paused_in_the_middle_and_a_denial_ends_it(
+    make_egressd: MakeEgressd, sink: Sink
+) -> None:
+    """The attack: a body that declares no length, so nothing can be asked before it; it keeps writing."""
+    reviewer = Reviewer()
+    svc = await make_egressd(allow=[f"origin.test:{sink.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
+    reader, writer = await asyncio.open_connection("127.0.0.1", svc.proxy_address[1])
+    head = (f"POST http://origin.test:{sink.port}/up HTTP/1.1\r\nHost: origin.test:{sink.port}\r\n"
+            "Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    writing = asyncio.ensure_future(_chunked_upload(writer, head, 4 * 1024 * 1024))
+    await _until(lambda: len(reviewer.asked) == 1)
+    assert reviewer.asked[0].uploaded == BUDGET  # paused at the budget's last byte, head included
+    await asyncio.sleep(0.5)
+    assert sink.received[0] == BUDGET  # not one byte past it reached the origin
+    assert not writing.done()  # the client's writes block: egressd no longer reads it
+    reviewer.answers.put_nowait(Answer.DENY)
+    await _refused_in_the_middle(reader, writer, writing)
+    await _until(lambda: any(r.get("event") == "egress.end" for r in svc.audit_records))
+    (end,) = [r for r in svc.audit_records if r.get("event") == "egress.end"]
+    assert end["end"] == "denied" and "upload budget" in end["detail"] and end["bytes_up"] == BUDGET, end
+
+
+async def test_a_request_body_past_the_cap_on_an_inspected_name_is_asked_about_with_the_request_shown(
+    make_egressd: MakeEgressd, sink: Sink
+) -> None:
+    reviewer = Reviewer()
+    svc = await make_egressd(allow=[f"origin.test:{sink.port}/**"], request_body_cap_mb=BUDGET_MB,
+                             approver=reviewer)  # fmt: skip
+    reader, writer = await asyncio.open_connection("127.0.0.1", svc.proxy_address[1])
+    head = (f"POST http://origin.test:{sink.port}/v1/files?name=x HTTP/1.1\r\nHost: origin.test:{sink.port}\r\n"
+            "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    writing = asyncio.ensure_future(_chunked_upload(writer, head, 4 * 1024 * 1024))
+    await _until(lambda: len(reviewer.asked) == 1)
+    asked = reviewer.asked[0]
+    assert asked.request is not None and (asked.request.method, asked.request.path) == ("POST", "/v1/files")
+    assert asked.uploaded == BUDGET
+    await asyncio.sleep(0.3)
+    first = sink.received[0]
+    assert BUDGET < first < BUDGET + 1024  # the head and the cap's worth of body, no more
+    reviewer.answers.put_nowait(Answer.ALLOW)  # another cap's worth, then asked again
+    await _until(lambda: len(reviewer.asked) == 2)
+    assert reviewer.asked[1].uploaded == 2 * BUDGET and sink.received[0] == first + BUDGET
+    reviewer.answers.put_nowait(Answer.DENY)
+    await _refused_in_the_middle(reader, writer, writing)
+    await _until(lambda: any(r.get("event") == "egress.end" for r in svc.audit_records))
+    (end,) = [r for r in svc.audit_records if r.get("event") == "egress.end"]
+    assert end["end"] == "denied" and "per-request body cap" in end["detail"], end
+
+
+def test_the_cap_question_shows_the_request_and_says_what_an_allow_does() -> None:
+    from egressd.approvals.message import HeldRequest, render
+
+    message = render(host="api.example.test", port=443, command="curl", task=None, allowed=["api.example.test/**"],
+                     request=HeldRequest("POST", "/v1/files", "/v1"), uploaded=BUDGET)  # fmt: skip
+    assert "This request's body has sent 64.0 KiB to api.example.test, past the per-request cap" in message.text
+    assert "Request: POST /v1/files" in message.text and "another cap's worth" in message.text
