@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import os
 import ssl
 from collections.abc import AsyncIterator
@@ -25,9 +26,11 @@ import pytest
 from aiohttp import ClientSession, web
 
 from egressd.cli.wiring.service import EgressService
+from egressd.vocabulary.reasons import Answer
 from tests.conftest import MakeEgressd
 from tests.fakes.tls import Pki, make_pki
 from tests.harness import ORIGIN, wait_until
+from tests.integration.proxy.test_upload_budget import Reviewer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,6 +40,7 @@ class EchoOrigin:
 
     def __init__(self) -> None:
         self.upgrades = 0
+        self.received = 0  # binary payload bytes that arrived
         self.port = 0
         self.runner: web.AppRunner | None = None
 
@@ -48,6 +52,8 @@ class EchoOrigin:
             async for message in socket:
                 if message.type == aiohttp.WSMsgType.TEXT:
                     await socket.send_str(f"echo: {message.data}")
+                elif message.type == aiohttp.WSMsgType.BINARY:
+                    self.received += len(message.data)
             return socket
 
         app = web.Application()
@@ -162,3 +168,48 @@ async def test_plain_ws_through_the_proxy_to_an_allowed_name_is_relayed_after_it
     assert ws_origin.upgrades == 1
     (record,) = _egress(svc, "http")
     assert record["decision"] == "allow"
+
+
+async def test_a_websocket_past_the_upload_budget_is_paused_and_a_denial_closes_it(
+    make_egressd: MakeEgressd, wss_origin: EchoOrigin, pki: Pki
+) -> None:
+    """The attack: once switched, the socket carries anything; it keeps sending frames past the budget."""
+    budget = 64 * 1024
+    reviewer = Reviewer()
+    svc = await make_egressd(allow=[f"WEBSOCKET origin.test:{wss_origin.port}/ws/**"], approver=reviewer,
+                             inspect_origin_ca_file=str(pki.ca_pem), upload_budget_mb=budget / 2**20)  # fmt: skip
+    context = await _run_ca_context(svc)
+    async with ClientSession() as session, session.ws_connect(
+        f"wss://origin.test:{wss_origin.port}/ws/up", proxy=f"http://127.0.0.1:{svc.proxy_address[1]}", ssl=context,
+        timeout=aiohttp.ClientWSTimeout(ws_close=5),
+    ) as socket:
+
+        async def flood() -> None:
+            for _ in range(16384):  # 128 MiB at most: more than the kernel buffers both ways can hold
+                await socket.send_bytes(b"u" * 8192)
+
+        sending = asyncio.ensure_future(flood())
+        try:
+            await _paused_then_denied(reviewer, wss_origin, sending, socket, budget)
+        finally:  # an answer whatever happened: a question left open would hold egressd's close
+            reviewer.answers.put_nowait(Answer.DENY)
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError, aiohttp.ClientError):
+                await sending
+    assert wss_origin.received <= budget + 256 * 1024  # nothing more after the denial
+    await wait_until(lambda: any(r["event"] == "egress.end" and "upload budget" in (r.get("detail") or "")
+                                 for r in svc.audit_records), 10)  # fmt: skip
+
+
+async def _paused_then_denied(
+    reviewer: Reviewer, origin: EchoOrigin, sending: asyncio.Future[None], socket: Any, budget: int
+) -> None:
+    await wait_until(lambda: len(reviewer.asked) == 1, 10)
+    assert reviewer.asked[0].uploaded is not None and reviewer.asked[0].uploaded > budget
+    await asyncio.sleep(0.5)
+    held = origin.received
+    assert held <= budget + 256 * 1024, held  # what was in flight when the budget passed, no more
+    assert not sending.done()
+    reviewer.answers.put_nowait(Answer.DENY)
+    message = await socket.receive(timeout=10)
+    assert message.type in (aiohttp.WSMsgType.CLOSED, aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.ERROR)
