@@ -8,7 +8,7 @@
 # 1. Two local base images from Debian packages: debootstrap a bookworm root
 #    filesystem and `docker import` it (needs root and debootstrap):
 #      egressd-local/python:bookworm     python3 + venv: stands in for python:3.12-slim
-#      egressd-local/toolchain:bookworm  python3, curl, dig: the sandbox's toolchain
+#      egressd-local/toolchain:bookworm  python3, pip, curl, dig: the sandbox's toolchain
 # 2. A wheelhouse: every Python dependency of egressd downloaded on this host
 #    for the images' Python (bookworm's 3.11, manylinux x86_64).
 # 3. egressd:latest (docker/Dockerfile) and egressd-sandbox:latest
@@ -36,7 +36,7 @@ PYTHON_BASE=egressd-local/python:$SUITE
 TOOLCHAIN_BASE=egressd-local/toolchain:$SUITE
 # nftables: deploy/kubernetes/ runs this image as the pod's fence installer too (nft -f).
 PYTHON_PACKAGES="python3 python3-venv ca-certificates nftables"
-TOOLCHAIN_PACKAGES="python3 ca-certificates curl dnsutils"
+TOOLCHAIN_PACKAGES="python3 python3-pip ca-certificates curl dnsutils"
 # What an image never needs: package lists and caches, documentation, locales,
 # logs, and the build host's resolver and name (Docker provides its own).
 TRIM="var/cache/apt var/lib/apt/lists usr/share/doc usr/share/man usr/share/info usr/share/locale var/log"

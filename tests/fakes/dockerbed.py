@@ -15,6 +15,7 @@ here sends traffic anywhere but to those networks and to loopback.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import http.client
 import ipaddress
@@ -66,29 +67,38 @@ ORIGIN_SCRIPT = textwrap.dedent("""
 """)
 
 
-def tls_origin_script(cert_pem: str, key_pem: str) -> str:
+def tls_origin_script(cert_pem: str, key_pem: str, files: dict[str, bytes] | None = None) -> str:
     """An HTTPS origin on port 443 with ``cert_pem`` and ``key_pem`` (in memory: the helper's root is read-only).
 
-    It answers every GET and POST with its method and path, and prints "ARRIVAL ..." per connection and
+    It answers a GET of a path in ``files`` with that file, every other GET, POST and PUT with its method
+    and path, and prints "ARRIVAL ..." per connection, "REQ <method> <path> <body bytes>" and
     "AUTH <Authorization header>" per request to its log, never to the client (a secret put in by egressd
     must not come back to the sandbox).
     """
-    return f"CERT = {cert_pem!r}\nKEY = {key_pem!r}\n" + textwrap.dedent("""
-        import http.server, os, ssl
+    served = {path: base64.b64encode(data).decode() for path, data in (files or {}).items()}
+    return f"CERT = {cert_pem!r}\nKEY = {key_pem!r}\nFILES = {served!r}\n" + textwrap.dedent("""
+        import base64, http.server, os, ssl
         def pem_path(text):
             fd = os.memfd_create("pem")
             os.write(fd, text.encode())
             return f"/proc/self/fd/{fd}"
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                got = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                print("REQ", self.command, self.path, len(got), flush=True)
                 print("AUTH", self.headers.get("Authorization"), flush=True)
-                body = f"hello from tls origin: {self.command} {self.path}".encode()
+                if self.command == "GET" and self.path in FILES:
+                    body = base64.b64decode(FILES[self.path])
+                else:
+                    body = f"hello from tls origin: {self.command} {self.path}".encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
+                if self.path in FILES:  # an index page (pip reads text/html only), or a file
+                    html = self.path.endswith("/")
+                    self.send_header("Content-Type", "text/html" if html else "application/octet-stream")
                 self.end_headers()
                 self.wfile.write(body)
-            do_POST = do_GET
+            do_POST = do_PUT = do_GET
             def log_message(self, *args):
                 pass
         class Server(http.server.ThreadingHTTPServer):
