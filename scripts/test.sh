@@ -28,7 +28,24 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     fi
 fi
 
-bash scripts/install.sh
+bash scripts/install.sh --test
+# A wheelhouse of what egressd needs to run (and pip, setuptools, wheel), downloaded once per
+# set of dependencies: the packaging tests install egressd from it with no index, as `pip
+# install .`, as a wheel and with pipx (tests/project/test_packaging.py), offline.
+wheels=$(.venv/bin/python - <<'PY'
+import hashlib, tomllib
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+wanted = sorted(project["dependencies"] + project["optional-dependencies"]["speed"]) + ["pip", "setuptools>=77", "wheel"]
+print("build/wheelhouse-" + hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:16], *wanted, sep="\n")
+PY
+)
+wheelhouse=$(head -1 <<<"$wheels")
+if [ ! -f "$wheelhouse/.complete" ]; then
+    mapfile -t wanted < <(tail -n +2 <<<"$wheels")
+    .venv/bin/pip download --quiet --disable-pip-version-check --dest "$wheelhouse" "${wanted[@]}"
+    touch "$wheelhouse/.complete"
+fi
+export EGRESSD_TEST_WHEELHOUSE=$PWD/$wheelhouse
 .venv/bin/lint-imports --no-cache
 .venv/bin/ruff check .
 bash scripts/typecheck.sh
