@@ -21,16 +21,19 @@ import sys
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, load_settings, secret_variables
 
-from .commands.agent import add_agent_arguments
-from .commands.policy import add_policy_arguments
-from .commands.run import add_run_arguments
-from .wiring.instances import register_quietly
-from .wiring.loop import run_async
-from .wiring.service import EgressService, ReloadError, StartupError, token_path
+from .wiring.errors import StartupError
+
+if TYPE_CHECKING:
+    from .wiring.service import EgressService
+
+# Every subcommand's arguments are made, and its modules imported, only when that subcommand is
+# the one asked for (``build_parser``): `egressd --version` and `egressd pending` do not load the
+# sandbox, Docker and agent modules (issue 29: a second at every start).
+ALL = "*"
 
 
 def _visible(name: str) -> str:
@@ -350,11 +353,16 @@ def _reload(service: EgressService, read: Callable[[], Settings]) -> None:
     except Exception as exc:  # a signal handler is a task boundary: refused, recorded, egressd carries on
         service.refuse_reload(f"cannot read the settings: {exc}")
         return
+    from .wiring.service import ReloadError
+
     with contextlib.suppress(ReloadError):  # logged and recorded by the service
         service.reload(settings)
 
 
 async def _serve(settings: Settings, open_files: tuple[int, int], read: Callable[[], Settings]) -> int:
+    from .wiring.instances import register_quietly
+    from .wiring.service import EgressService, token_path
+
     service = EgressService(settings)
     await service.start()
     # Said once started: a setting egressd refuses is the one line a bad start prints.
@@ -431,6 +439,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     _setup_logging(settings.log_level)
     open_files = raise_open_file_limit()
+    from .wiring.loop import run_async
+
     return run_async(lambda: _serve(settings, open_files, read))
 
 
@@ -493,7 +503,13 @@ def cmd_doctor_checks(args: argparse.Namespace) -> int:
     return cmd_doctor(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = ALL) -> argparse.ArgumentParser:
+    """egressd's parser; ``only``: the one subcommand whose arguments to make (ALL: every one, for the
+    reference and the tests; None: none, for the top level's own --help and --version)."""
+
+    def wanted(name: str) -> bool:
+        return only == ALL or only == name
+
     try:
         ver = version("egressd")
     except PackageNotFoundError:
@@ -567,9 +583,12 @@ def build_parser() -> argparse.ArgumentParser:
         "embedded egressd; exit with the command's status (124 timeout, 137 memory, 125 no sandbox).",
         allow_abbrev=False,  # --control is not --control-token, --dns-answer not --dns-answer6
     )
-    _add_common(run, service=False)
-    add_run_arguments(run)
-    run.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
+    if wanted("run"):
+        from .commands.run import add_run_arguments
+
+        _add_common(run, service=False)
+        add_run_arguments(run)
+        run.add_argument("command", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
     run.set_defaults(func=cmd_run_sandbox)
 
     agent = sub.add_parser(
@@ -580,8 +599,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(exit 0 final answer, 1 step cap, 124 two timeouts in a row, 3 model failure, 125 no sandbox).",
         allow_abbrev=False,
     )
-    _add_common(agent, service=False)
-    add_agent_arguments(agent)
+    if wanted("agent"):
+        from .commands.agent import add_agent_arguments
+
+        _add_common(agent, service=False)
+        add_agent_arguments(agent)
     agent.set_defaults(func=cmd_agent_run)
 
     _add_approval_commands(sub)
@@ -590,8 +612,11 @@ def build_parser() -> argparse.ArgumentParser:
         "policy", help="show or change a live run's allow and deny entries",
         description="Add and remove entries of a run of a running egressd (PATCH /runs/RUN_ID, with the global "
         "control token); they apply to the run's next request. Without a change, show the run's entries.")
-    _add_control_arguments(policy)
-    add_policy_arguments(policy)
+    if wanted("policy"):
+        from .commands.policy import add_policy_arguments
+
+        _add_control_arguments(policy)
+        add_policy_arguments(policy)
     policy.set_defaults(func=cmd_policy)
 
     doctor = sub.add_parser("doctor", help="say which sandbox backends and features work here, and why not",
@@ -674,8 +699,15 @@ def _audit_settings_fields(args: argparse.Namespace) -> None:
             setattr(args, dest, None)
 
 
+def _subcommand(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first word that is no option (the top level takes none but
+    --help and --version), or None."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_subcommand(argv)).parse_args(argv)
     _audit_settings_fields(args)
     try:
         return int(args.func(args))

@@ -32,9 +32,8 @@ from egressd.config.settings import Settings
 from egressd.names.shown import escape
 
 from ..wiring.control_client import ControlClient, ControlError
-from ..wiring.controltoken import TokenFileError, read_token_file
+from ..wiring.controltoken import TokenFileError, read_token_file, token_path
 from ..wiring.instances import Instance, live_instances
-from ..wiring.service import token_path
 
 # The control API answers at once; anything slower means it is not there.
 REQUEST_TIMEOUT_S = 10.0
@@ -222,6 +221,12 @@ def run_approvals(args: argparse.Namespace, settings: Settings) -> int:
             instances = live_instances()
             if instances:
                 return asyncio.run(_registered(args, instances))
+            if not token_path(settings).exists():
+                raise CommandError(
+                    "no egressd is running: none of yours is registered, and no control token is at "
+                    f"{token_path(settings)} (start one with egressd serve, run or agent; or name one with "
+                    "--control and --control-token)"
+                )
         token = _token(settings)
         return asyncio.run(_main(args, settings, token))
     except CommandError as exc:

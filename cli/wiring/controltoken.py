@@ -46,6 +46,7 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from egressd.config.settings import Settings, default_state_dir
 from egressd.config.trusted import UntrustedFile, open_directory
 from egressd.names.addresses import IPAddress, unmapped
 
@@ -378,3 +379,10 @@ def read_token_file(path: Path) -> str:
         return os.read(fd, _MAX_TOKEN_BYTES).decode("utf-8", errors="replace").strip()
     finally:
         os.close(fd)
+
+
+def token_path(settings: Settings) -> Path:
+    """Where the control token is written for ``egressd pending|allow|deny`` to find."""
+    if settings.control.startswith("unix:"):
+        return Path(settings.control.removeprefix("unix:") + ".token")
+    return default_state_dir() / "control.token"

@@ -24,7 +24,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from types import TracebackType
 
 from aiohttp import web
@@ -36,7 +35,7 @@ from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
 from egressd.audit.records import policy_reloaded_record, run_record
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
-from egressd.config.settings import Settings, default_state_dir, parse_hostport
+from egressd.config.settings import Settings, parse_hostport
 from egressd.control.api import PUBLIC_PATHS, build_app
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
@@ -63,8 +62,9 @@ from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
 from egressd.proxy.net.runner import EgressPath
 
-from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
+from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, token_path, write_token_file
 from .declared import SecretSettingError, secrets_from_settings
+from .errors import StartupError
 
 log = logging.getLogger("egressd")
 
@@ -82,10 +82,6 @@ def learn_notice(learned: int | None) -> str:
             "turn what a run did into an allowlist with `egressd audit suggest`"
         )
     return f"egressd: LEARN MODE: egress is NOT restricted by the allowlist; {learned} attempts learned so far"
-
-
-class StartupError(Exception):
-    """egressd cannot start as configured; the message says which setting and why."""
 
 
 class ReloadError(Exception):
@@ -251,13 +247,6 @@ def dns_answers(settings: Settings) -> tuple[ipaddress.IPv4Address, ipaddress.IP
         answer6 = given
     assert isinstance(answer, ipaddress.IPv4Address)
     return answer, answer6
-
-
-def token_path(settings: Settings) -> Path:
-    """Where the control token is written for ``egressd pending|allow|deny`` to find."""
-    if settings.control.startswith("unix:"):
-        return Path(settings.control.removeprefix("unix:") + ".token")
-    return default_state_dir() / "control.token"
 
 
 class EgressService:
