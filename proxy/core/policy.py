@@ -285,8 +285,10 @@ def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
        entry), or the host was approved in this run for the port → ALLOW
        (rule: "approved"); a wildcard whose base has a public suffix between
        it and the host does not match (``Entry.reaches``);
-    5. an allow entry matches the host but none allows the port → DENY
-       port_not_allowed (rule: the first matching entry; never asked);
+    5. an allow entry matches the host but none allows the port: a destination
+       of its own → DENY denied_earlier when a person denied the host, else
+       ASK; with asking off DENY port_not_allowed (rule: the first matching
+       entry);
     6. the host was denied earlier in this run → DENY denied_earlier;
     7. asking is off → DENY not_allowlisted; otherwise → ASK.
 
@@ -318,9 +320,14 @@ def decide(policy: RunPolicy, host: str, port: int) -> PolicyDecision:
     if port in policy.approved.get(name, frozenset()):
         return PolicyDecision.allow(name, port, APPROVED_RULE, address)
     if matching:
+        # A port the entries do not name is a destination of its own: asked about like an unknown one.
         if policy.learn:
             return PolicyDecision.learn(name, port, Reason.PORT_NOT_ALLOWED, address)
-        return PolicyDecision.deny(name, port, Reason.PORT_NOT_ALLOWED, matching[0].text)
+        if not policy.ask:
+            return PolicyDecision.deny(name, port, Reason.PORT_NOT_ALLOWED, matching[0].text)
+        if name in policy.denied:
+            return PolicyDecision.deny(name, port, Reason.DENIED_EARLIER)
+        return PolicyDecision.ask(name, port, address)
     if name in policy.denied:
         return PolicyDecision.deny(name, port, Reason.DENIED_EARLIER)
     if policy.learn:

@@ -223,12 +223,17 @@ DECISIONS: list[tuple[str, RunPolicy, str, int, PolicyDecision]] = [
      PolicyDecision.allow("example.com", 8443, "approved")),
     ("an allow entry beats an earlier denial", BASE, "example.com", 443,
      PolicyDecision.allow("example.com", 443, "example.com")),
-    # 5. port not allowed
-    ("an entry's host on another port is refused, not asked", BASE, "example.com", 8080,
+    # 5. port not allowed: a destination of its own, asked about; refused when asking is off
+    ("an entry's host on another port is asked about", BASE, "x.wild.example", 8080,
+     PolicyDecision.ask("x.wild.example", 8080)),
+    ("an IP entry with a port asks about other ports", BASE, "::1", 443, PolicyDecision.ask("::1", 443, "::1")),
+    ("another port of a host a person denied is not asked about again", BASE, "api.example.org", 443,
+     _deny("api.example.org", 443, Reason.DENIED_EARLIER)),
+    ("an entry's host on another port, asking off", QUIET, "example.com", 8080,
      _deny("example.com", 8080, Reason.PORT_NOT_ALLOWED, "example.com")),
-    ("an entry with a port refuses the default ports", BASE, "api.example.org", 443,
+    ("an entry with a port refuses the default ports, asking off", QUIET, "api.example.org", 443,
      _deny("api.example.org", 443, Reason.PORT_NOT_ALLOWED, "api.example.org:8443")),
-    ("an IP entry with a port refuses other ports", BASE, "::1", 443,
+    ("an IP entry with a port refuses other ports, asking off", QUIET, "::1", 443,
      _deny("::1", 443, Reason.PORT_NOT_ALLOWED, "[::1]:8080")),
     # 6. denied earlier
     ("a host denied earlier is refused without asking", BASE, "nope.example", 443,

@@ -107,21 +107,32 @@ async def test_two_trailing_dots_are_a_bad_request(make_egressd, leak, dns: Fake
     assert not dns.queries
 
 
-async def test_a_port_not_allowed_for_the_host_is_refused_without_asking(
+async def test_a_port_not_allowed_for_the_host_is_asked_about_and_a_denial_reaches_nothing(
     make_egressd, echo_origin, dns: FakeDns
 ) -> None:
-    asked: list[str] = []
+    """A port the entries do not name is a destination of its own: a person is asked, as for a new name."""
+    asked: list[tuple[str, int]] = []
 
     class Recording(DenyApprover):
         async def ask(self, request):  # type: ignore[no-untyped-def]
-            asked.append(request.host)
+            asked.append((request.host, request.port))
             return await super().ask(request)
 
     svc = await make_egressd(allow=["origin.test"], approver=Recording())  # ports 80 and 443 only
     status, headers, body, _, w = await connect_via(svc, f"origin.test:{echo_origin.port}")
     w.close()
+    assert_refused(status, headers, body, "denied")
+    assert echo_origin.connections == 0 and asked == [("origin.test", echo_origin.port)] and not dns.queries
+
+
+async def test_a_port_not_allowed_for_the_host_is_refused_without_asking_when_asking_is_off(
+    make_egressd, echo_origin, dns: FakeDns
+) -> None:
+    svc = await make_egressd(allow=["origin.test"], ask=False)
+    status, headers, body, _, w = await connect_via(svc, f"origin.test:{echo_origin.port}")
+    w.close()
     assert_refused(status, headers, body, "port_not_allowed")
-    assert echo_origin.connections == 0 and asked == [] and not dns.queries
+    assert echo_origin.connections == 0 and not dns.queries
 
 
 async def test_denylist_wins_over_allowlist(make_egressd, leak, dns: FakeDns) -> None:

@@ -282,7 +282,7 @@ async def test_names_not_on_the_allowlist_are_never_resolved(make_egressd, leak,
 
 
 async def test_a_port_not_allowed_is_refused(make_egressd, leak, dns: FakeDns) -> None:
-    svc = await make_egressd(**socks_on(allow=["leak.test:443"], allow_private=["127.0.0.0/8"]))
+    svc = await make_egressd(**socks_on(allow=["leak.test:443"], allow_private=["127.0.0.0/8"], ask=False))
     record = await refused_with(svc, domain("leak.test", leak.port))
     assert record["reason"] == "port_not_allowed"
     assert not dns.asked("leak.test")
