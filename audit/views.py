@@ -52,6 +52,7 @@ class EgressSeen:
     learned: str | None = None
     qtype: str | None = None
     answer: str | None = None  # a DNS record's: the address, or the response code
+    address: str | None = None  # the address checked (a ``private_address`` refusal's, for its hint)
 
     @classmethod
     def of(cls, record: Mapping[str, object]) -> EgressSeen:
@@ -65,6 +66,7 @@ class EgressSeen:
             reason=_text(get("reason")),
             approved=bool(get("approval")),
             learned=_text(get("learned")),
+            address=_text(get("address")),
             qtype=_text(get("qtype")),
             answer=_text(get("answer")),
         )

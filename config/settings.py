@@ -23,6 +23,7 @@ for ``cli`` to drop once the settings are read.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import tomllib
@@ -93,6 +94,24 @@ def read_secret_file(path: Path, *, euid: int) -> str:
     if not text:
         raise ValueError(f"{path} is empty")
     return text
+
+
+# EGRESSD_* variables that are not settings: the config file's name, and the scripts' and tests' own.
+_NOT_SETTINGS = ("EGRESSD_CONFIG", "EGRESSD_TEST_", "EGRESSD_DOCKER_", "EGRESSD_LINK_DIR")
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``EGRESSD_*`` names in ``environ`` that no setting reads, each with the variable it most likely
+    meant (None when none is close): a typo there is as silent as one in a config file is loud (pure)."""
+    known = {f"EGRESSD_{name}".upper() for name in Settings.model_fields}
+    known |= {f"EGRESSD_{name}_FILE".upper() for name in SECRET_SETTINGS}
+    found = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if upper.startswith("EGRESSD_") and upper not in known and not upper.startswith(_NOT_SETTINGS):
+            close = difflib.get_close_matches(upper, known, n=1, cutoff=0.8)
+            found.append((name, close[0] if close else None))
+    return found
 
 
 def secret_variables(environ: Mapping[str, str]) -> list[str]:

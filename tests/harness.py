@@ -206,7 +206,7 @@ def serve_ports(text: str) -> dict[str, int] | None:
     ports = {"proxy": int(serving[1].rsplit(":", 1)[1])}
     if serving[2].startswith("http"):
         ports["control"] = int(serving[2].rsplit(":", 1)[1])
-    transparent = re.search(r"transparent: (.*)", text)
+    transparent = re.search(r"sandbox-facing: (.*)", text)
     for part in transparent[1].split(", ") if transparent else ():
         name, address = part.split(" ")
         ports[name] = int(address.rsplit(":", 1)[1])

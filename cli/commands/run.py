@@ -31,12 +31,13 @@ from egressd.audit.log import STDOUT
 from egressd.audit.views import EgressSeen
 from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, config_path
 from egressd.names.shown import logged
+from egressd.proxy.core.decision import private_hint
 from egressd.sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
 from egressd.sandbox.copyout import CopyOutError, check_destination, check_pattern
 from egressd.sandbox.docker.config import DEFAULT_DOCKER_RANGE
 from egressd.sandbox.limits import Limits
 from egressd.sandbox.network import DEFAULT_RANGE
-from egressd.vocabulary.reasons import reason_message
+from egressd.vocabulary.reasons import Reason, reason_message
 
 from ..wiring.control_client import ControlError
 from ..wiring.controltoken import UntrustedEndpoint, check_url
@@ -177,7 +178,10 @@ def refusal_line(seen: EgressSeen) -> str | None:
         return f"egressd: learned {target}{kind} (let through by --learn: {reason_message(seen.learned)})\n"
     if not seen.is_refusal or seen.reason is None:
         return None  # answered as designed (a query type egressd does not answer): the audit log has it
-    return f"egressd: blocked {target}{kind} ({reason_message(seen.reason)})\n"
+    said = reason_message(seen.reason)
+    if seen.reason == Reason.PRIVATE_ADDRESS.value and seen.address:  # what to do about it, when it is yours
+        said += f": {logged(seen.address)}, {private_hint(logged(seen.address))}"
+    return f"egressd: blocked {target}{kind} ({said})\n"
 
 
 def _on_tty(stream: TextIO | None) -> bool:

@@ -38,8 +38,8 @@ from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.config.settings import Settings, parse_hostport
 from egressd.control.api import PUBLIC_PATHS, build_app
 from egressd.names.addresses import IPAddress
-from egressd.proxy.core.addresses import OwnEndpoints
-from egressd.proxy.core.decision import Screen
+from egressd.proxy.core.addresses import OwnEndpoints, forbidden_reason
+from egressd.proxy.core.decision import Screen, private_hint
 from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, SOCKS, ListenerLimits, transparent_http, transparent_tls
@@ -425,6 +425,10 @@ class EgressService:
         s = self.settings
         allow, deny = entries_from_settings(s)
         self._allow, self._deny = allow, deny
+        for entry in allow:  # allowed, and refused all the same at the address check: said now, not at the first try
+            if entry.address is not None and forbidden_reason(entry.address, s.allow_private_networks) is not None:
+                log.warning("egressd: the allow entry %s names a private or special address, which is refused "
+                            "unless --allow-private covers it (%s)", entry.text, private_hint(str(entry.address)))
 
         audit = self._audit
         if audit is None:

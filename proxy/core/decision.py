@@ -103,8 +103,10 @@ class Screen:
                 address=str(itself), message=OWN_ENDPOINT_MESSAGE, detail=detail,
             )
         address = str(candidates[0]) if candidates else None
+        hint = private_hint(address) if address is not None else None
         return Admission(
-            Reason.PRIVATE_ADDRESS, host, port, rule=rule, approval=approval, learned=learned, address=address
+            Reason.PRIVATE_ADDRESS, host, port, rule=rule, approval=approval, learned=learned, address=address,
+            message=f"{Reason.PRIVATE_ADDRESS.message} ({address}; {hint})" if hint else None,
         )
 
     # Pure functions of their argument (and of the fixed settings): their answers are remembered.
@@ -120,6 +122,12 @@ class Screen:
     def _own(self, address: IPAddress, port: int) -> bool:
         # Not remembered: a wildcard listener's answer depends on the interfaces of the moment.
         return is_own(address, port, self.own, self.is_local)
+
+
+def private_hint(address: str) -> str:
+    """How to let a refused private address through, when it is yours: the setting that does it."""
+    prefix = 128 if ":" in address else 32
+    return f"if it is yours: --allow-private {address}/{prefix}"
 
 
 def decide(

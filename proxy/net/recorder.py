@@ -34,6 +34,10 @@ log = logging.getLogger("egressd.decisions")
 _DECISION_TEXT: dict[Decision, str] = {decision: decision.value for decision in Decision}
 
 
+# How an allowed connection ends without anything to tell the operator: the rest get an END line.
+_QUIET_ENDS = frozenset({End.CLOSED, End.SHUTDOWN})
+
+
 class Recorder:
     """Writes every attempt's records, counts it in the metrics, tells the run and the observers."""
 
@@ -88,7 +92,12 @@ class Recorder:
             duration_s=self.monotonic() - seen.started,
             extra={"detail": detail} if detail else None,
         )
-        self.settle(fact, run, counted=False)
+        written = self.settle(fact, run, counted=False)
+        # Every decision one line, as the policy's are; a flood's, past its run's budget, are counted, not said.
+        if written and reason is not None and log.isEnabledFor(logging.INFO):
+            target = seen.host if seen.port is None else f"{seen.host}:{seen.port}"
+            log.info("DENY  %s %s run=%s reason=%s", seen.kind, logged(str(target or "-")),
+                     run.id if run else "-", reason.value)  # fmt: skip
 
     def open(self, attempt: Attempt, address: str | None) -> None:
         """Write an allowed attempt's ``egress`` record before any of its bytes go out (write-ahead).
@@ -149,6 +158,9 @@ class Recorder:
             self.settle(fact, run, counted=attempt.decided)
             return
         end = attempt.end or (attempt.reason if attempt.decision is Decision.DENY else None) or End.CLOSED
+        if end not in _QUIET_ENDS and log.isEnabledFor(logging.INFO):  # cut, not closed: the line says why
+            log.info("END   %s %s run=%s end=%s", attempt.kind, logged(f"{attempt.host}:{attempt.port}"),
+                     run.id if run else "-", end)  # fmt: skip
         written = EgressEnded(
             id=attempt.id,
             ts=self.clock(),
@@ -181,7 +193,7 @@ class Recorder:
         for observer in self.observers:
             observer(record)
 
-    def settle(self, fact: EgressDecided, run: Run | None, *, counted: bool = False, summary: bool = False) -> None:
+    def settle(self, fact: EgressDecided, run: Run | None, *, counted: bool = False, summary: bool = False) -> bool:
         """Record a decided attempt that opened no connection, its ``egress`` fact built whole by the caller.
 
         What ``finish`` does for such an attempt: the metrics (unless
@@ -201,12 +213,15 @@ class Recorder:
         if run is not None:
             # A fresh dict, which the sink and the observers only read: the run keeps it, not a copy.
             run.keep_event(record)
+        written = False
         try:
-            self._write(record, run, fact.kind, fact.decision, fact.reason, fact.host, always=summary, extra=fact.extra)
+            written = self._write(record, run, fact.kind, fact.decision, fact.reason, fact.host, always=summary,
+                                  extra=fact.extra)  # fmt: skip
         except AuditError:
             pass  # the sink has said why once and is now unhealthy: new egress is refused
         for observer in self.observers:
             observer(record)
+        return written
 
     @staticmethod
     def _decided(attempt: Attempt, duration_s: float | None = None) -> EgressDecided:
@@ -256,28 +271,31 @@ class Recorder:
         *,
         always: bool,
         extra: Mapping[str, object] | None = None,
-    ) -> None:
-        """Write a finished attempt's record, unless it is a refusal past its run's budget (``floods``).
+    ) -> bool:
+        """Write a finished attempt's record, unless it is a refusal past its run's budget (``floods``);
+        whether it was written.
 
         ``always``: written whatever the budget (an ``egress.end``, a summary).
         """
         budget = self.refusals
         if budget is None:
             self.audit.write(record)
-            return
+            return True
         now = self.monotonic()
         if budget.next_due is not None and now >= budget.next_due:
             self._write_suppressed(budget.due(now))
         if decision is not Decision.DENY or always:
             self.audit.write(record)
-            return
+            return True
         run_id = run.id if run is not None else None
         # A DNS query refused for its type has no reason code; its response code says why.
         reason = reason or str((extra or {}).get("answer") or "-")
         if budget.admit(run_id, now, kind, reason, host):
             self.audit.write(record)
-        elif self._refusals_timer is None and budget.next_due is not None:
+            return True
+        if self._refusals_timer is None and budget.next_due is not None:
             self._arm_refusals_timer(budget.next_due - now)
+        return False
 
     def flush_suppressed(self, run_id: str | None = None, *, every: bool = False) -> None:
         """Write the ``egress.suppressed`` summaries of ``run_id`` (or of every run) now.

@@ -40,7 +40,7 @@ NOT_A_REASON = {
     ("approvals/slackblocks.py", "denied"),  # the word a settled message ends with
     ("cli/commands/agent.py", "denied"),  # the tally's heading
     ("cli/commands/approvals.py", "denied"),  # "denied by NAME"
-    ("cli/main.py", "approval_timeout"),  # the --approval-timeout setting's name
+    ("cli/flags.py", "approval_timeout"),  # the --approval-timeout setting's name
     ("approvals/interface.py", "denied"),  # "denied by NAME via CHANNEL"
     ("proxy/net/stream.py", "closed"),  # a slot's name
     ("proxy/core/exchange.py", "closed"),  # the exchange's state: it carries no more requests
@@ -213,6 +213,10 @@ def test_the_cli_tells_of_a_refusal_as_before() -> None:
     assert refusal_line(EgressSeen.of(dns)) == "egressd: blocked bad.test (dns) (on the denylist)\n"
     unknown = {"decision": "deny", "host": "x.test", "port": 80, "reason": "some_future_code"}
     assert refusal_line(EgressSeen.of(unknown)) == "egressd: blocked x.test:80 (some_future_code)\n"
+    private = {"decision": "deny", "host": "db.corp", "port": 5432, "reason": "private_address",
+               "address": "10.1.2.3"}  # fmt: skip
+    said = "resolves only to private or special addresses: 10.1.2.3, if it is yours: --allow-private 10.1.2.3/32"
+    assert refusal_line(EgressSeen.of(private)) == f"egressd: blocked db.corp:5432 ({said})\n"
 
 
 def test_the_cli_is_silent_about_dns_answered_as_designed() -> None:

@@ -56,6 +56,32 @@ def _curl(port: int, url: str) -> subprocess.CompletedProcess:  # type: ignore[t
     )
 
 
+async def test_every_decision_is_a_line_a_refusal_before_the_policy_and_a_failed_dial_too(serve, dns) -> None:
+    """Issue 29: auth_required and an allowed connection whose dial failed said nothing on stderr."""
+    require(have("curl"), "curl is not installed")
+    import asyncio
+    import socket
+
+    with socket.socket() as probe:  # a port from the kernel, then closed: nothing listens there
+        probe.bind(("127.0.0.1", 0))
+        closed_port = probe.getsockname()[1]
+    dns.set("gone.test", ["127.0.0.1"])
+    port, _, proc = serve("--allow", "gone.test:*", "--allow-private", "127.0.0.1/32")
+    failed = await asyncio.to_thread(_curl, port, f"https://gone.test:{closed_port}/")
+    assert failed.returncode != 0
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = await asyncio.to_thread(proc.communicate, timeout=20)
+    assert f"ALLOW connect gone.test:{closed_port}" in stderr, stderr
+    assert f"END   connect gone.test:{closed_port} run=default end=upstream_unreachable" in stderr, stderr
+
+    port, _, proc = serve("--require-auth")
+    refused = await asyncio.to_thread(_curl, port, "http://origin.test/")
+    assert "407" in refused.stdout.splitlines()[0], refused.stdout
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = await asyncio.to_thread(proc.communicate, timeout=20)
+    assert "DENY  http origin.test:80 run=- reason=auth_required" in stderr, stderr
+
+
 async def test_serve_works_as_a_proxy_for_curl_and_stops_cleanly(serve, http_origin, dns) -> None:
     require(have("curl"), "curl is not installed")
     import asyncio

@@ -143,3 +143,31 @@ def test_run_and_agent_refuse_a_web_approver_they_have_no_page_for(
     assert done.returncode == 2, done.stderr
     [line] = done.stderr.splitlines()
     assert line.startswith("egressd: bad setting approver: ") and "web" in line and "egressd serve" in line, line
+
+
+@pytest.mark.parametrize(
+    ("args", "usage", "meant"),
+    [
+        (["serve", "--alow", "example.com"], "usage: egressd serve", "--allow"),
+        (["run", "--allow-privat", "10.0.0.0/8", "--", "true"], "usage: egressd run", "--allow-private"),
+        (["pending", "--jsn"], "usage: egressd pending", "--json"),
+    ],
+)
+def test_a_mistyped_flag_gets_the_subcommands_usage_and_the_flag_meant(
+    tmp_path: Path, args: list[str], usage: str, meant: str
+) -> None:
+    """Issue 29: `--alow` got the top level's usage and no hint."""
+    done = _egressd(tmp_path, *args)
+    assert done.returncode == 2 and done.stderr.startswith(usage), done.stderr
+    assert f"unrecognized arguments: {args[1]}" in done.stderr and f"(did you mean {meant}?)" in done.stderr
+
+
+def test_an_egressd_variable_no_setting_reads_is_warned_about_with_the_one_meant(tmp_path: Path) -> None:
+    env = _env(tmp_path) | {"EGRESSD_ALOW": "example.com", "EGRESSD_NOTHING_LIKE_IT": "1", "EGRESSD_CONFIG": ""}
+    done = subprocess.run([EGRESSD, "policy", "--help"], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0  # --help reads no settings: nothing to say yet
+    done = subprocess.run([EGRESSD, "pending"], capture_output=True, text=True, timeout=60, env=env)
+    said = [line for line in done.stderr.splitlines() if "is no setting" in line]
+    assert said == ["egressd: warning: EGRESSD_ALOW is no setting of egressd and is ignored (did you mean "
+                    "EGRESSD_ALLOW?)",
+                    "egressd: warning: EGRESSD_NOTHING_LIKE_IT is no setting of egressd and is ignored"], done.stderr

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from egressd.cli.main import ALL, _subcommand, build_parser
+from egressd.cli.flags import subcommand as _subcommand
+from egressd.cli.main import ALL, build_parser
 
 # What a command that starts no proxy, sandbox or agent must not load.
 HEAVY = ("egressd.cli.wiring.service", "egressd.cli.wiring.docker_session", "egressd.agent.loop",

@@ -57,6 +57,22 @@ async def test_name_rebinding_to_a_forbidden_address_is_refused(make_egressd, le
     assert leak.connections == 0
     record = audit_for(svc, headers["x-egress-request-id"])
     assert record["address"] == LEAK and record["reason"] == "private_address"
+    # The person who allowed the name learns which address it was and what would let it through.
+    assert f"({LEAK}; if it is yours: --allow-private {LEAK}/32)" in body.decode(), body
+
+
+async def test_an_allow_entry_naming_a_private_address_is_warned_about_at_start(
+    make_egressd, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="egressd"):
+        await make_egressd(allow=[f"{LEAK}:*", "origin.test"])
+    said = [r.getMessage() for r in caplog.records if "names a private or special address" in r.getMessage()]
+    assert said == [f"egressd: the allow entry {LEAK}:* names a private or special address, which is refused unless "
+                    f"--allow-private covers it (if it is yours: --allow-private {LEAK}/32)"], said  # fmt: skip
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="egressd"):
+        await make_egressd(allow=[f"{LEAK}:*"], allow_private=[f"{LEAK}/32"])  # covered: nothing to say
+    assert not [r for r in caplog.records if "private or special" in r.getMessage()]
 
 
 async def test_only_addresses_that_passed_the_check_are_dialled(make_egressd, leak, echo_origin) -> None:

@@ -33,10 +33,10 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 def test_serve_ports_reads_the_report_only_when_its_line_is_whole() -> None:
     report = (
-        "egressd: transparent: dns 127.0.0.44:5353, tls 127.0.0.44:443\n"
+        "egressd: sandbox-facing: dns 127.0.0.44:5353, tls 127.0.0.44:443, socks 127.0.0.44:1080\n"
         "egressd: serving: proxy 127.0.0.1:4001, control http://127.0.0.1:4002, audit log /x, runs need credentials\n"
     )
-    assert serve_ports(report) == {"proxy": 4001, "control": 4002, "dns": 5353, "tls": 443}
+    assert serve_ports(report) == {"proxy": 4001, "control": 4002, "dns": 5353, "tls": 443, "socks": 1080}
     assert serve_ports(report[:-1]) is None  # the port may still be being written: 4001 is not 40
     assert serve_ports("egressd: serving: proxy [::1]:7, control unix:/run/c.sock, audit log /x, x\n") == {"proxy": 7}
 
