@@ -120,10 +120,28 @@ async def _registered(args: argparse.Namespace, instances: list[Instance]) -> in
                 _print_pending(got)
                 print()
         return 0
-    for instance, token, got in asked:
-        if any(a.get("id") == args.approval_id for a in got):
-            return await _answer(args, instance.control, token)
-    print(f"egressd: no running egressd of yours holds approval {escape(args.approval_id)}", file=sys.stderr)
+    wanted = args.approval_id
+    held = [(instance, token, str(a.get("id"))) for instance, token, got in asked for a in got
+            if str(a.get("id")).startswith(wanted)]  # fmt: skip
+    exact = [match for match in held if match[2] == wanted]
+    held = exact or held
+    if len(held) > 1:  # a prefix is taken only when one approval has it
+        ids = ", ".join(escape(match[2]) for match in held)
+        print(f"egressd: {escape(wanted)} names more than one waiting approval: {ids}", file=sys.stderr)
+        return 1
+    if held:
+        instance, token, args.approval_id = held[0]
+        return await _answer(args, instance.control, token)
+    # Not waiting anywhere: the egressd that settled it says how and by whom (409), as with --control;
+    # the others do not know the id (404) and nothing changes there.
+    for instance, token, _ in asked:
+        status, data = await _call(instance.control, token, "POST", f"/approvals/{wanted}/{args.approval_action}",
+                                   {"by": args.by or getpass.getuser()})  # fmt: skip
+        if status == 409:
+            error = data.get("error") if isinstance(data, dict) else None
+            print(f"egressd: {escape(str(error or 'already settled'))}", file=sys.stderr)
+            return 1
+    print(f"egressd: no running egressd of yours holds approval {escape(wanted)}", file=sys.stderr)
     return 1
 
 

@@ -679,3 +679,38 @@ async def test_pending_and_allow_find_a_unix_control_socket_and_its_token_file(
         status, _, _, reader, writer = await held
         assert status == 200 and await echo_through(reader, writer) == b"ping"
     await broker.close()
+
+
+async def test_egressd_allow_and_deny_find_the_approval_by_a_prefix_and_say_who_settled_it(
+    tmp_path: Path, dns: FakeDns, http_origin: HttpOrigin
+) -> None:
+    """Issue 29, with no --control (the registry finds the egressd): an unambiguous prefix of the id is
+    enough, and an approval settled already says how and by whom, as with --control."""
+    require(have("curl"), "curl is not installed")
+    require(have("setsid"), "setsid (util-linux) is not installed")
+    pty = Pty()
+    env = _env(tmp_path)
+    proc = await asyncio.create_subprocess_exec(
+        "setsid", "-c", EGRESSD, "serve", "--approver", "terminal", "--listen", "127.0.0.1:0",
+        "--control", "127.0.0.1:0", "--upstream-dns", f"127.0.0.1:{dns.address[1]}",
+        "--audit-log", str(tmp_path / "audit.jsonl"), "--allow-private", ORIGIN_RANGE,
+        stdin=pty.slave, stdout=pty.slave, stderr=pty.slave, env=env,
+    )  # fmt: skip
+    try:
+        port = (await _wait_serving(proc, pty))["proxy"]
+        curl = asyncio.create_task(asyncio.to_thread(_curl, port, f"http://origin.test:{http_origin.port}/p"))
+        await pty.shows(f"allow or deny origin.test:{http_origin.port}?", timeout_s=15)
+        listed = await asyncio.to_thread(_run, "pending", "--json", env=env)
+        [pending] = json.loads(listed.stdout)
+        denied = await asyncio.to_thread(_run, "deny", pending["id"][:8], "--by", "erin", env=env)
+        assert denied.returncode == 0 and f"{pending['id']}: denied by erin" in denied.stdout, denied.stderr
+        result = await curl
+        assert "X-Egress-Reason: denied" in result.stdout
+        again = await asyncio.to_thread(_run, "allow", pending["id"], env=env)
+        assert again.returncode == 1 and "already settled" in again.stderr and "erin" in again.stderr, again.stderr
+        unknown = await asyncio.to_thread(_run, "allow", "a-nothing-like-it", env=env)
+        assert unknown.returncode == 1 and "holds approval a-nothing-like-it" in unknown.stderr, unknown.stderr
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 20)
+        pty.close()
