@@ -55,6 +55,7 @@ class Observation:
     stderr: str = ""
     timed_out: bool = False
     memory_exceeded: bool = False
+    pids_exhausted: bool = False  # a process could not be started at the process limit (bubblewrap's cgroup)
     duration_s: float = 0.0
     stdout_truncated: int = 0
     stderr_truncated: int = 0
@@ -134,6 +135,7 @@ def observation(
     out: BoundedOutput | None,
     err: BoundedOutput | None,
     duration_s: float,
+    pids_exhausted: bool = False,
 ) -> Observation:
     """The ``Observation`` of a finished command (``ended``); ``out``/``err`` None: passed on, not kept."""
     code, timed_out, memory_exceeded = ended(status, timed_out=timed_out, oom_killed=oom_killed)
@@ -143,6 +145,7 @@ def observation(
         stderr=err.text() if err is not None else "",
         timed_out=timed_out,
         memory_exceeded=memory_exceeded,
+        pids_exhausted=pids_exhausted,
         duration_s=duration_s,
         stdout_truncated=out.dropped if out is not None else 0,
         stderr_truncated=err.dropped if err is not None else 0,

@@ -295,6 +295,7 @@ class BwrapSandbox:
             raise
         finally:
             oom_killed = cgroup.oom_killed() if cgroup is not None else False
+            pids_exhausted = cgroup.pids_exhausted() if cgroup is not None else False
             if cgroup is not None:
                 await cgroup.remove()
         return observation(
@@ -304,6 +305,7 @@ class BwrapSandbox:
             out=out if isinstance(out, BoundedOutput) else None,
             err=err if isinstance(err, BoundedOutput) else None,
             duration_s=time.monotonic() - started,
+            pids_exhausted=pids_exhausted,
         )
 
     @staticmethod

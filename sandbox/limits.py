@@ -125,6 +125,19 @@ class Cgroup:
                 return True
         return False
 
+    def pids_exhausted(self) -> bool:
+        """Whether a fork or clone failed at the process limit (``pids.events``: ``max N``, v1 and v2)."""
+        for directory in self.dirs:
+            try:
+                text = (directory / "pids.events").read_text()
+            except OSError:
+                continue
+            for line in text.splitlines():
+                name, _, value = line.partition(" ")
+                if name == "max" and value.strip().isdigit() and int(value) > 0:
+                    return True
+        return False
+
     def kill_all(self) -> None:
         """SIGKILL everything still in the cgroup (the whole process tree)."""
         if self.mode == "v2" and (self.dirs[0] / "cgroup.kill").exists():

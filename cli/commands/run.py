@@ -32,7 +32,7 @@ from egressd.audit.views import EgressSeen
 from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, config_path
 from egressd.names.shown import logged
 from egressd.proxy.core.decision import private_hint
-from egressd.sandbox.backend import EXIT_CANNOT_START, FdOutput, OutputSink, SandboxError
+from egressd.sandbox.backend import EXIT_CANNOT_START, FdOutput, Observation, OutputSink, SandboxError
 from egressd.sandbox.copyout import CopyOutError, check_destination, check_pattern
 from egressd.sandbox.docker.config import DEFAULT_DOCKER_RANGE
 from egressd.sandbox.limits import Limits
@@ -354,6 +354,8 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
             print(f"egressd: the command ran past --timeout {args.timeout:g}s and was killed", file=sys.stderr)
         if obs.memory_exceeded:
             print(f"egressd: the command exceeded --memory {args.memory} MB and was killed", file=sys.stderr)
+        for line in exit_explained(obs, args.cpu, args.max_pids):
+            print(f"egressd: {line}", file=sys.stderr)
         if args.copy_out:
             report = await copy_out(session.box, args.copy_out, Path(args.copy_out_dir))
             for line in report.lines():
@@ -361,6 +363,16 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
         if session.made_workdir and args.keep_workdir:
             print(f"egressd: working directory kept at {session.workdir}", file=sys.stderr)
         return obs.exit_code
+
+
+def exit_explained(obs: Observation, cpu_s: int | None, max_pids: int) -> list[str]:
+    """What else a limit did to the command, said after it ended (the time and memory limits say their own)."""
+    said = []
+    if cpu_s is not None and obs.exit_code == 128 + signal.SIGXCPU:
+        said.append(f"the command used its --cpu {cpu_s}s of CPU time and was killed (SIGXCPU, exit {obs.exit_code})")
+    if obs.pids_exhausted:
+        said.append(f"the command reached --max-pids {max_pids}: a process it tried to start was refused")
+    return said
 
 
 def run_sandboxed(work: Callable[[], Awaitable[int]], say: Callable[[str], None]) -> int:

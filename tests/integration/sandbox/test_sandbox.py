@@ -336,6 +336,19 @@ async def test_memory_limit_ends_the_command_with_137(tmp_path, dns) -> None:
     await assert_no_leftovers()
 
 
+async def test_the_cpu_limit_and_the_process_limit_are_said_when_they_ended_or_refused_something(tmp_path, dns) -> None:
+    """Issue 29: a command killed by --cpu (SIGXCPU) or refused a process by --max-pids got no word of why."""
+    code, _, err = await egressd_run(tmp_path, dns, "--cpu", "1", "--timeout", "20", "--",
+                                     "sh", "-c", "while :; do :; done")  # fmt: skip
+    assert code == 128 + 24 and "used its --cpu 1s of CPU time and was killed (SIGXCPU" in err, (code, err)
+    code, _, err = await egressd_run(tmp_path, dns, "--max-pids", "12", "--timeout", "20", "--",
+                                     "sh", "-c", "for i in $(seq 30); do sleep 2 & done 2>/dev/null; wait")  # fmt: skip
+    assert "reached --max-pids 12: a process it tried to start was refused" in err, (code, err)
+    code, _, err = await egressd_run(tmp_path, dns, "--max-pids", "12", "--", "sh", "-c", "sleep 0.1 & wait")
+    assert code == 0 and "--max-pids" not in err and "--cpu" not in err, err  # nothing met: nothing said
+    await assert_no_leftovers()
+
+
 async def test_exit_status_is_the_commands_own(tmp_path, dns) -> None:
     code, _, _ = await egressd_run(tmp_path, dns, "--", "sh", "-c", "exit 7")
     assert code == 7
