@@ -82,12 +82,15 @@ def unmatched_patterns(patterns: Iterable[str], matched: Iterable[str]) -> list[
 @dataclass
 class CopyReport:
     copied: list[str] = field(default_factory=list)
+    replaced: list[str] = field(default_factory=list)  # of the copied, those that replaced a file already there
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (name, why)
     unmatched: list[str] = field(default_factory=list)  # patterns that matched nothing
     bytes: int = 0
 
     def lines(self) -> list[str]:
-        out = [f"copied {name}" for name in self.copied]
+        replaced = set(self.replaced)
+        out = [f"copied {name}" + (" (replaced the file that was there)" if name in replaced else "")
+               for name in self.copied]  # fmt: skip
         out += [f"skipped {name}: {why}" for name, why in self.skipped]
         out += [f"nothing matched {pattern!r}" for pattern in self.unmatched]
         return out
@@ -320,6 +323,8 @@ class CopyDestination:
                     os.unlink(temp, dir_fd=directory)
         report.bytes += copied
         report.copied.append(name)
+        if there is not None:
+            report.replaced.append(name)
         return None
 
 

@@ -122,6 +122,19 @@ def test_copy_out_skips_links_and_links_to_directories(tmp_path: Path) -> None:
     assert {name for name, _ in report.skipped} == {"out/link.txt", "linkdir"}
 
 
+def test_copy_out_says_which_files_it_replaced(tmp_path: Path) -> None:
+    """Issue 29: a file already at the destination was replaced without a word."""
+    work, dest = tmp_path / "work", tmp_path / "dest"
+    work.mkdir()
+    dest.mkdir()
+    (work / "new.txt").write_text("new")
+    (work / "old.txt").write_text("from the run")
+    (dest / "old.txt").write_text("the user's")
+    report = copy_out(work, ["*.txt"], dest)
+    assert sorted(report.lines()) == ["copied new.txt", "copied old.txt (replaced the file that was there)"]
+    assert (dest / "old.txt").read_text() == "from the run"
+
+
 def test_copy_out_is_bounded_and_says_what_it_cut(tmp_path: Path) -> None:
     work, dest = tmp_path / "work", tmp_path / "dest"
     work.mkdir()
