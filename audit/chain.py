@@ -47,7 +47,7 @@ class ChainReport:
         return self.problem is None
 
 
-def verify_chain(lines: Iterable[ChainLine]) -> ChainReport:
+def verify_chain(lines: Iterable[ChainLine], head: str | None = None) -> ChainReport:
     """Check that each record's ``prev`` is the SHA-256 (hex) of the line before it, as stored.
 
     The lines are the log's, oldest first, across rotated files. The first
@@ -60,6 +60,11 @@ def verify_chain(lines: Iterable[ChainLine]) -> ChainReport:
     cannot tell those two apart, so both are named). A last line without
     its newline is a truncated tail; a line that is not a JSON object with
     a ``prev`` is named as damaged. Stops at the first problem.
+
+    ``head``: a hash egressd reported outside the file (its log's ``audit
+    head`` line), the SHA-256 of a line it had written. A chain alone cannot
+    see whole records cut from its tail; with the head, a log none of whose
+    lines hashes to it has lost records (or is another log).
     """
     it = iter(lines)
     notes: list[str] = []
@@ -67,8 +72,11 @@ def verify_chain(lines: Iterable[ChainLine]) -> ChainReport:
     previous: ChainLine | None = None
     previous_prev: object = None  # the prev the previous record carried
     current = next(it, None)
+    anchored = head is None
     while current is not None:
         following = next(it, None)
+        if not anchored:
+            anchored = hashlib.sha256(current.raw).hexdigest() == head
         where = _where(current)
         if not current.raw.endswith(b"\n"):
             if following is None:
@@ -99,10 +107,14 @@ def verify_chain(lines: Iterable[ChainLine]) -> ChainReport:
                 return ChainReport(count, problem, tuple(notes))
         count += 1
         previous, previous_prev, current = current, prev, following
+    if not anchored:
+        cut = (f"no record hashes to the head {ascii_escaped(str(head))}: records were cut from the log's tail "
+               "after egressd reported that head (or the files given are not that log's)")  # fmt: skip
+        return ChainReport(count, cut, tuple(notes))
     return ChainReport(count, None, tuple(notes))
 
 
-def verify_files(paths: Iterable[str | os.PathLike[str]]) -> ChainReport:
+def verify_files(paths: Iterable[str | os.PathLike[str]], head: str | None = None) -> ChainReport:
     """``verify_chain`` over the lines of ``paths``, oldest first, read as a stream.
 
     ``OSError`` (a missing or unreadable file) propagates.
@@ -115,7 +127,7 @@ def verify_files(paths: Iterable[str | os.PathLike[str]]) -> ChainReport:
                 for number, raw in enumerate(file, 1):
                     yield ChainLine(name, number, raw)
 
-    return verify_chain(lines())
+    return verify_chain(lines(), head)
 
 
 def _where(line: ChainLine) -> str:

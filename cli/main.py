@@ -359,6 +359,9 @@ def build_parser(only: str | None = ALL) -> argparse.ArgumentParser:
     verify.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help="TOML config file (for audit_log)")
     verify.add_argument("--audit-log", dest="audit_log", default=argparse.SUPPRESS, metavar="PATH",
                         help="the log whose chain to check, with its rotated files")
+    verify.add_argument("--head", metavar="HASH", type=str.lower,
+                        help="a head egressd reported outside the log (its 'audit head' log line): the chain must "
+                        "hold a record with that hash, or records were cut from its tail")
     verify.add_argument("files", nargs="*", metavar="FILE", help="log files, oldest first")
     verify.set_defaults(func=cmd_audit_verify)
     suggest = audit_sub.add_parser(

@@ -125,7 +125,7 @@ def run_verify(args: argparse.Namespace, settings: Settings) -> int:
     for name in files:
         _refuse_stdout(name)
     try:
-        report = verify_files(files)
+        report = verify_files(files, head=args.head)
     except OSError as exc:
         print(f"egressd: cannot read {exc.filename or 'the audit log'}: {exc.strerror}", file=sys.stderr)
         return 2
@@ -134,7 +134,8 @@ def run_verify(args: argparse.Namespace, settings: Settings) -> int:
     if report.problem is not None:
         print(f"audit chain NOT intact: {report.problem} ({report.records} records verified before it)")
         return 1
-    print(f"audit chain intact: {report.records} records in {len(files)} file(s)")
+    anchored = ", the head given among them" if args.head else ""
+    print(f"audit chain intact: {report.records} records in {len(files)} file(s){anchored}")
     return 0
 
 

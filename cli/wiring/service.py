@@ -62,6 +62,7 @@ from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
 from egressd.proxy.net.runner import EgressPath
 
+from .anchor import say_head, say_heads
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, token_path, write_token_file
 from .declared import SecretSettingError, secrets_from_settings
 from .errors import StartupError
@@ -280,6 +281,7 @@ class EgressService:
         self.control_address: str = ""
         self._bound: dict[str, int] = {}  # listener setting → the port it got
         self._learn_notices: asyncio.Task[None] | None = None  # learn mode's reminder, owned and cancelled here
+        self._heads: asyncio.Task[None] | None = None  # the audit head said outside the log (``anchor``)
         self.learn_notice_interval_s = LEARN_NOTICE_INTERVAL_S
         # The configured entries (settings, presets, allow file), as the last start or reload read them.
         self._allow: tuple[Entry, ...] = ()
@@ -521,6 +523,7 @@ class EgressService:
         if s.learn:  # said once everything started: a failed start prints only its one error line
             print(learn_notice(None), file=sys.stderr, flush=True)
             self._learn_notices = asyncio.get_running_loop().create_task(self._remind_learning())
+        self._heads = asyncio.get_running_loop().create_task(say_heads(self.path.recorder.audit))
 
     async def _remind_learning(self) -> None:
         """Learn mode: say on stderr, every ``learn_notice_interval_s``, that egress is open (until close)."""
@@ -639,11 +642,12 @@ class EgressService:
     async def close(self, grace_s: float | None = None) -> None:
         """Stop accepting, let tunnels finish within the grace period, flush the log."""
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
-        if self._learn_notices is not None:
-            self._learn_notices.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._learn_notices
-            self._learn_notices = None
+        for task in (self._learn_notices, self._heads):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._learn_notices = self._heads = None
         if self._approvals is not None:
             # Nobody can answer once egressd stops: held requests are denied now, not after the grace.
             await self._approvals.close()
@@ -668,4 +672,5 @@ class EgressService:
             # What the last loop iteration queued (a sink the caller gave is not closed here).
             with contextlib.suppress(AuditError):
                 self.path.recorder.audit.flush()
+            say_head(self.path.recorder.audit)  # the last head, outside the log
         await self._stack.aclose()

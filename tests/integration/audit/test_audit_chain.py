@@ -355,3 +355,45 @@ def test_no_record_builder_lets_a_caller_set_prev() -> None:
             end="closed",
             extra={"prev": "0" * 64},
         ).record()
+
+
+def test_whole_records_cut_from_the_tail_pass_the_chain_but_not_the_head_egressd_said_at_stop(tmp_path: Path) -> None:
+    """Issue 29: deleting the last records left a valid chain, and the docs said otherwise. The attack: the
+    tail cut at a line boundary. egressd's own log carries the head; `verify --head` finds the cut."""
+    log = tmp_path / "audit.jsonl"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(tmp_path)}
+    said = tmp_path / "serve.stderr"
+    with said.open("wb") as err:
+        proc = subprocess.Popen(
+            [EGRESSD, "serve", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0", "--upstream-dns",
+             f"127.0.0.1:{free_port()}", "--audit-log", str(log)],
+            env=env, stderr=err,
+        )  # fmt: skip
+    try:
+        port = wait_serve_ports_in(said, proc)["proxy"]
+        for _ in range(3):
+            _deny_one(port)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+    stderr = said.read_text()
+    heads = [line.split("audit head ")[1].split()[0] for line in stderr.splitlines() if "audit head " in line]
+    assert heads, stderr
+    head = heads[-1]
+    assert hashlib.sha256(_lines(log)[-1]).hexdigest() == head  # the head is the last line as written
+    ok = subprocess.run([EGRESSD, "audit", "verify", "--head", head, str(log)], capture_output=True, text=True,
+                        timeout=30)  # fmt: skip
+    assert ok.returncode == 0 and "the head given among them" in ok.stdout, ok.stdout
+    _rewrite(log, _lines(log)[:-2])  # the last two records gone, whole lines: the chain still holds
+    assert _verify(log).returncode == 0
+    cut = subprocess.run([EGRESSD, "audit", "verify", "--head", head, str(log)], capture_output=True, text=True,
+                         timeout=30)  # fmt: skip
+    assert cut.returncode == 1 and "cut from the log's tail" in cut.stdout, cut.stdout
+
+
+def test_verify_chain_with_a_head_finds_it_anywhere_in_the_log() -> None:
+    lines = _chain("a", "b", "c")
+    middle = hashlib.sha256(lines[1].raw).hexdigest()
+    assert verify_chain(lines, head=middle).ok  # records written after the head was said are fine
+    assert not verify_chain(lines[:1], head=middle).ok
+    assert "cut from the log's tail" in (verify_chain(lines[:1], head=middle).problem or "")
