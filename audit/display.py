@@ -188,9 +188,11 @@ def _event_row(record: Mapping[str, object]) -> str:
         )
     else:
         label = _text(event).upper().replace(".", " ")
+        # The chain's hash is for `egressd audit verify`, not for reading (--json shows it).
         fields = "  ".join(
-            f"{_safe(key)}: {_field(value)}" for key, value in record.items() if key not in ("event", "ts", "run")
-        )
+            f"{_safe(key)}: {_field(value)}" for key, value in record.items()
+            if key not in ("event", "ts", "run", "prev")
+        )  # fmt: skip
         summary = f"{label:<17} {fields}".rstrip()
     return f"{_time(record):<19}  {_text(record.get('run')):<12}  {summary}"
 
@@ -198,6 +200,6 @@ def _event_row(record: Mapping[str, object]) -> str:
 def _field(value: object) -> str:
     if isinstance(value, list):
         return ",".join(_text(item, _MAX_TEXT) for item in value) or "-"
-    if isinstance(value, Mapping):
-        return _text(json.dumps(value, separators=(",", ":"), ensure_ascii=True), _MAX_TEXT)
+    if isinstance(value, Mapping):  # read as words, not as a JSON blob: {"allow": ["a"]} is "allow=a"
+        return _text(" ".join(f"{_safe(k)}={_field(v)}" for k, v in value.items()) or "-", _MAX_TEXT)
     return _text(value, _MAX_TEXT)

@@ -378,7 +378,8 @@ async def end_run(request: web.Request) -> web.Response:
     if inspector is not None:
         inspector.forget(run.id)  # its CA goes: no leaf is minted for it again
     request.app[RECORDER].flush_suppressed(run.id)  # what was counted in the run comes before its end
-    _write_audit(request, run_record("run.end", ts=time.time(), run=run.id))
+    now = time.time()
+    _write_audit(request, run_record("run.end", ts=now, run=run.id, **run.summary(now)))
     return web.json_response({"id": run.id, "ended": True})
 
 

@@ -350,6 +350,7 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
             obs = await session.box.run(args.command, limits=limits, capture=False, stdin=stdin, relay=relay)
         except SandboxError as exc:
             raise SessionError(str(exc)) from None
+        session.exit_status = obs.exit_code
         if obs.timed_out:
             print(f"egressd: the command ran past --timeout {args.timeout:g}s and was killed", file=sys.stderr)
         if obs.memory_exceeded:

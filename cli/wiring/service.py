@@ -666,7 +666,9 @@ class EgressService:
         if self.path is not None:
             self.path.recorder.flush_suppressed(every=True)  # refusals counted but not yet summarised
         if self.runs is not None and self.runs.default is not None and self.path is not None:
-            self._write_run_record(run_record("run.end", ts=time.time(), run=self.runs.default.id))
+            now = time.time()
+            self._write_run_record(run_record("run.end", ts=now, run=self.runs.default.id,
+                                              **self.runs.default.summary(now)))  # fmt: skip
             self.runs = None
         if self.path is not None:
             # What the last loop iteration queued (a sink the caller gave is not closed here).

@@ -83,6 +83,7 @@ class Session(Protocol):
     made_workdir: bool
     terminal_output: TerminalOutput
     kind: str  # run or agent: how the registry of running instances names it
+    exit_status: int | None  # set by the runner once the command ended: the run.end record carries it
 
     @property
     def run(self) -> RunHandle | None:
@@ -170,6 +171,7 @@ class SessionBase(Generic[BoxT]):
         self.workdir: Path = Path()
         self.made_workdir = workdir is None
         self.kind = "run"  # the command that runs it, as the registry of running instances names it (open_session)
+        self.exit_status: int | None = None  # the command's, when the runner knows it: its run.end says it
         self._box: BoxT | None = None
         self._stack = contextlib.AsyncExitStack()
         self.terminal_output = TerminalOutput()
@@ -346,7 +348,9 @@ class SandboxSession(SessionBase[BwrapSandbox]):
             return
         if self.service.runs.get(self.run.id) is not None:
             self.service.runs.end(self.run.id)
-        self._audit(run_record("run.end", ts=time.time(), run=self.run.id))
+        now = time.time()
+        exit_status = {} if self.exit_status is None else {"exit_status": self.exit_status}
+        self._audit(run_record("run.end", ts=now, run=self.run.id, **exit_status, **self.run.summary(now)))
 
     # -- what runners need -------------------------------------------------------
 

@@ -42,6 +42,7 @@ import functools
 import hmac
 import ipaddress
 import secrets
+import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -190,6 +191,11 @@ class Run:
     pending_approvals: int = 0
     events: deque[tuple[int, dict[str, Any]]] = field(default_factory=lambda: deque(maxlen=EVENT_WINDOW))
     next_event: int = 1
+    # What the run did, for its ``run.end`` record (``summary``): connections and requests, DNS aside.
+    allowed: int = 0
+    refused: int = 0
+    answered: int = 0  # decided by a person's answer (an approval)
+    started: float = field(default_factory=time.time)
     ended: bool = False
     # The run's own bearer token on the control API (``RunRegistry.by_control_token``); never shown.
     control_token: str = field(default="", repr=False)
@@ -403,6 +409,20 @@ class Run:
         """
         self.events.append((self.next_event, record))
         self.next_event += 1
+        if record.get("kind") != "dns":
+            if record.get("decision") == "allow":
+                self.allowed += 1
+            else:
+                self.refused += 1
+            approval = record.get("approval")
+            if isinstance(approval, dict) and approval.get("by") is not None:  # a person answered, not a timeout
+                self.answered += 1
+
+    def summary(self, now: float) -> dict[str, Any]:
+        """What its ``run.end`` record says of the run: how long, what went out, what was refused, what a
+        person decided (connections and requests; DNS queries are not counted)."""
+        return {"duration_s": round(now - self.started, 3), "allowed": self.allowed, "refused": self.refused,
+                "answered": self.answered}  # fmt: skip
 
     def events_after(self, cursor: int, limit: int = 1000) -> tuple[list[dict[str, Any]], int]:
         """Events with sequence numbers above ``cursor``, and the new cursor."""

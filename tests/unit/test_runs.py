@@ -76,3 +76,18 @@ def test_the_event_window_keeps_a_handed_over_record_itself_and_a_copy_of_any_ot
     events, cursor = run.events_after(0)
     assert events == [{"id": "q-1"}, {"id": "q-2"}] and cursor == 2
     assert events[1] is kept
+
+
+def test_the_runs_summary_counts_what_went_out_what_was_refused_and_what_a_person_decided() -> None:
+    run = Run(id="r-1", token="-", task=None, allow=(), deny=())
+    run.started = 100.0
+    for record in (
+        {"kind": "connect", "decision": "allow", "approval": None},
+        {"kind": "https", "decision": "allow", "approval": {"id": "a-1", "by": "alice"}},
+        {"kind": "http", "decision": "deny", "approval": {"id": "a-2", "by": "bob"}},
+        {"kind": "http", "decision": "deny", "approval": {"id": "a-3", "by": None}},  # nobody answered
+        {"kind": "dns", "decision": "allow", "approval": None},  # a lookup is no connection: not counted
+        {"kind": "connect", "decision": "deny", "approval": None},
+    ):
+        run.keep_event(record)
+    assert run.summary(112.5) == {"duration_s": 12.5, "allowed": 2, "refused": 3, "answered": 2}

@@ -783,3 +783,15 @@ def test_format_json_is_one_compact_ascii_line_that_reads_back() -> None:
     text = format_json(record)
     assert "\n" not in text and text.isascii() and ", " not in text
     assert json.loads(text) == record
+
+
+def test_the_table_shows_a_run_event_as_words_with_no_chain_hash() -> None:
+    """Issue 29: a 64-hex prev and raw JSON blobs on every run line."""
+    record = run_record("run.end", ts=T0, run="r-1", exit_status=0, duration_s=3.2, allowed=4, refused=1, answered=1)
+    record["prev"] = "ab" * 32
+    changed = {"event": "policy.reloaded", "ts": "2026-12-01T00:00:00Z", "run": None, "prev": "cd" * 32,
+               "added": {"allow": ["a.example", "b.example"], "deny": []}}  # fmt: skip
+    rows = list(format_table([record, changed]))[1:]
+    assert "RUN END" in rows[0] and "exit_status: 0" in rows[0] and "allowed: 4" in rows[0], rows[0]
+    assert "ab" * 32 not in "".join(rows) and "cd" * 32 not in "".join(rows) and "prev" not in "".join(rows)
+    assert "added: allow=a.example,b.example deny=-" in rows[1] and "{" not in rows[1], rows[1]

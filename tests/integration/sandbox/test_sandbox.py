@@ -350,8 +350,13 @@ async def test_the_cpu_limit_and_the_process_limit_are_said_when_they_ended_or_r
 
 
 async def test_exit_status_is_the_commands_own(tmp_path, dns) -> None:
-    code, _, _ = await egressd_run(tmp_path, dns, "--", "sh", "-c", "exit 7")
+    code, _, _ = await egressd_run(tmp_path, dns, "--", "sh", "-c", "curl -s -m 5 http://leak.test/; exit 7")
     assert code == 7
+    # The run.end record says how it ended and what it did (issue 29).
+    records = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    (end,) = [r for r in records if r["event"] == "run.end"]
+    assert (end["exit_status"], end["allowed"], end["refused"], end["answered"]) == (7, 0, 1, 0), end
+    assert end["duration_s"] > 0
 
 
 async def test_copy_out_takes_only_safe_regular_files(tmp_path, dns, workdir) -> None:
