@@ -449,20 +449,25 @@ def run_changed_record(
     run: str,
     added: Mapping[str, Sequence[str]] | None = None,
     removed: Mapping[str, Sequence[str]] | None = None,
+    revoked: Sequence[str] = (),
 ) -> dict[str, object]:
     """Build the ``run.changed`` record: a live run's entries edited through ``PATCH /runs/ID``.
 
     Fields, in this order: ``event``, ``ts``, ``run``, ``added`` and
     ``removed``, each ``{"allow": [...], "deny": [...]}`` (the entries as
-    given; an entry the run already had is not in ``added``).
+    given; an entry the run already had is not in ``added``), then
+    ``revoked`` (approvals taken back: ``host`` or ``host:port``) when any was.
     """
-    return {
+    record: dict[str, object] = {
         "event": RUN_CHANGED,
         "ts": rfc3339(ts),
         "run": run,
         "added": _entry_lists(added),
         "removed": _entry_lists(removed),
     }
+    if revoked:
+        record["revoked"] = list(revoked)
+    return record
 
 
 def suppressed_record(

@@ -314,9 +314,12 @@ async def change_run(request: web.Request) -> web.Response:
     """``PATCH /runs/{id}``: add and remove the run's own entries, all or nothing."""
     run = _run(request)
     body = await _body(request)
-    strange = sorted(set(body) - {"allow", "deny"})
+    strange = sorted(set(body) - {"allow", "deny", "revoke"})
     if strange:
-        raise json_error(400, f"unknown key {strange[0]!r}: allow and deny only")
+        raise json_error(400, f"unknown key {strange[0]!r}: allow, deny and revoke only")
+    revoke = body.get("revoke") or []
+    if not isinstance(revoke, list) or not all(isinstance(text, str) for text in revoke):
+        raise json_error(400, 'revoke must be a list of "host" or "host:port"')
     edits: dict[str, tuple[Entry, ...]] = {}
     for kind in ("allow", "deny"):
         part = body.get(kind) or {}
@@ -328,11 +331,14 @@ async def change_run(request: web.Request) -> web.Response:
         for action in ("add", "remove"):
             edits[f"{kind}_{action}"] = parse_entries(part.get(action), f"{kind}.{action}")
     try:
+        run.revoke(revoke, check_only=True)  # all or nothing: checked before anything changes
         change = run.change_entries(**edits)
+        revoked = run.revoke(revoke) if revoke else []
     except RunError as exc:
         raise json_error(400, str(exc)) from None
     # Recorded even when it changed nothing: whoever holds the global token tried to.
-    _write_audit(request, run_changed_record(ts=time.time(), run=run.id, added=change.added, removed=change.removed))
+    _write_audit(request, run_changed_record(ts=time.time(), run=run.id, added=change.added, removed=change.removed,
+                                             revoked=revoked))  # fmt: skip
     return web.json_response(run.describe())
 
 

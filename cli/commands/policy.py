@@ -1,4 +1,5 @@
-"""``egressd policy RUN_ID [--allow E] [--deny E] [--remove-allow E] [--remove-deny E]``: a live run's entries.
+"""``egressd policy RUN_ID [--allow E] [--deny E] [--remove-allow E] [--remove-deny E] [--revoke HOST[:PORT]]``:
+a live run's entries, and the approvals given for it.
 
 ``PATCH /runs/RUN_ID`` on a running egressd's control API, with the global
 control token (a run's own token is refused: a run never widens its own
@@ -27,6 +28,8 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
         part = {k: v for k, v in (("add", add), ("remove", remove)) if v}
         if part:
             body[kind] = part
+    if args.revoke:
+        body["revoke"] = args.revoke
     return body
 
 
@@ -79,3 +82,7 @@ def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
         ("--remove-deny", "remove_deny", "remove a deny entry of the run"),
     ):
         parser.add_argument(flag, dest=dest, action="append", default=[], metavar="ENTRY", help=f"{what} (repeatable)")
+    parser.add_argument("--revoke", action="append", default=[], metavar="HOST[:PORT]",
+                        help="take back an approval given for the run (HOST: every port, and the requests "
+                        "approved inside its inspected connections; HOST:PORT: that port alone, though an approval "
+                        "for another port gave 80 and 443 too) from its next request on (repeatable)")

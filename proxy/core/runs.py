@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from egressd.names.addresses import IPAddress, unmapped
-from egressd.names.hosts import HostError, registered_domain
+from egressd.names.hosts import HostError, normalised, registered_domain
 from egressd.proxy.core.budget import Budget
 from egressd.proxy.core.memo import remember
 from egressd.proxy.core.policy import (
@@ -366,6 +366,38 @@ class Run:
                     self._live[(kind, entry_key(entry))] = (entry, added)
         return change
 
+    def revoke(self, texts: Sequence[str], *, check_only: bool = False) -> list[str]:
+        """Take back approvals given for the run: ``host`` (every port, and every request approved
+        inside its inspected connections) or ``host:port``; all of it or, on RunError, nothing.
+
+        What was taken back applies from the run's next request (a connection open now goes on).
+        """
+        taken: list[tuple[str, int | None]] = []
+        for text in texts:
+            name, port_text = _host_and_port(text)
+            host = normalised(name)
+            if port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
+                raise RunError(f"revoke {text!r}: {port_text!r} is no port")
+            port = int(port_text) if port_text else None
+            requests = {key for key in self.approved_requests if key[1] == host}
+            if host is None or not (host in self.approved or (port is None and requests)):
+                raise RunError(f"revoke {text!r}: the run has no approval for it")
+            if port is not None and port not in self.approved[host]:
+                raise RunError(f"revoke {text!r}: the run's approval for {host} is not for port {port}")
+            taken.append((host, port))
+        if check_only:
+            return []
+        for host, port in taken:
+            left = frozenset() if port is None else self.approved.get(host, frozenset()) - {port}
+            if left:
+                self.approved[host] = left
+            else:
+                self.approved.pop(host, None)
+            if port is None:
+                self.approved_requests = {key for key in self.approved_requests if key[1] != host}
+        self._changed()
+        return [host if port is None else f"{host}:{port}" for host, port in taken]
+
     def _changed(self) -> None:
         self._policy = None
         self._decisions.clear()
@@ -660,3 +692,15 @@ class RunRegistry:
             if run is not None:
                 return run
         return self.default
+
+
+def _host_and_port(text: str) -> tuple[str, str]:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` as (host, port text; empty when none)."""
+    text = text.strip()
+    if text.startswith("["):
+        inside, _, rest = text[1:].partition("]")
+        return inside, rest[1:] if rest.startswith(":") else rest
+    if text.count(":") == 1:
+        host, _, port = text.partition(":")
+        return host, port
+    return text, ""

@@ -284,3 +284,35 @@ async def test_egressd_policy_changes_a_live_run_with_the_global_token_only(make
     code, out, err = await egressd_policy(svc, GLOBAL, created["id"])
     assert code == 0 and target in out
     assert len(records(svc, "run.changed")) == 1
+
+
+async def test_egressd_policy_revoke_takes_back_an_approval_from_the_runs_next_request(
+    make_egressd, echo_origin
+) -> None:
+    """Issue 29: an approval for the run could not be taken back short of ending the run."""
+    from egressd.approvals.interface import ApprovalOutcome
+    from egressd.vocabulary.reasons import Answer
+
+    target = f"origin.test:{echo_origin.port}"
+    answers = [Answer.ALLOW, Answer.DENY]
+    asked: list[str] = []
+
+    class Reviewer:
+        async def ask(self, request: Any) -> ApprovalOutcome:
+            asked.append(f"{request.host}:{request.port}")
+            return ApprovalOutcome(answers.pop(0), f"a-{len(asked)}", "test", "alice", 0.1)
+
+    svc = await make_egressd(require_auth=True, approver=Reviewer())
+    status, created = await call(svc, "POST", "/runs", GLOBAL, {"allow": ["other.test"]})
+    assert await status_of(svc, target, proxy_auth(created)) == 200  # asked, allowed for the run
+    assert await status_of(svc, target, proxy_auth(created)) == 200 and asked == [target]  # not asked again
+    code, out, err = await egressd_policy(svc, GLOBAL, created["id"], "--revoke", "unknown.test")
+    assert code == 1 and "no approval for it" in err, err  # a mistyped revoke does not pass for a narrowed policy
+    code, out, err = await egressd_policy(svc, GLOBAL, created["id"], "--revoke", target)
+    assert code == 0, (out, err)
+    assert await status_of(svc, target, proxy_auth(created)) == 403  # asked again, and this time denied
+    assert asked == [target, target]
+    # The host alone takes back every port the approval gave (80 and 443 came with the other port).
+    code, out, err = await egressd_policy(svc, GLOBAL, created["id"], "--revoke", "origin.test")
+    assert code == 0 and "approved:     -" in out, (out, err)
+    assert [r["revoked"] for r in records(svc, "run.changed")] == [[target], ["origin.test"]]
