@@ -16,7 +16,9 @@ What counts, for the run chosen (``pick_run``):
    mode — or that the policy let through and the network then failed (a
    reason whose status is 502 or 504: the upstream failures); an
    allowed connection whose ``egress.end`` names a refusal (``end``: a
-   reason code such as ``sni_mismatch``) was refused after all;
+   reason code such as ``sni_mismatch``) was refused after all; a name that
+   never resolved (``resolve_failed``: a typo, a name that does not exist)
+   is listed in the closing comment, not suggested;
 2. ``approval.requested`` records whose ``approval.decided`` allowed them;
 3. never an IP literal, and never a host that was refused by the policy
    (a reason whose status is 403: a deny entry, a private address, a
@@ -158,7 +160,11 @@ def suggest(
             if decision == "allow" and record.get("id") in cut:
                 decision, reason = "deny", _reason(cut[record.get("id")])
             port = record.get("port") if record.get("kind") != "dns" else 443
-            if decision == "allow" or (reason is not None and reason.status in _UPSTREAM_STATUSES):
+            if reason is Reason.RESOLVE_FAILED:  # a name that never resolved reached nothing: listed, not suggested
+                host = _name(record.get("host"))
+                if host is not None:
+                    seen.refused.setdefault(host, reason.value)
+            elif decision == "allow" or (reason is not None and reason.status in _UPSTREAM_STATUSES):
                 if not _request(seen, record):
                     _use(seen, record.get("host"), port)
                 if record.get("learned") is not None:

@@ -266,3 +266,12 @@ def test_requests_on_inspected_names_become_request_rules_grouped_by_prefix_with
         "GET|POST api.github.com/repos/org/**",
         "PUT uploads.test:8443/**",
     ]
+
+
+def test_a_name_that_never_resolved_is_listed_not_suggested() -> None:
+    """Issue 29: a typo the run tried (pypi.orgg) came back as an allowlist entry."""
+    records = [START, _egress("pypi.org", learned="not_allowlisted"),
+               _egress("pypi.orgg", decision="deny", reason="resolve_failed")]  # fmt: skip
+    text = render(suggest(records))
+    assert tomllib.loads(text)["allow"] == ["pypi.org"]
+    assert "pypi.orgg (resolve_failed)" in text
