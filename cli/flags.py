@@ -151,6 +151,8 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
      {"type": float, "metavar": "S", "help": "the interval of --max-refusal-records (default 10)"}),
     ("--log-level", "log_level",
      {"choices": ["debug", "info", "warning", "error"], "help": "stderr log level (default info)"}),
+    ("--log-format", "log_format",
+     {"choices": ["text", "json"], "help": "stderr log format: text, or json for a log collector (default text)"}),
     *secret_file_flags(),
 ]
 
@@ -170,7 +172,7 @@ _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("approvals", ("approver", "approval_", "max_pending_", "max_approvals_", "webhook_", "slack_", "public_url")),
     ("DNS", ("dns_", "upstream_dns")),
     ("audit log", ("audit_", "max_refusal_", "refusal_")),
-    ("limits and logging", ("max_", "head_", "connect_", "idle_", "log_level")),
+    ("limits and logging", ("max_", "head_", "connect_", "idle_", "log_level", "log_format")),
 )
 
 

@@ -18,7 +18,6 @@ import os
 import resource
 import signal
 import sys
-import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
@@ -32,6 +31,7 @@ from egressd.config.settings import (
 )
 
 from .flags import COMMON, add_common, refuse_unknown, subcommand, visible
+from .logformat import setup_logging
 from .wiring.errors import StartupError
 
 if TYPE_CHECKING:
@@ -117,34 +117,6 @@ def refuse_page_approver(settings: Settings, command: str, *, connected: bool) -
             f"bad setting approver: egressd {command} serves no approvals page, so web could never answer; "
             "use terminal (or `egressd pending|allow|deny` from another shell), or start `egressd serve --approver web`"
         )
-
-
-class _LineFormatter(logging.Formatter):
-    """``TIME egressd MESSAGE``, the time made once per second: serve logs a line per decision."""
-
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s egressd %(message)s", "%Y-%m-%dT%H:%M:%S")
-        self._second = -1
-        self._stamp = ""
-
-    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:  # noqa: N802 (logging's name)
-        second = int(record.created)
-        if second != self._second:  # under the handler's lock: one thread at a time
-            self._stamp = time.strftime(datefmt or "%Y-%m-%dT%H:%M:%S", self.converter(second))
-            self._second = second
-        return self._stamp
-
-
-def _setup_logging(level: str) -> None:
-    # What no line of ours shows is not gathered for every record (the logging HOWTO's
-    # "Optimization"): the caller's frame, thread and process (docs/performance.md).
-    logging._srcfile = None  # noqa: SLF001 (the documented switch)
-    logging.logThreads = False
-    logging.logProcesses = False
-    logging.logMultiprocessing = False
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_LineFormatter())
-    logging.basicConfig(level=getattr(logging, level.upper()), handlers=[handler])
 
 
 
@@ -242,7 +214,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     def read() -> Settings:  # a reload keeps the start's choice of default approvers
         return default_approvers(read_given(), serve=True, at_terminal=at_terminal)
 
-    _setup_logging(settings.log_level)
+    setup_logging(settings.log_level, settings.log_format)
     open_files = raise_open_file_limit()
     from .wiring.loop import run_async
 
@@ -277,7 +249,7 @@ def cmd_run_sandbox(args: argparse.Namespace) -> int:
         args.command = args.command[1:]
     settings = default_approvers(_settings(args), serve=False, at_terminal=person_at_terminal())
     refuse_page_approver(settings, "run", connected=bool(getattr(args, "connect", None)))
-    _setup_logging(settings.log_level if args.log_level else "warning")
+    setup_logging(settings.log_level if args.log_level else "warning", settings.log_format)
     return cmd_run(args, settings)
 
 
@@ -298,7 +270,7 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
 
     settings = default_approvers(_settings(args), serve=False, at_terminal=person_at_terminal())
     refuse_page_approver(settings, "agent", connected=bool(getattr(args, "connect", None)))
-    _setup_logging(settings.log_level if args.log_level else "warning")
+    setup_logging(settings.log_level if args.log_level else "warning", settings.log_format)
     return cmd_agent(args, settings)
 
 

@@ -350,6 +350,9 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="stderr log level: debug, info, warning, error"
     )
+    log_format: Literal["text", "json"] = Field(
+        "text", description="stderr log format: text (TIME egressd MESSAGE) or json (one object per line)"
+    )
 
     @field_validator("allow", "deny", "preset", "allow_private", "approver", "slack_approvers", "secret", mode="before")
     @classmethod

@@ -239,7 +239,8 @@ async def create_run(request: web.Request) -> web.Response:
         raise json_error(400, "ask must be true or false")
     address = _run_address(body.get("address"), request.app[PROXY_ADDRESS][0], request.app[SCREEN].allow_private)
     try:
-        run = request.app[RUNS].create(task=task, allow=allow, deny=deny, ask=ask, sources=sources, address=address)
+        run = request.app[RUNS].create(task=task, allow=allow, deny=deny, ask=ask, sources=sources, address=address,
+                                       started=time.time())
     except RunError as exc:
         raise json_error(409, str(exc)) from None
     _write_audit(

@@ -487,6 +487,7 @@ class EgressService:
                 deny=deny,
                 ask=s.ask,
                 learn=s.learn,
+                started=time.time(),
             )
         # The operator's deny entries apply to the runs created through the control API too.
         self.runs = RunRegistry(default=default, learn=s.learn, global_deny=deny)

@@ -299,7 +299,7 @@ class SandboxSession(SessionBase[BwrapSandbox]):
         stack.callback(loop.remove_signal_handler, signal.SIGUSR1)
         assert self.service.runs is not None and self.service.path is not None
         run = self.service.runs.create(task=self.task, allow=allow, deny=deny, ask=self.settings.ask,
-                                       sources=[self.network.plan.sandbox_ip])
+                                       sources=[self.network.plan.sandbox_ip], started=time.time())
         self.run = run
         self._audit(run_record("run.start", ts=time.time(), run=run.id, task=self.task, allow=[e.text for e in allow],
                                deny=[e.text for e in deny], sources=[str(self.network.plan.sandbox_ip)],

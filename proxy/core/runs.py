@@ -42,7 +42,6 @@ import functools
 import hmac
 import ipaddress
 import secrets
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -195,7 +194,7 @@ class Run:
     allowed: int = 0
     refused: int = 0
     answered: int = 0  # decided by a person's answer (an approval)
-    started: float = field(default_factory=time.time)
+    started: float = 0.0  # wall-clock seconds, the creator's clock (the core reads none)
     ended: bool = False
     # The run's own bearer token on the control API (``RunRegistry.by_control_token``); never shown.
     control_token: str = field(default="", repr=False)
@@ -582,6 +581,7 @@ class RunRegistry:
         sources: Iterable[IPAddress] = (),
         address: IPAddress | None = None,
         run_id: str | None = None,
+        started: float = 0.0,
     ) -> Run:
         """Register a new run with fresh credentials; its source addresses must be free.
 
@@ -607,6 +607,7 @@ class RunRegistry:
             sources=sources,
             address=address,
             global_deny=self.global_deny,
+            started=started,
         )
         self._runs[run.id] = run
         for source in sources:
