@@ -32,6 +32,7 @@ __all__ = [
     "parse_host",
     "parse_ip_literal",
     "registered_domain",
+    "split_port",
     "unicode_host",
 ]
 
@@ -275,3 +276,15 @@ def is_public_suffix(name: str) -> bool:
     if parse_ip_literal(host) is not None:
         return False
     return suffixes.is_public_suffix(host)
+
+
+def split_port(text: str) -> tuple[str, str]:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` as (host, port text; empty when none), unchecked."""
+    text = text.strip()
+    if text.startswith("["):
+        inside, _, rest = text[1:].partition("]")
+        return inside, rest[1:] if rest.startswith(":") else rest
+    if text.count(":") == 1:
+        host, _, port = text.partition(":")
+        return host, port
+    return text, ""

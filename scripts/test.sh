@@ -6,9 +6,10 @@ cd "$(dirname "$0")/.."
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     need=()
-    # chromium and its driver: the approvals page in a real browser (tests/integration/approvals/test_web.py).
+    # chromium and its driver: the approvals page in a real browser (tests/integration/approvals/test_web.py);
+    # systemd-analyze checks the systemd unit (tests/project/test_operator_files.py).
     for pkg_bin in bubblewrap:bwrap nftables:nft iproute2:ip curl:curl dnsutils:dig chromium:chromium \
-                   chromium-driver:chromedriver; do
+                   chromium-driver:chromedriver systemd:systemd-analyze; do
         command -v "${pkg_bin#*:}" >/dev/null || need+=("${pkg_bin%%:*}")
     done
     # The system's pip: pip inside the sandbox downloads from an inspected package index

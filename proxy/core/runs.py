@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from egressd.names.addresses import IPAddress, unmapped
-from egressd.names.hosts import HostError, normalised, registered_domain
+from egressd.names.hosts import HostError, normalised, registered_domain, split_port
 from egressd.proxy.core.budget import Budget
 from egressd.proxy.core.memo import remember
 from egressd.proxy.core.policy import (
@@ -373,7 +373,7 @@ class Run:
         """
         taken: list[tuple[str, int | None]] = []
         for text in texts:
-            name, port_text = _host_and_port(text)
+            name, port_text = split_port(text)
             host = normalised(name)
             if port_text and not (port_text.isdigit() and 1 <= int(port_text) <= 65535):
                 raise RunError(f"revoke {text!r}: {port_text!r} is no port")
@@ -693,15 +693,3 @@ class RunRegistry:
             if run is not None:
                 return run
         return self.default
-
-
-def _host_and_port(text: str) -> tuple[str, str]:
-    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` as (host, port text; empty when none)."""
-    text = text.strip()
-    if text.startswith("["):
-        inside, _, rest = text[1:].partition("]")
-        return inside, rest[1:] if rest.startswith(":") else rest
-    if text.count(":") == 1:
-        host, _, port = text.partition(":")
-        return host, port
-    return text, ""
