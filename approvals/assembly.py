@@ -37,6 +37,12 @@ from .web import WebChannel
 from .webhook import WebhookChannel
 
 
+def web_inbox(settings: Settings) -> bool:
+    """Whether the approvals page holds what comes while nobody has it open: ``web_inbox``, else on
+    when the page is the only approver (with another channel attached, that one is asked meanwhile)."""
+    return settings.web_inbox if settings.web_inbox is not None else list(settings.approver) == ["web"]
+
+
 def _secret(settings: Settings, name: str) -> str | None:
     value = getattr(settings, name)
     return value.get_secret_value() if value is not None else None
@@ -117,7 +123,7 @@ def approver_from_settings(
         elif name == "webhook":
             channels.append(_webhook(settings, clock))
         elif name == "web":
-            channels.append(WebChannel(public_url=settings.public_url, clock=clock))
+            channels.append(WebChannel(public_url=settings.public_url, clock=clock, inbox=web_inbox(settings)))
         else:
             raise SetupError(f"bad setting approver: unknown approver {name!r}")
     return ApprovalBroker(

@@ -58,8 +58,10 @@ the approval's run has the page open (an event stream now, or one that
 closed less than ``PRESENCE_GRACE_S`` ago, a reconnect). Otherwise
 ``deliver`` fails at once, so with ``--approver web`` alone and nobody
 watching, a new domain is refused ``no_approver`` as with any unattached
-channel. An approval shown stays answerable until its deadline even if the
-page is closed (and through ``egressd allow|deny``).
+channel, unless the page is an *inbox* (``web_inbox``, on by default when web
+is the only approver): then every approval is held up to its deadline and
+shown to whoever opens the page meanwhile. An approval shown stays answerable
+until its deadline even if the page is closed (and through ``egressd allow|deny``).
 
 The egress tail comes from the recorder's observers (every egress record as it
 is written, the same records ``GET /runs/ID/events`` returns), subscribed
@@ -224,8 +226,10 @@ class WebChannel:
         limiter: SignInLimiter | None = None,
         presence_grace_s: float = PRESENCE_GRACE_S,
         keepalive_s: float = KEEPALIVE_S,
+        inbox: bool = False,
     ) -> None:
         self._public_url = public_url
+        self.inbox = inbox  # hold what comes while nobody watches (module docstring)
         # The page's own path, drawn per instance (module docstring): 128 bits.
         self.prefix = page_path(path_secret or secrets.token_urlsafe(16))
         self._clock = clock
@@ -250,7 +254,7 @@ class WebChannel:
         return any(s.scope.covers(run_id) and s.present(now, self._grace_s) for s in self._sessions.live(now))
 
     async def deliver(self, approval: PendingApproval) -> None:
-        if self._closed or not self.attached_for(approval.request.run_id):
+        if self._closed or not (self.inbox or self.attached_for(approval.request.run_id)):
             raise ChannelUnavailable("nobody who may answer has the approvals page open")
         self._publish("approval", approval, approval.request.run_id)
 

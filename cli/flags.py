@@ -193,6 +193,10 @@ def env_help(dest: str, text: str) -> str:
     return f"{text} [env EGRESSD_{dest.upper()}]"
 
 
+# The settings whose flags ``add_common`` makes itself (not from ``COMMON``'s table).
+OWN_FLAGS = ("ask", "require_auth", "learn", "web_inbox")
+
+
 def add_common(parser: argparse.ArgumentParser, *, service: bool = True) -> None:
     """The settings' flags in sections, each naming its variable; ``service=False`` (``run``, ``agent``)
     leaves out ``SERVICE_ONLY``."""
@@ -213,6 +217,10 @@ def add_common(parser: argparse.ArgumentParser, *, service: bool = True) -> None
     if service:
         add("--require-auth", "require_auth", action="store_const", const=True, default=None,
             help="no default run: every client needs run credentials")
+        add("--web-inbox", "web_inbox", action=argparse.BooleanOptionalAction, default=None,
+            help="the approvals page as an inbox: a new domain is held up to the approval timeout while "
+            "nobody has the page open (default: on when web is the only approver); --no-web-inbox: "
+            "refused no_approver until someone has it open")
     add("--learn", "learn", action="store_const", const=True, default=None,
         help="learn mode, for building an allowlist: nothing is held or refused for not being "
         "allowlisted; each such attempt goes out and is recorded with \"learned\" (deny entries, "

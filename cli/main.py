@@ -28,7 +28,7 @@ from egressd.config.settings import (
     unknown_variables,
 )
 
-from .flags import COMMON, add_common, refuse_unknown, subcommand, visible
+from .flags import COMMON, OWN_FLAGS, add_common, refuse_unknown, subcommand, visible
 from .logformat import setup_logging
 from .wiring.errors import StartupError
 
@@ -51,7 +51,7 @@ def _settings_and_reader(args: argparse.Namespace) -> tuple[Settings, Callable[[
     environment; the secret variables, dropped from our environment now, are
     kept in the reader and given to it as the environment would.
     """
-    fields = {dest for _, dest, _ in COMMON} | {"ask", "require_auth", "learn"}
+    fields = {dest for _, dest, _ in COMMON} | set(OWN_FLAGS)
     cli_values = {k: getattr(args, k) for k in fields}
     settings = load_settings(cli_values, args.config)
     for name, meant in unknown_variables(os.environ):
@@ -403,7 +403,7 @@ def _audit_settings_fields(args: argparse.Namespace) -> None:
     for _, dest, _ in COMMON:
         if not hasattr(args, dest):
             setattr(args, dest, None)
-    for dest in ("ask", "require_auth", "learn"):
+    for dest in OWN_FLAGS:
         if not hasattr(args, dest):
             setattr(args, dest, None)
 

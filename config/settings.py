@@ -228,6 +228,11 @@ class Settings(BaseSettings):
         description="who answers unknown domains: terminal, slack, webhook, web (approvals page), deny (repeatable)",
     )
     approval_timeout: float = Field(600.0, gt=0, le=86400, description="seconds a request is held")
+    web_inbox: bool | None = Field(
+        None,
+        description="the approvals page as an inbox: a new domain is held up to approval_timeout while nobody has "
+        "the page open (default: on when web is the only approver; false: refused until someone has it open)",
+    )
     max_pending_approvals: int = Field(
         5, ge=1, le=10000, description="approvals one run may have waiting at once; past it: `too_many_pending`"
     )

@@ -29,6 +29,7 @@ from types import TracebackType
 from aiohttp import web
 
 from egressd.approvals.assembly import approver_from_settings as _approvals_from_settings
+from egressd.approvals.assembly import web_inbox
 from egressd.approvals.commandoutput import TerminalOutput
 from egressd.approvals.interface import Approver, ManagedApprover, SetupError
 from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
@@ -628,9 +629,11 @@ class EgressService:
                 self.control_address = f"http://{shown}:{bound_port}"
                 for page in pages:
                     log.info(
-                        "approvals page: %s%s (sign in with the control token)",
+                        "approvals page: %s%s (sign in with the control token); %s",
                         (s.public_url or self.control_address).rstrip("/"),
                         page,
+                        f"an inbox: a new domain is held up to {s.approval_timeout:g}s for whoever opens it"
+                        if web_inbox(s) else "a new domain is refused (no_approver) unless someone has it open",
                     )
         except OSError as exc:
             raise StartupError(f"bad setting control: cannot listen on {s.control}: {exc.strerror}") from None

@@ -361,7 +361,46 @@ async def test_nobody_with_the_page_open_means_no_approver(
         assert echo_origin.connections == 0
 
 
-async def test_web_from_settings_alone_refuses_as_no_approver_until_someone_watches(
+def _web_alone(tmp_path: Any, dns: FakeDns, **more: Any) -> Any:
+    return load_settings(
+        {
+            "listen": "127.0.0.1:0",
+            "control": "127.0.0.1:0",
+            "control_token": TOKEN,
+            "upstream_dns": f"{dns.address[0]}:{dns.address[1]}",
+            "allow_private": [ORIGIN_RANGE],
+            "audit_log": str(tmp_path / "audit.jsonl"),
+            "log_level": "info",
+            "approver": ["web"],
+            **more,
+        }
+    )
+
+
+async def test_web_alone_is_an_inbox_a_request_waits_for_whoever_opens_the_page(
+    tmp_path: Any, dns: FakeDns, echo_origin: Listener, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 29: with --approver web alone and nobody signed in, a new domain was refused at once."""
+    svc = EgressService(_web_alone(tmp_path, dns, approval_timeout=30), audit=MemoryAuditSink())
+    with caplog.at_level("INFO", logger="egressd"):
+        await svc.start()
+    try:
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("approvals page:")]
+        assert said and "an inbox: a new domain is held up to 30s for whoever opens it" in said[0], said
+        task = await held(svc, f"origin.test:{echo_origin.port}")  # nobody has the page open: held all the same
+        [page_path] = [r.path for r in svc.path.approver.routes() if r.page]  # type: ignore[union-attr]
+        async with PageClient(svc.control_address, page_path.rstrip("/")) as page:
+            await page.sign_in()
+            async with events(page):  # the page opened later shows what waits, and answers it
+                await page.answer(pending(svc)[0].id, "allow")
+                status, _, _, _, writer = await task
+                writer.close()
+                assert status == 200
+    finally:
+        await svc.close(grace_s=0)
+
+
+async def test_web_from_settings_with_no_inbox_refuses_as_no_approver_until_someone_watches(
     tmp_path: Any, dns: FakeDns, echo_origin: Listener
 ) -> None:
     settings = load_settings(
@@ -374,6 +413,7 @@ async def test_web_from_settings_alone_refuses_as_no_approver_until_someone_watc
             "audit_log": str(tmp_path / "audit.jsonl"),
             "log_level": "warning",
             "approver": ["web"],
+            "web_inbox": False,
         }
     )
     svc = EgressService(settings, audit=MemoryAuditSink())
