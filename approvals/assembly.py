@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 from egressd.audit.log import AuditSink
-from egressd.config.settings import Settings
+from egressd.config.settings import Settings, token_path
 
 from .broker import ApprovalBroker
 from .commandoutput import TerminalOutput
@@ -123,7 +123,9 @@ def approver_from_settings(
         elif name == "webhook":
             channels.append(_webhook(settings, clock))
         elif name == "web":
-            channels.append(WebChannel(public_url=settings.public_url, clock=clock, inbox=web_inbox(settings)))
+            written = settings.control_token is None and settings.control_token_file is None
+            channels.append(WebChannel(public_url=settings.public_url, clock=clock, inbox=web_inbox(settings),
+                                       token_file=str(token_path(settings)) if written else None))
         else:
             raise SetupError(f"bad setting approver: unknown approver {name!r}")
     return ApprovalBroker(

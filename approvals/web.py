@@ -227,8 +227,10 @@ class WebChannel:
         presence_grace_s: float = PRESENCE_GRACE_S,
         keepalive_s: float = KEEPALIVE_S,
         inbox: bool = False,
+        token_file: str | None = None,
     ) -> None:
         self._public_url = public_url
+        self.token_file = token_file  # said on the sign-in page (None: the token was given, not written)
         self.inbox = inbox  # hold what comes while nobody watches (module docstring)
         # The page's own path, drawn per instance (module docstring): 128 bits.
         self.prefix = page_path(path_secret or secrets.token_urlsafe(16))
@@ -244,6 +246,9 @@ class WebChannel:
         self._style = _static("style.css")
 
     # -- the Channel ------------------------------------------------------------------
+
+    def _signin_page(self, error: str | None = None) -> str:
+        return signin_html(error, token_file=self.token_file)
 
     async def start(self, answerer: Answerer) -> None:
         self._answerer = answerer
@@ -418,7 +423,7 @@ class WebChannel:
     async def _page(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         if session is None:
-            return web.Response(text=signin_html(), content_type="text/html", charset="utf-8")
+            return web.Response(text=self._signin_page(), content_type="text/html", charset="utf-8")
         if not self._read_ok(request, PAGE_SITES):
             # Another origin's page (another port of this host is same-site) sent the cookies: no CSRF token.
             return self._html(403, "Refused", "Open the approvals page from its own address.")
@@ -446,7 +451,7 @@ class WebChannel:
         now = self._clock()
         if not self._limiter.allowed(address, now):
             return web.Response(
-                status=429, text=signin_html("Too many failed sign-ins: wait a minute."), content_type="text/html"
+                status=429, text=self._signin_page("Too many failed sign-ins: wait a minute."), content_type="text/html"
             )
         form = await self._form(request)
         token = (form or {}).get("token", "").strip()
@@ -454,7 +459,8 @@ class WebChannel:
         if scope is None:
             self._limiter.failed(address, now)
             log.warning("approvals page: a failed sign-in from %s", address)
-            return web.Response(status=401, text=signin_html("That is not a control token."), content_type="text/html")
+            wrong = self._signin_page("That is not a control token.")
+            return web.Response(status=401, text=wrong, content_type="text/html")
         name = escape(" ".join((form or {}).get("name", "").split())[:MAX_NAME_CHARS]) or CHANNEL
         live_runs = {str(r.get("id")) for r in self._view(request).view.runs()}
         self._sessions.drop_runs(live_runs.__contains__)
@@ -465,7 +471,7 @@ class WebChannel:
             )
             return web.Response(
                 status=503,
-                text=signin_html("Too many open pages signed in with this token: close one first."),
+                text=self._signin_page("Too many open pages signed in with this token: close one first."),
                 content_type="text/html",
             )
         sid, session = opened
@@ -532,6 +538,9 @@ class WebChannel:
             if approval_id not in runs:
                 session.flash = f"No pending approval {shown_id}."
                 return _redirect(f"{self.prefix}/")
+        held = next((a.request for a in answerer.pending() if a.id == approval_id), None)
+        # The flash names what was answered: the domain a person recognises, the id after it.
+        what = f"{escape(held.host)}:{held.port} (approval {shown_id})" if held is not None else f"Approval {shown_id}"
         answered = answerer.answer(
             approval_id, choice, channel=CHANNEL, by=session.name, scope=scope, auth=session.auth
         )
@@ -539,9 +548,9 @@ class WebChannel:
             why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
             session.flash = f"Not answered: {scope.value} is not offered for {shown_id}{why}."
         elif answered.result is AnswerResult.ACCEPTED:
-            session.flash = f"{choice.value.capitalize()}ed {shown_id}."
+            session.flash = f"{choice.value.capitalize()}ed {what}."
             if answered.settlement is not None:
-                session.flash = f"Approval {shown_id}: {settled_text(answered.settlement)}."
+                session.flash = f"{what}: {settled_text(answered.settlement)}."
         elif answered.result is AnswerResult.SETTLED:
             how = settled_text(answered.settlement) if answered.settlement else "settled"
             session.flash = f"Approval {shown_id} was already settled: {how}."

@@ -374,6 +374,9 @@ def approval_event(approval: PendingApproval, scope: Scope) -> dict[str, Any]:
         "expires_at": approval.expires_at,
         "abandoned": approval.abandoned,
         "scopes": offered,
+        # For the page's own uses (a desktop notification's title), never as HTML.
+        "host": approval.request.host,
+        "port": approval.request.port,
     }
 
 
@@ -439,13 +442,17 @@ def countdown(seconds_left: float) -> str:
     return f"expires in {left // 60}:{left % 60:02d}"
 
 
+# Allow always outlives the run and writes the allow file: styled as the risky choice it is.
+_BUTTON_CLASS = {"deny": "deny", "always": "allow risky"}
+
+
 def answer_form(approval_id: str, csrf: str, scopes: Sequence[str] = ("once", "run")) -> str:
     """The answer buttons (``ANSWERS``, those ``scopes`` offers) in one POST form, with the CSRF token and the id.
 
     ``buildForm`` in app.js builds the same form for an approval that arrives live.
     """
     buttons = "".join(
-        f'<button type="submit" name="decision" value="{value}" class="{"deny" if value == "deny" else "allow"}">'
+        f'<button type="submit" name="decision" value="{value}" class="{_BUTTON_CLASS.get(value, "allow")}">'
         f"{label}</button>"
         for value, label in offered_answers(scopes)
     )
@@ -517,9 +524,12 @@ def _document(title: str, body: str, csrf: str | None = None) -> str:
     )
 
 
-def signin_html(error: str | None = None) -> str:
-    """The sign-in form: the control token (global, or a run's own), and a name to answer as."""
+def signin_html(error: str | None = None, token_file: str | None = None) -> str:
+    """The sign-in form: the control token (global, or a run's own), and a name to answer as; where the
+    global token is (``token_file``, when egressd wrote one), so a new user need not look it up."""
     note = f'<p class="error" role="alert">{esc(error)}</p>' if error else ""
+    where = (f"<p>The global control token is in <code>{esc(token_file)}</code> on egressd's host "
+             f"(<code>cat {esc(token_file)}</code>).</p>") if token_file else ""  # fmt: skip
     return _document(
         "egressd approvals: sign in",
         '<main class="signin"><h1>egressd approvals</h1>'
@@ -530,7 +540,7 @@ def signin_html(error: str | None = None) -> str:
         "</label>"
         '<button type="submit">Sign in</button></form>'
         "<p>The global control token shows every run; a run's own control token shows that run only.</p>"
-        "</main>",
+        f"{where}</main>",
     )
 
 
@@ -551,7 +561,8 @@ def page_html(
         '<header><h1>egressd approvals</h1><span class="who">signed in as '
         f"{esc(who)}</span>"
         f'<form method="post" action="signout"><input type="hidden" name="csrf" value="{esc(session.csrf)}">'
-        '<button type="submit">Sign out</button></form></header>'
+        '<button type="submit">Sign out</button></form>'
+        '<button type="button" id="notify" hidden>Notify me of new requests</button></header>'
         f'<p id="status" class="status">Live updates: connecting…</p>{note}'
         "<section><h2>Waiting approvals</h2>"
         f'<p id="nothing-waiting" class="none"{" hidden" if approvals else ""}>Nothing is waiting.</p>'

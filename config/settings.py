@@ -575,3 +575,10 @@ def load_settings(cli_values: Mapping[str, Any], config_file: Path | str | None 
         return bound(**values)
     except ValidationError as exc:
         raise SettingsError(_format_error(exc)) from None
+
+
+def token_path(settings: Settings) -> Path:
+    """Where the control token is written for ``egressd pending|allow|deny`` (and the page's sign-in) to find."""
+    if settings.control.startswith("unix:"):
+        return Path(settings.control.removeprefix("unix:") + ".token")
+    return default_state_dir() / "control.token"

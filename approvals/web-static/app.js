@@ -60,7 +60,7 @@
     form.appendChild(hidden("id", id));
     for (const [value, label, scope] of ANSWERS) {
       if (scope !== null && !(scopes || ["once", "run"]).includes(scope)) continue;
-      const button = el("button", value === "deny" ? "deny" : "allow", label);
+      const button = el("button", value === "deny" ? "deny" : value === "always" ? "allow risky" : "allow", label);
       button.type = "submit";
       button.name = "decision";
       button.value = value;
@@ -73,8 +73,27 @@
     return document.getElementById("approval-" + id);
   }
 
+  // The tab's title counts what waits, so a background tab is enough to see it.
+  const baseTitle = document.title;
   function updateNothing() {
-    nothing.hidden = list.querySelector(".approval:not(.settled)") !== null;
+    const waiting = list.querySelectorAll(".approval:not(.settled)").length;
+    nothing.hidden = waiting > 0;
+    document.title = (waiting ? "(" + waiting + ") " : "") + baseTitle;
+  }
+
+  // A desktop notification per new request, once the person said yes (asked once, from a button:
+  // a browser asks only on a click). Requests already waiting when the page opened are not announced.
+  const notifyButton = document.getElementById("notify");
+  let live = false;
+  if (notifyButton && "Notification" in window && Notification.permission === "default") {
+    notifyButton.hidden = false;
+    notifyButton.addEventListener("click", function () {
+      Notification.requestPermission().then(function () { notifyButton.hidden = true; });
+    });
+  }
+  function announce(a) {
+    if (!live || !("Notification" in window) || Notification.permission !== "granted") return;
+    new Notification("egressd: " + a.host + ":" + a.port + " is waiting for an answer", { tag: a.id });
   }
 
   function addApproval(a) {
@@ -95,6 +114,7 @@
     li.appendChild(buildForm(a.id, a.scopes));
     list.appendChild(li);
     updateNothing();
+    announce(a);
   }
 
   function settle(d) {
@@ -179,7 +199,7 @@
   on("notice", notice);
   on("egress", addEgress);
   on("runs", showRuns);
-  on("ready", function () { status.textContent = "Live updates: on"; status.className = "status live"; });
+  on("ready", function () { live = true; status.textContent = "Live updates: on"; status.className = "status live"; });
   on("ended", function () { events.close(); location.reload(); });
   events.onerror = function () {
     status.textContent = "Live updates: reconnecting…";
@@ -190,4 +210,5 @@
   filters.addEventListener("input", filter);
   filters.addEventListener("submit", function (e) { e.preventDefault(); });
   setInterval(tick, 1000);
+  updateNothing();
 })();

@@ -28,11 +28,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from egressd.config.settings import Settings
+from egressd.config.settings import Settings, token_path
 from egressd.names.shown import escape
 
 from ..wiring.control_client import ControlClient, ControlError
-from ..wiring.controltoken import TokenFileError, read_token_file, token_path
+from ..wiring.controltoken import TokenFileError, read_token_file
 from ..wiring.instances import Instance, live_instances
 
 # The control API answers at once; anything slower means it is not there.

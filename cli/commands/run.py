@@ -29,7 +29,7 @@ from typing import Any, TextIO
 from egressd.approvals.commandoutput import TerminalOutput
 from egressd.audit.log import STDOUT
 from egressd.audit.views import EgressSeen
-from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, config_path
+from egressd.config.settings import SECRET_SETTINGS, Settings, SettingsError, config_path, token_path
 from egressd.names.shown import logged
 from egressd.proxy.core.decision import private_hint
 from egressd.sandbox.backend import EXIT_CANNOT_START, FdOutput, Observation, OutputSink, SandboxError
@@ -42,7 +42,7 @@ from egressd.vocabulary.reasons import Reason, reason_message
 from ..wiring.control_client import ControlError
 from ..wiring.controltoken import UntrustedEndpoint, check_url
 from ..wiring.docker_session import DEFAULT_EGRESSD_IMAGE, DEFAULT_IMAGE, DockerSession, copy_out
-from ..wiring.service import StartupError, learn_notice, token_path
+from ..wiring.service import StartupError, learn_notice
 from ..wiring.session import SandboxSession, Session, SessionError
 
 

@@ -9,10 +9,10 @@ import logging
 import signal
 from collections.abc import Callable
 
-from egressd.config.settings import Settings, SettingsError
+from egressd.config.settings import Settings, SettingsError, token_path
 
 from ..wiring.instances import register_quietly
-from ..wiring.service import EgressService, ReloadError, token_path
+from ..wiring.service import EgressService, ReloadError
 
 
 def reload(service: EgressService, read: Callable[[], Settings]) -> None:

@@ -46,7 +46,6 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from egressd.config.settings import Settings, default_state_dir
 from egressd.config.trusted import UntrustedFile, open_directory
 from egressd.names.addresses import IPAddress, unmapped
 
@@ -380,9 +379,3 @@ def read_token_file(path: Path) -> str:
     finally:
         os.close(fd)
 
-
-def token_path(settings: Settings) -> Path:
-    """Where the control token is written for ``egressd pending|allow|deny`` to find."""
-    if settings.control.startswith("unix:"):
-        return Path(settings.control.removeprefix("unix:") + ".token")
-    return default_state_dir() / "control.token"

@@ -63,7 +63,7 @@ from yarl import URL
 from egressd.approvals.relay import TerminalRelay
 from egressd.audit.log import AuditError, JsonlAuditSink
 from egressd.audit.views import EgressSeen, Refusal, refusals
-from egressd.config.settings import SECRET_SETTINGS, Settings
+from egressd.config.settings import SECRET_SETTINGS, Settings, token_path
 from egressd.proxy.core.runs import new_control_token
 from egressd.sandbox.backend import Observation, Sandbox, SandboxError
 from egressd.sandbox.copyout import CopyOutError, CopyReport
@@ -88,7 +88,7 @@ from .control_client import ControlClient, ControlError
 from .controltoken import TokenFileError, read_token_file
 from .declared import SecretSettingError, secrets_from_settings
 from .instances import register_quietly
-from .service import StartupError, entries_from_settings, token_path
+from .service import StartupError, entries_from_settings
 from .session import SessionBase, SessionError
 
 # The control API answers at once; anything slower means it is not there.

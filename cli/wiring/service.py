@@ -36,7 +36,7 @@ from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
 from egressd.audit.records import policy_reloaded_record, run_record
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
-from egressd.config.settings import Settings, parse_hostport
+from egressd.config.settings import Settings, parse_hostport, token_path
 from egressd.control.api import PUBLIC_PATHS, build_app
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints, forbidden_reason
@@ -64,7 +64,7 @@ from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, pa
 from egressd.proxy.net.runner import EgressPath
 
 from .anchor import say_head, say_heads
-from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, token_path, write_token_file
+from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
 from .declared import SecretSettingError, secrets_from_settings
 from .errors import StartupError
 

@@ -34,7 +34,7 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 from egressd.approvals.commandoutput import TerminalOutput
 from egressd.audit.records import run_record
 from egressd.audit.views import EgressSeen, Refusal, refusals
-from egressd.config.settings import Settings
+from egressd.config.settings import Settings, token_path
 from egressd.proxy.core.runs import Run
 from egressd.sandbox.backend import Sandbox, SandboxError
 from egressd.sandbox.bwrap import SANDBOX_GID, SANDBOX_UID
@@ -54,7 +54,7 @@ from egressd.sandbox.network import (
 from egressd.sandbox.seccomp import SeccompUnsupported, check_machine
 
 from .instances import register_quietly
-from .service import EgressService, StartupError, declared_secrets, entries_from_settings, token_path
+from .service import EgressService, StartupError, declared_secrets, entries_from_settings
 
 
 def refusal_summaries(records: Iterable[Mapping[str, object]]) -> list[Refusal]:

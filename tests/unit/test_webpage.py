@@ -229,3 +229,12 @@ def test_a_run_session_is_never_offered_always() -> None:
 def test_countdown_says_minutes_and_seconds() -> None:
     assert countdown(605.9) == "expires in 10:05"
     assert countdown(0.4) == "expired"
+
+
+def test_the_sign_in_page_says_where_the_global_token_is_when_egressd_wrote_it() -> None:
+    from egressd.approvals.webpage import signin_html
+
+    shown = signin_html(token_file="/home/alice/.local/state/egressd/control.token")
+    assert "<code>/home/alice/.local/state/egressd/control.token</code>" in shown
+    assert "control.token" not in signin_html()  # a token given on the command line: no file to name
+    assert "&lt;b&gt;" in signin_html(token_file="/tmp/<b>.token")  # a path is text, never markup

@@ -495,7 +495,7 @@ async def test_a_held_connect_allowed_on_the_page_tunnels_and_is_recorded_as_web
             writer.close()
             assert (await stream.until("settled"))["text"] == "allowed by alice via web"
             _, _, text = await page.get()
-            assert f"Approval {shown['id']}: allowed by alice via web." in text
+            assert f"origin.test:{echo_origin.port} (approval {shown['id']}): allowed by alice via web." in text
             # A second answer hears it was settled; nothing changes.
             await page.answer(shown["id"], "deny")
             _, _, text = await page.get()
@@ -656,7 +656,7 @@ async def test_the_page_in_chromium_shows_a_hostile_request_as_text_and_allows_i
     writer.close()
     await until(browser, "document.querySelector('.flash') && document.querySelector('.flash').textContent")
     flash = await run(lambda: browser.find_element(By.CSS_SELECTOR, ".flash").text)
-    assert flash == f"Approval {approval_id}: allowed by alice via web."
+    assert flash == f"origin.test:{echo_origin.port} (approval {approval_id}): allowed by alice via web."
     await wait_until(lambda: decided(svc))
     [record] = decided(svc)
     assert record["channel"] == "web" and record["by"] == "alice" and record["decision"] == "allow"
@@ -699,7 +699,20 @@ async def test_the_page_offers_every_scope_with_an_allow_file_and_always_appends
         f"return Array.from(document.querySelectorAll('#approval-{approval_id} button')).map(b => b.textContent);",
     )
     assert labels == ["Allow once", "Allow for this run", "Allow always", "Deny"]
+    # Issue 29: the tab's title counts what waits; Allow always looks like the risky choice it is.
+    looks = await run(
+        browser.execute_script,
+        f"return {{title: document.title, risky: document.querySelector('#approval-{approval_id} "
+        "button[value=always]').className, notify: !!document.getElementById('notify')};",
+    )
+    assert looks["title"].startswith("(1) ") and "risky" in looks["risky"] and looks["notify"], looks
     await run(browser.save_screenshot, str(artifacts() / "web-approvals-page.png"))
+    # At a phone's width nothing runs off the side of the screen.
+    await run(browser.set_window_size, 390, 844)
+    wide = await run(browser.execute_script, "return document.documentElement.scrollWidth;")
+    await run(browser.save_screenshot, str(artifacts() / "web-approvals-page-phone.png"))
+    await run(browser.set_window_size, 1280, 1400)
+    assert wide <= 390, wide
 
     await run(lambda: browser.find_element(By.CSS_SELECTOR, f"#approval-{approval_id} button[value='always']").click())
     status, _, _, _, writer = await asyncio.wait_for(task, STEP_S)
