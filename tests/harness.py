@@ -271,3 +271,19 @@ async def wait_until(predicate, timeout_s: float = 5.0) -> None:  # type: ignore
         if loop.time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.01)
+
+
+def copy_checkout(copy: Path) -> Path:
+    """The checkout's committed and new files (not the ignored: no .venv, no build/) copied to ``copy``:
+    what a fresh clone would hold, for a test that installs or builds without writing into the repository."""
+    from tests import REPO
+
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO, capture_output=True, check=True, timeout=60)  # fmt: skip
+    for name in filter(None, listed.stdout.decode().split("\0")):
+        source = REPO / name
+        if source.is_file() and not source.is_symlink():
+            target = copy / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(source.read_bytes())
+    return copy

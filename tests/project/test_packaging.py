@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import REPO
-from tests.harness import require
+from tests.harness import copy_checkout, require
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,17 +32,8 @@ def wheelhouse() -> Path:
 
 @pytest.fixture(scope="module")
 def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The committed and new files of the checkout, copied: a build must not write into the repository."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                            cwd=REPO, capture_output=True, check=True, timeout=60)  # fmt: skip
-    copy = tmp_path_factory.mktemp("checkout") / "egressd"
-    for name in filter(None, listed.stdout.decode().split("\0")):
-        source = REPO / name
-        if source.is_file() and not source.is_symlink():
-            target = copy / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(source.read_bytes())
-    return copy
+    """The checkout, copied: a build must not write into the repository."""
+    return copy_checkout(tmp_path_factory.mktemp("checkout") / "egressd")
 
 
 def _offline(wheelhouse: Path, home: Path) -> dict[str, str]:

@@ -403,19 +403,7 @@ async def test_web_alone_is_an_inbox_a_request_waits_for_whoever_opens_the_page(
 async def test_web_from_settings_with_no_inbox_refuses_as_no_approver_until_someone_watches(
     tmp_path: Any, dns: FakeDns, echo_origin: Listener
 ) -> None:
-    settings = load_settings(
-        {
-            "listen": "127.0.0.1:0",
-            "control": "127.0.0.1:0",
-            "control_token": TOKEN,
-            "upstream_dns": f"{dns.address[0]}:{dns.address[1]}",
-            "allow_private": [ORIGIN_RANGE],
-            "audit_log": str(tmp_path / "audit.jsonl"),
-            "log_level": "warning",
-            "approver": ["web"],
-            "web_inbox": False,
-        }
-    )
+    settings = _web_alone(tmp_path, dns, log_level="warning", web_inbox=False)
     svc = EgressService(settings, audit=MemoryAuditSink())
     await svc.start()
     try:
