@@ -658,7 +658,8 @@ class PageDriver(Driver):
         _, _, text = await page.get()
         flash = re.search(r'<p class="flash" role="status">(.*?)</p>', text)
         assert flash is not None, text
-        return html.unescape(flash.group(1)).startswith(f"Approval {approval_id}: ")
+        said = html.unescape(flash.group(1))  # "HOST:PORT (approval ID): how it was settled"
+        return f"(approval {approval_id}): " in said or said.startswith(f"Approval {approval_id}: ")
 
     async def answer(self, approval_id: str, choice: Choice) -> bool | None:
         return await self._post(self.page, approval_id, choice)
