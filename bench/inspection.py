@@ -1,6 +1,6 @@
-"""Inspected HTTPS through egressd, side by side with mitmproxy and with no proxy at all.
+"""Inspected HTTPS through egressd, side by side with mitmproxy, squid's ssl-bump and no proxy at all.
 
-    .venv/bin/python bench/inspection.py [--handshakes 300] [--requests 2000] [--mitmdump PATH]
+    .venv/bin/python bench/inspection.py [--handshakes 300] [--requests 2000] [--mitmdump PATH] [--squid PATH]
 
 An HTTPS origin (HTTP/1.1 keep-alive, a 2-byte body, its own throwaway CA)
 runs on 127.0.0.1 as ``localhost`` in a process of its own. Each proxy is
@@ -204,6 +204,69 @@ async def _mitmdump(mitmdump: str, ca: Path, work: Path) -> tuple[subprocess.Pop
     return proc, port, ssl.create_default_context(cafile=str(work / "mitmproxy-ca-cert.pem"))
 
 
+SQUID_CONF = """\
+http_port {host}:{port} ssl-bump tls-cert={dir}/ca.pem tls-key={dir}/ca.key generate-host-certificates=on \
+dynamic_cert_mem_cache_size=4MB
+sslcrtd_program {certgen} -s {dir}/ssl_db -M 4MB
+sslcrtd_children 4
+acl step1 at_step SslBump1
+ssl_bump peek step1
+ssl_bump bump all
+tls_outgoing_options cafile={origin_ca}
+http_access allow localhost
+http_access deny all
+cache deny all
+access_log stdio:{dir}/access.log
+cache_log {dir}/cache.log
+pid_filename {dir}/squid.pid
+coredump_dir {dir}
+visible_hostname bench
+shutdown_lifetime 0 seconds
+dns_v4_first on
+"""
+
+
+def _squid_config(ca: Path, work: Path, port: int) -> tuple[Path, str]:
+    """squid's config in ``work`` and the PEM of the CA it mints leaves with: (config, CA)."""
+    import pwd
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench squid CA")])
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(hours=1))
+            .not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .sign(key, hashes.SHA256()))  # fmt: skip
+    (work / "ca.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (work / "ca.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                    serialization.NoEncryption()))  # fmt: skip
+    (work / "origin-ca.pem").write_bytes(ca.read_bytes())
+    certgen = "/usr/lib/squid/security_file_certgen"
+    subprocess.run([certgen, "-c", "-s", str(work / "ssl_db"), "-M", "4MB"], check=True, capture_output=True)
+    conf = work / "squid.conf"
+    conf.write_text(SQUID_CONF.format(host=HOST, port=port, dir=work, certgen=certgen,
+                                      origin_ca=work / "origin-ca.pem"))  # fmt: skip
+    if os.geteuid() == 0:  # squid drops to its own user: the directory is made its
+        proxy = pwd.getpwnam("proxy")
+        for path in (work, *work.rglob("*")):
+            os.chown(path, proxy.pw_uid, proxy.pw_gid)
+        work.parent.chmod(0o711)
+    return conf, cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+async def _squid(squid: str, ca: Path, work: Path) -> tuple[subprocess.Popen[bytes], int, ssl.SSLContext]:
+    """squid with ssl-bump (Debian's squid-openssl): a CA of its own for the leaves it mints, the origin
+    verified against the bench's CA, an access log line per request as egressd writes an audit record."""
+    port = _free_port()
+    conf, ca_pem = _squid_config(ca, work, port)
+    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is timed
+        [squid, "-N", "-f", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    await _wait_listening(port, proc, "squid")
+    return proc, port, ssl.create_default_context(cadata=ca_pem)
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
@@ -219,6 +282,7 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--egressd", default=str(Path(sys.executable).with_name("egressd")))
     parser.add_argument("--mitmdump", default=shutil.which("mitmdump"))
+    parser.add_argument("--squid", default=shutil.which("squid") or (shutil.which("squid", path="/usr/sbin")))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="egressd-bench-inspect-") as tmp:
         work = Path(tmp)
@@ -251,6 +315,17 @@ async def main(argv: list[str] | None = None) -> int:
                     _stop(proc)
             else:
                 print("mitmproxy: skipped (no mitmdump; pip install mitmproxy into a venv and pass --mitmdump)")
+            if args.squid:
+                (work / "squid").mkdir()
+                proc, port, trust = await _squid(args.squid, ca, work / "squid")
+                try:
+                    await handshakes(port, origin, trust, 5)
+                    rows.append(("squid", await handshakes(port, origin, trust, args.handshakes),
+                                 await requests(port, origin, trust, args.requests)))
+                finally:
+                    _stop(proc)
+            else:
+                print("squid: skipped (no squid; Debian: apt install squid-openssl, which has ssl-bump)")
         finally:
             _stop(origin_proc)
     print(f"{'':10} {'handshakes/s':>13} {'p99 ms':>8} {'requests/s':>11} {'p99 ms':>8}")
@@ -260,6 +335,9 @@ async def main(argv: list[str] | None = None) -> int:
     if "mitmproxy" in by:
         e, m = by["egressd"], by["mitmproxy"]
         print(f"egressd / mitmproxy: handshakes {e[0] / m[0]:.2f}x, requests {e[1] / m[1]:.2f}x")
+    if "squid" in by:
+        e, q = by["egressd"], by["squid"]
+        print(f"egressd / squid:     handshakes {e[0] / q[0]:.2f}x, requests {e[1] / q[1]:.2f}x")
     e, d = by["egressd"], by["direct"]
     print(f"egressd / direct:    handshakes {e[0] / d[0]:.2f}x, requests {e[1] / d[1]:.2f}x")
     return 0
