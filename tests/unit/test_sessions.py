@@ -31,7 +31,7 @@ def test_both_backends_offer_the_session_surface(tmp_path: Path) -> None:
     methods = [name for name in vars(Session) if not name.startswith("_") or name in ("__aenter__", "__aexit__")]
     data = list(Session.__annotations__)
     assert {"box", "run", "set_command", "cursor", "refusals_since", "observe", "__aenter__"} <= set(methods)
-    assert data == ["workdir", "made_workdir", "terminal_output", "kind"]
+    assert data == ["workdir", "made_workdir", "terminal_output", "kind", "exit_status"]
     settings = Settings()
     for session in (
         SandboxSession(settings, workdir=tmp_path, task=None),
