@@ -450,13 +450,18 @@ def run_changed_record(
     added: Mapping[str, Sequence[str]] | None = None,
     removed: Mapping[str, Sequence[str]] | None = None,
     revoked: Sequence[str] = (),
+    always_revoked: Sequence[str] = (),
+    auth: str | None = None,
 ) -> dict[str, object]:
-    """Build the ``run.changed`` record: a live run's entries edited through ``PATCH /runs/ID``.
+    """Build the ``run.changed`` record: a live run's entries edited through ``PATCH /runs/ID`` or the page.
 
     Fields, in this order: ``event``, ``ts``, ``run``, ``added`` and
     ``removed``, each ``{"allow": [...], "deny": [...]}`` (the entries as
     given; an entry the run already had is not in ``added``), then
-    ``revoked`` (approvals taken back: ``host`` or ``host:port``) when any was.
+    ``revoked`` (approvals taken back: ``host`` or ``host:port``) when any was,
+    ``always_revoked`` (the allow file's *always* entries taken back, for
+    every run) when any was, and ``auth`` (the credential, when a page session
+    acted: the control API's token is its own).
     """
     record: dict[str, object] = {
         "event": RUN_CHANGED,
@@ -467,6 +472,10 @@ def run_changed_record(
     }
     if revoked:
         record["revoked"] = list(revoked)
+    if always_revoked:
+        record["always_revoked"] = list(always_revoked)
+    if auth is not None:
+        record["auth"] = auth
     return record
 
 

@@ -40,6 +40,11 @@ Routes (JSON unless said otherwise):
                                        (its ``global_deny`` is the operator's), is a 400 naming it and
                                        nothing is applied; adding an entry it has changes nothing.
                                        Recorded as ``run.changed`` (also when nothing changed)
+                                       ``"revoke": ["HOST", "HOST:PORT"]`` takes back approvals given
+                                       for the run and the allow file's *always* entries for the
+                                       same (for every run): 400 when neither has it
+- ``GET /always``                      the allow file's standing *always* answers
+                                       → ``{"always": [{"entry", "at", "by", "channel", "run"}]}``
 - ``PUT /runs/{id}/command``           ``{"command": str|null}``: what the run executes now
 - ``GET /runs/{id}/events?cursor=N``   egress records after cursor N → ``{"events", "cursor"}``
 - ``DELETE /runs/{id}``                end the run
@@ -53,12 +58,14 @@ is in ``app[PUBLIC_PATHS]``, and puts the caller's ``Scope`` on each request
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import itertools
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -67,13 +74,29 @@ from egressd.approvals.control import RUN_SCOPED_ROUTES, SCOPE, Scope
 from egressd.approvals.web import CONTROL_VIEW, ControlView
 from egressd.audit.log import AuditError
 from egressd.audit.records import run_changed_record, run_record
+from egressd.config.allowfile import AllowFileError, Approved
 from egressd.config.presets import UnknownPreset, preset_entries
+from egressd.names.hosts import normalised, split_port
 from egressd.proxy.core.addresses import forbidden_reason
 from egressd.proxy.core.decision import Screen
-from egressd.proxy.core.policy import Entry, EntryError, parse_entry
+from egressd.proxy.core.policy import Entry, EntryError, lasting_entry, parse_entry
 from egressd.proxy.core.runs import Run, RunError, RunRegistry
 from egressd.proxy.net.inspector import Inspector
 from egressd.proxy.net.recorder import Recorder
+
+
+@dataclass(frozen=True, slots=True)
+class Lasting:
+    """The allow file's *always* answers, for the control server (``egressd.cli.wiring.lasting`` makes it).
+
+    ``standing``: the answers no revocation took back; ``revoke(entries,
+    by, channel, auth)``: append a ``[[revoked]]`` table per entry and apply
+    the file again to the running policy; AllowFileError changes nothing.
+    """
+
+    standing: Callable[[], Sequence[Approved]]
+    revoke: Callable[[Sequence[str], str | None, str | None, str | None], None]
+
 
 RECORDER = web.AppKey("recorder", Recorder)
 SCREEN = web.AppKey("screen", Screen)
@@ -83,6 +106,7 @@ PUBLIC_PATHS = web.AppKey("public_paths", set)
 TOKEN = web.AppKey("token", str)
 INSPECTOR: web.AppKey[Inspector | None] = web.AppKey("inspector")
 SECRETS: web.AppKey[dict[str, str]] = web.AppKey("secrets")
+LASTING: web.AppKey[Lasting | None] = web.AppKey("lasting")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -332,15 +356,69 @@ async def change_run(request: web.Request) -> web.Response:
         for action in ("add", "remove"):
             edits[f"{kind}_{action}"] = parse_entries(part.get(action), f"{kind}.{action}")
     try:
-        run.revoke(revoke, check_only=True)  # all or nothing: checked before anything changes
+        in_run, always = revocations(run, revoke, request.app[LASTING])  # all or nothing: checked first
         change = run.change_entries(**edits)
-        revoked = run.revoke(revoke) if revoke else []
+        revoked = run.revoke(in_run) if in_run else []
     except RunError as exc:
         raise json_error(400, str(exc)) from None
+    try:
+        take_back_always(request.app, always, by=None, channel=None, auth=None)
+    except AllowFileError as exc:
+        raise json_error(500, f"the always entries could not be revoked: {exc}") from None
     # Recorded even when it changed nothing: whoever holds the global token tried to.
     _write_audit(request, run_changed_record(ts=time.time(), run=run.id, added=change.added, removed=change.removed,
-                                             revoked=revoked))  # fmt: skip
+                                             revoked=revoked, always_revoked=always))  # fmt: skip
     return web.json_response(run.describe())
+
+
+def revocations(run: Run, texts: Sequence[str], lasting: Lasting | None) -> tuple[list[str], list[str]]:
+    """What ``revoke`` texts take back: (the run's own approvals, the *always* entries); RunError when a text
+    names neither (nothing is taken back then).
+
+    ``HOST`` matches the entries for the host on every port, ``HOST:PORT`` the one.
+    """
+    standing = [a.entry for a in lasting.standing()] if lasting is not None else []
+    in_run: list[str] = []
+    always: list[str] = []
+    for text in texts:
+        name, port_text = split_port(text)
+        host = normalised(name)
+        wanted: list[str] = []
+        if host is not None and port_text.isdigit() and 1 <= int(port_text) <= 65535:
+            with contextlib.suppress(EntryError):
+                wanted = [e for e in standing if e == lasting_entry(host, int(port_text))]
+        elif host is not None and not port_text:
+            wanted = [e for e in standing if normalised(split_port(e)[0]) == host]
+        try:
+            run.revoke([text], check_only=True)
+        except RunError as exc:
+            if not wanted:
+                raise RunError(f"{exc}, nor is there an always entry for it") from None
+        else:
+            in_run.append(text)
+        always.extend(e for e in wanted if e not in always)
+    return in_run, always
+
+
+def take_back_always(app: web.Application, entries: Sequence[str], *, by: str | None, channel: str | None,
+                     auth: str | None) -> None:
+    """Revoke the allow file's *always* ``entries`` and every live run's approval for each."""
+    lasting = app[LASTING]
+    if not entries or lasting is None:
+        return
+    lasting.revoke(entries, by, channel, auth)
+    for run in app[RUNS]:
+        for entry in entries:
+            with contextlib.suppress(RunError):
+                run.revoke([entry])
+
+
+async def list_always(request: web.Request) -> web.Response:
+    lasting = request.app[LASTING]
+    standing = lasting.standing() if lasting is not None else ()
+    return web.json_response({"always": [
+        {"entry": a.entry, "at": a.at, "by": a.by, "channel": a.channel, "run": a.run} for a in standing
+    ]})
 
 
 async def set_command(request: web.Request) -> web.Response:
@@ -399,6 +477,7 @@ def build_app(
     token: str,
     inspector: Inspector | None = None,
     placeholders: Mapping[str, str] | None = None,
+    lasting: Lasting | None = None,
 ) -> web.Application:
     """The control application; the caller may add routes, then serves it.
 
@@ -406,6 +485,7 @@ def build_app(
     """
     app = web.Application(middlewares=[_require_token], client_max_size=1024 * 1024)
     app[INSPECTOR] = inspector
+    app[LASTING] = lasting
     app[SECRETS] = dict(placeholders or {})
     app[RECORDER] = recorder
     app[SCREEN] = screen
@@ -419,6 +499,7 @@ def build_app(
     app.router.add_post("/runs", create_run)
     app.router.add_get("/runs/{run_id}", get_run)
     app.router.add_patch("/runs/{run_id}", change_run)
+    app.router.add_get("/always", list_always)
     app.router.add_put("/runs/{run_id}/command", set_command)
     app.router.add_get("/runs/{run_id}/events", run_events)
     app.router.add_delete("/runs/{run_id}", end_run)

@@ -67,6 +67,7 @@ from .anchor import say_head, say_heads
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
 from .declared import SecretSettingError, secrets_from_settings
 from .errors import StartupError
+from .lasting import lasting_answers
 
 log = logging.getLogger("egressd")
 
@@ -593,6 +594,7 @@ class EgressService:
             token=self.control_token,
             inspector=self.path.inspector,
             placeholders={s.name: s.placeholder for s in self.path.secrets.declared} if self.path.secrets else None,
+            lasting=lasting_answers(s.allow_file, lambda: self.reload(self.settings)),
         )
         pages: list[str] = []  # the approvals page's own random path, printed with its URL
         if isinstance(self.path.approver, ManagedApprover):

@@ -13,7 +13,9 @@ from egressd.cli.wiring.service import StartupError, entries_from_settings
 from egressd.config.allowfile import (
     AllowFileError,
     Approved,
+    Revoked,
     append_approved,
+    append_revoked,
     read_allow_file,
 )
 from egressd.config.settings import load_settings
@@ -141,3 +143,39 @@ def test_an_unreadable_file_stops_startup(tmp_path: Path) -> None:
     os.chmod(path, 0o600)
     with pytest.raises(StartupError, match="bad setting allow_file: allow file .*deny must be a list"):
         entries_from_settings(load_settings({"allow_file": str(path)}))
+
+
+def test_a_revocation_takes_back_earlier_answers_only_and_keeps_them_on_record(tmp_path: Path) -> None:
+    path = tmp_path / "allow.toml"
+    path.write_text(WRITTEN)
+    path.chmod(0o600)
+    append_approved(path, Approved(entry="api.github.com:443", at="2026-12-01T10:00:00.000000Z", by="alice"))
+    append_approved(path, Approved(entry="pypi.org:443", at="2026-12-01T10:00:01.000000Z"))
+    after = append_revoked(path, Revoked(entry="api.github.com:443", at="2026-12-02T09:00:00.000000Z", by="bob"))
+    assert [a.entry for a in after.standing] == ["pypi.org:443"]
+    assert "api.github.com:443" not in after.allowed and len(after.approved) == 2
+    assert path.read_text().startswith(WRITTEN)  # appended: the operator's file is never rewritten
+    # An answer given after the revocation holds again.
+    append_approved(path, Approved(entry="api.github.com:443", at="2026-12-03T00:00:00+01:00"))
+    assert "api.github.com:443" in read_allow_file(path).allowed
+    # Nothing stands for it: refused, nothing written.
+    before = path.read_text()
+    with pytest.raises(AllowFileError, match="no standing always answer"):
+        append_revoked(path, Revoked(entry="absent.example:443", at="2026-12-04T00:00:00Z"))
+    assert path.read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("table", "error"),
+    [
+        ('[[revoked]]\nentry = "a.example:443"\n', "needs entry and at"),
+        ('[[revoked]]\nentry = "a.example:443"\nat = "yesterday"\n', "not an RFC 3339 time"),
+        ('[[revoked]]\nentry = "a.example:443"\nat = "2026-12-01T00:00:00Z"\nrun = "r-1"\n', "unknown key"),
+    ],
+)
+def test_a_bad_revoked_table_is_refused_by_name(tmp_path: Path, table: str, error: str) -> None:
+    path = tmp_path / "allow.toml"
+    path.write_text(table)
+    path.chmod(0o600)
+    with pytest.raises(AllowFileError, match=error):
+        read_allow_file(path)

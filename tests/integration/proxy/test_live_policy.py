@@ -316,3 +316,38 @@ async def test_egressd_policy_revoke_takes_back_an_approval_from_the_runs_next_r
     code, out, err = await egressd_policy(svc, GLOBAL, created["id"], "--revoke", "origin.test")
     assert code == 0 and "approved:     -" in out, (out, err)
     assert [r["revoked"] for r in records(svc, "run.changed")] == [[target], ["origin.test"]]
+
+
+async def test_egressd_policy_revoke_takes_back_an_always_entry_for_every_run(
+    make_egressd, echo_origin, tmp_path: Path
+) -> None:
+    """Issue 29: an *always* answer lasted until someone edited the allow file by hand."""
+    from egressd.config.allowfile import read_allow_file
+
+    target = f"origin.test:{echo_origin.port}"
+    allow_file = tmp_path / "allow.toml"
+    allow_file.write_text(f'allow = ["other.test"]\n\n[[approved]]\nentry = "{target}"\nat = "2026-12-01T00:00:00Z"\n'
+                          'by = "alice"\nchannel = "slack"\n')  # fmt: skip
+    allow_file.chmod(0o600)
+    svc = await make_egressd(allow_file=str(allow_file), ask=False)
+    assert await status_of(svc, target) == 200
+    status, listed = await call(svc, "GET", "/always", GLOBAL)
+    assert status == 200 and [(a["entry"], a["by"]) for a in listed["always"]] == [(target, "alice")]
+
+    code, out, err = await egressd_policy(svc, GLOBAL, "default", "--revoke", target)
+    assert code == 0, (out, err)
+    assert await status_of(svc, target) == 403  # from the next request on: the entry left the running policy
+    held = read_allow_file(allow_file)
+    assert held.standing == () and [r.entry for r in held.revoked] == [target]  # appended, the answer kept
+    assert "[[approved]]" in allow_file.read_text()
+    [changed] = records(svc, "run.changed")
+    assert changed["always_revoked"] == [target] and "revoked" not in changed
+    status, listed = await call(svc, "GET", "/always", GLOBAL)
+    assert listed["always"] == []
+    # Nothing left to take back: said, not passed off as done.
+    code, out, err = await egressd_policy(svc, GLOBAL, "default", "--revoke", target)
+    assert code == 1 and "nor is there an always entry" in err, err
+    # A run's own token cannot even list them.
+    status, created = await call(svc, "POST", "/runs", GLOBAL, {"allow": ["other.test"]})
+    status, _ = await call(svc, "GET", "/always", created["control_token"])
+    assert status == 403

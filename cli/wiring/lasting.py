@@ -1,0 +1,44 @@
+"""The allow file's *always* answers as the control server sees them: what stands, and taking one back.
+
+A revocation is appended to the file (``[[revoked]]``: the file is never
+rewritten) and then the file is applied again the way a reload applies it,
+so the entry leaves the running policy at once; the control API takes back
+the live runs' own approvals for it (``egressd.control.api.take_back_always``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from egressd.audit.records import rfc3339
+from egressd.config.allowfile import AllowFileError, Approved, Revoked, append_revoked, read_allow_file
+from egressd.control.api import Lasting
+
+log = logging.getLogger("egressd.lasting")
+
+
+def lasting_answers(path: Path | None, apply: Callable[[], object]) -> Lasting:
+    """``Lasting`` over the allow file at ``path`` (None: no allow file, nothing stands); ``apply`` re-reads it."""
+
+    def standing() -> Sequence[Approved]:
+        if path is None:
+            return ()
+        try:
+            return read_allow_file(path).standing
+        except AllowFileError as exc:
+            log.error("the always entries cannot be listed: %s", exc)
+            return ()
+
+    def revoke(entries: Sequence[str], by: str | None, channel: str | None, auth: str | None) -> None:
+        if path is None:
+            raise AllowFileError("no allow file (--allow-file): there is no always entry to revoke")
+        at = rfc3339(time.time())
+        for entry in entries:
+            append_revoked(path, Revoked(entry=entry, at=at, by=by, channel=channel, auth=auth))
+            log.info("always entry %s revoked in %s%s", entry, path, f" by {by}" if by else "")
+        apply()
+
+    return Lasting(standing=standing, revoke=revoke)
