@@ -155,6 +155,9 @@ class ApprovalBroker:
         self.allow_file = allow_file
         self._ledger = Ledger(max_pending_per_run=max_pending_per_run, max_requests_per_run=max_requests_per_run)
         self._held: dict[str, _Held] = {}
+        # Called with each approval as it opens, before any channel shows it (``egressd run``'s
+        # "answer from another terminal" line); a callback that raises is logged, never the ask's failure.
+        self.opened: list[Callable[[PendingApproval], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self._closed = False
@@ -315,6 +318,11 @@ class ApprovalBroker:
         )
         held = _Held(approval, view, loop.create_future())
         self._held[approval.id] = held
+        for callback in self.opened:
+            try:
+                callback(view)
+            except Exception:
+                log.exception("approval %s: an opened callback failed", approval.id)
         try:
             self._audit.write(
                 approval_requested_record(

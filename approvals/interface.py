@@ -53,6 +53,8 @@ class ApprovalRequest:
     request: HeldRequest | None = None
     # An upload budget's question: the bytes the run has sent to ``host`` (its registered domain) so far.
     uploaded: int | None = None
+    # The client's address (``host:port``) as the proxy saw it, for people; not part of the question.
+    client: str | None = field(default=None, compare=False)
     # What the asker wants done with the answer when it comes after the asker
     # stopped waiting (its client gave up): the decision applies it to the run (``late_answer``).
     # Called once the approval settles, only when no client waits any more;

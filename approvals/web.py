@@ -11,8 +11,12 @@ control API's bearer check, each guarded here instead; nothing answers at
 - ``POST P/answer``    ``csrf``, ``id``, ``decision`` (once|allow|always|deny): answered through the
                        ``Answerer`` with channel ``web``, ``by`` the name given at sign-in and
                        ``auth`` naming the session and the token it signed in with
+- ``POST P/revoke``    ``csrf``, ``entry`` and ``run``: take back the run's approval for a host
+                       (a session of that run's scope); without ``run``: an *always* entry
+                       (a session of the global token only), as ``PATCH /runs/ID`` does
 - ``GET  P/events``    server-sent events: the waiting approvals, their settlements,
-                       the runs, and the egress records as they happen
+                       the recent decisions, the runs, the *always* entries,
+                       and the egress records as they happen
 - ``GET  P/app.js``, ``P/style.css``  the page's only script and style (shipped in the package)
 
 Who may sign in: the global control token (every run), or a run's own
@@ -78,6 +82,7 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -104,28 +109,23 @@ from .interface import (
     settled_text,
 )
 from .message import ABANDONED_TEXT
+from .webcontrol import CONTROL_VIEW, Bound, RevokeError
 from .webpage import (
     CHANGE_SITES,
-    DECISIONS,
     MAX_NAME_CHARS,
     MAX_STREAMS_PER_SESSION,
     PAGE_SITES,
     Session,
     SessionStore,
     SignInLimiter,
-    approval_event,
     cookie_names,
     expected_origin,
     fetch_site_ok,
     host_allowed,
-    message_html,
-    page_html,
     page_path,
     public_https,
-    run_row,
-    signin_html,
-    tail_row,
 )
+from .webview import DECISIONS, approval_event, decision_row, message_html, page_html, signin_html, tail_row
 
 log = logging.getLogger("egressd.approvals.web")
 
@@ -145,6 +145,8 @@ STREAM_QUEUE = 1024
 TAIL_BACKLOG = 100
 # What a page is told of an approval that stopped waiting without this channel being told how.
 NO_LONGER_WAITING = "no longer waiting (answered elsewhere, or expired)"
+# Decisions the page's history keeps (every run's together; a session sees its scope's).
+HISTORY = 50
 # Sign-in and answer forms are a few short fields.
 MAX_FORM_BYTES = 8192
 
@@ -161,23 +163,6 @@ SECURITY_HEADERS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class ControlView:
-    """What the page needs of the control server, put on its application by ``egressd.control.api``.
-
-    ``sign_in``: the scope a token grants (the global token, a live run's
-    own), or None; ``runs``: every live run as ``GET /runs`` shows it;
-    ``recent``: the last ``n`` egress records of every run, oldest first;
-    ``observers``: the recorder's list of egress-record observers.
-    """
-
-    sign_in: Callable[[str], Scope | None]
-    runs: Callable[[], list[dict[str, Any]]]
-    recent: Callable[[int], list[dict[str, Any]]]
-    observers: list[Callable[[dict[str, Any]], None]]
-
-
-CONTROL_VIEW = web.AppKey("web_control_view", ControlView)
 
 
 def _static(name: str) -> bytes:
@@ -242,6 +227,7 @@ class WebChannel:
         self._answerer: Answerer | None = None
         self._streams: set[_Stream] = set()
         self._closed = False
+        self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # newest last
         self._script = _static("app.js")
         self._style = _static("style.css")
 
@@ -265,6 +251,13 @@ class WebChannel:
 
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
         self._publish("settled", {"id": approval.id, "text": settled_text(settlement)}, approval.request.run_id)
+        row = decision_row(approval, settlement)
+        self._history.append(row | {"_run": approval.request.run_id})
+        self._publish("decided", row, approval.request.run_id)
+
+    def history(self, scope: Scope) -> list[dict[str, Any]]:
+        """The recent decisions ``scope`` may see, newest first."""
+        return [{k: v for k, v in r.items() if k != "_run"} for r in reversed(self._history) if scope.covers(r["_run"])]
 
     async def abandoned(self, approval: PendingApproval) -> None:
         self._publish("abandoned", {"id": approval.id, "text": ABANDONED_TEXT}, approval.request.run_id)
@@ -287,6 +280,7 @@ class WebChannel:
             ("POST", f"{prefix}/signin", self._signin),
             ("POST", f"{prefix}/signout", self._signout),
             ("POST", f"{prefix}/answer", self._answer),
+            ("POST", f"{prefix}/revoke", self._revoke),
             ("GET", f"{prefix}/events", self._events),
             ("GET", f"{prefix}/app.js", self._app_js),
             ("GET", f"{prefix}/style.css", self._style_css),
@@ -378,11 +372,11 @@ class WebChannel:
         return session
 
     @staticmethod
-    def _view(request: web.Request) -> _Bound:
+    def _view(request: web.Request) -> Bound:
         view = request.app.get(CONTROL_VIEW)
         if view is None:
             raise web.HTTPServiceUnavailable(text="the approvals page is not wired to the control server")
-        return _Bound(view)
+        return Bound(view)
 
     @staticmethod
     def _html(status: int, title: str, text: str) -> web.Response:
@@ -441,6 +435,8 @@ class WebChannel:
             tail=view.recent(scope, TAIL_BACKLOG),
             now=self._clock(),
             flash=flash,
+            history=self.history(scope),
+            always=view.always(scope),
         )
         return web.Response(text=body, content_type="text/html", charset="utf-8")
 
@@ -558,6 +554,31 @@ class WebChannel:
             session.flash = f"No pending approval {shown_id}."
         return _redirect(f"{self.prefix}/")
 
+    async def _revoke(self, request: web.Request) -> web.StreamResponse:
+        session = self._session(request)
+        form = await self._form(request)
+        if session is None or form is None or not self._change_ok(request) or not self._csrf_ok(session, form):
+            return self._html(403, "Refused", "A revoke needs this page's session and its CSRF token.")
+        entry, run_id = form.get("entry", "").strip(), form.get("run") or None
+        if not entry:
+            return self._html(400, "Bad revoke", "A revoke names an entry (and the run, for a run's approval).")
+        if run_id is None and not session.scope.outlives_runs:
+            return self._html(403, "Refused", "An always entry is every run's: it needs the global token's session.")
+        if run_id is not None and not session.scope.covers(run_id):
+            return self._html(403, "Refused", f"This session acts on run {session.scope.run_id} only.")
+        view = self._view(request).view
+        if view.revoke is None:
+            return self._html(503, "Not ready", "The approvals page is not wired to revoke.")
+        what = escape(entry) + (f" in run {escape(run_id)}" if run_id else " (always)")
+        try:
+            view.revoke(run_id, [entry], session.name, session.auth)
+        except RevokeError as exc:
+            session.flash = f"Not revoked: {what}: {escape(str(exc))}."
+        else:
+            session.flash = f"Revoked {what}: asked again from its next request."
+            log.info("approvals page: %s revoked %s", session.name, what)
+        return _redirect(f"{self.prefix}/")
+
     async def _events(self, request: web.Request) -> web.StreamResponse:
         session = self._session(request)
         if session is None:
@@ -599,8 +620,11 @@ class WebChannel:
             # (the page shows each record once, by its id).
             for row in bound.recent(scope, TAIL_BACKLOG):
                 await response.write(_frame("egress", row))
-            runs = bound.runs(scope)
+            await response.write(_frame("history", self.history(scope)))
+            runs, always = bound.runs(scope), bound.always(scope)
             await response.write(_frame("runs", runs))
+            if always is not None:
+                await response.write(_frame("always", always))
             await response.write(_frame("ready", {}))
             while True:
                 try:
@@ -628,12 +652,14 @@ class WebChannel:
                 for gone in sorted(shown - waiting):
                     shown.discard(gone)
                     await response.write(_frame("settled", {"id": gone, "text": NO_LONGER_WAITING}))
-                now_runs = bound.runs(scope)
+                now_runs, now_always = bound.runs(scope), bound.always(scope)
                 if now_runs != runs:
                     runs = now_runs
                     await response.write(_frame("runs", runs))
-                else:
-                    await response.write(b": keep-alive\n\n")
+                if now_always != always:
+                    always = now_always
+                    await response.write(_frame("always", always))
+                await response.write(b": keep-alive\n\n")
         except (ConnectionError, RuntimeError):
             pass  # the page went away
         finally:
@@ -643,20 +669,3 @@ class WebChannel:
             session.streams -= 1
             session.stream_ended = self._clock()
         return response
-
-
-@dataclass(frozen=True, slots=True)
-class _Bound:
-    """The control view, narrowed to a session's scope."""
-
-    view: ControlView
-
-    def runs(self, scope: Scope) -> list[dict[str, Any]]:
-        return [run_row(r) for r in self.view.runs() if scope.covers(str(r.get("id")))]
-
-    def sign_in_alive(self, run_id: str) -> bool:
-        return any(r.get("id") == run_id for r in self.view.runs())
-
-    def recent(self, scope: Scope, n: int) -> list[dict[str, Any]]:
-        rows = [r for r in self.view.recent(n * 4) if isinstance(r.get("run"), str) and scope.covers(r["run"])]
-        return [tail_row(r) for r in rows[-n:]]

@@ -1,36 +1,21 @@
-"""The approvals page's pure parts: sessions, sign-in limits, the Host rule, and the HTML.
+"""The approvals page's pure guards: sessions, sign-in limits, the Host and Origin rules.
 
 No I/O, no clock, no randomness of its own: ``now`` and new secrets are
-passed in. ``egressd.approvals.web`` is the asyncio shell around them.
+passed in. ``egressd.approvals.web`` is the asyncio shell around them;
+``egressd.approvals.webview`` is what the page shows.
 
-Everything that came from a sandbox (a command, a task, a host name, a run's
-entries, who answered) reaches the page only through ``esc`` (HTML escaping
-of ``& < > " '``), on top of the escaping of invisible and bidi characters
-every channel uses (``egressd.names.shown.escape``: the approval's message
-has it already; ``run_row`` and ``tail_row`` apply it to what the runs table
-and the egress tail show). The page's script adds text with ``textContent``
-only, so it needs no escaping of its own.
-
-The page's URLs are relative (``answer``, ``events``, ``app.js``): it is
-served under a random per-instance path (``page_path``), and so is every
-link it holds.
+The page lives under a random per-instance path (``page_path``).
 """
 
 from __future__ import annotations
 
 import hmac
-import html
 import ipaddress
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlsplit
 
-from egressd.audit.records import rfc3339
-from egressd.names.shown import escape
-
 from .control import Scope
-from .interface import PendingApproval
 
 # How long a session lives without a request from its browser (an open page
 # keeps it alive); and at most, whatever it does: a stolen cookie ends.
@@ -92,11 +77,6 @@ def fetch_site_ok(sec_fetch_site: str | None, allowed: frozenset[str]) -> bool:
     path are the checks that still hold for it.
     """
     return sec_fetch_site is None or sec_fetch_site.strip().lower() in allowed
-
-
-def esc(text: object) -> str:
-    """``text`` as HTML text or a quoted attribute value: ``& < > " '`` escaped."""
-    return html.escape(str(text), quote=True)
 
 
 # -- sessions ------------------------------------------------------------------
@@ -355,231 +335,3 @@ def public_https(host_header: str | None, public_url: str | None) -> bool:
         return False
     parts = urlsplit(public_url)
     return parts.scheme == "https" and parts.netloc.lower() == host_header.strip().lower()
-
-
-# -- what the page shows (JSON for the script, HTML for the first view) ----------------
-
-
-def approval_event(approval: PendingApproval, scope: Scope) -> dict[str, Any]:
-    """An approval as the page's script gets it: the message's lines as rendered for every channel.
-
-    ``scopes``: the answers offered to a session of ``scope``; *always*
-    outlives the run, so a run's own session is never offered it.
-    """
-    offered = [s.value for s in approval.scopes if scope.outlives_runs or s.value != "always"]
-    return {
-        "id": approval.id,
-        "run": approval.request.run_id,
-        "lines": [[kind, text] for kind, text in approval.message.lines],
-        "expires_at": approval.expires_at,
-        "abandoned": approval.abandoned,
-        "scopes": offered,
-        # For the page's own uses (a desktop notification's title), never as HTML.
-        "host": approval.request.host,
-        "port": approval.request.port,
-    }
-
-
-# The answer buttons, in order: the ``decision`` value each posts, and its label. An allow's
-# value is its scope (``allow`` is this run's); ``always`` is shown only when it is offered.
-ANSWERS: tuple[tuple[str, str], ...] = (
-    ("once", "Allow once"),
-    ("allow", "Allow for this run"),
-    ("always", "Allow always"),
-    ("deny", "Deny"),
-)
-# What each button's value asks for: (allow?, the scope it names).
-DECISIONS: dict[str, tuple[bool, str | None]] = {
-    "once": (True, "once"),
-    "allow": (True, "run"),
-    "always": (True, "always"),
-    "deny": (False, None),
-}
-
-
-def offered_answers(scopes: Sequence[str]) -> list[tuple[str, str]]:
-    """The buttons an approval offering ``scopes`` shows (Deny always)."""
-    return [(value, label) for value, label in ANSWERS if (DECISIONS[value][1] or "run") in scopes or value == "deny"]
-
-
-# The fields of an egress record the tail shows.
-TAIL_FIELDS = ("ts", "run", "kind", "host", "port", "decision", "reason")
-
-
-def shown(value: object) -> object:
-    """Sandbox text as the page shows it: every invisible or bidi character a visible escape (as the card's)."""
-    if isinstance(value, str):
-        return escape(value)
-    if isinstance(value, list | tuple):
-        return [shown(v) for v in value]
-    return value
-
-
-def tail_row(record: Mapping[str, Any]) -> dict[str, Any]:
-    """An egress record as a row of the live tail (``ts`` as RFC 3339; ``id``, the record's, to show it once)."""
-    row = {name: shown(record.get(name)) for name in ("id", *TAIL_FIELDS)}
-    ts = record.get("ts")
-    row["ts"] = rfc3339(ts) if isinstance(ts, int | float) else row["ts"]
-    return row
-
-
-# The fields of a run (``GET /runs``) the page shows: its allowlist and what was approved or refused in it.
-RUN_FIELDS = tuple("id task command allow deny approved denied learn".split())
-# Its lists, in the order of the table's columns (Allowed, Approved, Denied, Deny entries).
-LIST_COLUMNS = tuple("allow approved denied deny".split())
-
-
-def run_row(run: Mapping[str, Any]) -> dict[str, Any]:
-    """A run as the page shows it, its texts escaped as the approval card's (``shown``)."""
-    return {name: shown(run.get(name)) for name in RUN_FIELDS}
-
-
-def countdown(seconds_left: float) -> str:
-    """``expires in 9:05`` (minutes:seconds), or ``expired``."""
-    left = int(seconds_left)
-    if left <= 0:
-        return "expired"
-    return f"expires in {left // 60}:{left % 60:02d}"
-
-
-# Allow always outlives the run and writes the allow file: styled as the risky choice it is.
-_BUTTON_CLASS = {"deny": "deny", "always": "allow risky"}
-
-
-def answer_form(approval_id: str, csrf: str, scopes: Sequence[str] = ("once", "run")) -> str:
-    """The answer buttons (``ANSWERS``, those ``scopes`` offers) in one POST form, with the CSRF token and the id.
-
-    ``buildForm`` in app.js builds the same form for an approval that arrives live.
-    """
-    buttons = "".join(
-        f'<button type="submit" name="decision" value="{value}" class="{_BUTTON_CLASS.get(value, "allow")}">'
-        f"{label}</button>"
-        for value, label in offered_answers(scopes)
-    )
-    return (
-        '<form class="answer" method="post" action="answer">'
-        f'<input type="hidden" name="csrf" value="{esc(csrf)}">'
-        f'<input type="hidden" name="id" value="{esc(approval_id)}">'
-        f"{buttons}</form>"
-    )
-
-
-def approval_html(event: Mapping[str, Any], csrf: str, now: float) -> str:
-    """One waiting approval: the message line by line, the countdown, the buttons."""
-    lines = "".join(f'<div class="line {esc(kind)}">{esc(text)}</div>' for kind, text in event["lines"])
-    state = "The client gave up waiting; an answer still applies to the run." if event["abandoned"] else ""
-    return (
-        f'<li class="approval" id="approval-{esc(event["id"])}" data-id="{esc(event["id"])}">'
-        f'<div class="meta">run <span class="run">{esc(event["run"])}</span> · approval '
-        f'<span class="id">{esc(event["id"])}</span></div>'
-        f'<div class="message">{lines}</div>'
-        f'<p class="countdown" data-expires="{event["expires_at"]:.3f}">{countdown(event["expires_at"] - now)}</p>'
-        f'<p class="state">{esc(state)}</p>'
-        f"{answer_form(str(event['id']), csrf, event.get('scopes', ('once', 'run')))}"
-        "</li>"
-    )
-
-
-def _entries(values: Iterable[object] | None) -> str:
-    items = list(values or ())
-    if not items:
-        return '<span class="none">(none)</span>'
-    return "".join(f"<code>{esc(v)}</code> " for v in items)
-
-
-def runs_html(runs: Sequence[Mapping[str, Any]]) -> str:
-    if not runs:
-        return '<p class="none">No run is live.</p>'
-    rows = "".join(
-        f'<tr data-run="{esc(r["id"])}"><td>{esc(r["id"])}</td><td>{esc(r.get("task") or "")}</td>'
-        f"<td>{esc(r.get('command') or '')}</td>"
-        + "".join(f"<td>{_entries(r.get(name))}</td>" for name in LIST_COLUMNS)
-        + "</tr>"
-        for r in runs
-    )
-    return (
-        '<table class="runs"><thead><tr><th>Run</th><th>Task</th><th>Command</th><th>Allowed</th>'
-        f"<th>Approved</th><th>Denied</th><th>Deny entries</th></tr></thead><tbody>{rows}</tbody></table>"
-    )
-
-
-def tail_html(rows: Sequence[Mapping[str, Any]]) -> str:
-    return "".join(
-        f'<tr class="{esc(r.get("decision") or "")}" data-id="{esc(r.get("id") or "")}">'
-        + "".join(f'<td class="{name}">{esc("" if r.get(name) is None else r.get(name))}</td>' for name in TAIL_FIELDS)
-        + "</tr>"
-        for r in rows
-    )
-
-
-def _document(title: str, body: str, csrf: str | None = None) -> str:
-    meta = f'<meta name="csrf" content="{esc(csrf)}">' if csrf is not None else ""
-    script = '<script src="app.js" defer></script>' if csrf is not None else ""
-    return (
-        '<!doctype html><html lang="en"><head><meta charset="utf-8">'
-        '<meta name="viewport" content="width=device-width, initial-scale=1">'
-        f"<title>{esc(title)}</title>{meta}"
-        f'<link rel="stylesheet" href="style.css">{script}</head>'
-        f"<body>{body}</body></html>"
-    )
-
-
-def signin_html(error: str | None = None, token_file: str | None = None) -> str:
-    """The sign-in form: the control token (global, or a run's own), and a name to answer as; where the
-    global token is (``token_file``, when egressd wrote one), so a new user need not look it up."""
-    note = f'<p class="error" role="alert">{esc(error)}</p>' if error else ""
-    where = (f"<p>The global control token is in <code>{esc(token_file)}</code> on egressd's host "
-             f"(<code>cat {esc(token_file)}</code>).</p>") if token_file else ""  # fmt: skip
-    return _document(
-        "egressd approvals: sign in",
-        '<main class="signin"><h1>egressd approvals</h1>'
-        f"{note}"
-        '<form method="post" action="signin">'
-        '<label>Control token <input type="password" name="token" autocomplete="off" required autofocus></label>'
-        f'<label>Your name (shown as who answered) <input type="text" name="name" maxlength="{MAX_NAME_CHARS}">'
-        "</label>"
-        '<button type="submit">Sign in</button></form>'
-        "<p>The global control token shows every run; a run's own control token shows that run only.</p>"
-        f"{where}</main>",
-    )
-
-
-def page_html(
-    *,
-    session: Session,
-    approvals: Sequence[Mapping[str, Any]],
-    runs: Sequence[Mapping[str, Any]],
-    tail: Sequence[Mapping[str, Any]],
-    now: float,
-    flash: str | None = None,
-) -> str:
-    """The signed-in page as first served; the script keeps it current from the event stream."""
-    who = f"{session.name} · " + ("every run" if session.scope.run_id is None else f"run {session.scope.run_id}")
-    cards = "".join(approval_html(a, session.csrf, now) for a in approvals)
-    note = f'<p class="flash" role="status">{esc(flash)}</p>' if flash else ""
-    body = (
-        '<header><h1>egressd approvals</h1><span class="who">signed in as '
-        f"{esc(who)}</span>"
-        f'<form method="post" action="signout"><input type="hidden" name="csrf" value="{esc(session.csrf)}">'
-        '<button type="submit">Sign out</button></form>'
-        '<button type="button" id="notify" hidden>Notify me of new requests</button></header>'
-        f'<p id="status" class="status">Live updates: connecting…</p>{note}'
-        "<section><h2>Waiting approvals</h2>"
-        f'<p id="nothing-waiting" class="none"{" hidden" if approvals else ""}>Nothing is waiting.</p>'
-        f'<ul id="approvals">{cards}</ul></section>'
-        f'<section><h2>Runs</h2><div id="runs">{runs_html(runs)}</div></section>'
-        '<section><h2>Egress, live</h2><form id="filters" class="filters">'
-        '<label>Run <input type="text" name="run"></label>'
-        '<label>Decision <select name="decision"><option value="">any</option><option value="allow">allow</option>'
-        '<option value="deny">deny</option></select></label>'
-        '<label>Host <input type="text" name="host"></label></form>'
-        '<table class="tail"><thead><tr>'
-        + "".join(f"<th>{name}</th>" for name in TAIL_FIELDS)
-        + f'</tr></thead><tbody id="tail">{tail_html(tail)}</tbody></table></section>'
-    )
-    return _document("egressd approvals", body, csrf=session.csrf)
-
-
-def message_html(title: str, text: str) -> str:
-    """A short page for a refusal (no session, bad CSRF token, wrong Host)."""
-    return _document(title, f'<main><h1>{esc(title)}</h1><p>{esc(text)}</p><p><a href="./">Back</a></p></main>')

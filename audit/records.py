@@ -446,7 +446,7 @@ def _edit_lists(value: Mapping[str, Mapping[str, Sequence[str]]] | None) -> dict
 def run_changed_record(
     *,
     ts: float,
-    run: str,
+    run: str | None,
     added: Mapping[str, Sequence[str]] | None = None,
     removed: Mapping[str, Sequence[str]] | None = None,
     revoked: Sequence[str] = (),
@@ -460,8 +460,9 @@ def run_changed_record(
     given; an entry the run already had is not in ``added``), then
     ``revoked`` (approvals taken back: ``host`` or ``host:port``) when any was,
     ``always_revoked`` (the allow file's *always* entries taken back, for
-    every run) when any was, and ``auth`` (the credential, when a page session
-    acted: the control API's token is its own).
+    every run; ``run`` null when the page revoked one alone) when any was, and
+    ``auth`` (the credential, when a page session acted: the control API's
+    token is its own).
     """
     record: dict[str, object] = {
         "event": RUN_CHANGED,

@@ -71,7 +71,7 @@ from typing import Any
 from aiohttp import web
 
 from egressd.approvals.control import RUN_SCOPED_ROUTES, SCOPE, Scope
-from egressd.approvals.web import CONTROL_VIEW, ControlView
+from egressd.approvals.webcontrol import CONTROL_VIEW, ControlView, RevokeError
 from egressd.audit.log import AuditError
 from egressd.audit.records import run_changed_record, run_record
 from egressd.config.allowfile import AllowFileError, Approved
@@ -212,9 +212,9 @@ def _run(request: web.Request) -> Run:
     return run
 
 
-def _write_audit(request: web.Request, record: dict[str, Any]) -> None:
+def _write_audit(app: web.Application, record: dict[str, Any]) -> None:
     try:
-        request.app[RECORDER].audit.write(record)
+        app[RECORDER].audit.write(record)
     except AuditError:
         pass  # the sink is now unhealthy and says so; egress is refused from here on
 
@@ -268,7 +268,7 @@ async def create_run(request: web.Request) -> web.Response:
     except RunError as exc:
         raise json_error(409, str(exc)) from None
     _write_audit(
-        request,
+        request.app,
         run_record(
             "run.start",
             ts=time.time(),
@@ -366,7 +366,7 @@ async def change_run(request: web.Request) -> web.Response:
     except AllowFileError as exc:
         raise json_error(500, f"the always entries could not be revoked: {exc}") from None
     # Recorded even when it changed nothing: whoever holds the global token tried to.
-    _write_audit(request, run_changed_record(ts=time.time(), run=run.id, added=change.added, removed=change.removed,
+    _write_audit(request.app, run_changed_record(ts=time.time(), run=run.id, added=change.added, removed=change.removed,
                                              revoked=revoked, always_revoked=always))  # fmt: skip
     return web.json_response(run.describe())
 
@@ -413,12 +413,38 @@ def take_back_always(app: web.Application, entries: Sequence[str], *, by: str | 
                 run.revoke([entry])
 
 
-async def list_always(request: web.Request) -> web.Response:
-    lasting = request.app[LASTING]
+def always_entries(app: web.Application) -> list[dict[str, Any]]:
+    """The allow file's standing *always* answers, as ``GET /always`` lists them."""
+    lasting = app[LASTING]
     standing = lasting.standing() if lasting is not None else ()
-    return web.json_response({"always": [
-        {"entry": a.entry, "at": a.at, "by": a.by, "channel": a.channel, "run": a.run} for a in standing
-    ]})
+    return [{"entry": a.entry, "at": a.at, "by": a.by, "channel": a.channel, "run": a.run} for a in standing]
+
+
+async def list_always(request: web.Request) -> web.Response:
+    return web.json_response({"always": always_entries(request.app)})
+
+
+def page_revoke(app: web.Application, run_id: str | None, texts: Sequence[str], by: str, auth: str) -> list[str]:
+    """The approvals page's revoke: a run's approvals (``run_id``), or *always* entries (None), recorded as
+    ``run.changed`` with the session's ``auth``; RevokeError changes nothing."""
+    try:
+        if run_id is None:
+            lasting = app[LASTING]
+            standing = {a.entry for a in lasting.standing()} if lasting is not None else set()
+            if not set(texts) <= standing:
+                raise RevokeError("no standing always entry for it")
+            take_back_always(app, texts, by=by, channel="web", auth=auth)
+            revoked, always = [], list(texts)
+        else:
+            run = app[RUNS].get(run_id)
+            if run is None:
+                raise RevokeError(f"no live run {run_id}")
+            revoked, always = run.revoke(texts), []
+    except (RunError, AllowFileError) as exc:
+        raise RevokeError(str(exc)) from None
+    record = run_changed_record(ts=time.time(), run=run_id, revoked=revoked, always_revoked=always, auth=auth)
+    _write_audit(app, record)
+    return revoked + always
 
 
 async def set_command(request: web.Request) -> web.Response:
@@ -464,7 +490,7 @@ async def end_run(request: web.Request) -> web.Response:
         inspector.forget(run.id)  # its CA goes: no leaf is minted for it again
     request.app[RECORDER].flush_suppressed(run.id)  # what was counted in the run comes before its end
     now = time.time()
-    _write_audit(request, run_record("run.end", ts=now, run=run.id, **run.summary(now)))
+    _write_audit(request.app, run_record("run.end", ts=now, run=run.id, **run.summary(now)))
     return web.json_response({"id": run.id, "ended": True})
 
 
@@ -510,6 +536,8 @@ def build_app(
         runs=lambda: [run.describe() for run in runs],
         recent=lambda n: recent_events(runs, n),
         observers=recorder.observers,
+        always=lambda: always_entries(app),
+        revoke=lambda run_id, texts, by, auth: page_revoke(app, run_id, texts, by, auth),
     )
     return app
 

@@ -96,25 +96,114 @@
     new Notification("egressd: " + a.host + ":" + a.port + " is waiting for an answer", { tag: a.id });
   }
 
+  // An optional sound per new request (a checkbox, remembered in this browser): a short tone, no file.
+  const sound = document.getElementById("sound");
+  if (sound) {
+    sound.checked = localStorage.getItem("egressd-sound") === "on";
+    sound.addEventListener("change", function () { localStorage.setItem("egressd-sound", sound.checked ? "on" : "off"); });
+  }
+  let audio = null;
+  function chime() {
+    if (!live || !sound || !sound.checked) return;
+    try {
+      audio = audio || new AudioContext();
+      const tone = audio.createOscillator();
+      const gain = audio.createGain();
+      tone.frequency.value = 880;
+      gain.gain.setValueAtTime(0.2, audio.currentTime);
+      gain.gain.exponentialRampToValueAtTime(0.001, audio.currentTime + 0.4);
+      tone.connect(gain).connect(audio.destination);
+      tone.start();
+      tone.stop(audio.currentTime + 0.4);
+      document.body.dataset.chimes = String(Number(document.body.dataset.chimes || 0) + 1);
+    } catch (e) { /* no audio here: the title and the notification still say it */ }
+  }
+
+  // One waiting approval, as webview.approval_html lays out the same event: the domain (its registered
+  // domain emphasised) and badges, the fields in the order sent, the notes, the countdown, the answers.
   function addApproval(a) {
     if (findApproval(a.id)) return;
     const li = el("li", "approval");
     li.id = "approval-" + a.id;
     li.dataset.id = a.id;
-    const meta = el("div", "meta");
-    meta.append("run ", el("span", "run", a.run), " · approval ", el("span", "id", a.id));
-    li.appendChild(meta);
-    const message = el("div", "message");
-    for (const [kind, text] of a.lines) message.appendChild(el("div", "line " + kind, text));
-    li.appendChild(message);
+    li.appendChild(el("p", "intro", a.intro));
+    const domain = el("h3", "domain");
+    domain.append(el("span", "sub", a.domain[0]), el("strong", "site", a.domain[1]), el("span", "port", a.domain[2]));
+    if (a.unrelated) domain.appendChild(el("span", "badge unrelated", "unrelated"));
+    if (a.punycode) domain.appendChild(el("span", "badge idn", "punycode"));
+    li.appendChild(domain);
+    const fields = el("dl", "fields");
+    for (const [kind, label, text] of a.fields) fields.append(el("dt", null, label), el("dd", "field " + kind, text));
+    li.appendChild(fields);
+    for (const [key, cls] of [["unrelated", "warning"], ["closing", "hint"], ["scope_note", "scope-note"]]) {
+      if (a[key]) li.appendChild(el("p", cls, a[key]));
+    }
     const countdown = el("p", "countdown", countdownText(a.expires_at));
     countdown.dataset.expires = String(a.expires_at);
     li.appendChild(countdown);
-    li.appendChild(el("p", "state", a.abandoned ? "The client gave up waiting; an answer still applies to the run." : ""));
+    li.appendChild(el("p", "state", a.abandoned || ""));
     li.appendChild(buildForm(a.id, a.scopes));
     list.appendChild(li);
     updateNothing();
     announce(a);
+    chime();
+  }
+
+  // The recent decisions, newest first (webview.HISTORY_COLUMNS).
+  const history = document.getElementById("history");
+  const noHistory = document.getElementById("no-history");
+  const HISTORY_COLUMNS = ["at", "domain", "run", "text"];
+  const HISTORY_KEPT = 50;
+  function historyRow(d) {
+    const row = el("tr", d.allowed ? "allow" : "deny");
+    for (const name of HISTORY_COLUMNS) row.appendChild(el("td", name, d[name]));
+    return row;
+  }
+  function showHistory(rows) {
+    history.replaceChildren(...rows.map(historyRow));
+    noHistory.hidden = rows.length > 0;
+  }
+  function decided(d) {
+    history.insertBefore(historyRow(d), history.firstChild);
+    while (history.rows.length > HISTORY_KEPT) history.deleteRow(history.rows.length - 1);
+    noHistory.hidden = true;
+  }
+
+  // A Revoke button, as webview.revoke_form: a run's approved host, or (no run) an always entry.
+  function revokeForm(entry, run) {
+    const form = el("form", "revoke");
+    form.method = "post";
+    form.action = "revoke";
+    form.appendChild(hidden("csrf", csrf));
+    form.appendChild(hidden("entry", entry));
+    if (run !== null) form.appendChild(hidden("run", run));
+    const button = el("button", null, "Revoke");
+    button.type = "submit";
+    button.title = "Revoke " + entry;
+    form.appendChild(button);
+    return form;
+  }
+
+  const alwaysBox = document.getElementById("always");
+  function showAlways(rows) {
+    if (!alwaysBox) return;
+    alwaysBox.replaceChildren();
+    if (rows.length === 0) { alwaysBox.appendChild(el("p", "none", "No always entry stands.")); return; }
+    const table = el("table", "always");
+    const head = el("tr");
+    for (const h of ["Entry", "Given by", "At", ""]) head.appendChild(el("th", null, h));
+    table.appendChild(el("thead")).appendChild(head);
+    const body = table.appendChild(el("tbody"));
+    for (const r of rows) {
+      const row = el("tr");
+      const entry = el("td");
+      entry.appendChild(el("code", null, r.entry));
+      const action = el("td");
+      action.appendChild(revokeForm(r.entry, null));
+      row.append(entry, el("td", null, r.by + " via " + r.channel), el("td", null, r.at), action);
+      body.appendChild(row);
+    }
+    alwaysBox.appendChild(table);
   }
 
   function settle(d) {
@@ -155,10 +244,16 @@
     while (tail.rows.length > MAX_ROWS) tail.deleteRow(0);
   }
 
-  function entries(values) {
+  // A cell of entries; given a run, each entry has its Revoke button (the run's approvals).
+  function entries(values, run) {
     const td = el("td");
     if (!values || values.length === 0) td.appendChild(el("span", "none", "(none)"));
-    for (const v of values || []) { td.appendChild(el("code", null, v)); td.append(" "); }
+    for (const v of values || []) {
+      if (run === undefined) { td.appendChild(el("code", null, v)); td.append(" "); continue; }
+      const item = el("span", "entry");
+      item.append(el("code", null, v), revokeForm(v, run));
+      td.appendChild(item);
+    }
     return td;
   }
 
@@ -174,7 +269,7 @@
       const row = el("tr");
       row.dataset.run = r.id;
       row.append(el("td", null, r.id), el("td", null, r.task || ""), el("td", null, r.command || ""),
-        entries(r.allow), entries(r.approved), entries(r.denied), entries(r.deny));
+        entries(r.allow), entries(r.approved, r.id), entries(r.denied), entries(r.deny));
       body.appendChild(row);
     }
     runsBox.appendChild(table);
@@ -197,6 +292,9 @@
     if (li) li.querySelector(".state").textContent = d.text;
   });
   on("notice", notice);
+  on("history", showHistory);
+  on("decided", decided);
+  on("always", showAlways);
   on("egress", addEgress);
   on("runs", showRuns);
   on("ready", function () { live = true; status.textContent = "Live updates: on"; status.className = "status live"; });

@@ -335,13 +335,17 @@ async def run_in_sandbox(args: argparse.Namespace, settings: Settings) -> int:
         session.set_command(command_text)
         session.observe(refusal_printer(session.terminal_output))
         control = getattr(session, "control_address", None)
-        if settings.approver and control:
-            print(
-                f"egressd: answer this run's approvals from another terminal with "
-                f"egressd pending|allow ID|deny ID --control {control}",
-                file=sys.stderr,
-                flush=True,
-            )
+        if settings.approver and control and hasattr(session, "on_held"):
+            # Said once, when the first request is held: only then is there something to answer.
+            said: list[bool] = []
+
+            def other_terminal() -> None:
+                if not said:
+                    said.append(True)
+                    print(f"egressd: answer this run's approvals from another terminal with "
+                          f"egressd pending|allow ID|deny ID --control {control}", file=sys.stderr, flush=True)
+
+            session.on_held(other_terminal)
         # A terminal on stdin stays ours (the approval prompt reads it); a pipe is passed in.
         stdin = None if sys.stdin is None or sys.stdin.isatty() else sys.stdin.fileno()
         limits = Limits(timeout_s=args.timeout, memory_mb=args.memory, max_pids=args.max_pids, cpu_s=args.cpu)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Generic, Protocol, TypeVar, runtime_checkable
 
+from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.commandoutput import TerminalOutput
 from egressd.audit.records import run_record
 from egressd.audit.views import EgressSeen, Refusal, refusals
@@ -375,6 +376,13 @@ class SandboxSession(SessionBase[BwrapSandbox]):
         assert self.run is not None
         events, _ = self.run.events_after(cursor, limit=10_000)
         return refusal_summaries(events)
+
+    def on_held(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` each time a request of this run is held for a person (an approval opens)."""
+        assert self.service is not None and self.service.path is not None and self.run is not None
+        run_id, approver = self.run.id, self.service.path.approver
+        if isinstance(approver, ApprovalBroker):
+            approver.opened.append(lambda approval: callback() if approval.request.run_id == run_id else None)
 
     def observe(self, callback: Callable[[EgressSeen], None]) -> None:
         """Call ``callback`` with every egress record of this run as it is written."""

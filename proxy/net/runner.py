@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approver, HeldRequest
@@ -239,7 +239,7 @@ class Runner:
         metrics = self.recorder.metrics
         metrics.held_requests += 1
         try:
-            return await self.path.approver.ask(request)
+            return await self.path.approver.ask(replace(request, client=self.talk.client if self.talk else None))
         except asyncio.CancelledError:
             raise
         except Exception:

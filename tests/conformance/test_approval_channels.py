@@ -55,9 +55,10 @@ from egressd.approvals.signing import parse_secret
 from egressd.approvals.slack import SlackChannel
 from egressd.approvals.slackblocks import ALLOW_ALWAYS_ACTION
 from egressd.approvals.terminal import TerminalChannel
-from egressd.approvals.web import ControlView, WebChannel
+from egressd.approvals.web import WebChannel
+from egressd.approvals.webcontrol import ControlView
 from egressd.approvals.webhook import WebhookChannel
-from egressd.approvals.webpage import DECISIONS
+from egressd.approvals.webview import DECISIONS
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.control_client import ControlClient
 from egressd.config.allowfile import read_allow_file
@@ -592,7 +593,7 @@ class PageDriver(Driver):
         "r-2-token": Scope("r-2"),
     }
     # The page's own tags; anything else in its HTML came from elsewhere.
-    OWN_TAGS = frozenset({"li", "div", "span", "p", "form", "input", "button"})
+    OWN_TAGS = frozenset({"li", "div", "span", "p", "form", "input", "button", "h3", "strong", "dl", "dt", "dd"})
 
     async def _serve(self, timeout_s: float) -> ApprovalBroker:
         # No grace after a page closes, and a quick keep-alive: a closed page stops counting at once.
@@ -641,7 +642,10 @@ class PageDriver(Driver):
         self.html = page
         card = re.search(rf'<li class="approval" id="approval-{re.escape(approval_id)}".*?</li>', page, re.S)
         assert card is not None, page
-        lines = re.findall(r'<div class="line [a-z]+">(.*?)</div>', card.group(0), re.S)
+        # The card's text in its order: the intro, each field as "Label: value", the notes.
+        parts = re.findall(r'<p class="intro">(.*?)</p>|<dt>(.*?)</dt><dd class="field [a-z-]+">(.*?)</dd>'
+                           r'|<p class="(?:warning|hint|scope-note)">(.*?)</p>', card.group(0), re.S)  # fmt: skip
+        lines = [intro or (f"{label}: {value}" if label else note) for intro, label, value, note in parts]
         return "\n".join(html.unescape(line) for line in lines)
 
     def inert(self) -> None:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from egressd.approvals.control import SCOPE, Scope
 from egressd.approvals.interface import Route
-from egressd.approvals.web import CONTROL_VIEW, ControlView
+from egressd.approvals.webcontrol import CONTROL_VIEW, ControlView
 
 
 def _token_check(tokens: Mapping[str, Scope], public: set[str]) -> Callable[..., object]:

@@ -16,12 +16,14 @@ from egressd.approvals.webpage import (
     Session,
     SessionStore,
     SignInLimiter,
-    approval_event,
-    approval_html,
-    countdown,
     expected_origin,
     fetch_site_ok,
     host_allowed,
+)
+from egressd.approvals.webview import (
+    approval_event,
+    approval_html,
+    countdown,
     page_html,
     run_row,
     runs_html,
@@ -177,11 +179,45 @@ def test_approval_html_escapes_every_text_from_the_sandbox() -> None:
         assert raw not in html, raw
     assert "&lt;script&gt;alert(1)&lt;/script&gt; &quot;&gt;&lt;img src=x onerror=alert(2)&gt; &#x27;x&#x27;" in html
     assert "&lt;i&gt;task&lt;/i&gt; &amp; more" in html and "&lt;b&gt;pypi.org&lt;/b&gt;" in html
-    assert "Domain: xn--l-7sba6dbr.com:443 (shown as раураl.com; registered domain xn--l-7sba6dbr.com)" in html
-    assert 'class="line unrelated"' in html
+    # Issue 29: a card of fields: the registered domain emphasised, the unrelated warning and punycode as
+    # badges, the message's lines as labelled fields (the punycode's shown form in the Domain field).
+    assert '<span class="sub"></span><strong class="site">xn--l-7sba6dbr.com</strong><span class="port">:443' in html
+    assert '<span class="badge unrelated">unrelated</span><span class="badge idn">punycode</span>' in html
+    assert ('<dt>Domain</dt><dd class="field domain">xn--l-7sba6dbr.com:443 (shown as раураl.com; registered '
+            "domain xn--l-7sba6dbr.com)</dd>") in html  # fmt: skip
+    assert '<dt>Run</dt><dd class="field run">&lt;run&gt;</dd>' in html
+    assert "<dt>Held since</dt><dd class=\"field held\">00:00:00 UTC</dd>" in html
+    assert '<p class="hint">Reply allow (this run only) or deny. If you did not expect' in html
     assert 'value="c&quot;srf"' in html and 'value="a-&quot;x&quot;"' in html
     assert 'action="answer"' in html and 'method="post"' in html  # relative: the page's path is random
     assert "expires in 10:00" in html
+
+
+def test_a_subdomain_is_split_from_its_registered_domain_and_the_client_shown() -> None:
+    approval = pending("pip install x", "build", host="files.pythonhosted.org")
+    approval = replace(approval, request=replace(approval.request, client="10.0.0.2:40000"))
+    event = approval_event(approval, Scope("r-1"))
+    assert event["domain"] == ["files.", "pythonhosted.org", ":443"] and not event["punycode"]
+    fields = [kind for kind, _, _ in event["fields"]]
+    assert fields == ["domain", "command", "task", "allowed", "run", "client", "held"]
+    assert "always" not in event["scopes"]  # a run's own session is never offered always
+
+
+def test_history_and_revoke_forms_escape_what_they_show() -> None:
+    from egressd.approvals.interface import Settlement
+    from egressd.approvals.webview import always_html, decision_row, history_html
+    from egressd.vocabulary.reasons import Answer
+
+    settled = Settlement(Answer.ALLOW, "web", "<b>bob</b>", at=3600.0, waited_s=1.0)
+    row = decision_row(pending("c", "t", host="a.example"), settled)
+    assert row["at"] == "01:00:00 UTC" and row["domain"] == "a.example:443" and row["allowed"]
+    html = history_html([row])
+    assert "<b>" not in html and "allowed by &lt;b&gt;bob&lt;/b&gt; via web" in html
+    runs = runs_html([{"id": "r", "approved": ['"><x>']}], csrf="k")
+    assert '<input type="hidden" name="entry" value="&quot;&gt;&lt;x&gt;">' in runs and 'action="revoke"' in runs
+    assert '<input type="hidden" name="run" value="r">' in runs
+    lasting = always_html([{"entry": "<e>:443", "by": "a", "channel": "web", "at": "t"}], csrf="k")
+    assert "<e>" not in lasting and 'name="run"' not in lasting  # an always entry is revoked for every run
 
 
 def test_runs_and_the_tail_escape_what_they_show() -> None:
@@ -232,7 +268,7 @@ def test_countdown_says_minutes_and_seconds() -> None:
 
 
 def test_the_sign_in_page_says_where_the_global_token_is_when_egressd_wrote_it() -> None:
-    from egressd.approvals.webpage import signin_html
+    from egressd.approvals.webview import signin_html
 
     shown = signin_html(token_file="/home/alice/.local/state/egressd/control.token")
     assert "<code>/home/alice/.local/state/egressd/control.token</code>" in shown

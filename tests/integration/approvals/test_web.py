@@ -64,14 +64,17 @@ async def page_egressd(make_egressd: MakeEgressd) -> AsyncIterator[Callable[...,
         public_url: str | None = None,
         others: Sequence[Channel] = (),
         allow_file: Path | None = None,
+        inbox: bool = False,
         **values: Any,
     ) -> EgressService:
         sink = MemoryAuditSink()
         clock = Clock()
-        channel = WebChannel(clock=clock, presence_grace_s=grace_s, keepalive_s=0.2, public_url=public_url)
+        channel = WebChannel(clock=clock, presence_grace_s=grace_s, keepalive_s=0.2, public_url=public_url, inbox=inbox)
         broker = ApprovalBroker([channel, *others], audit=sink, timeout_s=timeout_s, allow_file=allow_file)
         await broker.start()
         brokers.append(broker)
+        if allow_file is not None:
+            values["allow_file"] = str(allow_file)  # the service lists and revokes its always entries
         svc = await make_egressd(approver=broker, audit=sink, **values)
         svc.web_clock = clock  # type: ignore[attr-defined]
         svc.web_channel = channel  # type: ignore[attr-defined]
@@ -285,7 +288,9 @@ async def test_the_event_stream_delivers_a_new_approval_and_its_settlement(
             task = await held(svc, f"origin.test:{echo_origin.port}")
             shown = await stream.until("approval")
             assert shown["id"] == pending(svc)[0].id and shown["run"] == "default"
-            assert ["domain", f"Domain: origin.test:{echo_origin.port}"] in shown["lines"]
+            assert shown["domain"] == ["", "origin.test", f":{echo_origin.port}"]
+            fields = {kind: text for kind, _, text in shown["fields"]}
+            assert fields["run"] == "default" and fields["client"].startswith("127.0.0.1:")  # who is asking
             assert shown["expires_at"] > time.time()
             async with aiohttp.ClientSession(trust_env=False) as http:
                 async with http.post(
@@ -294,6 +299,10 @@ async def test_the_event_stream_delivers_a_new_approval_and_its_settlement(
                     assert resp.status == 200
             settled = await stream.until("settled")
             assert settled == {"id": shown["id"], "text": "denied by cli via control"}
+            # The history gets the decision: who, when, how.
+            row = await stream.until("decided")
+            assert (row["domain"], row["text"], row["allowed"]) == (
+                f"origin.test:{echo_origin.port}", "denied by cli via control", False)
             status, _, _, _, writer = await task
             writer.close()
             # The refusal's egress record may come before the settlement (the gate writes it as it wakes).
@@ -439,18 +448,17 @@ async def test_hostile_commands_tasks_and_look_alike_names_are_shown_as_text(
         async with events(page) as stream:
             task = await held(svc, f"{LOOKALIKE_ACE}:443")
             shown = await stream.until("approval")
-            lines = dict(shown["lines"])
-            assert (
-                HOSTILE_COMMAND in lines["command"] and HOSTILE_TASK in lines["task"]
-            )  # raw in JSON: the script uses textContent
+            fields = {kind: text for kind, _, text in shown["fields"]}
+            assert fields["command"] == HOSTILE_COMMAND and fields["task"] == HOSTILE_TASK  # raw: textContent only
             _, _, text = await page.get()
         for raw in ("<script>alert", "<img src=x", "<b>bold", "<a href=javascript", 'onerror=alert("name'):
             assert raw not in text, raw
         assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
         assert "&quot;&gt;&lt;img src=x onerror=alert(2)&gt;" in text
         assert "&lt;b&gt;bold&lt;/b&gt; &amp; &lt;a href=javascript:alert(3)&gt;click&lt;/a&gt;" in text
-        assert f"Domain: {LOOKALIKE_ACE}:443 (shown as {LOOKALIKE}; registered domain {LOOKALIKE_ACE})" in text
-        assert "Unrelated: this domain" in text
+        assert f'<strong class="site">{LOOKALIKE_ACE}</strong>' in text and '<span class="badge idn">' in text
+        assert f"(shown as {LOOKALIKE}; registered domain {LOOKALIKE_ACE})</dd>" in text  # beside its punycode
+        assert '<span class="badge unrelated">' in text and "Unrelated: this domain" in text
         assert "signed in as &lt;img src=x onerror=alert(&quot;name&quot;)&gt;" in text
         status, _, _ = await page.answer(shown["id"], "deny")
         assert status == 303
@@ -621,15 +629,15 @@ async def test_the_page_in_chromium_shows_a_hostile_request_as_text_and_allows_i
     shown = await run(
         browser.execute_script,
         f"const li = document.getElementById('approval-{approval_id}');"
-        "return {command: li.querySelector('.line.command').textContent,"
-        " task: li.querySelector('.line.task').textContent,"
+        "return {command: li.querySelector('.field.command').textContent,"
+        " task: li.querySelector('.field.task').textContent,"
         " images: document.querySelectorAll('img').length,"
         " scripts: Array.from(document.scripts).map(s => s.src),"
         " bold: li.querySelectorAll('b, a, script').length,"
         " countdown: li.querySelector('.countdown').textContent};",
     )
-    assert shown["command"] == f"Command: curl origin.test {HOSTILE_COMMAND}"
-    assert shown["task"] == f"Task: {HOSTILE_TASK}"
+    assert shown["command"] == f"curl origin.test {HOSTILE_COMMAND}"
+    assert shown["task"] == HOSTILE_TASK
     assert shown["images"] == 0 and shown["bold"] == 0  # nothing the sandbox wrote became an element
     assert shown["scripts"] == [base + svc.web_channel.prefix + "/app.js"]
     assert shown["countdown"].startswith("expires in ")

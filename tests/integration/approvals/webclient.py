@@ -96,7 +96,9 @@ class EventReader:
                 elif line.startswith("data: "):
                     data = json.loads(line.removeprefix("data: "))
 
-        found = await asyncio.wait_for(one(), timeout_s)
+        # asyncio.timeout, not wait_for: no inner task, so cancelling the reader ends the read at once.
+        async with asyncio.timeout(timeout_s):
+            found = await one()
         self.seen.append(found)
         return found
 

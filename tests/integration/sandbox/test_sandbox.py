@@ -510,7 +510,12 @@ async def test_a_held_request_is_allowed_with_egressd_allow_from_another_process
             env=base_env,
         )
         assert proc.stderr is not None
-        line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+        # Issue 29: the "answer from another terminal" line comes once a request is held, not before.
+        line = ""
+        for _ in range(20):
+            line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
+            if "from another terminal" in line:
+                break
         assert "--control unix:" in line, line
         control = line.rsplit("--control ", 1)[1].strip()
         approvals: list = []
@@ -535,6 +540,17 @@ async def test_a_held_request_is_allowed_with_egressd_allow_from_another_process
     decided = [r for r in records if r.get("event") == "approval.decided"]
     assert decided and decided[0]["decision"] == "allow"
     await assert_no_leftovers()
+
+
+async def test_a_run_that_holds_nothing_never_says_answer_from_another_terminal(tmp_path, dns) -> None:
+    from tests.fakes.webhook import WebhookReceiver, make_secret
+
+    secret, key = make_secret()
+    async with WebhookReceiver(key, mode="later") as receiver:
+        code, _, err = await egressd_run(tmp_path, dns, "--approver", "webhook", "--webhook-url", receiver.url,
+                                         "--webhook-secret", secret, "--", "true")  # fmt: skip
+    assert code == 0, err
+    assert "another terminal" not in err and not receiver.received, err
 
 
 async def test_runs_started_together_never_collide(tmp_path, dns, http_origin) -> None:
