@@ -184,7 +184,7 @@ def start_egressd(port: int, workdir: Path, extra: tuple[str, ...] = ()) -> subp
     argv = [egressd, "serve", "--listen", f"127.0.0.1:{port}", "--control", f"127.0.0.1:{control}",
             "--control-token", CONTROL_TOKEN,
             "--allow", f"{ORIGIN}:*", "--allow-private", f"{ORIGIN}/32",
-            "--audit-log", str(workdir / "audit.jsonl"), "--log-level", "warning",
+            "--audit-log", str(workdir / "audit.jsonl"),  # at serve's default log level: a line per decision
             "--max-connections-per-run", "100000"]
     if HOOK_URL:
         argv += ["--approver", "webhook", "--webhook-url", HOOK_URL[0],

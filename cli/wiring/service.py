@@ -63,6 +63,7 @@ from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
 from egressd.proxy.net.runner import EgressPath
 
+from ..logformat import direct_writer
 from .anchor import say_head, say_heads
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
 from .declared import SecretSettingError, secrets_from_settings
@@ -479,6 +480,7 @@ class EgressService:
             # With --require-auth runs bring their own lists (a run session checks its list first).
             secrets=declared_secrets(s, None if s.require_auth else entries_from_settings(s)[0]),
         )
+        self.path.recorder.say = direct_writer(logging.getLogger("egressd.decisions")) or self.path.recorder.say
         default = None
         if not s.require_auth:
             default = Run(

@@ -38,6 +38,10 @@ _DECISION_TEXT: dict[Decision, str] = {decision: decision.value for decision in 
 _QUIET_ENDS = frozenset({End.CLOSED, End.SHUTDOWN})
 
 
+def _logged_line(line: str) -> None:
+    log.info("%s", line)
+
+
 class Recorder:
     """Writes every attempt's records, counts it in the metrics, tells the run and the observers."""
 
@@ -60,6 +64,10 @@ class Recorder:
         # Floods: past a run's budget, refusals are counted into egress.suppressed records (None: all written).
         self.refusals = refusals
         self._refusals_timer: asyncio.TimerHandle | None = None
+        # Where each decision's line goes, when ``log`` is on at INFO: through logging by default; egressd's
+        # own stderr handler gives a writer that skips the LogRecord (``egressd.cli.logformat.direct_writer``:
+        # about a tenth of a tunnel's instructions, bench/RESULTS.md).
+        self.say: Callable[[str], None] = _logged_line
 
     def begin(self, kind: EgressKind, client: str | None, port: int | None = None) -> Seen:
         """A new attempt's identity: what the listener learns next goes into new ``Seen`` values."""
@@ -96,8 +104,8 @@ class Recorder:
         # Every decision one line, as the policy's are; a flood's, past its run's budget, are counted, not said.
         if written and reason is not None and log.isEnabledFor(logging.INFO):
             target = seen.host if seen.port is None else f"{seen.host}:{seen.port}"
-            log.info("DENY  %s %s run=%s reason=%s", seen.kind, logged(str(target or "-")),
-                     run.id if run else "-", reason.value)  # fmt: skip
+            self.say(f"DENY  {seen.kind!s} {logged(str(target or '-'))} run={run.id if run else '-'} "
+                     f"reason={reason.value}")  # fmt: skip
 
     def open(self, attempt: Attempt, address: str | None) -> None:
         """Write an allowed attempt's ``egress`` record before any of its bytes go out (write-ahead).
@@ -136,7 +144,7 @@ class Recorder:
         if log.isEnabledFor(logging.INFO):
             run_id = attempt.run.id if attempt.run else "-"
             target = ascii(f"{attempt.host}:{attempt.port}")[1:-1]
-            log.info("DENY  %s %s run=%s reason=%s", attempt.kind, target, run_id, attempt.reason)
+            self.say(f"DENY  {attempt.kind!s} {target} run={run_id} reason={attempt.reason!s}")
 
     def finish(self, attempt: Attempt) -> None:
         """Write the attempt's final audit record (idempotent), its run event and metrics.
@@ -159,8 +167,8 @@ class Recorder:
             return
         end = attempt.end or (attempt.reason if attempt.decision is Decision.DENY else None) or End.CLOSED
         if end not in _QUIET_ENDS and log.isEnabledFor(logging.INFO):  # cut, not closed: the line says why
-            log.info("END   %s %s run=%s end=%s", attempt.kind, logged(f"{attempt.host}:{attempt.port}"),
-                     run.id if run else "-", end)  # fmt: skip
+            self.say(f"END   {attempt.kind!s} {logged(f'{attempt.host}:{attempt.port}')} "
+                     f"run={run.id if run else '-'} end={end!s}")  # fmt: skip
         written = EgressEnded(
             id=attempt.id,
             ts=self.clock(),
@@ -359,8 +367,8 @@ class Recorder:
             target = logged(target)  # a hostile host must not repaint the operator's terminal
         allowed = attempt.decision is Decision.ALLOW
         if allowed and attempt.learned is not None:
-            log.info("ALLOW %s %s run=%s learned=%s", attempt.kind, target, run_id, attempt.learned)
+            self.say(f"ALLOW {attempt.kind!s} {target} run={run_id} learned={attempt.learned!s}")
         elif allowed:
-            log.info("ALLOW %s %s run=%s rule=%s", attempt.kind, target, run_id, attempt.rule)
+            self.say(f"ALLOW {attempt.kind!s} {target} run={run_id} rule={attempt.rule!s}")
         else:
-            log.info("DENY  %s %s run=%s reason=%s", attempt.kind, target, run_id, attempt.reason)
+            self.say(f"DENY  {attempt.kind!s} {target} run={run_id} reason={attempt.reason!s}")

@@ -1,5 +1,5 @@
 """The usual Python routes install egressd with what it needs to run and nothing more: `pip install .`
-into a fresh venv, a wheel built from the checkout, and pipx (issue 29).
+into a fresh venv, a wheel built from the checkout, and pipx, of the wheel and of `.` (issue 29).
 
 Offline: every install takes its packages from the wheelhouse scripts/test.sh downloads
 (``EGRESSD_TEST_WHEELHOUSE``) with no index, so a test can only pass on what the checkout declares.
@@ -88,5 +88,15 @@ def test_a_wheel_built_from_the_checkout_installs_with_pip_and_with_pipx(
     pipx = Path(sys.executable).parent / "pipx"
     pipx_env = env | {"PIPX_HOME": str(tmp_path / "pipx"), "PIPX_BIN_DIR": str(tmp_path / "bin")}
     _run([pipx, "install", wheel], pipx_env)
+    app = tmp_path / "pipx" / "venvs" / "egressd" / "bin"
+    _works_and_holds_no_test_tool(app, tmp_path / "bin" / "egressd", pipx_env)
+
+
+def test_pipx_install_dot_from_the_checkout(wheelhouse: Path, checkout: Path, tmp_path: Path) -> None:
+    """The README's pipx route as a user types it, in the checkout: ``pipx install .``."""
+    env = _offline(wheelhouse, tmp_path)
+    pipx = Path(sys.executable).parent / "pipx"
+    pipx_env = env | {"PIPX_HOME": str(tmp_path / "pipx"), "PIPX_BIN_DIR": str(tmp_path / "bin")}
+    _run([pipx, "install", "."], pipx_env, cwd=checkout)
     app = tmp_path / "pipx" / "venvs" / "egressd" / "bin"
     _works_and_holds_no_test_tool(app, tmp_path / "bin" / "egressd", pipx_env)

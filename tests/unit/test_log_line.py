@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import time
+from collections.abc import Iterator
+
+import pytest
 
 from egressd.cli.logformat import LineFormatter as _LineFormatter
 
@@ -37,3 +42,61 @@ def test_the_json_format_is_one_object_per_line_for_a_log_collector() -> None:
     assert "\n" not in line and "\x1b" not in line  # a hostile name cannot repaint a terminal tailing it
     assert json.loads(line) == {"ts": "2025-12-02T00:00:00.250Z", "level": "info",
                                 "message": "DENY  connect evil\x1b[2J.test:443 run=default"}  # fmt: skip
+
+
+
+@contextlib.contextmanager
+def _own_logging(log_format: str) -> Iterator[io.StringIO]:
+    """egressd's own logging on a stream of the test's, the root logger's handlers put back after."""
+    from egressd.cli import logformat
+
+    saved, level, stream = logging.root.handlers[:], logging.root.level, io.StringIO()
+    logging.root.handlers = []
+    real, logformat.sys.stderr = logformat.sys.stderr, stream  # type: ignore[attr-defined]
+    try:
+        logformat.setup_logging("info", log_format)
+        yield stream
+    finally:
+        logformat.sys.stderr = real  # type: ignore[attr-defined]
+        logging.root.handlers, logging.root.level = saved, level
+        logformat._own = None
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_direct_line_is_the_line_logging_writes_without_a_log_record(log_format: str) -> None:
+    """Issue 30: a decision's line through logging cost a tenth of a tunnel; written directly it is the same."""
+    from egressd.cli.logformat import direct_writer
+
+    logger = logging.getLogger("egressd.decisions")
+    with _own_logging(log_format) as stream:
+        write = direct_writer(logger)
+        assert write is not None
+        logger.info("%s", "ALLOW connect a.test:443 run=default rule=a.test")
+        write("ALLOW connect a.test:443 run=default rule=a.test")
+        through_logging, direct = stream.getvalue().splitlines()
+        if log_format == "json":  # the same object; the times may differ by a millisecond
+            import json
+
+            through_logging, direct = (json.loads(line) | {"ts": "-"} for line in (through_logging, direct))
+        else:
+            through_logging, direct = (line.split(" ", 1)[1] for line in (through_logging, direct))
+        assert direct == through_logging
+
+
+def test_no_direct_line_when_anything_else_would_see_or_filter_it() -> None:
+    from egressd.cli.logformat import direct_writer
+
+    logger = logging.getLogger("egressd.decisions")
+    assert direct_writer(logger) is None or logging.root.handlers  # not set up by egressd: logging's way
+    with _own_logging("text"):
+        assert direct_writer(logger) is not None
+        capture = logging.Handler()
+        logging.root.addHandler(capture)  # a test's log capture, a collector's handler
+        assert direct_writer(logger) is None
+        logging.root.removeHandler(capture)
+        quiet = logging.Filter("nothing")
+        logger.addFilter(quiet)  # a filter on the way must still apply
+        try:
+            assert direct_writer(logger) is None
+        finally:
+            logger.removeFilter(quiet)
