@@ -90,13 +90,16 @@ def direct_writer(logger: logging.Logger) -> Callable[[str], None] | None:
     else:
         return None
 
+    flushes = getattr(stream, "line_buffering", False)  # stderr is (Python 3.9+): a line's write flushes it
+
     def write(message: str) -> None:
         if lock is None:
             return
         with lock:
             try:
                 stream.write(render(message))
-                stream.flush()
+                if not flushes:
+                    stream.flush()
             except (OSError, ValueError):
                 pass  # stderr gone (a closed pipe): the audit log, not this line, is the record
 
