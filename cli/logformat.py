@@ -73,7 +73,7 @@ def direct_writer(logger: logging.Logger) -> Callable[[str], None] | None:
     while node is not None and node is not logging.root:
         if node.filters or node.handlers or not node.propagate:
             return None
-        node = node.parent  # type: ignore[assignment]  # a Logger's parent is a Logger, the root's None
+        node = node.parent
     if logging.root.filters:
         return None
     formatter, stream, lock = handler.formatter, handler.stream, handler.lock
