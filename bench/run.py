@@ -9,7 +9,9 @@ interleaved order, the direct connection and egressd:
 
 1. tunnel throughput: one CONNECT tunnel, 1 GiB down and 1 GiB up (MB/s);
 2. tunnel setup: 2,000 tunnels one after another (CONNECT, one 64-byte echo,
-   close), and the same with 50 in flight (tunnels/s, p50/p99 ms);
+   close), and the same with 50 in flight (tunnels/s, p50/p99 ms), driven by
+   a C client against a C echo server (bench/ctools.py: built with ``cc``;
+   without one, bench/load.py's Python client);
 3. plain HTTP: wrk with 50 keep-alive connections for 10 s, small responses
    (requests/s, p50/p99 ms) and 1 MiB responses (MB/s); small responses again
    with ``Connection: close``, a fresh connection for every request;
@@ -28,14 +30,18 @@ interleaved order, the direct connection and egressd:
 8. with ``--instructions``, once at the end: instructions per tunnel and per
    request (bench/instructions.py, cachegrind: minutes).
 
-Along the way it counts the proxy's CPU seconds per tunnel and its write
-system calls (``syscw`` of /proc/PID/io) per tunnel and per request.
+Along the way it counts the proxy's CPU seconds per tunnel, per request and
+per GiB relayed (the table's first rows: on 2 cores a rate is shared with
+the load generator, CPU per operation is not) and its write system calls
+(``syscw`` of /proc/PID/io) per tunnel and per request. egressd runs at
+``serve``'s default log level (a line per decision).
 
 Prints a table of medians with min–max spread and the ratio to direct, and
 the CPU seconds used by egressd and by the load generator, so a reader can
-see which was saturated; then issue 17's targets (bench/targets.py), one row
-each: egressd's median, the comparison's, the ratio, the ratio needed, and
-met, not met or not measured (with why). Every load is bounded in count and
+see which was saturated; then issue 30's targets (bench/targets.py), one row
+each: egressd's median, the comparison's, the ratio, the ratio needed after
+its steps 1–6 and the goal of its step 7, and met, not met or not measured
+(with why). Every load is bounded in count and
 time.
 """
 
@@ -60,6 +66,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import ctools  # noqa: E402
 from peers import PEERS, ensure_installed  # noqa: E402
 from targets import audit_writes, evaluate, parse_dns  # noqa: E402
 from targets import render as render_targets  # noqa: E402
@@ -174,6 +181,8 @@ class Proxy:
 # which answers "later" (202) and never does, so requests for unknown names stay held.
 HOOK_URL: list[str] = []
 CONTROL_TOKEN = "bench-control-token"
+# The C client and echo server for tunnel setup (bench/ctools.py), when they could be built.
+C_TOOLS: list[ctools.CTools] = []
 
 
 def start_egressd(port: int, workdir: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:  # type: ignore[type-arg]
@@ -254,6 +263,17 @@ def run_load(args: list[str], proxy_pid: int | None, timeout_s: float) -> dict[s
     if out.returncode != 0:
         raise RuntimeError(f"load.py {' '.join(args)} failed: {out.stderr.strip()[-400:]}")
     result: dict[str, float] = json.loads(out.stdout)
+    result["proxy_cpu_s"] = cpu_seconds(proxy_pid) - before if proxy_pid else 0.0
+    result["proxy_writes"] = write_calls(proxy_pid) - writes_before if proxy_pid else float("nan")
+    return result
+
+
+def run_c_setup(tools: ctools.CTools, count: int, concurrency: int, proxy_port: int | None,
+                proxy_pid: int | None) -> dict[str, float]:
+    """Tunnel setup from the C client to the C echo server (bench/ctools.py), as ``run_load`` counts it."""
+    before = cpu_seconds(proxy_pid) if proxy_pid else 0.0
+    writes_before = write_calls(proxy_pid) if proxy_pid else 0
+    result = tools.setup(ORIGIN, count, concurrency, 60, proxy_port)
     result["proxy_cpu_s"] = cpu_seconds(proxy_pid) - before if proxy_pid else 0.0
     result["proxy_writes"] = write_calls(proxy_pid) - writes_before if proxy_pid else float("nan")
     return result
@@ -344,17 +364,21 @@ def measure_round(
             200,
         )
         figures[f"tput_{direction}"].add(who, r["mb_s"], r["cpu_s"], r["proxy_cpu_s"])
-    count = "500" if quick else "2000"
-    for conc, key in (("1", "setup_serial"), ("50", "setup_50")):
-        r = run_load(
-            ["setup", *target, *proxy_args, "--count", count, "--concurrency", conc, "--max-s", "60"], pid, 120
-        )
+        if pid is not None:
+            figures["cpu_per_gib_s"].add(who, r["proxy_cpu_s"] / (int(nbytes) / GiB))
+    count = 500 if quick else 2000
+    for conc, key in ((1, "setup_serial"), (50, "setup_50")):
+        if C_TOOLS:
+            r = run_c_setup(C_TOOLS[0], count, conc, proxy.port if proxy else None, pid)
+        else:
+            r = run_load(["setup", *target, *proxy_args, "--count", str(count), "--concurrency", str(conc),
+                          "--max-s", "60"], pid, 120)  # fmt: skip
         figures[key].add(who, r["rate"], r["cpu_s"], r["proxy_cpu_s"])
         figures[key + "_p50"].add(who, r["p50_ms"])
         figures[key + "_p99"].add(who, r["p99_ms"])
         if pid is not None and r["tunnels"]:
-            if key == "setup_serial":
-                figures["cpu_per_tunnel_us"].add(who, r["proxy_cpu_s"] / r["tunnels"] * 1e6)
+            per_tunnel = "cpu_per_tunnel_us" if key == "setup_serial" else "cpu_per_tunnel_50_us"
+            figures[per_tunnel].add(who, r["proxy_cpu_s"] / r["tunnels"] * 1e6)
             figures[key + "_writes"].add(who, r["proxy_writes"] / r["tunnels"])
     if proxy is not None and pid is not None:
         figures["idle_kib"].add(who, measure_idle(proxy, pid, stream_port, 500 if quick else 2000))
@@ -364,6 +388,8 @@ def measure_round(
     figures["http_small_p50"].add(who, r["p50_ms"])
     figures["http_small_p99"].add(who, r["p99_ms"])
     figures["http_small_writes"].add(who, r["proxy_writes_per_request"])
+    if pid is not None and r["requests"]:
+        figures["cpu_per_request_us"].add(who, r["proxy_cpu_s"] / r["requests"] * 1e6)
     r = run_wrk(f"http://{ORIGIN}:{http_port}/small", proxy.port if proxy else None, pid, seconds, 50, close=True)
     figures["http_close"].add(who, r["rps"], r["cpu_s"], r["proxy_cpu_s"])
     figures["http_close_p99"].add(who, r["p99_ms"])
@@ -461,12 +487,16 @@ def measure_idle(proxy: Proxy, pid: int, stream_port: int, count: int) -> float:
 
 
 FIGURES = [
+    # The proxy's CPU per operation first: on 2 cores the rates below are shared with the load generator.
+    ("cpu_per_tunnel_us", "proxy CPU per tunnel, one after another", "µs"),
+    ("cpu_per_tunnel_50_us", "proxy CPU per tunnel, 50 in flight", "µs"),
+    ("cpu_per_request_us", "proxy CPU per small HTTP request", "µs"),
+    ("cpu_per_gib_s", "proxy CPU per GiB relayed", "s"),
     ("tput_down", "tunnel throughput, 1 GiB down", "MB/s"),
     ("tput_up", "tunnel throughput, 1 GiB up", "MB/s"),
     ("setup_serial", "tunnel setup, one after another", "tunnels/s"),
     ("setup_serial_p50", "  p50 CONNECT-to-first-echo", "ms"),
     ("setup_serial_p99", "  p99 CONNECT-to-first-echo", "ms"),
-    ("cpu_per_tunnel_us", "  proxy CPU per tunnel", "µs"),
     ("setup_serial_writes", "  proxy write system calls per tunnel", "calls"),
     ("setup_50", "tunnel setup, 50 in flight", "tunnels/s"),
     ("setup_50_p50", "  p50 CONNECT-to-first-echo", "ms"),
@@ -487,7 +517,7 @@ FIGURES = [
 HELD_RATIOS = (("held_setup_50_ratio", "tunnel setup, 50 in flight"), ("held_http_small_ratio", "plain HTTP, small"))
 
 
-LOWER_IS_BETTER = {"ms", "KiB", "µs", "calls"}
+LOWER_IS_BETTER = {"ms", "KiB", "µs", "calls", "s"}
 
 # Figures measured for the targets (bench/targets.py) but not rows of the main table.
 TARGET_FIGURES = (
@@ -677,6 +707,10 @@ def main() -> int:
         workers = False
         NOT_MEASURED["http_small_w2"] = "fewer than 2 cores"
 
+    built = ctools.build()
+    if built is not None:
+        built.start_echo(ORIGIN)
+        C_TOOLS.append(built)
     stream_port, http_port = free_port(ORIGIN), free_port(ORIGIN)
     HOOK_URL.append(f"http://{ORIGIN}:{http_port}/hook")
     servers = subprocess.Popen(
@@ -707,6 +741,8 @@ def main() -> int:
     finally:
         servers.terminate()
         servers.wait()
+        for tools in C_TOOLS:
+            tools.close()
     instructions = []
     if args.instructions:
         print("instructions (bench/instructions.py under cachegrind)", file=sys.stderr, flush=True)
@@ -720,8 +756,9 @@ def main() -> int:
             NOT_MEASURED.pop(name, None)
     medians = medians_of(figures)
     print()
-    print(f"issue 17's targets: egressd's median against the comparison's, {args.rounds} rounds"
-          f"{' (quick)' if args.quick else ''}")
+    driver = "the C client (bench/c/tunnels.c)" if C_TOOLS else "bench/load.py (no C compiler)"
+    print(f"issue 30's targets: egressd's median against the comparison's, {args.rounds} rounds"
+          f"{' (quick)' if args.quick else ''}; tunnel setup driven by {driver}")
     print(render_targets(evaluate(medians, NOT_MEASURED)))
     for line in beside(medians, order) + instructions:
         print(line)

@@ -1,4 +1,4 @@
-"""bench/targets.py: issue 17's targets judged from measured medians, and the audit writes counted from strace."""
+"""bench/targets.py: issue 30's targets judged from measured medians, and the audit writes counted from strace."""
 
 from __future__ import annotations
 
@@ -84,12 +84,13 @@ def test_a_zero_comparison_is_not_a_ratio():
 
 
 def test_every_issue_target_has_a_row_and_the_table_says_each_verdict():
-    rows = targets.evaluate({"egressd": {"setup_serial": 3900.0}, "squid": {"setup_serial": 3000.0}})
+    # Issue 30's first row: the proxy's CPU per tunnel, ≤ 1.3× squid's now, ≤ squid's as the goal.
+    rows = targets.evaluate({"egressd": {"cpu_per_tunnel_us": 390.0}, "squid": {"cpu_per_tunnel_us": 300.0}})
     assert len(rows) == len(targets.TARGETS)
     text = targets.render(rows)
     lines = text.splitlines()
     assert len(lines) == 2 + len(rows) + 1
-    assert "| met" in lines[2] and "1.30×" in lines[2] and "≥ 1.20×" in lines[2]
+    assert "| met" in lines[2] and "1.30×" in lines[2] and "≤ 1.30×" in lines[2] and "≤ 1.00×" in lines[2]
     assert "not measured: no egressd figure" in text
     assert lines[-1] == f"targets met: 1 of {len(rows)} (1 measured)"
 
