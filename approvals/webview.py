@@ -376,7 +376,7 @@ def page_html(
         f'<ul id="approvals">{cards}</ul></section>'
         "<section><h2>Recent decisions</h2>"
         f'<p id="no-history" class="none"{" hidden" if history else ""}>No decision yet.</p>'
-        '<table class="history"><thead><tr>'
+        f'<table class="history" id="history-table"{"" if history else " hidden"}><thead><tr>'
         + "".join(f"<th>{label}</th>" for _, label in HISTORY_COLUMNS)
         + f'</tr></thead><tbody id="history">{history_html(history)}</tbody></table></section>'
         f'<section><h2>Runs</h2><div id="runs">{runs_html(runs, session.csrf)}</div></section>'

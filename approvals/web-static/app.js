@@ -152,6 +152,7 @@
   // The recent decisions, newest first (webview.HISTORY_COLUMNS).
   const history = document.getElementById("history");
   const noHistory = document.getElementById("no-history");
+  const historyTable = document.getElementById("history-table");
   const HISTORY_COLUMNS = ["at", "domain", "run", "text"];
   const HISTORY_KEPT = 50;
   function historyRow(d) {
@@ -162,11 +163,13 @@
   function showHistory(rows) {
     history.replaceChildren(...rows.map(historyRow));
     noHistory.hidden = rows.length > 0;
+    historyTable.hidden = rows.length === 0;
   }
   function decided(d) {
     history.insertBefore(historyRow(d), history.firstChild);
     while (history.rows.length > HISTORY_KEPT) history.deleteRow(history.rows.length - 1);
     noHistory.hidden = true;
+    historyTable.hidden = false;
   }
 
   // A Revoke button, as webview.revoke_form: a run's approved host, or (no run) an always entry.

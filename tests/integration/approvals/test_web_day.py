@@ -88,8 +88,10 @@ async def test_a_day_with_the_page_open_inbox_notification_sound_history_revoke_
         "return {title: document.title, site: li.querySelector('.domain .site').textContent,"
         " fields: Array.from(li.querySelectorAll('dt')).map(d => d.textContent),"
         " client: li.querySelector('.field.client').textContent,"
+        " history: document.getElementById('history-table').hidden,"
         " notify: !document.getElementById('notify').hidden};",
     )
+    assert card["history"]  # no decision yet: the page says so, no empty table
     assert card["title"] == "(1) egressd approvals" and card["site"] == "origin.test", card
     assert card["fields"] == ["Domain", "Command", "Task", "Allowed domains", "Run", "Client", "Held since"]
     assert card["client"].startswith("127.0.0.1:")
@@ -132,6 +134,7 @@ async def test_a_day_with_the_page_open_inbox_notification_sound_history_revoke_
         [f"origin.test:{echo_origin.port}", "allowed by alice via web"],
     ], history
     assert await run(browser.execute_script, "return document.getElementById('sound').checked;")  # remembered
+    assert not await run(browser.execute_script, "return document.getElementById('history-table').hidden;")
 
     # Revoke the run's approval from the runs table: recorded with who, asked again from the next request.
     assert "origin.test" in run_.approved
