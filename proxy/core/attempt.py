@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from egressd.approvals.interface import HeldRequest
 from egressd.audit.records import ApprovalSummary, EgressDecided
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.runs import Run
@@ -73,8 +74,8 @@ class Attempt:
     __slots__ = (
         "id", "kind", "client", "ts", "started", "run", "host", "port", "command",
         "admission", "decision", "reason", "rule", "approval", "learned", "message", "cut",
-        "address", "bytes_up", "bytes_down", "end", "method", "path", "status", "sni", "request_host", "detail",
-        "counted", "ahead", "ahead_record", "finished",
+        "address", "bytes_up", "bytes_down", "end", "method", "path", "shown", "status", "sni", "request_host",
+        "detail", "counted", "ahead", "ahead_record", "finished",
     )  # fmt: skip
 
     def __init__(
@@ -112,6 +113,7 @@ class Attempt:
         # An inspected request's method and normalised path, without the query (its record's ``method``, ``path``).
         self.method: str | None = None
         self.path: str | None = None
+        self.shown: HeldRequest | None = None  # the same request as an approver is shown it (a cap's question)
         self.status: int | None = None  # the origin's response status (plain HTTP)
         self.sni: str | None = None  # the name a tunnel's ClientHello asked for instead of the host
         self.request_host: str | None = None  # the host a tunnel's plain HTTP request named instead

@@ -328,7 +328,7 @@ class Conversation:
             request = plain_request(exchange.request, destination)
         except HttpError as exc:
             return Admission(Reason.BAD_REQUEST, admission.host, admission.port, detail=exc.detail)
-        attempt.method, attempt.path = request.method, request.path
+        attempt.method, attempt.path, attempt.shown = request.method, request.path, request.shown
         destination.path = request.destination.path  # the normalised target is what goes upstream
         decided: Admission = yield from decide_request(
             run, admission, request.method, request.path, request.shown, self.at.audit.healthy
@@ -353,7 +353,7 @@ class Conversation:
         assert outer is not None and request is not None
         tunnel, tunnel_admission = outer
         attempt = self.pending = Attempt(seen)
-        attempt.method, attempt.path = request.method, request.path
+        attempt.method, attempt.path, attempt.shown = request.method, request.path, request.shown
         secrets = self.at.secrets
         if secrets is not None:
             self._no_misdirected_secret(attempt, tunnel_admission.host, tunnel_admission.port, inspected=True)

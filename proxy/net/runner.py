@@ -29,7 +29,7 @@ import ssl
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
-from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approver, HeldRequest
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approver
 from egressd.names.suffixes import registrable_domain
 from egressd.proxy.core.attempt import Attempt, DialError
 from egressd.proxy.core.budget import Budget
@@ -59,7 +59,6 @@ from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.heads import ResponseHead
 from egressd.proxy.core.http1.syntax import HttpError
 from egressd.proxy.core.modes import ListenerLimits
-from egressd.proxy.core.requestrules import approval_prefix
 from egressd.proxy.core.runs import RunRegistry, source_address
 from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.dialer import Dialer
@@ -486,7 +485,7 @@ class Runner:
                 outcome = await self._budget_answer(attempt, budget)
                 why = f"past the run's upload budget ({budget.sent} bytes sent to {budget.site})"
             else:
-                outcome = await self._ask(_cap_question(attempt, command.exchange, moved))
+                outcome = await self._ask(_cap_question(attempt, moved))
                 why = f"past the per-request body cap ({moved} bytes of its body sent)"
                 cap_at = moved + cap
             if not outcome.allowed:
@@ -559,11 +558,9 @@ def _count_up(attempt: Attempt, budget: Budget | None, n: int) -> None:
         budget.spend(n)
 
 
-def _cap_question(attempt: Attempt, exchange: Exchange, sent: int) -> ApprovalRequest:
+def _cap_question(attempt: Attempt, sent: int) -> ApprovalRequest:
     """What the approver is asked when a request's body passes the per-request cap: the request, what it sent."""
-    run, host, port, method, path = attempt.run, attempt.host, attempt.port, attempt.method, attempt.path
-    head = exchange.request
-    assert run is not None and host is not None and port is not None and method is not None
-    assert path is not None and head is not None
-    shown = HeldRequest(method, path, approval_prefix(path), (), head.get("Content-Type"), None)
-    return cap_approval(run, host, port, shown, sent)
+    run, host, port, shown = attempt.run, attempt.host, attempt.port, attempt.shown
+    assert run is not None and host is not None and port is not None and shown is not None
+    # What it sent is said; what it declared is not the question any more.
+    return cap_approval(run, host, port, replace(shown, length=None), sent)

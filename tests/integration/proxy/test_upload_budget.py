@@ -20,11 +20,17 @@ from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
 from egressd.vocabulary.reasons import Answer
 from tests.conftest import MakeEgressd
 from tests.harness import ORIGIN, read_response
+from tests.integration.proxy.test_faults import kernel_queue_bound
 
 pytestmark = pytest.mark.timeout(60)
 
 BUDGET_MB = 0.0625  # 64 KiB
 BUDGET = 64 * 1024
+
+# What the attack keeps writing: more than the kernel can queue between it and egressd (both sockets'
+# buffers autotune up to tcp_rmem's and tcp_wmem's maxima, and sooner where the kernel remembers a fast
+# path to the address), so its writes must block once egressd stops reading.
+PAST_EVERY_BUFFER = kernel_queue_bound()
 
 
 @dataclass
@@ -88,7 +94,7 @@ async def test_a_tunnel_past_its_budget_is_paused_and_a_person_lets_it_go_on_or_
     writer.write(f"PUT /big HTTP/1.1\r\nHost: origin.test:{sink.port}\r\nContent-Length: {8 << 20}\r\n\r\n".encode())
     chunk = b"x" * 16384
     # The attack: keep writing, far past the budget, while the question is open.
-    writing = asyncio.ensure_future(_write(writer, chunk, 4 * 1024 * 1024))
+    writing = asyncio.ensure_future(_write(writer, chunk, PAST_EVERY_BUFFER))
     await _until(lambda: len(reviewer.asked) == 1)
     (asked,) = reviewer.asked
     assert (asked.host, asked.uploaded is not None) == ("origin.test", True)
@@ -167,7 +173,7 @@ async def test_a_chunked_body_past_the_budget_is_paused_in_the_middle_and_a_deni
     reader, writer = await asyncio.open_connection("127.0.0.1", svc.proxy_address[1])
     head = (f"POST http://origin.test:{sink.port}/up HTTP/1.1\r\nHost: origin.test:{sink.port}\r\n"
             "Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
-    writing = asyncio.ensure_future(_chunked_upload(writer, head, 4 * 1024 * 1024))
+    writing = asyncio.ensure_future(_chunked_upload(writer, head, PAST_EVERY_BUFFER))
     await _until(lambda: len(reviewer.asked) == 1)
     assert reviewer.asked[0].uploaded == BUDGET  # paused at the budget's last byte, head included
     await asyncio.sleep(0.5)
@@ -189,10 +195,11 @@ async def test_a_request_body_past_the_cap_on_an_inspected_name_is_asked_about_w
     reader, writer = await asyncio.open_connection("127.0.0.1", svc.proxy_address[1])
     head = (f"POST http://origin.test:{sink.port}/v1/files?name=x HTTP/1.1\r\nHost: origin.test:{sink.port}\r\n"
             "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
-    writing = asyncio.ensure_future(_chunked_upload(writer, head, 4 * 1024 * 1024))
+    writing = asyncio.ensure_future(_chunked_upload(writer, head, PAST_EVERY_BUFFER))
     await _until(lambda: len(reviewer.asked) == 1)
     asked = reviewer.asked[0]
     assert asked.request is not None and (asked.request.method, asked.request.path) == ("POST", "/v1/files")
+    assert asked.request.query_names == ("name",)  # as the question of a request no rule covers shows it
     assert asked.uploaded == BUDGET
     await asyncio.sleep(0.3)
     first = sink.received[0]
