@@ -18,8 +18,9 @@ from typing import Any
 
 from egressd.config.allowfile import read_allow_file
 from tests.conftest import Listener
+from tests.harness import open_proxy, wait_until
 from tests.integration.approvals import test_web
-from tests.integration.approvals.test_web import STEP_S, artifacts, decided, held, no_alert, run, until
+from tests.integration.approvals.test_web import STEP_S, artifacts, decided, no_alert, run, until
 from tests.integration.approvals.webclient import TOKEN
 
 # The fixtures of the page's other tests: a real chromium, an egressd answering through the page.
@@ -61,6 +62,33 @@ async def click(browser: Any, selector: str) -> None:
     await live(browser)
 
 
+class Held:
+    """A CONNECT held for a person, read with no deadline of its own (a sign-in in chromium may take
+    longer than a plain read's 5 s on a busy machine); closed by the test, whatever happens."""
+
+    def __init__(self) -> None:
+        self.writers: list[asyncio.StreamWriter] = []
+
+    async def hold(self, svc: Any, authority: str) -> asyncio.Task[int]:
+        reader, writer = await open_proxy(svc)
+        self.writers.append(writer)
+        writer.write(f"CONNECT {authority} HTTP/1.1\r\nHost: {authority}\r\n\r\n".encode())
+        await writer.drain()
+        before = len(svc.path.approver.pending())
+        task = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+        await wait_until(lambda: len(svc.path.approver.pending()) > before or task.done())
+        assert not task.done(), "the request was not held"
+
+        async def status() -> int:
+            return int((await task).split(b" ", 2)[1])
+
+        return asyncio.ensure_future(status())
+
+    def close(self) -> None:
+        for writer in self.writers:
+            writer.close()
+
+
 async def test_a_day_with_the_page_open_inbox_notification_sound_history_revoke_phone(
     browser: Any, page_egressd: Callable[..., Any], echo_origin: Listener, tmp_path: Path
 ) -> None:
@@ -76,9 +104,20 @@ async def test_a_day_with_the_page_open_inbox_notification_sound_history_revoke_
     base = svc.control_address
     page = base + svc.web_channel.prefix + "/"
     out = artifacts()
+    connections = Held()
+    try:
+        await walk(browser, svc, echo_origin, allow_file, page, out, connections)
+    finally:
+        connections.close()
+
+
+async def walk(browser: Any, svc: Any, echo_origin: Listener, allow_file: Path, page: str, out: Path,
+               connections: Held) -> None:
+    base = svc.control_address
+    run_ = svc.default_run
 
     # Inbox: held while nobody had the page open, shown at sign-in; the tab's title counts it.
-    first = await held(svc, f"origin.test:{echo_origin.port}")
+    first = await connections.hold(svc, f"origin.test:{echo_origin.port}")
     first_id = svc.path.approver.pending()[0].id  # type: ignore[union-attr]
     await sign_in(browser, page)
     await until(browser, f"document.getElementById('approval-{first_id}')")
@@ -98,9 +137,7 @@ async def test_a_day_with_the_page_open_inbox_notification_sound_history_revoke_
     assert card["notify"]  # notifications not granted yet: the page offers to ask, once
     await run(browser.save_screenshot, str(out / "web-day-01-inbox.png"))
     await click(browser, f"#approval-{first_id} button[value='allow']")
-    status, _, _, _, writer = await asyncio.wait_for(first, STEP_S)
-    assert status == 200
-    writer.close()
+    assert await asyncio.wait_for(first, STEP_S) == 200
 
     # Notifications granted (as the browser records a person's yes), Sound on: the next request is announced.
     await run(browser.execute_cdp_cmd, "Browser.grantPermissions", {"origin": base, "permissions": ["notifications"]})
@@ -109,7 +146,7 @@ async def test_a_day_with_the_page_open_inbox_notification_sound_history_revoke_
     assert await run(browser.execute_script, "return document.getElementById('notify').hidden;")
     await run(browser.execute_script, NOTIFICATION_SPY)
     await run(lambda: browser.find_element("id", "sound").click())
-    second = await held(svc, f"second.test:{echo_origin.port}")
+    second = await connections.hold(svc, f"second.test:{echo_origin.port}")
     pending = svc.path.approver.pending()  # type: ignore[union-attr]
     second_id = next(a.id for a in pending if a.request.host == "second.test")
     await until(browser, f"document.getElementById('approval-{second_id}')")
@@ -118,9 +155,7 @@ async def test_a_day_with_the_page_open_inbox_notification_sound_history_revoke_
     assert said["chimes"] == "1", said
     await run(browser.save_screenshot, str(out / "web-day-02-notified.png"))
     await click(browser, f"#approval-{second_id} button[value='deny']")
-    status, _, _, _, writer = await asyncio.wait_for(second, STEP_S)
-    assert status == 403
-    writer.close()
+    assert await asyncio.wait_for(second, STEP_S) == 403
 
     # The history: newest first, who and how.
     await until(browser, "document.querySelectorAll('#history tr').length === 2")
