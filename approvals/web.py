@@ -227,7 +227,7 @@ class WebChannel:
         self._answerer: Answerer | None = None
         self._streams: set[_Stream] = set()
         self._closed = False
-        self._history: deque[dict[str, Any]] = deque(maxlen=HISTORY)  # newest last
+        self._history: deque[tuple[str, dict[str, Any]]] = deque(maxlen=HISTORY)  # (run, row), newest last
         self._script = _static("app.js")
         self._style = _static("style.css")
 
@@ -252,12 +252,12 @@ class WebChannel:
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
         self._publish("settled", {"id": approval.id, "text": settled_text(settlement)}, approval.request.run_id)
         row = decision_row(approval, settlement)
-        self._history.append(row | {"_run": approval.request.run_id})
+        self._history.append((approval.request.run_id, row))
         self._publish("decided", row, approval.request.run_id)
 
     def history(self, scope: Scope) -> list[dict[str, Any]]:
         """The recent decisions ``scope`` may see, newest first."""
-        return [{k: v for k, v in r.items() if k != "_run"} for r in reversed(self._history) if scope.covers(r["_run"])]
+        return [row for run_id, row in reversed(self._history) if scope.covers(run_id)]
 
     async def abandoned(self, approval: PendingApproval) -> None:
         self._publish("abandoned", {"id": approval.id, "text": ABANDONED_TEXT}, approval.request.run_id)

@@ -52,12 +52,19 @@
     ["deny", "Deny", null],
   ];
 
-  function buildForm(id, scopes) {
-    const form = el("form", "answer");
+  // A POST form of the page to ``action`` (relative: the page lives under its own random path),
+  // carrying the session's CSRF token and ``fields`` as hidden inputs.
+  function postForm(cls, action, fields) {
+    const form = el("form", cls);
     form.method = "post";
-    form.action = "answer";  // relative: the page lives under its own random path
+    form.action = action;
     form.appendChild(hidden("csrf", csrf));
-    form.appendChild(hidden("id", id));
+    for (const [name, value] of fields) form.appendChild(hidden(name, value));
+    return form;
+  }
+
+  function buildForm(id, scopes) {
+    const form = postForm("answer", "answer", [["id", id]]);
     for (const [value, label, scope] of ANSWERS) {
       if (scope !== null && !(scopes || ["once", "run"]).includes(scope)) continue;
       const button = el("button", value === "deny" ? "deny" : value === "always" ? "allow risky" : "allow", label);
@@ -174,12 +181,7 @@
 
   // A Revoke button, as webview.revoke_form: a run's approved host, or (no run) an always entry.
   function revokeForm(entry, run) {
-    const form = el("form", "revoke");
-    form.method = "post";
-    form.action = "revoke";
-    form.appendChild(hidden("csrf", csrf));
-    form.appendChild(hidden("entry", entry));
-    if (run !== null) form.appendChild(hidden("run", run));
+    const form = postForm("revoke", "revoke", run === null ? [["entry", entry]] : [["entry", entry], ["run", run]]);
     const button = el("button", null, "Revoke");
     button.type = "submit";
     button.title = "Revoke " + entry;

@@ -9,6 +9,7 @@ the live runs' own approvals for it (``egressd.control.api.take_back_always``).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -23,14 +24,32 @@ log = logging.getLogger("egressd.lasting")
 def lasting_answers(path: Path | None, apply: Callable[[], object]) -> Lasting:
     """``Lasting`` over the allow file at ``path`` (None: no allow file, nothing stands); ``apply`` re-reads it."""
 
+    # Every open approvals page asks at each keep-alive: the file is read again only when it changed
+    # (its inode, size and times), and a failure is logged when it first happens, not at every ask.
+    last_key: object = None
+    last: Sequence[Approved] | None = None
+    last_error: str | None = None
+
     def standing() -> Sequence[Approved]:
+        nonlocal last_key, last, last_error
         if path is None:
             return ()
         try:
-            return read_allow_file(path).standing
+            info = os.stat(path)
+            key: object = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+        except OSError as exc:
+            key = exc.strerror
+        if key == last_key and last is not None:
+            return last
+        try:
+            last = read_allow_file(path).standing
+            last_error = None
         except AllowFileError as exc:
-            log.error("the always entries cannot be listed: %s", exc)
-            return ()
+            if str(exc) != last_error:
+                log.error("the always entries cannot be listed: %s", exc)
+            last, last_error = (), str(exc)
+        last_key = key
+        return last
 
     def revoke(entries: Sequence[str], by: str | None, channel: str | None, auth: str | None) -> None:
         if path is None:

@@ -84,10 +84,15 @@ def test_a_direct_line_is_the_line_logging_writes_without_a_log_record(log_forma
 
 
 def test_no_direct_line_when_anything_else_would_see_or_filter_it() -> None:
+    from egressd.cli import logformat
     from egressd.cli.logformat import direct_writer
 
     logger = logging.getLogger("egressd.decisions")
-    assert direct_writer(logger) is None or logging.root.handlers  # not set up by egressd: logging's way
+    own, logformat._own = logformat._own, None
+    try:
+        assert direct_writer(logger) is None  # logging not set up by egressd: logging's way
+    finally:
+        logformat._own = own
     with _own_logging("text"):
         assert direct_writer(logger) is not None
         capture = logging.Handler()
