@@ -201,6 +201,45 @@ async def test_a_run_token_signs_in_to_its_own_run_only(
 # -- the Host, Origin and CSRF checks ---------------------------------------------------------
 
 
+async def test_a_revoke_without_the_pages_token_or_beyond_the_sessions_run_is_refused_and_takes_nothing_back(
+    page_egressd: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Issue 29's revoke: a form another page could post, or a run's session reaching past its run."""
+    allow_file = tmp_path / "allow.toml"
+    allow_file.write_text('[[approved]]\nentry = "kept.test:443"\nat = "2026-12-01T00:00:00Z"\n')
+    allow_file.chmod(0o600)
+    svc = await page_egressd(allow_file=allow_file)
+    run_ = svc.default_run
+    assert run_ is not None
+    run_.approved["origin.test"] = frozenset({443})
+    before = allow_file.read_text()
+    async with aiohttp.ClientSession(trust_env=False) as http:
+        async with http.post(
+            svc.control_address + "/runs", json={"task": "run b"}, headers={"Authorization": f"Bearer {TOKEN}"}
+        ) as resp:
+            created = await resp.json()
+    async with PageClient(svc.control_address, svc.web_channel.prefix) as operator, \
+            PageClient(svc.control_address, svc.web_channel.prefix) as bob:  # fmt: skip
+        await operator.sign_in()
+        await bob.sign_in(token=created["control_token"], name="bob")
+        assert operator.csrf is not None and bob.csrf is not None
+        attempts = [
+            (operator, {"entry": "origin.test", "run": "default"}, {}),  # no CSRF token: another page's form
+            (operator, {"csrf": operator.csrf, "entry": "origin.test", "run": "default"},
+             {"origin": "http://evil.test"}),  # another origin
+            (bob, {"csrf": bob.csrf, "entry": "origin.test", "run": "default"}, {}),  # another run's approval
+            (bob, {"csrf": bob.csrf, "entry": "kept.test:443"}, {}),  # an always entry: every run's
+        ]  # fmt: skip
+        for page, form, more in attempts:
+            status, _, _ = await page.post("revoke", form, **more)
+            assert status == 403, (form, more)
+        assert run_.approved.get("origin.test") == frozenset({443}) and allow_file.read_text() == before
+        assert not [r for r in svc.audit_records if r["event"] == "run.changed"]  # type: ignore[attr-defined]
+        # The operator's own page, with its token: taken back.
+        status, _, _ = await operator.post("revoke", {"csrf": operator.csrf, "entry": "origin.test", "run": "default"})
+        assert status == 303 and "origin.test" not in run_.approved
+
+
 async def test_a_host_header_of_another_name_is_refused(page_egressd: Callable[..., Any]) -> None:
     svc = await page_egressd()
     port = svc.control_address.rsplit(":", 1)[1]
