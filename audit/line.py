@@ -19,18 +19,28 @@ for is checked on every record, and anything else goes the general way:
 
 Anything that fails on the short road (a huge int past the digit limit, ...)
 is done again the general way, which gives the error, if there is one.
-Pure: no I/O.
+
+``chain`` makes the lines of a batch of heads: each ends with ``prev``, the
+SHA-256 (hex) of the line before it, and a newline.
+
+``head`` and ``chain`` are the compiled ones (``egressd_native``, chosen by
+``egressd.audit.native``) where that is installed, else ``python_head`` and
+``python_chain``; the Python ones are the reference, and the compiled head
+hands them what it does not take. Pure: no I/O.
 
 Hot path: see docs/performance.md.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from operator import itemgetter
 
-__all__ = ["encode", "head"]
+from egressd.audit import native
+
+__all__ = ["chain", "encode", "head", "python_chain", "python_head"]
 
 # One encoder for every line: json.dumps with options builds a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=True, allow_nan=False)
@@ -95,7 +105,7 @@ def encode(record: object) -> str:
         raise
 
 
-def head(record: Mapping[str, object]) -> str:
+def python_head(record: Mapping[str, object]) -> str:
     """``encode(record)`` without its closing brace, and with a comma after its last field if it has one.
 
     What a field appended to the record is written after: ``head(r) +
@@ -161,3 +171,28 @@ def _pick(indices: list[int]) -> _Pick | None:
 
 def _none(values: tuple[object, ...]) -> tuple[object, ...]:
     return ()
+
+
+def python_chain(heads: Sequence[str], prev: str | None) -> tuple[bytes, str | None]:
+    """The lines of ``heads`` (each ``head(record)``) chained after ``prev``, joined, and the last one's hash.
+
+    A line is its head, ``"prev":`` the SHA-256 (hex) of the line before it
+    (``null`` for the first line of a log) with the closing brace, and a
+    newline; ``prev`` goes last, so the record's own fields keep their order.
+    Returns ``prev`` itself for no heads. ``ValueError`` for a head that is
+    not ASCII (a head never is: ``ensure_ascii``).
+    """
+    lines = []
+    sha256 = hashlib.sha256
+    for text in heads:
+        data = (text + '"prev":null}\n' if prev is None else f'{text}"prev":"{prev}"}}\n').encode("ascii")
+        lines.append(data)
+        prev = sha256(data).hexdigest()
+    return b"".join(lines), prev
+
+
+head: Callable[[Mapping[str, object]], str] = python_head
+chain: Callable[[Sequence[str], str | None], tuple[bytes, str | None]] = python_chain
+if native.MODULE is not None:
+    head = native.MODULE.Head(python_head)
+    chain = native.MODULE.chain

@@ -51,6 +51,10 @@ _OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEX
 # The path that means standard output (``--audit-log -``).
 STDOUT = "-"
 
+# The most a line's ``"prev":"<64 hex>"}`` and newline add to its head: a batch whose heads and
+# these fit under ``max_bytes`` is chained and written whole, with no rotation to look for.
+_PREV_BYTES = len('"prev":""}\n') + 64
+
 # How much is read at a time when finding and hashing the last line to chain onto.
 _CHUNK_BYTES = 64 * 1024
 
@@ -272,21 +276,17 @@ class JsonlAuditSink:
 
     def _write_lines(self, heads: list[str]) -> None:
         """Chain ``heads`` and write them, one ``os.write`` per run of lines that fits the current file."""
+        rotating = self._max_bytes and self._regular
+        if not rotating or self._size + sum(map(len, heads)) + _PREV_BYTES * len(heads) <= self._max_bytes:
+            data, last = line.chain(heads, self._prev)  # no rotation can fall inside this batch
+            self._write_batch([data], len(data), last)
+            return
         batch: list[bytes] = []
         batch_size = 0
         prev = self._prev
-        sha256 = hashlib.sha256
         for head in heads:
-            # One line: the record's JSON object with ``prev`` as its last field, and the newline.
-            # prev goes last, so the record's own fields keep their order (one the caller set was
-            # dropped when the record was encoded).
-            data = (head + '"prev":null}\n' if prev is None else f'{head}"prev":"{prev}"}}\n').encode("ascii")
-            if (
-                self._max_bytes
-                and self._regular
-                and (self._size or batch)
-                and self._size + batch_size + len(data) > self._max_bytes
-            ):
+            data, following = line.chain((head,), prev)
+            if (self._size or batch) and self._size + batch_size + len(data) > self._max_bytes:
                 if batch:
                     self._write_batch(batch, batch_size, prev)
                     batch, batch_size = [], 0
@@ -294,7 +294,7 @@ class JsonlAuditSink:
                     self._rotate()
             batch.append(data)
             batch_size += len(data)
-            prev = sha256(data).hexdigest()
+            prev = following
         self._write_batch(batch, batch_size, prev)
 
     def _write_batch(self, batch: list[bytes], size: int, last_hash: str | None) -> None:

@@ -30,7 +30,8 @@ bytecode cache), once idle and once answering N queries (``--inflight`` at a
 time, default here 16: each loop turn answers several, as under load, and
 writes their records at once); prints the second run's instructions less the
 idle run's, per query. ``--python`` serves another build's egressd (its
-venv's interpreter runs this file's server) for an A/B comparison. Needs
+venv's interpreter runs this file's server) for an A/B comparison, and
+``EGRESSD_NATIVE=0`` in the environment the Python audit line. Needs
 valgrind; user-space instructions only (the system calls' kernel work is not
 counted). Run one count at a time: the figure depends on how many queries a
 loop turn finds waiting (each turn costs an epoll wait and an audit write),
@@ -280,6 +281,8 @@ def count_instructions(queries: list[bytes], python: str, n: int, inflight: int,
     with tempfile.TemporaryDirectory(prefix="egressd-bench-dns-instr-") as tmp:
         out = Path(tmp) / "cachegrind.out"
         env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_") and k != "PYTHONDONTWRITEBYTECODE"}
+        if "EGRESSD_NATIVE" in os.environ:  # EGRESSD_NATIVE=0: the Python audit line, for an A/B comparison
+            env["EGRESSD_NATIVE"] = os.environ["EGRESSD_NATIVE"]
         env |= {"PYTHONHASHSEED": "0", "PYTHONPYCACHEPREFIX": pycache}
         cmd = [
             "valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}",

@@ -11,7 +11,8 @@ with ``PYTHONHASHSEED=0``: idle (start-up and shutdown alone), then N CONNECT
 tunnels one after another (CONNECT, one 64-byte echo, close), then N small
 plain-HTTP requests on one keep-alive connection. Each figure is the run's
 total less the idle run's, divided by N. ``--egressd`` names another build
-(e.g. a worktree's ``.venv/bin/egressd``) for an A/B comparison. Origins are
+(e.g. a worktree's ``.venv/bin/egressd``) for an A/B comparison; ``EGRESSD_NATIVE=0``
+in its environment runs egressd with the Python audit line instead of the compiled one. Origins are
 on 127.0.0.2 (loopback) in this process; every load is bounded in count and
 time. Needs valgrind (Debian: ``apt install valgrind``).
 
@@ -120,6 +121,8 @@ async def measure(
     with tempfile.TemporaryDirectory(prefix="egressd-instr-") as tmp:
         out, err = Path(tmp) / "cachegrind.out", Path(tmp) / "stderr"
         env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_") and k != "PYTHONDONTWRITEBYTECODE"}
+        if "EGRESSD_NATIVE" in os.environ:  # EGRESSD_NATIVE=0: the Python audit line, for an A/B comparison
+            env["EGRESSD_NATIVE"] = os.environ["EGRESSD_NATIVE"]
         env |= {"PYTHONHASHSEED": "0", "XDG_STATE_HOME": tmp, "PYTHONPYCACHEPREFIX": pycache}
         if profile is None:
             runner = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={out}", egressd]

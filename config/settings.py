@@ -96,8 +96,9 @@ def read_secret_file(path: Path, *, euid: int) -> str:
     return text
 
 
-# EGRESSD_* variables that are not settings: the config file's name, and the scripts' and tests' own.
-_NOT_SETTINGS = ("EGRESSD_CONFIG", "EGRESSD_TEST_", "EGRESSD_DOCKER_", "EGRESSD_LINK_DIR")
+# EGRESSD_* variables that are not settings: the config file's name, the audit line's choice (audit/native.py),
+# and the scripts' and tests' own.
+_NOT_SETTINGS = ("EGRESSD_CONFIG", "EGRESSD_TEST_", "EGRESSD_DOCKER_", "EGRESSD_LINK_DIR", "EGRESSD_NATIVE")
 
 
 def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:

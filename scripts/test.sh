@@ -69,6 +69,10 @@ if [ $# -eq 0 ]; then
         "$proxy"/test_{body_idle,run_tokens,write_ahead,faults,flood_attacks,abandoned,precision,socks,learn,live_policy,resolver}.py \
         "$proxy"/test_{inspection,inspection_ways,tlslayer,upload_budget,websocket}.py \
         tests/integration/approvals/test_approvals_e2e.py tests/unit/test_exchange.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+    # The audit log's tests once more on the Python audit line (the first passes write with the
+    # compiled one, which CI builds): the fallback a machine without cargo gets is tested too.
+    EGRESSD_NATIVE=0 .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/test_audit_*.py \
+        tests/integration/audit tests/integration/proxy/test_write_ahead.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 fi
 if [ "$status" -ne 0 ]; then
     echo "test.sh: a test pass failed (exit $status); both passes ran, see above" >&2

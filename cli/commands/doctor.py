@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 
-from egressd.sandbox.doctor import clean_docker, render, run_checks
+from egressd.audit import native
+from egressd.sandbox.doctor import Check, clean_docker, render, run_checks
+
+
+def audit_line_check() -> Check:
+    """Which audit line this egressd writes with (the same bytes either way; the compiled one costs less)."""
+    fix = "" if native.MODULE is not None else "install Rust (cargo) and run bash scripts/install.sh again"
+    if native.ENV in native.DESCRIPTION:
+        fix = f"unset {native.ENV}"
+    return Check("audit line", native.MODULE is not None, native.DESCRIPTION, fix, required=False)
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -21,7 +30,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             removed = await clean_stale()  # with a dead run's /tmp/egressd-etc-KEY-* and egressd-run-KEY-*
             removed += await clean_docker()
             print(f"removed {len(removed)} leftover(s) of dead runs" + (": " + ", ".join(removed) if removed else ""))
-        checks = await run_checks()
+        checks = [*await run_checks(), audit_line_check()]
         for line in render(checks):
             print(line)
         return 0 if all(c.ok for c in checks if c.required) else 1

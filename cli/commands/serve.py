@@ -9,6 +9,7 @@ import logging
 import signal
 from collections.abc import Callable
 
+from egressd.audit import native
 from egressd.config.settings import Settings, SettingsError, token_path
 
 from ..wiring.instances import register_quietly
@@ -34,6 +35,7 @@ async def serve(settings: Settings, open_files: tuple[int, int], read: Callable[
     await service.start()
     # Said once started: a setting egressd refuses is the one line a bad start prints.
     logging.getLogger("egressd").info("open files: up to %d (hard limit %d)", *open_files)
+    logging.getLogger("egressd").info("audit line: %s", native.DESCRIPTION)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -1,5 +1,10 @@
 """An audit record's line: the short road (``line.head``) writes exactly what ``json.dumps`` writes.
 
+Both heads are held to it where the compiled one is installed (``HEADS``):
+the Python reference and ``egressd_native``'s (test_audit_native.py checks
+that the compiled one really writes the records it should, not only hands
+them back).
+
 The general path is ``json.dumps(record, separators=(",", ":"),
 ensure_ascii=True, allow_nan=False)``; every record, however hostile its
 strings and numbers, must come out byte for byte the same, or fail the same
@@ -34,15 +39,21 @@ def _expected_head(record: dict[object, object]) -> str:
     return body[:-1] + ("," if record else "")
 
 
+# The heads under test: the Python reference, and the one egressd writes with when it is another.
+HEADS = [line.python_head] + ([line.head] if line.head is not line.python_head else [])
+
+
 def _same_as_json(record: dict[object, object]) -> None:
-    """``line.head`` gives json.dumps's bytes (less the brace), or the exception type json.dumps raises."""
+    """Each head gives json.dumps's bytes (less the brace), or the exception type json.dumps raises."""
     try:
         expected = _expected_head(record)
     except (TypeError, ValueError) as exc:
-        with pytest.raises(type(exc)):
-            line.head(record)
+        for head in HEADS:
+            with pytest.raises(type(exc)):
+                head(record)
         return
-    assert line.head(record) == expected
+    for head in HEADS:
+        assert head(record) == expected
     assert line.encode(record) == _dumps(record)
 
 
@@ -168,13 +179,13 @@ def test_head_is_json_dumps_for_any_record_of_a_shape_seen_or_not(records: list[
 def test_a_shape_is_learnt_once_and_the_cache_stays_bounded() -> None:
     line._SHAPES.clear()
     record = {"event": "egress", "host": "a.test", "port": 443}
-    line.head(record)
-    line.head({"event": "egress", "host": "b.test", "port": 80})
+    line.python_head(record)
+    line.python_head({"event": "egress", "host": "b.test", "port": 80})
     assert len(line._SHAPES) == 1
     for n in range(line._MAX_SHAPES + 10):
-        line.head({f"k{n}": n})
+        line.python_head({f"k{n}": n})
     assert len(line._SHAPES) <= line._MAX_SHAPES
-    assert line.head(record) == _expected_head(record)
+    assert line.python_head(record) == _expected_head(record)
 
 
 def test_a_circular_record_fails_as_json_does_and_the_next_one_is_written() -> None:

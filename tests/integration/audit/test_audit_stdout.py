@@ -3,7 +3,10 @@
 For a cluster's log collector (deploy/kubernetes/). A real ``egressd serve``
 subprocess: its standard output must hold the chained records and nothing
 else (its log lines go to standard error), and a reader that went away
-(EPIPE) must stop egress (``audit_unavailable``), as a full disk does.
+(EPIPE) must stop egress (``audit_unavailable``), as a full disk does. The
+same egress written by the compiled audit line and by the Python one
+(``EGRESSD_NATIVE=0``) is the same records, chained, and the start-up says
+which wrote them.
 """
 
 from __future__ import annotations
@@ -35,13 +38,13 @@ def _verify(path: Path) -> subprocess.CompletedProcess[str]:
 
 
 async def _serve(
-    tmp_path: Path, dns: FakeDns, stdout: int, *args: str
+    tmp_path: Path, dns: FakeDns, stdout: int, *args: str, env: dict[str, str] | None = None
 ) -> tuple[asyncio.subprocess.Process, dict[str, int], list[str]]:
     proc = await asyncio.create_subprocess_exec(
         EGRESSD, "serve", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
         "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--allow-private", ORIGIN_RANGE,
         "--audit-log", "-", *args,
-        env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE,
+        env={**_env(tmp_path), **(env or {})}, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.PIPE,
     )  # fmt: skip
     seen: list[str] = []
     assert proc.stderr is not None
@@ -120,6 +123,60 @@ async def test_egress_records_go_to_stdout_chained_and_nothing_else_does(
     captured.write_bytes(out.replace(b'"leak.test"', b'"other.test"', 1))
     verify = await asyncio.to_thread(_verify, captured)
     assert verify.returncode == 1, verify.stdout + verify.stderr
+
+
+async def _one_allowed_one_refused(
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener, env: dict[str, str]
+) -> tuple[list[bytes], str]:
+    """The audit lines and the log of a serve that let one tunnel through and refused one."""
+    proc, ports, seen = await _serve(
+        tmp_path, dns, subprocess.PIPE, "--allow", f"origin.test:{echo_origin.port}", env=env
+    )
+    try:
+        status, _, reader, writer = await _connect(ports["proxy"], f"origin.test:{echo_origin.port}")
+        assert status == 200
+        writer.write(b"ping")
+        assert await asyncio.wait_for(reader.readexactly(4), 10) == b"ping"
+        writer.close()
+        status, _, _, writer = await _connect(ports["proxy"], "caf\u00e9.test:443".encode("idna").decode())
+        writer.close()
+        assert status == 403
+        await asyncio.sleep(0.2)  # the tunnel's end record
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, err
+    return out.splitlines(keepends=True), "".join(seen) + err.decode(errors="replace")
+
+
+_VARYING = ("ts", "id", "prev", "client", "duration_s", "started", "pid", "ended", "address")
+
+
+async def test_the_compiled_and_the_python_audit_line_write_the_same_records_and_say_which(
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener
+) -> None:
+    (tmp_path / "compiled").mkdir()
+    (tmp_path / "python").mkdir()
+    compiled, compiled_log = await _one_allowed_one_refused(tmp_path / "compiled", dns, echo_origin, {})
+    python, python_log = await _one_allowed_one_refused(tmp_path / "python", dns, echo_origin, {"EGRESSD_NATIVE": "0"})
+    assert "audit line: Python (EGRESSD_NATIVE=0)" in python_log
+    if os.environ.get("CI") == "true":  # CI's install builds it; elsewhere it is there where cargo was
+        assert "audit line: compiled (egressd_native " in compiled_log
+    for lines, name in ((compiled, "compiled"), (python, "python")):
+        path = tmp_path / name / "audit.jsonl"
+        path.write_bytes(b"".join(lines))
+        verify = await asyncio.to_thread(_verify, path)
+        assert verify.returncode == 0 and "5 records" in verify.stdout, verify.stdout + verify.stderr
+
+    def facts(lines: list[bytes]) -> list[dict[str, object]]:
+        records = [json.loads(line) for line in lines]
+        return [{k: v for k, v in r.items() if k not in _VARYING} for r in records]
+
+    assert facts(compiled) == facts(python)
+    assert [list(json.loads(line)) for line in compiled] == [list(json.loads(line)) for line in python]  # key order
 
 
 async def test_a_closed_stdout_makes_the_log_unavailable_and_egress_is_refused(
