@@ -200,7 +200,7 @@ def start_egressd(port: int, workdir: Path, extra: tuple[str, ...] = ()) -> subp
                  "--webhook-secret", "whsec_" + base64.b64encode(b"bench-webhook-secret-32-bytes!!!").decode(),
                  "--max-pending-approvals", "5000", "--max-approvals-per-run", "5000",
                  "--max-connections", "100000"]
-    argv += extra
+    argv += [*EGRESSD_ARGS, *extra]
     return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -254,6 +254,8 @@ def measure_held(
 
 
 PROXIES = {"egressd": start_egressd, **PEERS}
+# More arguments for every egressd started (--egressd-args): e.g. --no-splice, the copying relay.
+EGRESSD_ARGS: list[str] = []
 
 
 def run_load(args: list[str], proxy_pid: int | None, timeout_s: float) -> dict[str, float]:
@@ -679,9 +681,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="one round, short runs (a smoke test)")
     parser.add_argument("--proxies", default=",".join(PROXIES), help=f"which to measure (default: {','.join(PROXIES)})")
     parser.add_argument("--no-dns", action="store_true", help="leave out the DNS measurement (bench/bench_dns.py)")
+    parser.add_argument("--egressd-args", default="", metavar="ARGS",
+                        help="more arguments for egressd serve, split on spaces (e.g. --no-splice: the copying relay)")
     parser.add_argument("--instructions", action="store_true",
                         help="also count instructions per tunnel and per request (bench/instructions.py; minutes)")
     args = parser.parse_args()
+    EGRESSD_ARGS[:] = args.egressd_args.split()
     if args.rounds is None:
         args.rounds = 1 if args.quick else 3
     chosen = [p.strip() for p in args.proxies.split(",") if p.strip()]

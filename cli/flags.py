@@ -172,7 +172,7 @@ _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("approvals", ("approver", "approval_", "max_pending_", "max_approvals_", "webhook_", "slack_", "public_url")),
     ("DNS", ("dns_", "upstream_dns")),
     ("audit log", ("audit_", "max_refusal_", "refusal_")),
-    ("limits and logging", ("max_", "head_", "connect_", "idle_", "log_level", "log_format")),
+    ("limits and logging", ("max_", "head_", "connect_", "idle_", "splice", "log_level", "log_format")),
 )
 
 
@@ -194,7 +194,7 @@ def env_help(dest: str, text: str) -> str:
 
 
 # The settings whose flags ``add_common`` makes itself (not from ``COMMON``'s table).
-OWN_FLAGS = ("ask", "require_auth", "learn", "web_inbox")
+OWN_FLAGS = ("ask", "require_auth", "learn", "web_inbox", "splice")
 
 
 def add_common(parser: argparse.ArgumentParser, *, service: bool = True) -> None:
@@ -221,6 +221,9 @@ def add_common(parser: argparse.ArgumentParser, *, service: bool = True) -> None
             help="the approvals page as an inbox: a new domain is held up to the approval timeout while "
             "nobody has the page open (default: on when web is the only approver); --no-web-inbox: "
             "refused no_approver until someone has it open")
+    add("--no-splice", "splice", action="store_const", const=False, default=None,
+        help="copy every tunnel's bytes through egressd; by default a tunnel's bytes move in the kernel "
+        "(splice(2)) once its TLS server name is checked and no upload budget counts them (the variable: false)")
     add("--learn", "learn", action="store_const", const=True, default=None,
         help="learn mode, for building an allowlist: nothing is held or refused for not being "
         "allowlisted; each such attempt goes out and is recorded with \"learned\" (deny entries, "

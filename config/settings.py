@@ -340,6 +340,11 @@ class Settings(BaseSettings):
         description="a tunnel idle this long both ways, or a plain-HTTP body that moves no byte this long, is closed "
         "(`end: idle_timeout` in its record)",
     )
+    splice: bool = Field(
+        True,
+        description="move a tunnel's bytes in the kernel (splice(2), Linux) once its TLS server name is checked and "
+        "no upload budget counts them (--no-splice: copy them through egressd)",
+    )
     max_connections: int = Field(10000, ge=1, le=1_000_000, description="open client connections overall")
     max_connections_per_run: int = Field(1000, ge=1, le=1_000_000, description="open client connections per run")
     shutdown_grace_s: float = Field(10.0, ge=0, le=3600, description="time tunnels get to finish on shutdown")

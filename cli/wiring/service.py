@@ -505,6 +505,7 @@ class EgressService:
             request_body_cap_bytes=int(s.request_body_cap_mb * 1024 * 1024),
             max_connections=s.max_connections,
             max_connections_per_run=s.max_connections_per_run,
+            splice=s.splice,
         )
         self.proxy = Listener(path=self.path, runs=self.runs, limits=limits, mode=EXPLICIT)
         try:

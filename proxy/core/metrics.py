@@ -24,6 +24,8 @@ class Metrics:
     held_requests: int = 0
     # Learn mode: attempts let through that the allowlist alone would have refused or held.
     learned: int = 0
+    # Tunnels whose bytes moved in the kernel (splice), counted as they end.
+    tunnels_spliced: int = 0
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
 
@@ -60,6 +62,9 @@ class Metrics:
             "# HELP egressd_learned_total Attempts learn mode let through that the allowlist would have refused.",
             "# TYPE egressd_learned_total counter",
             f"egressd_learned_total {self.learned}",
+            "# HELP egressd_tunnels_spliced_total Tunnels ended whose bytes moved in the kernel (splice) once checked.",
+            "# TYPE egressd_tunnels_spliced_total counter",
+            f"egressd_tunnels_spliced_total {self.tunnels_spliced}",
             "# HELP egressd_held_requests Requests held waiting for an approval now.",
             "# TYPE egressd_held_requests gauge",
             f"egressd_held_requests {self.held_requests}",

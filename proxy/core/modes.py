@@ -67,6 +67,7 @@ class ListenerLimits:
     request_body_cap_bytes: int = 0  # one inspected request's body before a person is asked (0: none)
     max_connections: int = 10000
     max_connections_per_run: int = 1000
+    splice: bool = True  # a tunnel's bytes move in the kernel once nothing is left to look at (where Linux has it)
 
 
 class Reads(enum.Enum):

@@ -312,6 +312,7 @@ class Runner:
             check=check,
             check_timeout_s=limits.head_timeout_s,
             loop=self.client.loop,
+            splice=limits.splice,
         )
         self._budgeted(tunnel, command.attempt)
         self.shared.tunnels.add(tunnel)
@@ -370,6 +371,8 @@ class Runner:
         assert isinstance(attempt, Attempt)
         attempt.bytes_up += tunnel.bytes_up
         attempt.bytes_down += tunnel.bytes_down
+        if tunnel.spliced:
+            self.recorder.metrics.tunnels_spliced += 1
         if tunnel.idle_expired:
             attempt.ends(End.IDLE_TIMEOUT)
         tunnel.upstream.close()
@@ -533,7 +536,7 @@ class Runner:
         client = self.client
         ended: asyncio.Future[None] = client.loop.create_future()
         tunnel = Tunnel(client, upstream, idle_timeout_s=self.shared.limits.idle_timeout_s,
-                        on_end=lambda _: _settle(ended), loop=client.loop)
+                        on_end=lambda _: _settle(ended), loop=client.loop, splice=self.shared.limits.splice)
         self._budgeted(tunnel, attempt)
         tunnel.start()
         try:

@@ -20,6 +20,11 @@ inspection. (The listeners check the server name of every TLS ClientHello
 until the server has settled the handshake this way, and the host every
 plain HTTP request names for as long as the tunnel lasts.)
 
+With ``splice``, once nothing is left to look at (the check is over, no
+upload budget counts the bytes), both connections are handed to the kernel
+(``kernelrelay``: ``splice(2)``, no byte copied into Python), with the same
+counts, back-pressure, half-closes and idle timeout.
+
 A tunnel runs on callbacks alone: no task waits for it. Whoever spliced it
 passes ``on_end``, which runs once when it ends, so the thousands of idle
 tunnels a build can hold cost two transports, two peers and this object,
@@ -36,6 +41,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from egressd.proxy.core.budget import Budget
+from egressd.proxy.net.kernelrelay import AVAILABLE, KernelRelay, take
 from egressd.proxy.net.stream import Peer
 
 
@@ -72,13 +78,14 @@ class Tunnel:
     """A running relay between ``client`` and ``upstream``; ``on_end(tunnel)`` runs once when it ends."""
 
     __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_client_eof", "_upstream_eof", "ended",
-                 "_on_end", "_timer", "_idle_timeout_s", "_last", "_loop", "error", "idle_expired",
-                 "_check", "_check_timeout_s", "_check_timer", "budget", "on_over_budget", "held_for_budget")
+                 "_on_end", "_timer", "_idle_timeout_s", "last", "_loop", "error", "idle_expired",
+                 "_check", "_check_timeout_s", "_check_timer", "budget", "on_over_budget", "held_for_budget",
+                 "_kernel", "_kernel_wanted", "spliced")
 
     def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
                  on_end: Callable[[Tunnel], None] | None = None,
                  check: ClientCheck | None = None, check_timeout_s: float = 0.0,
-                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+                 loop: asyncio.AbstractEventLoop | None = None, splice: bool = False) -> None:
         self.client = client
         self.upstream = upstream
         self.bytes_up = 0
@@ -90,7 +97,7 @@ class Tunnel:
         self._loop = loop if loop is not None else asyncio.get_running_loop()
         self._timer: asyncio.TimerHandle | None = None
         self._idle_timeout_s = idle_timeout_s
-        self._last = time.monotonic()
+        self.last = time.monotonic()
         self.error: Exception | None = None
         self.idle_expired = False
         self._check = check
@@ -101,6 +108,10 @@ class Tunnel:
         self.budget: Budget | None = None
         self.on_over_budget: Callable[[Tunnel], None] | None = None
         self.held_for_budget = False
+        # splice: once nothing is left to look at, the bytes move in the kernel (``kernelrelay``).
+        self._kernel: KernelRelay | None = None
+        self._kernel_wanted = splice and AVAILABLE
+        self.spliced = False  # handed to the kernel (and still there, or until it ended)
 
     def start(self) -> None:
         """Begin relaying; bytes already buffered on either side go first (or to the check)."""
@@ -123,6 +134,8 @@ class Tunnel:
                 self.peer_eof(peer)
                 if self.ended:
                     return
+        if self._kernel_wanted and self._check is None:
+            self._to_kernel()
         self._timer = self._loop.call_later(self._idle_timeout_s, self._check_idle)
 
     def close(self) -> None:
@@ -139,6 +152,9 @@ class Tunnel:
         self._check = None
         self.client.relay = None
         self.upstream.relay = None
+        kernel, self._kernel = self._kernel, None
+        if kernel is not None:
+            kernel.stop()  # closes both connections (the transports were closed at the hand-over)
         on_end, self._on_end = self._on_end, None
         if on_end is not None:
             on_end(self)
@@ -150,8 +166,10 @@ class Tunnel:
         if check is not None:
             if source is self.client:
                 source.buf += data  # held until the check lets it go
-                self._last = time.monotonic()
+                self.last = time.monotonic()
                 self._look()
+                if self._kernel_wanted and self._check is None:
+                    self._to_kernel()
                 return
             if check.wants_upstream:
                 if check.upstream(self, data):
@@ -159,13 +177,15 @@ class Tunnel:
                 elif self.ended:
                     return  # the check refused what the upstream said
         self._send(source, data)
+        if self._kernel_wanted and self._check is None:
+            self._to_kernel()
 
     def _send(self, source: Peer, data: bytes) -> None:
         target = self.upstream if source is self.client else self.client
         if target.closed or target.transport is None:
             return
         target.transport.write(data)
-        self._last = time.monotonic()
+        self.last = time.monotonic()
         if source is self.client:
             self.bytes_up += len(data)
             budget = self.budget
@@ -202,6 +222,12 @@ class Tunnel:
         if self._client_eof and self._upstream_eof:
             self.close()
 
+    def kernel_ended(self, error: Exception | None) -> None:
+        """The kernel relay is done: both ways half-closed (None), or a connection failed."""
+        if error is not None:
+            self.error = error
+        self.close()
+
     def peer_lost(self, source: Peer, exc: Exception | None) -> None:
         if exc is not None:
             self.error = exc
@@ -220,6 +246,40 @@ class Tunnel:
         ended = self._client_eof if source is self.client else self._upstream_eof
         if source.transport is not None and not source.closed and not ended:
             source.transport.resume_reading()
+
+    # -- the hand-over to the kernel ------------------------------------------------
+
+    def _to_kernel(self) -> None:
+        """Move the bytes in the kernel from now on, if both connections can be handed over now.
+
+        Only two sockets, plain TCP both ways (a TLS client transport cannot be), nothing
+        left to count against a budget or to check, both ways still open,
+        and nothing waiting in either transport's write buffer; a buffer not
+        yet drained is tried again at the next bytes, anything else keeps
+        the copying relay for good.
+        """
+        client, upstream = self.client, self.upstream
+        ct, ut = client.transport, upstream.transport
+        if (self.ended or self.budget is not None or not client.half_open or ct is None or ut is None
+                or client.closed or upstream.closed or client.eof or upstream.eof or self.held_for_budget
+                or ct.is_closing() or ut.is_closing()
+                or ct.get_extra_info("socket") is None or ut.get_extra_info("socket") is None):  # fmt: skip
+            self._kernel_wanted = False  # for good: not two sockets, or no longer both ways open
+            return
+        if ct.get_write_buffer_size() or ut.get_write_buffer_size():
+            return
+        self._kernel_wanted = False
+        client.relay = None  # the transports' last callbacks (connection_lost) are not the tunnel's
+        upstream.relay = None
+        client_sock = take(ct)
+        try:
+            upstream_sock = take(ut)
+        except BaseException:
+            client_sock.close()
+            raise
+        self._kernel = KernelRelay(self._loop, self, client_sock, upstream_sock)
+        self.spliced = True
+        self._kernel.start()
 
     # -- the client check ------------------------------------------------------
 
@@ -263,7 +323,7 @@ class Tunnel:
             check.expired(self)
 
     def _check_idle(self) -> None:
-        idle = time.monotonic() - self._last
+        idle = time.monotonic() - self.last
         if self.held_for_budget:  # waiting on a person is not idleness: look again a whole timeout later
             self._timer = self._loop.call_later(self._idle_timeout_s, self._check_idle)
         elif idle >= self._idle_timeout_s:

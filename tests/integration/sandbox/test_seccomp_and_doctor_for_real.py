@@ -47,7 +47,9 @@ def test_doctor_reports_every_feature_and_is_green_in_ci() -> None:
     out = subprocess.run(
         [str(Path(sys.executable).with_name("egressd")), "doctor"], capture_output=True, text=True, timeout=60
     )
-    for name in ("bubblewrap", "network namespaces", "nftables", "seccomp", "cgroup memory limits", "docker", "audit line"):
+    features = ("bubblewrap", "network namespaces", "nftables", "seccomp", "cgroup memory limits", "docker",
+                "audit line")
+    for name in features:
         assert name in out.stdout
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         assert out.returncode == 0 and "FAIL" not in out.stdout and " no  " not in out.stdout, out.stdout
