@@ -131,6 +131,7 @@ def json_error(status: int, message: str) -> web.HTTPException:
         404: web.HTTPNotFound,
         403: web.HTTPForbidden,
         409: web.HTTPConflict,
+        500: web.HTTPInternalServerError,
     }
     return classes[status](text=json.dumps({"error": message}), content_type="application/json")
 
@@ -361,13 +362,19 @@ async def change_run(request: web.Request) -> web.Response:
         revoked = run.revoke(in_run) if in_run else []
     except RunError as exc:
         raise json_error(400, str(exc)) from None
+    failure = None
     try:
         take_back_always(request.app, always, by=None, channel=None, auth=None)
-    except AllowFileError as exc:
-        raise json_error(500, f"the always entries could not be revoked: {exc}") from None
+    except AllowFileError as exc:  # the run's own changes are made; of the always entries, what the file took
+        lasting = request.app[LASTING]
+        standing = {a.entry for a in lasting.standing()} if lasting is not None else set()
+        failure, always = str(exc), [entry for entry in always if entry not in standing]
     # Recorded even when it changed nothing: whoever holds the global token tried to.
     _write_audit(request.app, run_changed_record(ts=time.time(), run=run.id, added=change.added, removed=change.removed,
                                              revoked=revoked, always_revoked=always))  # fmt: skip
+    if failure is not None:
+        raise json_error(500, f"the always entries were not revoked ({failure}); the run's own changes were made "
+                              "and recorded")  # fmt: skip
     return web.json_response(run.describe())
 
 

@@ -55,9 +55,14 @@ def lasting_answers(path: Path | None, apply: Callable[[], object]) -> Lasting:
         if path is None:
             raise AllowFileError("no allow file (--allow-file): there is no always entry to revoke")
         at = rfc3339(time.time())
-        for entry in entries:
-            append_revoked(path, Revoked(entry=entry, at=at, by=by, channel=channel, auth=auth))
-            log.info("always entry %s revoked in %s%s", entry, path, f" by {by}" if by else "")
-        apply()
+        done = 0
+        try:
+            for entry in entries:
+                append_revoked(path, Revoked(entry=entry, at=at, by=by, channel=channel, auth=auth))
+                log.info("always entry %s revoked in %s%s", entry, path, f" by {by}" if by else "")
+                done += 1
+        finally:
+            if done:  # what the file took leaves the running policy, even if a later entry failed
+                apply()
 
     return Lasting(standing=standing, revoke=revoke)

@@ -351,3 +351,33 @@ async def test_egressd_policy_revoke_takes_back_an_always_entry_for_every_run(
     status, created = await call(svc, "POST", "/runs", GLOBAL, {"allow": ["other.test"]})
     status, _ = await call(svc, "GET", "/always", created["control_token"])
     assert status == 403
+
+
+async def test_a_revoke_the_allow_file_refuses_records_what_was_done_and_says_what_was_not(
+    make_egressd, echo_origin, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing done unrecorded: a PATCH whose run edit took effect while the allow file refused the
+    *always* revocation (a full disk) once answered 500 with no ``run.changed`` for the edit it had made."""
+    from egressd.cli.wiring import lasting
+    from egressd.config.allowfile import AllowFileError
+
+    target = f"origin.test:{echo_origin.port}"
+    allow_file = tmp_path / "allow.toml"
+    allow_file.write_text(f'allow = ["other.test"]\n\n[[approved]]\nentry = "{target}"\nat = "2026-12-01T00:00:00Z"\n'
+                          'by = "alice"\nchannel = "slack"\n')  # fmt: skip
+    allow_file.chmod(0o600)
+    svc = await make_egressd(allow_file=str(allow_file), ask=False)
+
+    def full_disk(path: Path, revoked: object) -> None:
+        raise AllowFileError(f"allow file {path}: No space left on device")
+
+    monkeypatch.setattr(lasting, "append_revoked", full_disk)
+    status, body = await call(svc, "PATCH", "/runs/default", GLOBAL,
+                              {"deny": {"add": ["narrowed.test"]}, "revoke": [target]})  # fmt: skip
+    assert status == 500, body
+    assert "not revoked" in body["error"] and "No space left" in body["error"], body
+    assert "were made and recorded" in body["error"], body
+    [changed] = records(svc, "run.changed")  # the edit that took effect is on record
+    assert "narrowed.test" in json.dumps(changed) and not changed.get("always_revoked"), changed
+    assert await status_of(svc, target) == 200  # the always entry still stands, as the answer says
+    assert await status_of(svc, "narrowed.test:443") == 403
