@@ -67,7 +67,7 @@ if [ $# -eq 0 ]; then
     EGRESSD_TEST_LOOP=uvloop .venv/bin/python -m pytest -q -p no:cacheprovider \
         "$proxy"/test_{proxy,transparent,attacks,control,dnsserver,own_addresses,policy_edges,ech}.py \
         "$proxy"/test_{body_idle,run_tokens,write_ahead,faults,flood_attacks,abandoned,precision,socks,learn,live_policy,resolver}.py \
-        "$proxy"/test_{inspection,inspection_ways,tlslayer,upload_budget,websocket}.py \
+        "$proxy"/test_{inspection,inspection_ways,tlslayer,upload_budget,websocket,splice}.py \
         tests/integration/approvals/test_approvals_e2e.py tests/unit/test_exchange.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
     # The audit log's tests once more on the Python audit line (the first passes write with the
     # compiled one, which CI builds): the fallback a machine without cargo gets is tested too.
