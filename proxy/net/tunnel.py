@@ -21,7 +21,8 @@ until the server has settled the handshake this way, and the host every
 plain HTTP request names for as long as the tunnel lasts.)
 
 With ``splice``, once nothing is left to look at (the check is over, no
-upload budget counts the bytes), both connections are handed to the kernel
+upload budget counts the bytes) and ``SPLICE_AFTER`` bytes have moved (a
+short or idle tunnel is not worth the hand-over), both connections are handed to the kernel
 (``kernelrelay``: ``splice(2)``, no byte copied into Python), with the same
 counts, back-pressure, half-closes and idle timeout.
 
@@ -43,6 +44,11 @@ from typing import Protocol
 from egressd.proxy.core.budget import Budget
 from egressd.proxy.net.kernelrelay import AVAILABLE, KernelRelay, take
 from egressd.proxy.net.stream import Peer
+
+
+# A checked tunnel goes to the kernel once this much has moved: a short or idle one stays as it is (the
+# hand-over costs system calls, and a spliced connection's objects take more memory than it saves).
+SPLICE_AFTER = 64 * 1024
 
 
 class ClientCheck(Protocol):
@@ -134,8 +140,6 @@ class Tunnel:
                 self.peer_eof(peer)
                 if self.ended:
                     return
-        if self._kernel_wanted and self._check is None:
-            self._to_kernel()
         self._timer = self._loop.call_later(self._idle_timeout_s, self._check_idle)
 
     def close(self) -> None:
@@ -168,7 +172,7 @@ class Tunnel:
                 source.buf += data  # held until the check lets it go
                 self.last = time.monotonic()
                 self._look()
-                if self._kernel_wanted and self._check is None:
+                if self._kernel_wanted and self._check is None and self.bytes_up + self.bytes_down >= SPLICE_AFTER:
                     self._to_kernel()
                 return
             if check.wants_upstream:
@@ -177,7 +181,7 @@ class Tunnel:
                 elif self.ended:
                     return  # the check refused what the upstream said
         self._send(source, data)
-        if self._kernel_wanted and self._check is None:
+        if self._kernel_wanted and self._check is None and self.bytes_up + self.bytes_down >= SPLICE_AFTER:
             self._to_kernel()
 
     def _send(self, source: Peer, data: bytes) -> None:

@@ -6,7 +6,8 @@ kernel when a client stops reading, half-closes passed on, the idle timeout.
 What must never be spliced is not: a tunnel whose plain HTTP is read
 request by request, and one an upload budget counts (the budget's and the
 request watch's own tests run with splicing on, the default). Pipes are
-taken per burst and given back, so idle tunnels hold none and nothing leaks.
+taken per burst and given back, so idle tunnels hold none and nothing leaks;
+a tunnel goes to the kernel only once ``SPLICE_AFTER`` bytes have moved.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import struct
 import pytest
 
 from egressd.proxy.net import kernelrelay
+from egressd.proxy.net.tunnel import SPLICE_AFTER
 from egressd.vocabulary.reasons import Answer
 from tests.conftest import Listener, _start
 from tests.fakes.hellos import client_hello, server_hello
@@ -70,8 +72,10 @@ async def tls_origin() -> TlsOrigin:
     await origin.close()
 
 
-async def _tunnel(svc, origin: TlsOrigin):  # type: ignore[no-untyped-def]
-    """A CONNECT through ``svc`` whose ClientHello was checked and ServerHello came back."""
+async def _tunnel(svc, origin: TlsOrigin, *, warm: bool = True):  # type: ignore[no-untyped-def]
+    """A CONNECT through ``svc`` whose ClientHello was checked and ServerHello came back; ``warm``: then
+    ``SPLICE_AFTER`` bytes up, what a tunnel moves before it is handed to the kernel. Returns the client's
+    and the origin's streams and the bytes sent up so far."""
     status, _, _, reader, writer = await connect_via(svc, f"origin.test:{origin.listener.port}")
     assert status == 200
     hello = client_hello("origin.test")
@@ -79,7 +83,13 @@ async def _tunnel(svc, origin: TlsOrigin):  # type: ignore[no-untyped-def]
     await writer.drain()
     assert await asyncio.wait_for(_read_record(reader), 5) == origin.hello
     o_reader, o_writer = await asyncio.wait_for(origin.after.get(), 5)
-    return reader, writer, o_reader, o_writer, len(hello)
+    sent = len(hello)
+    if warm:
+        writer.write(b"w" * SPLICE_AFTER)
+        await writer.drain()
+        await asyncio.wait_for(o_reader.readexactly(SPLICE_AFTER), 5)
+        sent += SPLICE_AFTER
+    return reader, writer, o_reader, o_writer, sent
 
 
 def _spliced(svc) -> list[bool]:  # type: ignore[no-untyped-def]
@@ -89,7 +99,7 @@ def _spliced(svc) -> list[bool]:  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("splice", SPLICE)
 async def test_a_checked_tunnel_relays_both_ways_with_exact_counts(make_egressd, tls_origin, splice: bool) -> None:
     svc = await make_egressd(allow=["origin.test:*"], splice=splice)
-    reader, writer, o_reader, o_writer, hello_len = await _tunnel(svc, tls_origin)
+    reader, writer, o_reader, o_writer, sent_up = await _tunnel(svc, tls_origin)
     assert _spliced(svc) == [splice]
     up, down = os.urandom(3 * 1024 * 1024 + 7), os.urandom(5 * 1024 * 1024 + 3)
 
@@ -109,7 +119,7 @@ async def test_a_checked_tunnel_relays_both_ways_with_exact_counts(make_egressd,
     writer.close()
     await wait_until(lambda: egress(svc))
     record = egress(svc)[-1]
-    assert (record["bytes_up"], record["bytes_down"]) == (hello_len + len(up), len(tls_origin.hello) + len(down))
+    assert (record["bytes_up"], record["bytes_down"]) == (sent_up + len(up), len(tls_origin.hello) + len(down))
     assert record["end"] == "closed"
     assert svc.path.recorder.metrics.tunnels_spliced == (1 if splice else 0)
 
@@ -175,6 +185,21 @@ async def test_an_idle_spliced_tunnel_times_out(make_egressd, tls_origin, splice
     assert egress(svc)[-1]["end"] == "idle_timeout"
 
 
+async def test_a_short_tunnel_stays_with_the_copying_relay(make_egressd, tls_origin) -> None:
+    svc = await make_egressd(allow=["origin.test:*"])
+    reader, writer, o_reader, o_writer, _ = await _tunnel(svc, tls_origin, warm=False)
+    writer.write(b"ping")
+    assert await asyncio.wait_for(o_reader.readexactly(4), 5) == b"ping"
+    o_writer.write(b"pong")
+    assert await asyncio.wait_for(reader.readexactly(4), 5) == b"pong"
+    assert _spliced(svc) == [False]  # under SPLICE_AFTER: not worth the hand-over
+    writer.write(b"w" * SPLICE_AFTER)
+    await asyncio.wait_for(o_reader.readexactly(SPLICE_AFTER), 5)
+    assert _spliced(svc) == [True]
+    writer.close()
+    o_writer.close()
+
+
 async def test_plain_http_in_a_tunnel_is_never_spliced_and_each_request_is_still_checked(
     make_egressd, echo_origin
 ) -> None:
@@ -226,7 +251,7 @@ async def test_a_tls_tunnel_an_upload_budget_counts_is_never_spliced_and_is_held
 
     reviewer = Reviewer()
     svc = await make_egressd(allow=["origin.test:*"], upload_budget_mb=BUDGET_MB, approver=reviewer)
-    reader, writer, o_reader, o_writer, _ = await _tunnel(svc, tls_origin)
+    reader, writer, o_reader, o_writer, _ = await _tunnel(svc, tls_origin, warm=False)
     assert _spliced(svc) == [False]
     received = [0]
 
