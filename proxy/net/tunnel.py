@@ -45,7 +45,6 @@ from egressd.proxy.core.budget import Budget
 from egressd.proxy.net.kernelrelay import AVAILABLE, KernelRelay, take
 from egressd.proxy.net.stream import Peer
 
-
 # A checked tunnel goes to the kernel once this much has moved: a short or idle one stays as it is (the
 # hand-over costs system calls, and a spliced connection's objects take more memory than it saves).
 SPLICE_AFTER = 64 * 1024
