@@ -74,20 +74,23 @@ async def _health(port: int) -> int:
     return status
 
 
-async def test_egress_records_go_to_stdout_chained_and_nothing_else_does(
-    tmp_path: Path, dns: FakeDns, echo_origin: Listener, leak: Listener
-) -> None:
-    proc, ports, seen = await _serve(tmp_path, dns, subprocess.PIPE, "--allow", f"origin.test:{echo_origin.port}")
+async def _one_allowed_one_refused(
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener, env: dict[str, str], refused: str
+) -> tuple[bytes, str, str]:
+    """A serve on stdout that let one tunnel through (one echo) and refused ``refused`` (no approver):
+    its standard output, its log (stderr) and the refusal's request id."""
+    proc, ports, seen = await _serve(
+        tmp_path, dns, subprocess.PIPE, "--allow", f"origin.test:{echo_origin.port}", env=env
+    )
     try:
         status, _, reader, writer = await _connect(ports["proxy"], f"origin.test:{echo_origin.port}")
         assert status == 200
         writer.write(b"ping")
         assert await asyncio.wait_for(reader.readexactly(4), 10) == b"ping"
         writer.close()
-        status, headers, _, writer = await _connect(ports["proxy"], f"leak.test:{leak.port}")
-        assert (status, headers["x-egress-reason"]) == (403, "no_approver")
-        refused_id = headers["x-egress-request-id"]
+        status, headers, _, writer = await _connect(ports["proxy"], refused)
         writer.close()
+        assert (status, headers["x-egress-reason"]) == (403, "no_approver")
         await asyncio.sleep(0.2)  # the tunnel's end record
         proc.send_signal(signal.SIGTERM)
         out, err = await asyncio.wait_for(proc.communicate(), 30)
@@ -96,6 +99,13 @@ async def test_egress_records_go_to_stdout_chained_and_nothing_else_does(
             proc.kill()
             await proc.wait()
     assert proc.returncode == 0, err
+    return out, "".join(seen) + err.decode(errors="replace"), headers["x-egress-request-id"]
+
+
+async def test_egress_records_go_to_stdout_chained_and_nothing_else_does(
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener, leak: Listener
+) -> None:
+    out, text, refused_id = await _one_allowed_one_refused(tmp_path, dns, echo_origin, {}, f"leak.test:{leak.port}")
     assert leak.connections == 0 and echo_origin.connections == 1
     lines = out.splitlines(keepends=True)
     records = [json.loads(line) for line in lines]  # every line of stdout is a record: nothing else is there
@@ -111,7 +121,6 @@ async def test_egress_records_go_to_stdout_chained_and_nothing_else_does(
     for before, line in zip(lines, lines[1:], strict=False):
         assert json.loads(line)["prev"] == hashlib.sha256(before).hexdigest()
     # The log lines, "serving:" among them, went to stderr.
-    text = "".join(seen) + err.decode(errors="replace")
     assert "serving:" in text and "audit log standard output" in text
     assert b"serving" not in out
     captured = tmp_path / "captured.jsonl"
@@ -125,33 +134,6 @@ async def test_egress_records_go_to_stdout_chained_and_nothing_else_does(
     assert verify.returncode == 1, verify.stdout + verify.stderr
 
 
-async def _one_allowed_one_refused(
-    tmp_path: Path, dns: FakeDns, echo_origin: Listener, env: dict[str, str]
-) -> tuple[list[bytes], str]:
-    """The audit lines and the log of a serve that let one tunnel through and refused one."""
-    proc, ports, seen = await _serve(
-        tmp_path, dns, subprocess.PIPE, "--allow", f"origin.test:{echo_origin.port}", env=env
-    )
-    try:
-        status, _, reader, writer = await _connect(ports["proxy"], f"origin.test:{echo_origin.port}")
-        assert status == 200
-        writer.write(b"ping")
-        assert await asyncio.wait_for(reader.readexactly(4), 10) == b"ping"
-        writer.close()
-        status, _, _, writer = await _connect(ports["proxy"], "caf\u00e9.test:443".encode("idna").decode())
-        writer.close()
-        assert status == 403
-        await asyncio.sleep(0.2)  # the tunnel's end record
-        proc.send_signal(signal.SIGTERM)
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, err
-    return out.splitlines(keepends=True), "".join(seen) + err.decode(errors="replace")
-
-
 _VARYING = ("ts", "id", "prev", "client", "duration_s", "started", "pid", "ended", "address")
 
 
@@ -160,8 +142,13 @@ async def test_the_compiled_and_the_python_audit_line_write_the_same_records_and
 ) -> None:
     (tmp_path / "compiled").mkdir()
     (tmp_path / "python").mkdir()
-    compiled, compiled_log = await _one_allowed_one_refused(tmp_path / "compiled", dns, echo_origin, {})
-    python, python_log = await _one_allowed_one_refused(tmp_path / "python", dns, echo_origin, {"EGRESSD_NATIVE": "0"})
+    refused = "caf\u00e9.test:443".encode("idna").decode()
+    out, compiled_log, _ = await _one_allowed_one_refused(tmp_path / "compiled", dns, echo_origin, {}, refused)
+    compiled = out.splitlines(keepends=True)
+    out, python_log, _ = await _one_allowed_one_refused(
+        tmp_path / "python", dns, echo_origin, {"EGRESSD_NATIVE": "0"}, refused
+    )
+    python = out.splitlines(keepends=True)
     assert "audit line: Python (EGRESSD_NATIVE=0)" in python_log
     if os.environ.get("CI") == "true":  # CI's install builds it; elsewhere it is there where cargo was
         assert "audit line: compiled (egressd_native " in compiled_log

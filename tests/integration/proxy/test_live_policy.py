@@ -318,6 +318,15 @@ async def test_egressd_policy_revoke_takes_back_an_approval_from_the_runs_next_r
     assert [r["revoked"] for r in records(svc, "run.changed")] == [[target], ["origin.test"]]
 
 
+def _allow_file_with_always(tmp_path: Path, target: str) -> Path:
+    """An allow file of the operator's (mode 0600) with an *always* answer for ``target``, given by alice."""
+    allow_file = tmp_path / "allow.toml"
+    allow_file.write_text(f'allow = ["other.test"]\n\n[[approved]]\nentry = "{target}"\nat = "2026-12-01T00:00:00Z"\n'
+                          'by = "alice"\nchannel = "slack"\n')  # fmt: skip
+    allow_file.chmod(0o600)
+    return allow_file
+
+
 async def test_egressd_policy_revoke_takes_back_an_always_entry_for_every_run(
     make_egressd, echo_origin, tmp_path: Path
 ) -> None:
@@ -325,10 +334,7 @@ async def test_egressd_policy_revoke_takes_back_an_always_entry_for_every_run(
     from egressd.config.allowfile import read_allow_file
 
     target = f"origin.test:{echo_origin.port}"
-    allow_file = tmp_path / "allow.toml"
-    allow_file.write_text(f'allow = ["other.test"]\n\n[[approved]]\nentry = "{target}"\nat = "2026-12-01T00:00:00Z"\n'
-                          'by = "alice"\nchannel = "slack"\n')  # fmt: skip
-    allow_file.chmod(0o600)
+    allow_file = _allow_file_with_always(tmp_path, target)
     svc = await make_egressd(allow_file=str(allow_file), ask=False)
     assert await status_of(svc, target) == 200
     status, listed = await call(svc, "GET", "/always", GLOBAL)
@@ -362,10 +368,7 @@ async def test_a_revoke_the_allow_file_refuses_records_what_was_done_and_says_wh
     from egressd.config.allowfile import AllowFileError
 
     target = f"origin.test:{echo_origin.port}"
-    allow_file = tmp_path / "allow.toml"
-    allow_file.write_text(f'allow = ["other.test"]\n\n[[approved]]\nentry = "{target}"\nat = "2026-12-01T00:00:00Z"\n'
-                          'by = "alice"\nchannel = "slack"\n')  # fmt: skip
-    allow_file.chmod(0o600)
+    allow_file = _allow_file_with_always(tmp_path, target)
     svc = await make_egressd(allow_file=str(allow_file), ask=False)
 
     def full_disk(path: Path, revoked: object) -> None:
