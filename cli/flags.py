@@ -223,7 +223,8 @@ def add_common(parser: argparse.ArgumentParser, *, service: bool = True) -> None
             "refused no_approver until someone has it open")
     add("--no-splice", "splice", action="store_const", const=False, default=None,
         help="copy every tunnel's bytes through egressd; by default a tunnel's bytes move in the kernel "
-        "(splice(2)) once its TLS server name is checked and no upload budget counts them (the variable: false)")
+        "(splice(2)) once its TLS server name is checked, 64 KiB have moved and no upload budget counts them "
+        "(the variable: false)")
     add("--learn", "learn", action="store_const", const=True, default=None,
         help="learn mode, for building an allowlist: nothing is held or refused for not being "
         "allowlisted; each such attempt goes out and is recorded with \"learned\" (deny entries, "

@@ -342,8 +342,8 @@ class Settings(BaseSettings):
     )
     splice: bool = Field(
         True,
-        description="move a tunnel's bytes in the kernel (splice(2), Linux) once its TLS server name is checked and "
-        "no upload budget counts them (--no-splice: copy them through egressd)",
+        description="move a tunnel's bytes in the kernel (splice(2), Linux) once its TLS server name is checked, "
+        "64 KiB have moved and no upload budget counts them (--no-splice: copy them through egressd)",
     )
     max_connections: int = Field(10000, ge=1, le=1_000_000, description="open client connections overall")
     max_connections_per_run: int = Field(1000, ge=1, le=1_000_000, description="open client connections per run")

@@ -1,7 +1,8 @@
 """A tunnel's bytes moved in the kernel: ``splice(2)`` from one socket into a pipe and on into the other.
 
 Once a tunnel has nothing left to look at (its TLS server name is checked,
-no upload budget counts it), ``Tunnel`` hands both connections here: their
+no upload budget counts it) and has moved ``tunnel.SPLICE_AFTER`` bytes,
+``Tunnel`` hands both connections here: their
 sockets are taken from the event loop's transports (``take``: a duplicate
 of the descriptor, then the transport closed; the connection itself stays
 open, as the duplicate still holds it) and each direction is a pair of
