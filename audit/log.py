@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -29,24 +28,14 @@ from collections.abc import Mapping
 from types import TracebackType
 from typing import Protocol, Self, runtime_checkable
 
-from egressd.audit import line
-from egressd.config.trusted import UntrustedFile, check_descriptor, open_directory
+from egressd.audit import line, logfile
+from egressd.audit.logfile import AuditError
+from egressd.audit.shared import Position, SharedChain
+from egressd.config.trusted import UntrustedFile, open_directory
 
 __all__ = ["STDOUT", "AuditError", "AuditSink", "JsonlAuditSink", "MemoryAuditSink"]
 
 logger = logging.getLogger("egressd.audit")
-
-# Owner read/write only: the log names every host the sandbox tried and
-# every command it ran.
-_FILE_MODE = 0o600
-# O_RDWR rather than O_WRONLY only so opening can read the last line (to end a
-# torn one, and to chain onto it); writes all go through O_APPEND. O_NOFOLLOW: the log's own
-# name is never followed (a planted link would have our records, or a model's
-# text in them, appended to whatever it points at). O_CLOEXEC keeps the
-# descriptor out of sandboxes we spawn.
-# A FIFO at the name opens at once even so (O_RDWR never waits for the other end on Linux) and is then refused.
-_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
-
 
 # The path that means standard output (``--audit-log -``).
 STDOUT = "-"
@@ -54,13 +43,6 @@ STDOUT = "-"
 # The most a line's ``"prev":"<64 hex>"}`` and newline add to its head: a batch whose heads and
 # these fit under ``max_bytes`` is chained and written whole, with no rotation to look for.
 _PREV_BYTES = len('"prev":""}\n') + 64
-
-# How much is read at a time when finding and hashing the last line to chain onto.
-_CHUNK_BYTES = 64 * 1024
-
-
-class AuditError(Exception):
-    """A record could not be written, or the sink could not be opened."""
 
 
 @runtime_checkable
@@ -110,7 +92,11 @@ class JsonlAuditSink:
     Not thread-safe by design: egressd's event loop is the only writer in the
     process. Across processes an exclusive ``flock`` on the file keeps a
     second egressd out (``AuditError``), since two writers would interleave
-    their runs of records. Character devices such as ``/dev/full`` are
+    their runs of records. The processes of one egressd (``--workers``) write
+    one chain together through a ``SharedChain`` (``shared``): each batch is
+    written under its lock, from the position it holds; every one of them
+    holds a shared ``flock`` on the file instead (the founder takes it
+    exclusive first), so another egressd is kept out all the same. Character devices such as ``/dev/full`` are
     accepted but not locked; a FIFO, socket or directory is refused.
 
     The file is opened relative to its directory's descriptor and never
@@ -163,10 +149,14 @@ class JsonlAuditSink:
         fsync: bool = False,
         max_bytes: int = 0,
         keep: int = 5,
+        shared: SharedChain | None = None,
     ) -> None:
         if max_bytes < 0 or keep < 1:
             raise ValueError("max_bytes must be >= 0 and keep >= 1")
         self._path = os.fspath(path)
+        self._shared = shared
+        # The shared chain's generation this process's descriptor belongs to (rotation and reopen raise it).
+        self._generation = 0
         self._fsync = fsync
         self._max_bytes = max_bytes
         self._keep = keep
@@ -179,16 +169,26 @@ class JsonlAuditSink:
         self._flush_handle: asyncio.Handle | None = None
         self._stdout = self._path == STDOUT
         if self._stdout:
-            self._fd, self._size, last = _take_stdout(), 0, None
+            # Every process of an egressd takes its own: a worker's standard output is the founder's stream.
+            self._fd, self._size, last = logfile.take_stdout(), 0, None
             self._fsync = fsync and stat.S_ISREG(os.fstat(self._fd).st_mode)  # a pipe or tty has no fsync
+        elif shared is None or shared.founder:
+            self._fd, self._size, last = logfile.open_chained(self._path)
+            if shared is not None and stat.S_ISREG(os.fstat(self._fd).st_mode):
+                fcntl.flock(self._fd, fcntl.LOCK_SH)  # exclusive proved no other egressd; now its own may join
         else:
-            self._fd, self._size, last = _open_chained(self._path)
+            with shared:  # the others may be writing: a last line is torn only if its writer died
+                self._fd, self._size, last = logfile.open_chained(self._path, joining=True)
+                self._generation = shared.read().generation
         # Only a regular file is rotated: renaming /dev/null or a FIFO would be someone else's business.
         # Standard output is never rotated, whatever it is: its name is not ours.
         self._regular = stat.S_ISREG(os.fstat(self._fd).st_mode) and not self._stdout
         if last is None and self._size == 0 and self._regular:
-            last = _last_line_hash_of(self._path + ".1")
+            last = logfile.last_line_hash_of(self._path + ".1")
         self._prev = last
+        if shared is not None and shared.founder:
+            with shared:
+                shared.store(Position(0, self._size, last))
 
     @property
     def prev(self) -> str | None:
@@ -275,6 +275,50 @@ class JsonlAuditSink:
         self._heads.append(head)
 
     def _write_lines(self, heads: list[str]) -> None:
+        """Chain ``heads`` and write them; with a shared chain, under its lock and from where it stands."""
+        shared = self._shared
+        if shared is None:
+            self._write_chained(heads)
+            return
+        with shared:
+            self._catch_up(shared.read())
+            try:
+                self._write_chained(heads)
+            finally:
+                # Stored on failure too: what this process knows; a next writer checks it against the file.
+                shared.store(Position(self._generation, self._size, self._prev))
+
+    def _catch_up(self, position: Position) -> None:
+        """Take the shared chain's position: the file another process rotated to, and the last line written."""
+        if position.generation != self._generation:
+            self._follow(position.generation)
+        if not position.torn or not self._regular:  # a stream or device has nothing to read back
+            self._size, self._prev = position.size, position.prev
+            return
+        # A writer died mid-batch, or before it stored what it wrote: the file is the truth.
+        try:
+            size = os.fstat(self._fd).st_size
+        except OSError as exc:
+            self._fail(f"cannot read the audit log's size: {exc.strerror}")
+            raise AuditError(f"audit log {self._path} write failed: {self._failure}") from exc
+        self._size = logfile.end_torn_line(self._fd, self._path, size)
+        self._prev = logfile.last_line_hash(self._fd, self._size, self._path) if self._size else position.prev
+
+    def _follow(self, generation: int) -> None:
+        """Open ``PATH`` anew: another process of this egressd rotated or reopened the log."""
+        self._generation = generation
+        if self._stdout:
+            return
+        try:
+            fd, _, _ = logfile.open_chained(self._path, same_as=self._fd, joining=True)
+        except AuditError as exc:
+            self._fail(f"cannot follow the log another process reopened: {exc}")
+            raise AuditError(f"audit log {self._path} write failed: {self._failure}") from exc
+        if fd != self._fd:
+            os.close(self._fd)
+            self._fd = fd
+
+    def _write_chained(self, heads: list[str]) -> None:
         """Chain ``heads`` and write them, one ``os.write`` per run of lines that fits the current file."""
         rotating = self._max_bytes and self._regular
         if not rotating or self._size + sum(map(len, heads)) + _PREV_BYTES * len(heads) <= self._max_bytes:
@@ -332,18 +376,34 @@ class JsonlAuditSink:
             self.flush()
         if self._failure is not None:
             return
+        shared = self._shared
+        if shared is None:
+            self._reopen_file()
+            return
+        with shared:  # the others follow at their next batch: the generation tells them
+            try:
+                self._catch_up(shared.read())
+            except AuditError:
+                return  # logged by _fail
+            if self._reopen_file():
+                self._generation += 1
+            shared.store(Position(self._generation, self._size, self._prev))
+
+    def _reopen_file(self) -> bool:
+        """``reopen``'s work: True if ``PATH`` was another file, now the one written."""
         try:
-            fd, size, last = _open_chained(self._path, same_as=self._fd)
+            fd, size, last = logfile.open_chained(self._path, same_as=self._fd, joining=self._shared is not None)
         except AuditError as exc:
             logger.error("audit log %s not reopened (%s); records still go to the file open before", self._path, exc)
-            return
+            return False
         if fd == self._fd:
-            return
+            return False
         os.close(self._fd)
         self._fd, self._size = fd, size
         if last is not None:  # someone else's records there: chain onto what is actually before ours
             self._prev = last
         logger.info("audit log %s reopened", self._path)
+        return True
 
     def close(self) -> None:
         """Write what is queued, close the file and release the lock; safe to call twice."""
@@ -373,6 +433,10 @@ class JsonlAuditSink:
         # Between two records, in the single writer: PATH.{keep-1} -> PATH.{keep}, ..., PATH -> PATH.1.
         # The moves are renames inside the log's directory (a rename never follows the name it moves).
         parent, name = os.path.split(self._path)
+        if self._shared is not None:
+            # Told before the moves: a rotation cut short by this process's death still sends the others to PATH.
+            self._generation += 1
+            self._shared.store(Position(self._generation, self._size, self._prev))
         try:
             dir_fd = open_directory(parent or ".", for_file=self._path)
             try:
@@ -382,7 +446,7 @@ class JsonlAuditSink:
                 os.rename(name, f"{name}.1", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             finally:
                 os.close(dir_fd)
-            fd, size, last = _open_chained(self._path)
+            fd, size, last = logfile.open_chained(self._path, joining=self._shared is not None)
         except (OSError, AuditError, UntrustedFile) as exc:
             self._fail(f"rotation failed: {exc}")
             raise AuditError(f"audit log {self._path} write failed: {self._failure}") from exc
@@ -398,185 +462,6 @@ class JsonlAuditSink:
             self._path,
             reason,
         )
-
-
-def _take_stdout() -> int:
-    """A private, blocking, close-on-exec duplicate of descriptor 1; descriptor 1 then points at stderr.
-
-    The audit records are then the only bytes written to what was standard
-    output: a ``print``, a library's warning or a child's output goes to
-    standard error instead.
-    """
-    try:
-        fd = fcntl.fcntl(1, fcntl.F_DUPFD_CLOEXEC, 3)
-    except OSError as exc:
-        raise AuditError(f"cannot write the audit log to standard output: {exc.strerror}") from None
-    try:
-        # A line is written whole or the sink fails: never EAGAIN halfway through a batch.
-        os.set_blocking(fd, True)
-        os.dup2(2, 1)
-    except OSError as exc:
-        os.close(fd)
-        raise AuditError(f"cannot write the audit log to standard output: {exc.strerror}") from None
-    return fd
-
-
-def _open_chained(path: str, *, same_as: int | None = None) -> tuple[int, int, str | None]:
-    """Open the log for appending: (descriptor, size, SHA-256 of its last line, or None if empty).
-
-    Refuses a file with a second name and one another egressd holds; ends a
-    torn last line. With ``same_as``, a ``path`` that is still the file open
-    on that descriptor returns ``same_as`` itself (locking it twice would fail).
-    """
-    fd = _open_log(path)
-    try:
-        info = os.fstat(fd)
-        if same_as is not None:
-            old = os.fstat(same_as)
-            if (info.st_dev, info.st_ino) == (old.st_dev, old.st_ino):
-                os.close(fd)
-                return same_as, info.st_size, None
-        if not stat.S_ISREG(info.st_mode):
-            return fd, 0, None  # /dev/full and the like: nothing to chain onto
-        if info.st_nlink > 1:
-            # Another name for the same file may be anyone's file (a hard link made to it).
-            raise AuditError(f"audit log {path} has more than one name (a hard link); not appended to")
-        _lock(fd, path)
-        size = _end_torn_line(fd, path, info.st_size)
-        return fd, size, _last_line_hash(fd, size, path)
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def _lock(fd: int, path: str) -> None:
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        raise AuditError(
-            f"another egressd is writing the audit log {path}; give each instance its own --audit-log"
-        ) from exc
-    except OSError as exc:
-        raise AuditError(f"cannot lock audit log {path}: {exc.strerror}") from exc
-
-
-def _end_torn_line(fd: int, path: str, size: int) -> int:
-    # A crash mid-write can leave a last line without its newline; our
-    # first record would then be glued onto it and lost to readers.
-    if size == 0:
-        return 0
-    try:
-        last = os.pread(fd, 1, size - 1)
-        if last != b"\n":
-            logger.warning("audit log %s ended in a torn line; ending it", path)
-            if os.write(fd, b"\n") != 1:
-                raise AuditError(f"cannot end the torn last line of {path}")
-            return size + 1
-    except OSError as exc:
-        raise AuditError(f"cannot prepare audit log {path}: {exc.strerror}") from exc
-    return size
-
-
-def _last_line_hash(fd: int, size: int, path: str) -> str | None:
-    """SHA-256 (hex) of the last line (newline included) of a file that ends in one; None if empty.
-
-    Reads back from the end a chunk at a time to the newline before it, then
-    hashes forward, so no line is too long to chain onto.
-    """
-    if size == 0:
-        return None
-    try:
-        start = 0
-        end = size - 1  # the last line's own newline is not its start
-        while end > 0:
-            begin = max(0, end - _CHUNK_BYTES)
-            cut = os.pread(fd, end - begin, begin).rfind(b"\n")
-            if cut >= 0:
-                start = begin + cut + 1
-                break
-            end = begin
-        digest = hashlib.sha256()
-        offset = start
-        while offset < size:
-            chunk = os.pread(fd, min(_CHUNK_BYTES, size - offset), offset)
-            if not chunk:
-                raise AuditError(f"audit log {path} shrank while its last record was read")
-            digest.update(chunk)
-            offset += len(chunk)
-    except OSError as exc:
-        raise AuditError(f"cannot read the last record of {path}: {exc.strerror}") from exc
-    return digest.hexdigest()
-
-
-def _last_line_hash_of(path: str) -> str | None:
-    """The last line's hash of a rotated log (``PATH.1``), if it is a regular file that ends in a newline."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
-            return None
-        if os.pread(fd, 1, info.st_size - 1) != b"\n":
-            return None  # a torn tail: its chain cannot be continued honestly; start afresh
-        return _last_line_hash(fd, info.st_size, path)
-    except (OSError, AuditError):
-        return None
-    finally:
-        os.close(fd)
-
-
-def _open_log(path: str) -> int:
-    """The log's descriptor: ``path`` opened if it exists, else made; no link followed, on the way or at the name.
-
-    A regular file must be ours or root's and not writable by anyone else
-    (``egressd.config.trusted.check_descriptor``): the log is evidence, and
-    ``egressd audit suggest`` turns it into allowlists. A character device
-    (``/dev/full``, ``/dev/null``) is taken as it is; anything else (a FIFO,
-    a socket, a directory) is refused.
-    """
-    parent, name = os.path.split(path)
-    if name in ("", ".", ".."):
-        raise AuditError(f"cannot open audit log {path}: it names a directory")
-    try:
-        dir_fd = open_directory(parent or ".", for_file=path)
-    except FileNotFoundError:
-        directory = os.path.dirname(os.path.abspath(path))
-        raise AuditError(f"cannot open audit log {path}: directory {directory} does not exist") from None
-    except UntrustedFile as exc:
-        raise AuditError(f"audit log {exc}") from None
-    try:
-        fd = _open_in(dir_fd, name, path)
-    finally:
-        os.close(dir_fd)
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISCHR(mode):
-            check_descriptor(fd, path)
-    except UntrustedFile as exc:
-        os.close(fd)
-        raise AuditError(f"audit log {exc}") from None
-    return fd
-
-
-def _open_in(dir_fd: int, name: str, path: str) -> int:
-    try:
-        # Two turns: a file that appears between "not there" and O_EXCL is opened as an existing one.
-        for _ in range(2):
-            try:
-                return os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
-            except FileNotFoundError:
-                pass
-            try:
-                return os.open(name, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, _FILE_MODE, dir_fd=dir_fd)
-            except FileExistsError:
-                continue
-        raise AuditError(f"cannot open audit log {path}: it keeps appearing and disappearing")
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise AuditError(f"audit log {path} is a link, and the audit log is never opened through one") from None
-        raise AuditError(f"cannot open audit log {path}: {exc.strerror}") from None
 
 
 class MemoryAuditSink:
