@@ -196,6 +196,11 @@ class JsonlAuditSink:
         return self._prev
 
     @property
+    def descriptor(self) -> int:
+        """The descriptor written to (for standard output: the stream a worker is given as its own)."""
+        return self._fd
+
+    @property
     def path(self) -> str:
         """The file this sink appends to."""
         return self._path

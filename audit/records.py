@@ -317,8 +317,8 @@ class EgressEnded(NamedTuple):
     ts: float
     run: str | None
     address: str | None
-    bytes_up: int
-    bytes_down: int
+    bytes_up: int | None  # None: not known (``worker_lost``)
+    bytes_down: int | None
     duration_s: float
     end: End | Reason | str  # a code read back from a record is a string
     extra: Mapping[str, object] | None = None

@@ -139,6 +139,10 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
       "(default 0: no cap)"}),
     ("--idle-timeout-s", "idle_timeout_s",
      {"type": float, "metavar": "S", "help": "idle tunnel lifetime (default 300)"}),
+    ("--workers", "workers",
+     {"type": int, "metavar": "N",
+      "help": "processes serving the proxy's TCP listeners (SO_REUSEPORT); the first also holds the runs, "
+      "approvals, DNS and the control API, and the connection caps are shared out among them (default 1)"}),
     ("--max-connections", "max_connections",
      {"type": int, "metavar": "N", "help": "open client connections overall (default 10000)"}),
     ("--max-connections-per-run", "max_connections_per_run",
@@ -161,14 +165,16 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
 # ``agent`` fix them for their sandbox (a private socket, the run's own
 # addresses, credentials required), so they do not offer these flags.
 SERVICE_ONLY = frozenset(
-    {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "socks", "require_auth"}
+    {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "socks", "require_auth",
+     "workers"}
 )
 
 
 # --help's sections, by setting name: (heading, names or name prefixes); the rest are "policy".
 _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("secrets kept off the command line", ("*_file",)),
-    ("listeners and control API", ("listen", "control", "control_token", "transparent_", "socks", "require_auth")),
+    ("listeners and control API",
+     ("listen", "control", "control_token", "transparent_", "socks", "require_auth", "workers")),
     ("approvals", ("approver", "approval_", "max_pending_", "max_approvals_", "webhook_", "slack_", "public_url")),
     ("DNS", ("dns_", "upstream_dns")),
     ("audit log", ("audit_", "max_refusal_", "refusal_")),

@@ -345,6 +345,13 @@ class Settings(BaseSettings):
         description="move a tunnel's bytes in the kernel (splice(2), Linux) once its TLS server name is checked, "
         "64 KiB have moved and no upload budget counts them (--no-splice: copy them through egressd)",
     )
+    workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="processes serving the proxy's TCP listeners (SO_REUSEPORT); the first also holds the runs, "
+        "approvals, channels, DNS and the control API, and the connection caps are shared out among them",
+    )
     max_connections: int = Field(10000, ge=1, le=1_000_000, description="open client connections overall")
     max_connections_per_run: int = Field(1000, ge=1, le=1_000_000, description="open client connections per run")
     shutdown_grace_s: float = Field(10.0, ge=0, le=3600, description="time tunnels get to finish on shutdown")

@@ -459,7 +459,7 @@ async def set_command(request: web.Request) -> web.Response:
     command = (await _body(request)).get("command")
     if command is not None and not isinstance(command, str):
         raise json_error(400, "command must be a string or null")
-    run.command = command
+    run.set_command(command)
     return web.json_response({"id": run.id, "command": run.command})
 
 

@@ -38,3 +38,5 @@ class End(enum.StrEnum):
     CLOSED = "closed"  # one side closed
     IDLE_TIMEOUT = "idle_timeout"  # no byte either way for the listener's idle limit
     SHUTDOWN = "shutdown"  # egressd stopped
+    # The worker process serving it died (``--workers``); the owner ends its record, bytes not known (null).
+    WORKER_LOST = "worker_lost"

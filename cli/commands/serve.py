@@ -31,7 +31,7 @@ def reload(service: EgressService, read: Callable[[], Settings]) -> None:
 
 
 async def serve(settings: Settings, open_files: tuple[int, int], read: Callable[[], Settings]) -> int:
-    service = EgressService(settings)
+    service = EgressService(settings, workers=True)
     await service.start()
     # Said once started: a setting egressd refuses is the one line a bad start prints.
     logging.getLogger("egressd").info("open files: up to %d (hard limit %d)", *open_files)

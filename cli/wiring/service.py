@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import secrets
 import ssl
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -32,28 +31,21 @@ from egressd.approvals.assembly import approver_from_settings as _approvals_from
 from egressd.approvals.assembly import web_inbox
 from egressd.approvals.commandoutput import TerminalOutput
 from egressd.approvals.interface import Approver, ManagedApprover, SetupError
-from egressd.audit.log import AuditError, AuditSink, JsonlAuditSink
+from egressd.audit.log import STDOUT, AuditError, AuditSink, JsonlAuditSink
 from egressd.audit.records import policy_reloaded_record, run_record
+from egressd.audit.shared import SharedChain
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.config.settings import Settings, parse_hostport, token_path
 from egressd.control.api import PUBLIC_PATHS, build_app
-from egressd.names.addresses import IPAddress
-from egressd.proxy.core.addresses import OwnEndpoints, forbidden_reason
+from egressd.proxy.core.addresses import forbidden_reason
 from egressd.proxy.core.decision import Screen, private_hint
+from egressd.proxy.core.entries import EntryChange, LiveMerge, entry_diff
 from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, SOCKS, ListenerLimits, transparent_http, transparent_tls
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
-from egressd.proxy.core.runs import (
-    DEFAULT_RUN_ID,
-    EntryChange,
-    LiveMerge,
-    Run,
-    RunRegistry,
-    entry_diff,
-    new_control_token,
-)
+from egressd.proxy.core.runs import DEFAULT_RUN_ID, Run, RunRegistry, new_control_token
 from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.dialer import Dialer, bound_locally
 from egressd.proxy.net.dnsserver import DnsServer
@@ -69,6 +61,8 @@ from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_direct
 from .declared import SecretSettingError, secrets_from_settings
 from .errors import StartupError
 from .lasting import lasting_answers
+from .listening import dns_answers, listener_limits, own_endpoints
+from .workers import WorkerPool
 
 log = logging.getLogger("egressd")
 
@@ -170,89 +164,6 @@ def approver_from_settings(
         raise StartupError(str(exc)) from None
 
 
-# The settings of egressd's TCP listeners (the DNS server answers over TCP too).
-_LISTENERS = ("listen", "dns_listen", "transparent_tls", "transparent_http", "socks", "control")
-# Where a sandbox reaches "egressd" by the address its DNS answered with: the
-# transparent ports and DNS, also when a port forward brings them to a listener.
-_ANSWER_PORTS = frozenset({53, 80, 443})
-
-
-def own_endpoints(settings: Settings, bound: Mapping[str, int] | None = None) -> OwnEndpoints:
-    """egressd's own listening endpoints, which no dial may reach (no loops, no control API from a sandbox).
-
-    Every TCP listener's (host, port), the port being the one the kernel gave
-    where the setting says 0 (``bound``, by setting name; a listener not bound
-    yet is left out); ``localhost`` is 127.0.0.1 and ::1; 0.0.0.0 and :: stand
-    for every address of the host on that port. The addresses the DNS answers
-    with are where a sandbox is told egressd is: they count as egressd on
-    each of those ports and on 53, 80 and 443.
-    """
-    bound = bound or {}
-    endpoints: list[tuple[IPAddress, int]] = []
-    for name in _LISTENERS:
-        value = getattr(settings, name)
-        if value is None or value.startswith("unix:"):
-            continue
-        host, port = parse_hostport(value, name)
-        port = bound.get(name, port)
-        if port == 0:
-            continue
-        texts = ("127.0.0.1", "::1") if host == "localhost" else (host,)
-        endpoints += [(ipaddress.ip_address(text), port) for text in texts]
-    ports = {port for _, port in endpoints} | _ANSWER_PORTS
-    for text in (settings.dns_answer, settings.dns_answer6):
-        if text is not None:
-            endpoints += [(ipaddress.ip_address(text), port) for port in ports]
-    return OwnEndpoints.of(endpoints)
-
-
-def dns_answers(settings: Settings) -> tuple[ipaddress.IPv4Address, ipaddress.IPv6Address | None]:
-    """What A and AAAA queries are answered with; StartupError naming the setting.
-
-    ``dns_answer``, else the transparent listeners' host (DESIGN.md: where a
-    tool that resolved a name must land), else the DNS listener's own host.
-    """
-    if settings.dns_answer is not None:
-        answer = ipaddress.ip_address(settings.dns_answer)
-        if answer.version != 4:
-            raise StartupError(
-                f"bad setting dns_answer: {answer} is not an IPv4 address (AAAA answers are dns_answer6)"
-            )
-    else:
-        hosts = {
-            parse_hostport(v, n)[0]
-            for n, v in (
-                ("transparent_tls", settings.transparent_tls),
-                ("transparent_http", settings.transparent_http),
-            )
-            if v is not None
-        }
-        if len(hosts) > 1:
-            raise StartupError(
-                "bad setting dns_answer: the transparent listeners are on different hosts "
-                f"({', '.join(sorted(hosts))}); name the address the DNS should answer with"
-            )
-        assert settings.dns_listen is not None
-        text = hosts.pop() if hosts else parse_hostport(settings.dns_listen, "dns_listen")[0]
-        try:
-            answer = ipaddress.ip_address("127.0.0.1" if text == "localhost" else text)
-        except ValueError:
-            raise StartupError(f"bad setting dns_answer: cannot answer with {text!r}; set dns_answer") from None
-        if answer.version != 4 or answer.is_unspecified:
-            raise StartupError(
-                f"bad setting dns_answer: the listeners are on {text}, which is no IPv4 address to answer with; "
-                "set dns_answer"
-            )
-    answer6: ipaddress.IPv6Address | None = None
-    if settings.dns_answer6 is not None:
-        given = ipaddress.ip_address(settings.dns_answer6)
-        if not isinstance(given, ipaddress.IPv6Address):
-            raise StartupError(f"bad setting dns_answer6: {given} is not an IPv6 address")
-        answer6 = given
-    assert isinstance(answer, ipaddress.IPv4Address)
-    return answer, answer6
-
-
 class EgressService:
     """The proxy, its control API and its audit log, in the running event loop."""
 
@@ -264,8 +175,12 @@ class EgressService:
         resolver: Resolver | None = None,
         audit: AuditSink | None = None,
         terminal_output: TerminalOutput | None = None,
+        workers: bool = False,
     ) -> None:
         self.settings = settings
+        # ``egressd serve``'s: start ``settings.workers - 1`` worker processes (an embedded egressd has none).
+        self._with_workers = workers and settings.workers > 1
+        self.workers: WorkerPool | None = None
         self._approver = approver
         self._terminal_output = terminal_output  # a sandboxed command's output, held back during a prompt
         self._approvals: ManagedApprover | None = None  # the broker this service started (and stops)
@@ -436,12 +351,19 @@ class EgressService:
                             "unless --allow-private covers it (%s)", entry.text, private_hint(str(entry.address)))
 
         audit = self._audit
+        chain: SharedChain | None = None
+        if self._with_workers:
+            if audit is not None:
+                raise StartupError("bad setting workers: workers write egressd's own audit log, and a sink was given")
+            chain = SharedChain.create()
+            self._stack.callback(chain.close)
         if audit is None:
             path = s.audit_path
             if s.audit_log is None:
                 path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             try:
-                audit = JsonlAuditSink(path, fsync=s.audit_fsync, max_bytes=s.audit_max_bytes, keep=s.audit_keep)
+                audit = JsonlAuditSink(path, fsync=s.audit_fsync, max_bytes=s.audit_max_bytes, keep=s.audit_keep,
+                                       shared=chain)  # fmt: skip
             except AuditError as exc:
                 raise StartupError(f"bad setting audit_log: {exc}") from None
             self._stack.callback(audit.close)
@@ -496,25 +418,17 @@ class EgressService:
         # The operator's deny entries apply to the runs created through the control API too.
         self.runs = RunRegistry(default=default, learn=s.learn, global_deny=deny)
 
-        limits = ListenerLimits(
-            max_head_bytes=s.max_head_bytes,
-            head_timeout_s=s.head_timeout_s,
-            idle_timeout_s=s.idle_timeout_s,
-            connect_timeout_s=s.connect_timeout_s,
-            upload_budget_bytes=int(s.upload_budget_mb * 1024 * 1024),
-            request_body_cap_bytes=int(s.request_body_cap_mb * 1024 * 1024),
-            max_connections=s.max_connections,
-            max_connections_per_run=s.max_connections_per_run,
-            splice=s.splice,
-        )
+        limits = listener_limits(s, share=s.workers if self._with_workers else 1)
         self.proxy = Listener(path=self.path, runs=self.runs, limits=limits, mode=EXPLICIT)
         try:
-            await self.proxy.start(listen_host, listen_port)
+            await self.proxy.start(listen_host, listen_port, shared=self._with_workers)
         except OSError as exc:
             raise StartupError(f"bad setting listen: cannot listen on {s.listen}: {exc.strerror}") from None
         self._listening("listen", self.proxy.address[1])
         await self._start_transparent(limits)
         await self._start_control()
+        if chain is not None:
+            await self._start_workers(chain, audit)
         if default is not None:
             self._write_run_record(
                 run_record(
@@ -558,10 +472,30 @@ class EgressService:
             )
             await self._listen(self.dns, "dns_listen", s.dns_listen)
 
+    async def _start_workers(self, chain: SharedChain, audit: AuditSink) -> None:
+        """The worker processes, each in every TCP listener's group; StartupError if one cannot start."""
+        assert self.runs is not None and self.path is not None and self.proxy is not None
+        assert isinstance(audit, JsonlAuditSink)  # the service's own: a sink given is refused with workers
+        listeners = {"listen": self.proxy, "transparent_tls": self.transparent_tls,
+                     "transparent_http": self.transparent_http, "socks": self.socks}  # fmt: skip
+        self.workers = WorkerPool(
+            settings=self.settings, runs=self.runs, approver=self.path.approver, inspector=self.path.inspector,
+            listeners={name: listener for name, listener in listeners.items() if listener is not None},
+            bound=dict(self._bound), chain=chain, audit=audit,
+            audit_stream=audit.descriptor if audit.path == STDOUT else None,
+        )  # fmt: skip
+        try:
+            await self.workers.start()
+        except (OSError, RuntimeError) as exc:
+            raise StartupError(f"bad setting workers: {exc}") from None
+
     async def _listen(self, server: Listener | DnsServer, setting: str, value: str) -> None:
         host, port = parse_hostport(value, setting)
         try:
-            await server.start(host, port)
+            if isinstance(server, Listener):
+                await server.start(host, port, shared=self._with_workers)
+            else:
+                await server.start(host, port)
         except OSError as exc:
             raise StartupError(f"bad setting {setting}: cannot listen on {value}: {exc.strerror}") from None
         self._listening(setting, server.address[1])
@@ -664,6 +598,9 @@ class EgressService:
         if self.dns is not None:
             await self.dns.close()
             self.dns = None
+        if self.workers is not None:
+            await self.workers.close(grace)
+            self.workers = None
         # Every TCP listener gets the same grace at the same time, not one after another.
         listeners = [x for x in (self.transparent_tls, self.transparent_http, self.socks, self.proxy) if x is not None]
         await asyncio.gather(*(listener.close(grace) for listener in listeners))

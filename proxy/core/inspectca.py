@@ -128,7 +128,9 @@ def _common_name(run_id: str) -> str:
 class RunCA:
     """One run's inspection CA: its certificate, its name constraints and the leaves it has minted.
 
-    Make one with ``RunCA.create``. The private key stays inside this object.
+    Make one with ``RunCA.create``. The private key stays inside this object,
+    but for ``handed``: the one way it leaves, to a worker process of the
+    same egressd (``--workers``), which takes it with ``RunCA.taken``.
     """
 
     __slots__ = ("_covered", "_certificate", "_key", "_leaves", "_max_leaves", "_pem", "_ski")
@@ -204,6 +206,23 @@ class RunCA:
             .sign(key, hashes.SHA256())
         )
         return cls(key, certificate, covered, max_leaves)
+
+    def handed(self) -> tuple[bytes, bytes, tuple[str, ...]]:
+        """The key (PKCS #8, PEM), the certificate (PEM) and the names: for a worker of this egressd only."""
+        key = self._key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+        return key, self._pem, self.names
+
+    @classmethod
+    def taken(cls, handed: tuple[bytes, bytes, tuple[str, ...]], *, max_leaves: int = MAX_LEAVES) -> RunCA:
+        """The CA another process of this egressd made (``handed``): the same key, certificate and names."""
+        key_pem, certificate_pem, names = handed
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        if not isinstance(key, ec.EllipticCurvePrivateKey):
+            raise InspectCAError("a handed CA key must be an elliptic-curve key")
+        covered = tuple(dict.fromkeys(_entry(text) for text in names))
+        return cls(key, x509.load_pem_x509_certificate(certificate_pem), covered, max_leaves)
 
     @property
     def certificate(self) -> x509.Certificate:

@@ -43,13 +43,14 @@ import hmac
 import ipaddress
 import secrets
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from egressd.names.addresses import IPAddress, unmapped
 from egressd.names.hosts import HostError, normalised, registered_domain, split_port
 from egressd.proxy.core.budget import Budget
+from egressd.proxy.core.entries import EntryChange, LiveMerge, entry_key
 from egressd.proxy.core.memo import remember
 from egressd.proxy.core.policy import (
     DEFAULT_PORTS,
@@ -80,64 +81,6 @@ def new_control_token() -> str:
 
 class RunError(Exception):
     """A run could not be created or found (unknown id, address already bound), or changed as asked."""
-
-
-def entry_key(entry: Entry) -> tuple[object, ...]:
-    """What an entry matches, without its spelling: two entries with one key allow or deny the same."""
-    return (entry.host, entry.wildcard, entry.ports, entry.address)
-
-
-@dataclass(frozen=True, slots=True)
-class EntryChange:
-    """Entries added and removed, as their texts (a reload's or a ``PATCH /runs/ID``'s)."""
-
-    allow_added: tuple[str, ...] = ()
-    allow_removed: tuple[str, ...] = ()
-    deny_added: tuple[str, ...] = ()
-    deny_removed: tuple[str, ...] = ()
-
-    def __bool__(self) -> bool:
-        return bool(self.allow_added or self.allow_removed or self.deny_added or self.deny_removed)
-
-    @property
-    def added(self) -> dict[str, list[str]]:
-        return {"allow": list(self.allow_added), "deny": list(self.deny_added)}
-
-    @property
-    def removed(self) -> dict[str, list[str]]:
-        return {"allow": list(self.allow_removed), "deny": list(self.deny_removed)}
-
-    @property
-    def by_kind(self) -> dict[str, dict[str, list[str]]]:
-        """``{"allow": {"added": [...], "removed": [...]}, "deny": {...}}``."""
-        return {
-            "allow": {"added": list(self.allow_added), "removed": list(self.allow_removed)},
-            "deny": {"added": list(self.deny_added), "removed": list(self.deny_removed)},
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class LiveMerge:
-    """What ``Run.reconfigure`` did with the run's live edits (control-API edits), as their texts.
-
-    ``kept``: the edits still laid on top of the configured entries (the files
-    do not say them). ``in_files``: the edits the configured entries now say
-    themselves (an added entry the files have, a removed one they no longer
-    have); the files rule those from now on, so taking one out of a file
-    takes effect at the next reload.
-    """
-
-    kept: EntryChange = EntryChange()
-    in_files: EntryChange = EntryChange()
-
-
-def entry_diff(old: Sequence[Entry], new: Sequence[Entry]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(added, removed): the texts of ``new``'s entries no entry of ``old`` matches as, and the reverse."""
-    old_keys = {entry_key(e) for e in old}
-    new_keys = {entry_key(e) for e in new}
-    added = tuple(dict.fromkeys(e.text for e in new if entry_key(e) not in old_keys))
-    removed = tuple(dict.fromkeys(e.text for e in old if entry_key(e) not in new_keys))
-    return added, removed
 
 
 def _edited(
@@ -206,6 +149,8 @@ class Run:
     _decisions: dict[tuple[str, int], PolicyDecision] = field(default_factory=dict)
     # The live edits (``change_entries``), the last one per entry: (kind, entry_key) → (entry, added).
     _live: dict[tuple[str, tuple[object, ...]], tuple[Entry, bool]] = field(default_factory=dict)
+    # Told of every change of what ``decide`` reads (``RunRegistry.watch``: the workers' copies follow).
+    watch: Callable[[], None] | None = field(default=None, repr=False)
 
     def policy(self) -> RunPolicy:
         """The pure decision input; rebuilt only after an approval, a denial or an entry change."""
@@ -289,6 +234,12 @@ class Run:
         if site is not None:
             self.denied.add(site)
         self._changed()
+
+    def set_command(self, command: str | None) -> None:
+        """The command the run executes now (its records and approval messages name it)."""
+        self.command = command
+        if self.watch is not None:
+            self.watch()
 
     def stop_asking(self) -> None:
         """The run made as many approval requests as it may: new domains are ``not_allowlisted``."""
@@ -400,6 +351,8 @@ class Run:
     def _changed(self) -> None:
         self._policy = None
         self._decisions.clear()
+        if self.watch is not None:
+            self.watch()
 
     def at_connection_cap(self, cap: int) -> bool:
         """Whether the run holds ``cap`` client connections, decided or still sending their head."""
@@ -561,6 +514,18 @@ class RunRegistry:
         self.global_deny = tuple(global_deny)
         if default is not None:
             self._runs[default.id] = default
+        self._watch: Callable[[], None] | None = None
+
+    @property
+    def watch(self) -> Callable[[], None] | None:
+        """Called on every change of a run's policy, and when a run begins or ends (None: nobody watches)."""
+        return self._watch
+
+    @watch.setter
+    def watch(self, watch: Callable[[], None] | None) -> None:
+        self._watch = watch
+        for run in self._runs.values():
+            run.watch = watch
 
     def __iter__(self) -> Any:
         return iter(list(self._runs.values()))
@@ -609,11 +574,18 @@ class RunRegistry:
             global_deny=self.global_deny,
             started=started,
         )
+        self.add(run)
+        return run
+
+    def add(self, run: Run) -> None:
+        """Register ``run``, made with its credentials already (``create``'s, or a worker's copy of one)."""
         self._runs[run.id] = run
-        for source in sources:
+        for source in run.sources:
             self._by_source[source] = run
             self._by_text[str(source)] = run
-        return run
+        run.watch = self._watch
+        if self._watch is not None:
+            self._watch()
 
     def set_global_deny(self, deny: Sequence[Entry]) -> None:
         """The operator's deny entries changed: every run but the default one applies them from its next request."""
@@ -621,6 +593,8 @@ class RunRegistry:
         for run in self._runs.values():
             if run is not self.default:
                 run.set_global_deny(self.global_deny)
+        if self._watch is not None:
+            self._watch()
 
     def end(self, run_id: str) -> Run:
         run = self._runs.pop(run_id, None)
@@ -632,6 +606,8 @@ class RunRegistry:
             self._by_text.pop(str(address), None)
         if run is self.default:
             self.default = None
+        if self._watch is not None:
+            self._watch()
         return run
 
     def authenticate(self, header: str) -> Run | None:

@@ -20,7 +20,7 @@ import datetime as _dt
 import os
 import ssl
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from egressd.proxy.core.inspectca import InspectCAError, RunCA
 from egressd.proxy.core.runs import Run
@@ -73,6 +73,18 @@ class Inspector:
             names = sorted(run.inspected_names())
             ca = self._cas[run.id] = RunCA.create(names, self._clock(), CA_LIFETIME, run_id=run.id)
         return ca
+
+    def handed(self, runs: Iterable[Run]) -> dict[str, tuple[bytes, bytes, tuple[str, ...]]]:
+        """The CAs of ``runs`` that inspect anything, made now if not yet, for the workers (``RunCA.handed``)."""
+        return {run.id: self.ca(run).handed() for run in runs if run.inspected_names()}
+
+    def take(self, handed: dict[str, tuple[bytes, bytes, tuple[str, ...]]]) -> None:
+        """A worker takes the owner's CAs (``handed``): the sandbox trusts those, and only those."""
+        for run_id in [run_id for run_id in self._cas if run_id not in handed]:
+            self.forget(run_id)  # its run ended
+        for run_id, ca in handed.items():
+            if run_id not in self._cas:
+                self._cas[run_id] = RunCA.taken(ca)
 
     def certificate_pem(self, run: Run) -> bytes:
         """The run's CA certificate (never its key): what the sandbox's trust bundle adds."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import socket
 
 from egressd.proxy.core.conversation import Listening
 from egressd.proxy.core.inspected import InspectedWay
@@ -43,6 +44,7 @@ class Listener:
         self._server: asyncio.AbstractServer | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # ``start``'s: asked once, not once per client
         self._address: tuple[str, int] | None = None
+        self._sockets: tuple[socket.socket, ...] = ()  # what ``start`` bound (two for ``localhost``)
         # Each client's task while it serves it; the task takes itself out (``Runner.run``): a done
         # callback would cost every connection one more call_soon and loop turn.
         self.tasks: dict[Peer, asyncio.Task[None]] = {}
@@ -83,14 +85,52 @@ class Listener:
         self._mode = mode
         self.listening = self._listening()
 
-    async def start(self, host: str, port: int) -> None:
+    async def start(self, host: str, port: int, *, shared: bool = False) -> None:
+        """Listen on host:port; ``shared``: other processes of this egressd will listen there too (SO_REUSEPORT).
+
+        A shared port is first bound alone, as an unshared one is, so a port
+        another program (or another egressd) holds is refused all the same.
+        """
         loop = self._loop = asyncio.get_running_loop()
+        if shared and port != 0:
+            probe = await loop.create_server(asyncio.Protocol, host, port, reuse_address=True)
+            probe.close()
+            await probe.wait_closed()
         # A partial, not a lambda: the factory runs at every accept, and a partial is called in C.
         self._server = await loop.create_server(
-            functools.partial(Peer, self._accepted, loop), host, port, backlog=1024, reuse_address=True
-        )
+            functools.partial(Peer, self._accepted, loop), host, port, backlog=1024, reuse_address=True,
+            reuse_port=shared or None,
+        )  # fmt: skip
+        self._sockets = self._server.sockets
+        bound = self._sockets[0].getsockname()
+        self._address = (bound[0], bound[1])
+
+    async def start_on(self, sock: socket.socket) -> None:
+        """Accept on a listening socket made elsewhere (a worker's, made by the owner: ``group_sockets``)."""
+        loop = self._loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(functools.partial(Peer, self._accepted, loop), sock=sock, backlog=1024)
         bound = self._server.sockets[0].getsockname()
         self._address = (bound[0], bound[1])
+
+    def group_sockets(self) -> list[socket.socket]:
+        """New listening sockets on every address this listener has, in its SO_REUSEPORT group (for a worker)."""
+        assert self._server is not None, "not started"
+        made: list[socket.socket] = []
+        try:
+            for own in self._sockets:
+                sock = socket.socket(own.family, socket.SOCK_STREAM)
+                made.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if own.family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(own.getsockname())
+                sock.listen(1024)
+        except BaseException:
+            for sock in made:
+                sock.close()
+            raise
+        return made
 
     def _accepted(self, client: Peer) -> None:
         # No TCP_NODELAY here: asyncio and uvloop set it on every TCP transport.

@@ -21,6 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from egressd.proxy.core.inspectca import BACKDATE, DEFAULT_MARGIN, InspectCAError, Leaf, RunCA
+from tests import REPO
 from tests.fakes.leafcontext import client_context, forge, forged_leaf, server_context
 
 NOW = dt.datetime(2026, 12, 5, 12, 0, 0, tzinfo=dt.UTC)
@@ -277,9 +278,19 @@ def test_no_repr_or_str_shows_a_key(ca: RunCA) -> None:
     assert "api.github.com" in repr(leaf) and "*.example.com" in repr(ca)
 
 
-def test_the_ca_offers_no_way_to_its_key(ca: RunCA) -> None:
+def test_the_ca_offers_one_way_to_its_key_and_only_the_workers_hand_over_use_it(ca: RunCA) -> None:
     public = {name for name in dir(ca) if not name.startswith("_")}
-    assert public == {"certificate", "certificate_pem", "covers", "create", "leaf", "names"}
+    assert public == {"certificate", "certificate_pem", "covers", "create", "handed", "leaf", "names", "taken"}
+    # ``handed`` is for a worker of the same egressd (--workers): the one module that calls it is the
+    # inspector, from the one method the owner's worker pool calls.
+    callers = sorted(
+        str(path.relative_to(REPO))
+        for path in REPO.glob("**/*.py")
+        if ".venv" not in path.parts and "tests" not in path.parts and ".handed(" in path.read_text()
+    )
+    assert callers == ["cli/wiring/workers.py", "proxy/net/inspector.py"]
+    taken = RunCA.taken(ca.handed())  # and what a worker takes is the same CA
+    assert taken.certificate_pem() == ca.certificate_pem() and taken.names == ca.names
 
 
 # --- TLS, in memory ---------------------------------------------------------------------------------------

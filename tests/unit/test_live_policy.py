@@ -6,8 +6,9 @@ import pytest
 
 from egressd.audit.fields import RecordError
 from egressd.audit.records import policy_reloaded_record, run_changed_record
+from egressd.proxy.core.entries import entry_diff
 from egressd.proxy.core.policy import Verdict, parse_entry
-from egressd.proxy.core.runs import Run, RunError, RunRegistry, entry_diff
+from egressd.proxy.core.runs import Run, RunError, RunRegistry
 from egressd.vocabulary.reasons import Reason
 
 

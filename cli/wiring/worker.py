@@ -1,0 +1,191 @@
+"""A worker process of ``egressd serve --workers N``: serves its share of the proxy's TCP listeners.
+
+Started by the owner (``workers.WorkerPool``) as ``python -m
+egressd.cli.wiring.worker``, with its listening sockets, its channel and the
+audit chain's shared memory as inherited descriptors. It is sent the
+settings and the runs, and then serves every connection the kernel gives
+its sockets as the owner would: the same conversation, policy, records
+(written ahead to the same log, in the same chain) and dials. A question
+for a person goes to the owner (``proxy.net.owner``).
+
+When the channel closes without a stop (the owner died), the worker stops
+at once: its listeners close (a new connection is refused), its open
+connections are cut, and nothing more goes out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import ssl
+import sys
+from typing import Any
+
+from egressd.audit.log import AuditError, JsonlAuditSink
+from egressd.audit.shared import SharedChain
+from egressd.config.settings import Settings
+from egressd.proxy.core.decision import Screen
+from egressd.proxy.core.floods import RefusalBudget
+from egressd.proxy.core.metrics import Metrics
+from egressd.proxy.core.modes import EXPLICIT, SOCKS, Mode, transparent_http, transparent_tls
+from egressd.proxy.core.replica import RegistryImage, follow
+from egressd.proxy.core.runs import RunRegistry
+from egressd.proxy.net.channel import Channel
+from egressd.proxy.net.dialer import Dialer, bound_locally
+from egressd.proxy.net.inspector import Inspector
+from egressd.proxy.net.listener import Listener
+from egressd.proxy.net.owner import OwnerApprover, ReportingRecorder
+from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
+from egressd.proxy.net.runner import EgressPath
+
+from ..logformat import direct_writer, setup_logging
+from .errors import StartupError
+from .listening import listener_limits, own_endpoints
+from .loop import run_async
+from .service import declared_secrets, entries_from_settings
+
+log = logging.getLogger("egressd")
+
+_MODES: dict[str, Mode] = {
+    "listen": EXPLICIT,
+    "transparent_tls": transparent_tls(),
+    "transparent_http": transparent_http(),
+    "socks": SOCKS,
+}
+
+
+class Worker:
+    """One worker's proxy: built from the owner's ``start`` message, stopped by its ``stop`` or its death."""
+
+    def __init__(self, index: int, chain_fd: int, sockets: list[tuple[str, socket.socket]]) -> None:
+        self.index = index
+        self._chain_fd = chain_fd
+        self._sockets = sockets
+        self.channel: Channel | None = None
+        self.started: asyncio.Future[tuple[Settings, dict[str, int], tuple[RegistryImage, dict[str, Any]]]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.stop: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.runs = RunRegistry()
+        self.approver: OwnerApprover | None = None
+        self.listeners: list[Listener] = []
+        self.audit: JsonlAuditSink | None = None
+        self.inspector: Inspector | None = None
+        self._resolver: Resolver | None = None
+
+    def on_message(self, message: Any) -> None:
+        kind = message[0]
+        if kind == "image":
+            assert self.channel is not None
+            follow(self.runs, message[1], self.channel.send)
+            if self.inspector is not None:
+                self.inspector.take(message[2])
+        elif kind == "answer" and self.approver is not None:
+            self.approver.answered(message[1], message[2])
+        elif kind == "late" and self.approver is not None:
+            self.approver.late(message[1], message[2])
+        elif kind == "start" and not self.started.done():
+            # The owner's values as they are: read and checked there (nothing here reads the environment again).
+            settings = Settings.model_construct(**message[1])
+            self.started.set_result((settings, message[2], message[3]))
+        elif kind == "stop" and not self.stop.done():
+            self.stop.set_result(float(message[1]))
+
+    async def build(
+        self, settings: Settings, bound: dict[str, int], image: tuple[RegistryImage, dict[str, Any]]
+    ) -> None:
+        """The proxy as the owner's, on this worker's sockets; StartupError naming what failed."""
+        s = settings
+        assert self.channel is not None
+        try:
+            self.audit = JsonlAuditSink(s.audit_path, fsync=s.audit_fsync, max_bytes=s.audit_max_bytes,
+                                        keep=s.audit_keep, shared=SharedChain.attach(self._chain_fd))  # fmt: skip
+        except AuditError as exc:
+            raise StartupError(f"worker {self.index}: bad setting audit_log: {exc}") from None
+        self._resolver = DnsResolver(parse_server(s.upstream_dns)) if s.upstream_dns else SystemResolver()
+        try:
+            inspector = Inspector(origin_cafile=str(s.inspect_origin_ca_file) if s.inspect_origin_ca_file else None)
+        except (OSError, ssl.SSLError) as exc:
+            raise StartupError(f"bad setting inspect_origin_ca_file: {exc}") from None
+        self.approver = OwnerApprover(self.channel.send)
+        runs, cas = image
+        self.runs = RunRegistry(learn=s.learn, global_deny=runs.global_deny)
+        follow(self.runs, runs, self.channel.send)
+        inspector.take(cas)
+        self.inspector = inspector
+        recorder = ReportingRecorder(
+            audit=self.audit, metrics=Metrics(), refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
+        )
+        recorder.tell_now, recorder.tell = self.channel.send_now, self.channel.send
+        path = EgressPath(
+            recorder=recorder,
+            dialer=Dialer(origin_tls=inspector.origin_context),
+            approver=self.approver,
+            resolver=self._resolver,
+            screen=Screen(allow_private=s.allow_private_networks, own=own_endpoints(s, bound), is_local=bound_locally),
+            inspector=inspector,
+            secrets=declared_secrets(s, None if s.require_auth else entries_from_settings(s)[0]),
+        )
+        path.recorder.say = direct_writer(logging.getLogger("egressd.decisions")) or path.recorder.say
+        limits = listener_limits(s, share=s.workers)
+        for setting, sock in self._sockets:
+            listener = Listener(path=path, runs=self.runs, limits=limits, mode=_MODES[setting])
+            await listener.start_on(sock)
+            self.listeners.append(listener)
+
+    async def close(self, grace_s: float) -> None:
+        await asyncio.gather(*(listener.close(grace_s) for listener in self.listeners))
+        if self.approver is not None:
+            self.approver.owner_gone()
+        close = getattr(self._resolver, "close", None)
+        if close is not None:
+            await close()
+        if self.audit is not None:
+            self.audit.close()
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    sockets = []
+    for text in args.listener:
+        setting, _, fd = text.partition("=")
+        sockets.append((setting, socket.socket(fileno=int(fd))))
+    worker = Worker(args.index, args.chain, sockets)
+    worker.channel = await Channel.over(socket.socket(fileno=args.channel), worker.on_message)
+    first: set[asyncio.Future[Any]] = {worker.started, worker.channel.closed}
+    done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+    if worker.started not in done:
+        return 1  # the owner went away before it said how to start
+    settings, bound, image = worker.started.result()
+    setup_logging(settings.log_level, settings.log_format)
+    try:
+        await worker.build(settings, bound, image)
+    except StartupError as exc:
+        log.error("egressd: worker %d: %s", args.index, exc)
+        await worker.close(0)
+        return 1
+    worker.channel.send(("ready",))
+    last: set[asyncio.Future[Any]] = {worker.stop, worker.channel.closed}
+    done, _ = await asyncio.wait(last, return_when=asyncio.FIRST_COMPLETED)
+    if worker.stop in done:
+        await worker.close(worker.stop.result())
+        return 0
+    # The owner died: nobody holds the runs, answers questions or serves the control API. Stop now.
+    log.error("egressd: worker %d: the owner process is gone; stopping, open connections cut", args.index)
+    await worker.close(0)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="egressd worker", description="a worker of egressd serve --workers N")
+    parser.add_argument("--index", type=int, required=True)
+    parser.add_argument("--channel", type=int, required=True)
+    parser.add_argument("--chain", type=int, required=True)
+    parser.add_argument("--listener", action="append", default=[], help="SETTING=FD, one per listening socket")
+    args = parser.parse_args(argv)
+    return run_async(lambda: _serve(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
