@@ -480,6 +480,7 @@ class EgressService:
                      "transparent_http": self.transparent_http, "socks": self.socks}  # fmt: skip
         self.workers = WorkerPool(
             settings=self.settings, runs=self.runs, approver=self.path.approver, inspector=self.path.inspector,
+            screen=self.path.screen,
             listeners={name: listener for name, listener in listeners.items() if listener is not None},
             bound=dict(self._bound), chain=chain, audit=audit,
             audit_stream=audit.descriptor if audit.path == STDOUT else None,

@@ -30,7 +30,7 @@ from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, SOCKS, Mode, transparent_http, transparent_tls
-from egressd.proxy.core.replica import RegistryImage, follow
+from egressd.proxy.core.replica import follow
 from egressd.proxy.core.runs import RunRegistry
 from egressd.proxy.net.channel import Channel
 from egressd.proxy.net.dialer import Dialer, bound_locally
@@ -45,6 +45,7 @@ from .errors import StartupError
 from .listening import listener_limits, own_endpoints
 from .loop import run_async
 from .service import declared_secrets, entries_from_settings
+from .workers import Image
 
 log = logging.getLogger("egressd")
 
@@ -64,7 +65,7 @@ class Worker:
         self._chain_fd = chain_fd
         self._sockets = sockets
         self.channel: Channel | None = None
-        self.started: asyncio.Future[tuple[Settings, dict[str, int], tuple[RegistryImage, dict[str, Any]]]] = (
+        self.started: asyncio.Future[tuple[Settings, dict[str, int], Image]] = (
             asyncio.get_running_loop().create_future()
         )
         self.stop: asyncio.Future[float] = asyncio.get_running_loop().create_future()
@@ -73,15 +74,13 @@ class Worker:
         self.listeners: list[Listener] = []
         self.audit: JsonlAuditSink | None = None
         self.inspector: Inspector | None = None
+        self.screen: Screen | None = None
         self._resolver: Resolver | None = None
 
     def on_message(self, message: Any) -> None:
         kind = message[0]
         if kind == "image":
-            assert self.channel is not None
-            follow(self.runs, message[1], self.channel.send)
-            if self.inspector is not None:
-                self.inspector.take(message[2])
+            self.follow(message[1:])
         elif kind == "answer" and self.approver is not None:
             self.approver.answered(message[1], message[2])
         elif kind == "late" and self.approver is not None:
@@ -93,9 +92,15 @@ class Worker:
         elif kind == "stop" and not self.stop.done():
             self.stop.set_result(float(message[1]))
 
-    async def build(
-        self, settings: Settings, bound: dict[str, int], image: tuple[RegistryImage, dict[str, Any]]
-    ) -> None:
+    def follow(self, image: Image) -> None:
+        """What the owner holds now: the runs, their CAs, the private ranges allowed."""
+        assert self.channel is not None and self.inspector is not None and self.screen is not None
+        runs, cas, allow_private = image
+        follow(self.runs, runs, self.channel.send)
+        self.inspector.take(cas)
+        self.screen.set_allow_private(allow_private)
+
+    async def build(self, settings: Settings, bound: dict[str, int], image: Image) -> None:
         """The proxy as the owner's, on this worker's sockets; StartupError naming what failed."""
         s = settings
         assert self.channel is not None
@@ -110,11 +115,11 @@ class Worker:
         except (OSError, ssl.SSLError) as exc:
             raise StartupError(f"bad setting inspect_origin_ca_file: {exc}") from None
         self.approver = OwnerApprover(self.channel.send)
-        runs, cas = image
-        self.runs = RunRegistry(learn=s.learn, global_deny=runs.global_deny)
-        follow(self.runs, runs, self.channel.send)
-        inspector.take(cas)
+        self.runs = RunRegistry(learn=s.learn, global_deny=image[0].global_deny)
         self.inspector = inspector
+        own = own_endpoints(s, bound)
+        self.screen = Screen(allow_private=s.allow_private_networks, own=own, is_local=bound_locally)
+        self.follow(image)
         recorder = ReportingRecorder(
             audit=self.audit, metrics=Metrics(), refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
         )
@@ -124,7 +129,7 @@ class Worker:
             dialer=Dialer(origin_tls=inspector.origin_context),
             approver=self.approver,
             resolver=self._resolver,
-            screen=Screen(allow_private=s.allow_private_networks, own=own_endpoints(s, bound), is_local=bound_locally),
+            screen=self.screen,
             inspector=inspector,
             secrets=declared_secrets(s, None if s.require_auth else entries_from_settings(s)[0]),
         )

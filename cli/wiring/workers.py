@@ -34,6 +34,7 @@ from egressd.audit.log import AuditError, AuditSink
 from egressd.audit.records import EgressEnded
 from egressd.audit.shared import SharedChain
 from egressd.config.settings import Settings
+from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.replica import Change, RegistryImage, apply_change, image_of
 from egressd.proxy.core.runs import RunRegistry
 from egressd.proxy.net.channel import Channel
@@ -42,6 +43,10 @@ from egressd.proxy.net.listener import Listener
 from egressd.vocabulary.egress import End
 
 log = logging.getLogger("egressd")
+
+# What a worker is sent on every change: the runs, the inspecting runs' CAs (``Inspector.handed``), the private
+# ranges allowed (``Screen.allow_private``).
+Image = tuple[RegistryImage, dict[str, Any], tuple[Any, ...]]
 
 # How long a worker has to stop after it was told to, beyond the shutdown grace.
 STOP_MARGIN_S = 5.0
@@ -70,6 +75,7 @@ class WorkerPool:
         runs: RunRegistry,
         approver: Approver,
         inspector: Inspector | None,
+        screen: Screen,
         listeners: dict[str, Listener],
         bound: dict[str, int],
         chain: SharedChain,
@@ -80,6 +86,7 @@ class WorkerPool:
         self._runs = runs
         self._approver = approver
         self._inspector = inspector
+        self._screen = screen
         self._listeners = listeners
         self._bound = bound
         self._chain = chain
@@ -223,10 +230,11 @@ class WorkerPool:
         if self._push is None and self._workers:
             self._push = asyncio.get_running_loop().call_soon(self._send_image)
 
-    def _image(self) -> tuple[RegistryImage, dict[str, Any]]:
-        """The runs, and the CAs of those that inspect: a client trusts its run's one CA, whichever process serves."""
+    def _image(self) -> Image:
+        """The runs; the CAs of those that inspect (a client trusts its run's one CA, whichever process serves it);
+        the private ranges allowed now (a reload changes them)."""
         cas = self._inspector.handed(self._runs) if self._inspector is not None else {}
-        return image_of(self._runs), cas
+        return image_of(self._runs), cas, self._screen.allow_private
 
     def _send_image(self) -> None:
         self._push = None

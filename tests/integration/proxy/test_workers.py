@@ -72,11 +72,11 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path: Path, dns: FakeDns, *args: str, listen: str = "127.0.0.1:0") -> AsyncIterator[Serve]:
+async def serving(tmp_path: Path, dns: FakeDns, *args: str, private: bool = True) -> AsyncIterator[Serve]:
     log = tmp_path / "audit.jsonl"
     proc = await asyncio.create_subprocess_exec(
-        EGRESSD, "serve", "--workers", "2", "--listen", listen, "--control", "127.0.0.1:0",
-        "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--allow-private", ORIGIN_RANGE,
+        EGRESSD, "serve", "--workers", "2", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
+        "--upstream-dns", f"127.0.0.1:{dns.address[1]}", *(("--allow-private", ORIGIN_RANGE) if private else ()),
         "--audit-log", str(log), *args,
         env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
@@ -330,3 +330,25 @@ async def test_inspected_https_is_served_by_either_process_with_the_runs_one_ca(
     assert [m for m, _, _ in https_origin.requests] == ["GET"] * (SPREAD // 2)  # no POST went out
     https = [r for r in serve.records() if r.get("kind") == "https"]
     assert sorted(r["decision"] for r in https) == ["allow"] * (SPREAD // 2) + ["deny"] * 4
+
+
+async def test_a_reload_that_takes_back_a_private_range_holds_in_the_worker(
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener
+) -> None:
+    target = f"origin.test:{echo_origin.port}"
+    config = tmp_path / "egressd.toml"
+    config.write_text(f'allow = ["{target}"]\nallow_private = ["{ORIGIN_RANGE}"]\n')
+    async with serving(tmp_path, dns, "--config", str(config), private=False) as serve:
+        for writer in await _hold_tunnels(serve, target, SPREAD):
+            writer.close()
+        arrived = echo_origin.connections
+        config.write_text(f'allow = ["{target}"]\n')  # the origin's private range taken back
+        serve.proc.send_signal(signal.SIGHUP)
+        await wait_until(lambda: any("policy reloaded" in line for line in serve.seen), 10)
+        answers = await asyncio.gather(*(_connect(serve.ports["proxy"], target) for _ in range(SPREAD)))
+        for _, _, _, writer in answers:
+            writer.close()
+        assert {(status, headers["x-egress-reason"]) for status, headers, _, _ in answers} == {
+            (403, "private_address")
+        }
+        assert echo_origin.connections == arrived
