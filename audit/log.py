@@ -208,6 +208,8 @@ class JsonlAuditSink:
     @property
     def healthy(self) -> bool:
         """False once a write has failed or the sink is closed."""
+        if self._shared is not None and self._failure is None and self._shared.failed:
+            self._fail("another process of this egressd could not write it")
         return self._failure is None and not self._closed
 
     def write(self, record: Mapping[str, object]) -> None:
@@ -264,7 +266,7 @@ class JsonlAuditSink:
     def _queue(self, record: Mapping[str, object]) -> None:
         if self._closed:
             raise AuditError(f"audit log {self._path} is closed")
-        if self._failure is not None:
+        if self._failure is not None or (self._shared is not None and not self.healthy):
             raise AuditError(f"audit log {self._path} failed earlier: {self._failure}")
         try:
             # ensure_ascii: the line cannot hold a raw newline or a byte that
@@ -462,6 +464,8 @@ class JsonlAuditSink:
 
     def _fail(self, reason: str) -> None:
         self._failure = reason
+        if self._shared is not None:
+            self._shared.fail()
         logger.error(
             "audit log %s failed: %s; no further records will be written and egress is refused",
             self._path,

@@ -21,6 +21,11 @@ chain continued from the last line as written), as a sink opening the file
 does. No system call is spent on that check while nobody dies. Rotation and
 ``reopen`` raise the generation, and every writer opens the log anew before
 its next batch.
+
+A write that fails in one process (a full disk, a reader of standard output
+gone) fails the log for all of them (``failed``): each sink reports itself
+unhealthy and refuses egress, as one process's sink does after its own
+failure.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from types import TracebackType
 
 __all__ = ["Position", "SharedChain"]
 
-# generation, size, has-prev, prev (64 hex digits), being written.
+# generation, size, has-prev, prev (64 hex digits), being written; then, apart, failed.
 _LAYOUT = struct.Struct("<QQB64sB")
 _WRITING = _LAYOUT.size - 1
+_FAILED = _LAYOUT.size
+_SIZE = _LAYOUT.size + 1
 
 
 class Position:
@@ -64,14 +71,14 @@ class SharedChain:
     def __init__(self, fd: int, *, founder: bool) -> None:
         self._fd = fd
         self.founder = founder
-        self._map = mmap.mmap(fd, _LAYOUT.size)
+        self._map = mmap.mmap(fd, _SIZE)
 
     @classmethod
     def create(cls) -> SharedChain:
         """New shared memory, zeroed (generation 0, size 0, no line yet); inheritable as ``fd``."""
         fd = os.memfd_create("egressd-audit-chain", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(fd, _LAYOUT.size)
+            os.ftruncate(fd, _SIZE)
             return cls(fd, founder=True)
         except BaseException:
             os.close(fd)
@@ -89,7 +96,7 @@ class SharedChain:
         finally:
             os.close(inherited)
         try:
-            if os.fstat(fd).st_size != _LAYOUT.size:
+            if os.fstat(fd).st_size != _SIZE:
                 raise ValueError(f"descriptor {inherited} is not an audit chain's shared memory")
             return cls(fd, founder=False)
         except BaseException:
@@ -122,6 +129,15 @@ class SharedChain:
         _LAYOUT.pack_into(
             self._map, 0, position.generation, position.size, prev is not None, (prev or "").encode("ascii"), 0
         )
+
+    @property
+    def failed(self) -> bool:
+        """Whether a write of any process failed: a log with a hole in it is not written on by any of them."""
+        return self._map[_FAILED] != 0
+
+    def fail(self) -> None:
+        """This process's write failed: every process's sink turns unhealthy (egress is refused everywhere)."""
+        self._map[_FAILED] = 1
 
     def close(self) -> None:
         self._map.close()

@@ -79,6 +79,7 @@ from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.names.hosts import normalised, split_port
 from egressd.proxy.core.addresses import forbidden_reason
 from egressd.proxy.core.decision import Screen
+from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.policy import Entry, EntryError, lasting_entry, parse_entry
 from egressd.proxy.core.runs import Run, RunError, RunRegistry
 from egressd.proxy.net.inspector import Inspector
@@ -107,6 +108,8 @@ TOKEN = web.AppKey("token", str)
 INSPECTOR: web.AppKey[Inspector | None] = web.AppKey("inspector")
 SECRETS: web.AppKey[dict[str, str]] = web.AppKey("secrets")
 LASTING: web.AppKey[Lasting | None] = web.AppKey("lasting")
+# The other processes' metrics and task counts (``serve --workers``), asked for at each scrape.
+MORE_METRICS: web.AppKey[Callable[[], Awaitable[list[tuple[Metrics, int]]]] | None] = web.AppKey("more_metrics")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -230,9 +233,13 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     recorder = request.app[RECORDER]
-    text = recorder.metrics.render(
-        runs=len(request.app[RUNS]), audit_healthy=recorder.audit.healthy, tasks=len(asyncio.all_tasks())
-    )
+    counted, tasks = recorder.metrics, len(asyncio.all_tasks())
+    others = request.app[MORE_METRICS]
+    if others is not None:  # serve --workers: every process's counters, one egressd's figures
+        theirs = await others()
+        counted = counted.merged([metrics for metrics, _ in theirs])
+        tasks += sum(count for _, count in theirs)
+    text = counted.render(runs=len(request.app[RUNS]), audit_healthy=recorder.audit.healthy, tasks=tasks)
     return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
 
@@ -511,6 +518,7 @@ def build_app(
     inspector: Inspector | None = None,
     placeholders: Mapping[str, str] | None = None,
     lasting: Lasting | None = None,
+    more_metrics: Callable[[], Awaitable[list[tuple[Metrics, int]]]] | None = None,
 ) -> web.Application:
     """The control application; the caller may add routes, then serves it.
 
@@ -519,6 +527,7 @@ def build_app(
     app = web.Application(middlewares=[_require_token], client_max_size=1024 * 1024)
     app[INSPECTOR] = inspector
     app[LASTING] = lasting
+    app[MORE_METRICS] = more_metrics
     app[SECRETS] = dict(placeholders or {})
     app[RECORDER] = recorder
     app[SCREEN] = screen

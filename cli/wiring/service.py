@@ -472,6 +472,9 @@ class EgressService:
             )
             await self._listen(self.dns, "dns_listen", s.dns_listen)
 
+    async def _workers_metrics(self) -> list[tuple[Metrics, int]]:
+        return await self.workers.metrics() if self.workers is not None else []
+
     async def _start_workers(self, chain: SharedChain, audit: AuditSink) -> None:
         """The worker processes, each in every TCP listener's group; StartupError if one cannot start."""
         assert self.runs is not None and self.path is not None and self.proxy is not None
@@ -480,7 +483,7 @@ class EgressService:
                      "transparent_http": self.transparent_http, "socks": self.socks}  # fmt: skip
         self.workers = WorkerPool(
             settings=self.settings, runs=self.runs, approver=self.path.approver, inspector=self.path.inspector,
-            screen=self.path.screen,
+            screen=self.path.screen, say=self.path.recorder.say,
             listeners={name: listener for name, listener in listeners.items() if listener is not None},
             bound=dict(self._bound), chain=chain, audit=audit,
             audit_stream=audit.descriptor if audit.path == STDOUT else None,
@@ -533,6 +536,7 @@ class EgressService:
             inspector=self.path.inspector,
             placeholders={s.name: s.placeholder for s in self.path.secrets.declared} if self.path.secrets else None,
             lasting=lasting_answers(s.allow_file, lambda: self.reload(self.settings)),
+            more_metrics=self._workers_metrics if self._with_workers else None,
         )
         pages: list[str] = []  # the approvals page's own random path, printed with its URL
         if isinstance(self.path.approver, ManagedApprover):

@@ -11,6 +11,10 @@ for a person goes to the owner (``proxy.net.owner``).
 When the channel closes without a stop (the owner died), the worker stops
 at once: its listeners close (a new connection is refused), its open
 connections are cut, and nothing more goes out.
+
+Its log lines (the decision lines among them) go to the owner, which prints
+them as its own: one stream, kept clear of a terminal's prompt. Once the
+owner is gone they go to standard error.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from egressd.proxy.net.owner import OwnerApprover, ReportingRecorder
 from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
 from egressd.proxy.net.runner import EgressPath
 
-from ..logformat import direct_writer, setup_logging
+from ..logformat import setup_logging
 from .errors import StartupError
 from .listening import listener_limits, own_endpoints
 from .loop import run_async
@@ -75,12 +79,15 @@ class Worker:
         self.audit: JsonlAuditSink | None = None
         self.inspector: Inspector | None = None
         self.screen: Screen | None = None
+        self.metrics: Metrics | None = None
         self._resolver: Resolver | None = None
 
     def on_message(self, message: Any) -> None:
         kind = message[0]
         if kind == "image":
             self.follow(message[1:])
+        elif kind == "metrics?" and self.channel is not None and self.metrics is not None:
+            self.channel.send(("metrics", message[1], self.metrics, len(asyncio.all_tasks())))
         elif kind == "answer" and self.approver is not None:
             self.approver.answered(message[1], message[2])
         elif kind == "late" and self.approver is not None:
@@ -120,8 +127,9 @@ class Worker:
         own = own_endpoints(s, bound)
         self.screen = Screen(allow_private=s.allow_private_networks, own=own, is_local=bound_locally)
         self.follow(image)
+        self.metrics = Metrics()
         recorder = ReportingRecorder(
-            audit=self.audit, metrics=Metrics(), refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
+            audit=self.audit, metrics=self.metrics, refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
         )
         recorder.tell_now, recorder.tell = self.channel.send_now, self.channel.send
         path = EgressPath(
@@ -133,12 +141,19 @@ class Worker:
             inspector=inspector,
             secrets=declared_secrets(s, None if s.require_auth else entries_from_settings(s)[0]),
         )
-        path.recorder.say = direct_writer(logging.getLogger("egressd.decisions")) or path.recorder.say
+        path.recorder.say = self._say
         limits = listener_limits(s, share=s.workers)
         for setting, sock in self._sockets:
             listener = Listener(path=path, runs=self.runs, limits=limits, mode=_MODES[setting])
             await listener.start_on(sock)
             self.listeners.append(listener)
+
+    def _say(self, line: str) -> None:
+        """A decision line: printed by the owner (to stderr here once it is gone)."""
+        if self.channel is not None and self.channel.open:
+            self.channel.send(("say", line))
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     async def close(self, grace_s: float) -> None:
         await asyncio.gather(*(listener.close(grace_s) for listener in self.listeners))
@@ -164,6 +179,7 @@ async def _serve(args: argparse.Namespace) -> int:
         return 1  # the owner went away before it said how to start
     settings, bound, image = worker.started.result()
     setup_logging(settings.log_level, settings.log_format)
+    logging.root.handlers = [_OwnerLog(worker.channel, logging.root.handlers[0])]
     try:
         await worker.build(settings, bound, image)
     except StartupError as exc:
@@ -180,6 +196,24 @@ async def _serve(args: argparse.Namespace) -> int:
     log.error("egressd: worker %d: the owner process is gone; stopping, open connections cut", args.index)
     await worker.close(0)
     return 1
+
+
+class _OwnerLog(logging.Handler):
+    """A worker's log records, sent to the owner to print; ``fallback`` (standard error) once it is gone."""
+
+    def __init__(self, channel: Channel, fallback: logging.Handler) -> None:
+        super().__init__()
+        self._channel = channel
+        self._fallback = fallback
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self._channel.open:
+            self._fallback.handle(record)
+            return
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + logging.Formatter().formatException(record.exc_info)
+        self._channel.send(("log", record.levelno, record.name, text))
 
 
 def main(argv: list[str] | None = None) -> int:

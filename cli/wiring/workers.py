@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -35,6 +37,7 @@ from egressd.audit.records import EgressEnded
 from egressd.audit.shared import SharedChain
 from egressd.config.settings import Settings
 from egressd.proxy.core.decision import Screen
+from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.replica import Change, RegistryImage, apply_change, image_of
 from egressd.proxy.core.runs import RunRegistry
 from egressd.proxy.net.channel import Channel
@@ -50,6 +53,8 @@ Image = tuple[RegistryImage, dict[str, Any], tuple[Any, ...]]
 
 # How long a worker has to stop after it was told to, beyond the shutdown grace.
 STOP_MARGIN_S = 5.0
+# How long a /metrics scrape waits for a worker's counters.
+METRICS_WAIT_S = 1.0
 # A worker that dies this soon after it started is started again only after as long (no crash loop).
 MIN_LIFE_S = 2.0
 
@@ -63,6 +68,8 @@ class _Worker:
     asks: dict[int, asyncio.Task[None]] = field(default_factory=dict)
     # The connections it wrote an ``egress`` record ahead for and has not ended: id → (run, when).
     open: dict[str, tuple[str | None, float]] = field(default_factory=dict)
+    # Its metrics asked for and not yet sent: request number → (metrics, its task count).
+    metrics: dict[int, asyncio.Future[tuple[Metrics, int]]] = field(default_factory=dict)
 
 
 class WorkerPool:
@@ -81,6 +88,7 @@ class WorkerPool:
         chain: SharedChain,
         audit: AuditSink,
         audit_stream: int | None,
+        say: Callable[[str], None],
     ) -> None:
         self._settings = settings
         self._runs = runs
@@ -91,11 +99,13 @@ class WorkerPool:
         self._bound = bound
         self._chain = chain
         self._audit = audit
+        self._say = say  # the owner's decision lines: a worker's are printed the same way
         self._audit_stream = audit_stream  # the founder's standard-output stream (``--audit-log -``)
         self._workers: dict[int, _Worker] = {}
         self._push: asyncio.Handle | None = None
         self._watchers: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._numbers = itertools.count(1)
         self.deaths = 0
 
     @property
@@ -195,6 +205,15 @@ class WorkerPool:
     def _received(self, worker: _Worker, message: Any) -> None:
         if isinstance(message, Change):
             apply_change(self._runs, message)
+        elif message[0] == "metrics":
+            waiting = worker.metrics.pop(message[1], None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result((message[2], message[3]))
+        elif message[0] == "say":
+            self._say(message[1])
+        elif message[0] == "log":
+            _, level, name, text = message
+            logging.getLogger(name).log(level, "worker %d: %s", worker.index, text)
         elif message[0] == "opened":
             worker.open[message[1]] = (message[2], message[3])
         elif message[0] == "ended":
@@ -224,6 +243,22 @@ class WorkerPool:
         finally:
             worker.asks.pop(ask_id, None)
         channel.send(("answer", ask_id, outcome))
+
+    async def metrics(self) -> list[tuple[Metrics, int]]:
+        """Every worker's metrics and task count now (``/metrics``); one that does not answer in time is left out."""
+        loop = asyncio.get_running_loop()
+        asked = []
+        for worker in self._workers.values():
+            number = next(self._numbers)
+            answer = worker.metrics[number] = loop.create_future()
+            worker.channel.send(("metrics?", number))
+            asked.append(answer)
+        if not asked:
+            return []
+        done, pending = await asyncio.wait(asked, timeout=METRICS_WAIT_S)
+        for late in pending:
+            late.cancel()
+        return [answer.result() for answer in done]
 
     def _changed(self) -> None:
         """A run changed in the owner: every worker is sent the runs at the end of this loop turn."""

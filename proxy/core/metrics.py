@@ -38,6 +38,27 @@ class Metrics:
                 return
         self.latency_counts[-1] += 1
 
+    def merged(self, others: list[Metrics]) -> Metrics:
+        """These counters with ``others``' added (the workers' of ``serve --workers``): one egressd's."""
+        total = Metrics(
+            connections_total=Counter(self.connections_total), connections_open=self.connections_open,
+            bytes_up=self.bytes_up, bytes_down=self.bytes_down, decisions=Counter(self.decisions),
+            held_requests=self.held_requests, learned=self.learned, tunnels_spliced=self.tunnels_spliced,
+            latency_counts=list(self.latency_counts), latency_sum=self.latency_sum,
+        )  # fmt: skip
+        for other in others:
+            total.connections_total.update(other.connections_total)
+            total.decisions.update(other.decisions)
+            total.connections_open += other.connections_open
+            total.bytes_up += other.bytes_up
+            total.bytes_down += other.bytes_down
+            total.held_requests += other.held_requests
+            total.learned += other.learned
+            total.tunnels_spliced += other.tunnels_spliced
+            total.latency_counts = [a + b for a, b in zip(total.latency_counts, other.latency_counts, strict=True)]
+            total.latency_sum += other.latency_sum
+        return total
+
     def render(self, *, runs: int, audit_healthy: bool, tasks: int) -> str:
         lines = [
             "# HELP egressd_connections_total Client connections accepted, by kind.",

@@ -30,8 +30,8 @@ from egressd.audit.shared import SharedChain
 
 # A writer of the same egressd, in a process of its own: attaches to the chain passed down as a descriptor.
 # Modes: "write N" writes N records then exits; "stream" writes until killed (10 s at most);
-# "hold" takes the lock and sleeps; "tear" takes the lock, writes half a line and sleeps. The writing modes say
-# "ready" and wait for a line on standard input before they write.
+# "hold" takes the lock and sleeps; "tear" takes the lock, writes half a line and sleeps; "efbig" fails a
+# write. The writing modes say "ready" and wait for a line on standard input before they write.
 _MEMBER = r"""
 import os, sys, time
 from egressd.audit.log import JsonlAuditSink
@@ -50,6 +50,16 @@ elif mode == "tear":
         os.write(log, b'{"event":"torn","who":"' + tag.encode())
         print("torn", flush=True)
         time.sleep(30)
+elif mode == "efbig":  # this process may not grow the file: its next write fails (EFBIG), as a full disk would
+    import resource, signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    size = os.stat(path).st_size
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    try:
+        sink.write_ahead({"event": "w", "who": tag, "n": 0})
+    except Exception as exc:
+        print("failed", exc, flush=True)
+    time.sleep(30)
 print("ready", flush=True)
 sys.stdin.readline()  # the go: every writer starts at once
 deadline = time.monotonic() + 10
@@ -278,3 +288,17 @@ def test_a_descriptor_that_is_not_a_chain_is_refused(tmp_path: Path) -> None:
         SharedChain.attach(fd)
     with pytest.raises(OSError):
         os.fstat(fd)  # taken, and closed, either way
+
+
+def test_a_write_that_fails_in_one_process_fails_the_log_for_every_process(
+    founded: tuple[JsonlAuditSink, Members],
+) -> None:
+    sink, members = founded
+    sink.write_ahead({"event": "w", "who": "founder", "n": 0})
+    failing = members.start("f", "efbig")
+    assert "File too large" in _said(failing, "failed")
+    assert not sink.healthy  # a hole made by another process is a hole: egress is refused here too
+    with pytest.raises(AuditError, match="another process of this egressd"):
+        sink.write_ahead({"event": "w", "who": "founder", "n": 1})
+    # Nothing after the failure: the founder's first line, and what the failed write got in (10 bytes, torn).
+    assert members.log.read_bytes() == b'{"event":"w","who":"founder","n":0,"prev":null}\n{"event":"'

@@ -166,6 +166,13 @@ async def test_both_processes_serve_the_port_and_write_one_chain(
         # Each tunnel is two sockets (the client's and the origin's) in the process that took it.
         assert during[0] > before[0] and during[1] > before[1], (before, during)
         assert (during[0] - before[0]) + (during[1] - before[1]) == 2 * SPREAD
+        # /metrics counts every process's connections: one egressd's figures.
+        url = f"http://127.0.0.1:{serve.ports['control']}/metrics"
+        async with aiohttp.ClientSession(trust_env=False) as session:
+            async with session.get(url, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                text = await resp.text()
+        assert f'egressd_connections_total{{kind="connect"}} {SPREAD}' in text, text
+        assert f"egressd_connections_open {SPREAD}" in text, text
         for writer in writers:
             writer.close()
         await wait_until(lambda: sum(r["event"] == "egress.end" for r in serve.records()) == SPREAD, 10)
