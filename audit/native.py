@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-__all__ = ["DESCRIPTION", "ENV", "INTERFACE", "MODULE"]
+__all__ = ["DESCRIPTION", "ENV", "INTERFACE", "MODULE", "TURNED_OFF"]
 
 ENV = "EGRESSD_NATIVE"
 # egressd_native.INTERFACE this code was written against; a build of another is not used.
@@ -37,3 +37,5 @@ def _load() -> tuple[ModuleType | None, str]:
 
 
 MODULE, DESCRIPTION = _load()
+# Whether ``EGRESSD_NATIVE`` turned the compiled line off (as opposed to its not being there).
+TURNED_OFF = os.environ.get(ENV, "").strip().lower() in _OFF

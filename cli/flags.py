@@ -141,8 +141,8 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
      {"type": float, "metavar": "S", "help": "idle tunnel lifetime (default 300)"}),
     ("--workers", "workers",
      {"type": int, "metavar": "N",
-      "help": "processes serving the proxy's TCP listeners (SO_REUSEPORT); the first also holds the runs, "
-      "approvals, DNS and the control API, and the connection caps are shared out among them (default 1)"}),
+      "help": "processes serving the proxy's listeners and DNS (SO_REUSEPORT); the first also holds the runs, "
+      "approvals and the control API, and the connection caps are shared out among them (default 1)"}),
     ("--max-connections", "max_connections",
      {"type": int, "metavar": "N", "help": "open client connections overall (default 10000)"}),
     ("--max-connections-per-run", "max_connections_per_run",

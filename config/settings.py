@@ -349,8 +349,8 @@ class Settings(BaseSettings):
         1,
         ge=1,
         le=64,
-        description="processes serving the proxy's TCP listeners (SO_REUSEPORT); the first also holds the runs, "
-        "approvals, channels, DNS and the control API, and the connection caps are shared out among them",
+        description="processes serving the proxy's listeners and DNS (SO_REUSEPORT); the first also holds the runs, "
+        "approvals, channels and the control API, and the connection caps are shared out among them",
     )
     max_connections: int = Field(10000, ge=1, le=1_000_000, description="open client connections overall")
     max_connections_per_run: int = Field(1000, ge=1, le=1_000_000, description="open client connections per run")

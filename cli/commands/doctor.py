@@ -12,7 +12,7 @@ from egressd.sandbox.doctor import Check, clean_docker, render, run_checks
 def audit_line_check() -> Check:
     """Which audit line this egressd writes with (the same bytes either way; the compiled one costs less)."""
     fix = "" if native.MODULE is not None else "install Rust (cargo) and run bash scripts/install.sh again"
-    if native.ENV in native.DESCRIPTION:
+    if native.TURNED_OFF:
         fix = f"unset {native.ENV}"
     return Check("audit line", native.MODULE is not None, native.DESCRIPTION, fix, required=False)
 

@@ -50,6 +50,7 @@ from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.dialer import Dialer, bound_locally
 from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.inspector import Inspector
+from egressd.proxy.net.kernelrelay import PIPES
 from egressd.proxy.net.listener import Listener
 from egressd.proxy.net.recorder import Recorder
 from egressd.proxy.net.resolver import DnsResolver, Resolver, SystemResolver, parse_server
@@ -483,8 +484,8 @@ class EgressService:
                      "transparent_http": self.transparent_http, "socks": self.socks}  # fmt: skip
         self.workers = WorkerPool(
             settings=self.settings, runs=self.runs, approver=self.path.approver, inspector=self.path.inspector,
-            screen=self.path.screen, say=self.path.recorder.say,
-            listeners={name: listener for name, listener in listeners.items() if listener is not None},
+            screen=self.path.screen, say=self.path.recorder.say, observers=self.path.recorder.observers,
+            listeners={name: listener for name, listener in listeners.items() if listener is not None}, dns=self.dns,
             bound=dict(self._bound), chain=chain, audit=audit,
             audit_stream=audit.descriptor if audit.path == STDOUT else None,
         )  # fmt: skip
@@ -496,10 +497,7 @@ class EgressService:
     async def _listen(self, server: Listener | DnsServer, setting: str, value: str) -> None:
         host, port = parse_hostport(value, setting)
         try:
-            if isinstance(server, Listener):
-                await server.start(host, port, shared=self._with_workers)
-            else:
-                await server.start(host, port)
+            await server.start(host, port, shared=self._with_workers)
         except OSError as exc:
             raise StartupError(f"bad setting {setting}: cannot listen on {value}: {exc.strerror}") from None
         self._listening(setting, server.address[1])
@@ -611,6 +609,7 @@ class EgressService:
         await asyncio.gather(*(listener.close(grace) for listener in listeners))
         self.transparent_tls = self.transparent_http = self.socks = None
         self.proxy = None
+        PIPES.close()  # the empty pipes kept for spliced tunnels (one in use goes back when its tunnel ends)
         if self._control_runner is not None:
             await self._control_runner.cleanup()
             self._control_runner = None

@@ -1,4 +1,4 @@
-"""A worker process of ``egressd serve --workers N``: serves its share of the proxy's TCP listeners.
+"""A worker process of ``egressd serve --workers N``: serves its share of the proxy's listeners and DNS.
 
 Started by the owner (``workers.WorkerPool``) as ``python -m
 egressd.cli.wiring.worker``, with its listening sockets, its channel and the
@@ -38,6 +38,7 @@ from egressd.proxy.core.replica import follow
 from egressd.proxy.core.runs import RunRegistry
 from egressd.proxy.net.channel import Channel
 from egressd.proxy.net.dialer import Dialer, bound_locally
+from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.inspector import Inspector
 from egressd.proxy.net.listener import Listener
 from egressd.proxy.net.owner import OwnerApprover, ReportingRecorder
@@ -46,7 +47,7 @@ from egressd.proxy.net.runner import EgressPath
 
 from ..logformat import setup_logging
 from .errors import StartupError
-from .listening import listener_limits, own_endpoints
+from .listening import dns_answers, listener_limits, own_endpoints
 from .loop import run_async
 from .service import declared_secrets, entries_from_settings
 from .workers import Image
@@ -64,10 +65,18 @@ _MODES: dict[str, Mode] = {
 class Worker:
     """One worker's proxy: built from the owner's ``start`` message, stopped by its ``stop`` or its death."""
 
-    def __init__(self, index: int, chain_fd: int, sockets: list[tuple[str, socket.socket]]) -> None:
+    def __init__(
+        self,
+        index: int,
+        chain_fd: int,
+        sockets: list[tuple[str, socket.socket]],
+        dns: tuple[socket.socket, socket.socket] | None,
+    ) -> None:
         self.index = index
         self._chain_fd = chain_fd
         self._sockets = sockets
+        self._dns_sockets = dns
+        self.dns: DnsServer | None = None
         self.channel: Channel | None = None
         self.started: asyncio.Future[tuple[Settings, dict[str, int], Image]] = (
             asyncio.get_running_loop().create_future()
@@ -147,6 +156,11 @@ class Worker:
             listener = Listener(path=path, runs=self.runs, limits=limits, mode=_MODES[setting])
             await listener.start_on(sock)
             self.listeners.append(listener)
+        if self._dns_sockets is not None:
+            answer4, answer6 = dns_answers(s)
+            self.dns = DnsServer(recorder=recorder, runs=self.runs, answer4=answer4, answer6=answer6,
+                                 strict=s.dns_strict)  # fmt: skip
+            await self.dns.start_on(*self._dns_sockets)
 
     def _say(self, line: str) -> None:
         """A decision line: printed by the owner (to stderr here once it is gone)."""
@@ -156,6 +170,8 @@ class Worker:
             print(line, file=sys.stderr, flush=True)
 
     async def close(self, grace_s: float) -> None:
+        if self.dns is not None:
+            await self.dns.close()
         await asyncio.gather(*(listener.close(grace_s) for listener in self.listeners))
         if self.approver is not None:
             self.approver.owner_gone()
@@ -171,7 +187,11 @@ async def _serve(args: argparse.Namespace) -> int:
     for text in args.listener:
         setting, _, fd = text.partition("=")
         sockets.append((setting, socket.socket(fileno=int(fd))))
-    worker = Worker(args.index, args.chain, sockets)
+    dns = None
+    if args.dns is not None:
+        udp, _, tcp = args.dns.partition(",")
+        dns = (socket.socket(fileno=int(udp)), socket.socket(fileno=int(tcp)))
+    worker = Worker(args.index, args.chain, sockets, dns)
     worker.channel = await Channel.over(socket.socket(fileno=args.channel), worker.on_message)
     first: set[asyncio.Future[Any]] = {worker.started, worker.channel.closed}
     done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
@@ -183,7 +203,7 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         await worker.build(settings, bound, image)
     except StartupError as exc:
-        log.error("egressd: worker %d: %s", args.index, exc)
+        log.error("worker %d: %s", args.index, exc)
         await worker.close(0)
         return 1
     worker.channel.send(("ready",))
@@ -193,7 +213,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await worker.close(worker.stop.result())
         return 0
     # The owner died: nobody holds the runs, answers questions or serves the control API. Stop now.
-    log.error("egressd: worker %d: the owner process is gone; stopping, open connections cut", args.index)
+    log.error("worker %d: the owner process is gone; stopping, open connections cut", args.index)
     await worker.close(0)
     return 1
 
@@ -222,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channel", type=int, required=True)
     parser.add_argument("--chain", type=int, required=True)
     parser.add_argument("--listener", action="append", default=[], help="SETTING=FD, one per listening socket")
+    parser.add_argument("--dns", help="UDPFD,TCPFD: the DNS server's two sockets")
     args = parser.parse_args(argv)
     return run_async(lambda: _serve(args))
 

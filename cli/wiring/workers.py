@@ -1,10 +1,10 @@
 """The owner's side of ``egressd serve --workers N``: the worker processes, started, fed and watched.
 
 The owner is the ``EgressService`` as without workers: it holds the runs,
-the approvals and their channels, DNS and the control API, and serves its
-share of the proxy's TCP listeners. Each of the N-1 workers
+the approvals and their channels and the control API, and serves its
+share of the proxy's listeners and DNS. Each of the N-1 workers
 (``egressd.cli.wiring.worker``) gets, as inherited descriptors, listening
-sockets in each listener's SO_REUSEPORT group (made here, so a worker
+sockets in each listener's (and the DNS server's) SO_REUSEPORT group (made here, so a worker
 binds nothing), its end of a channel (``proxy.net.channel``) and the audit
 chain's shared memory (``audit.shared``). Over the channel it is sent the
 settings and the runs (``proxy.core.replica``: again on every change, in
@@ -41,6 +41,7 @@ from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.replica import Change, RegistryImage, apply_change, image_of
 from egressd.proxy.core.runs import RunRegistry
 from egressd.proxy.net.channel import Channel
+from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.inspector import Inspector
 from egressd.proxy.net.listener import Listener
 from egressd.vocabulary.egress import End
@@ -53,6 +54,8 @@ Image = tuple[RegistryImage, dict[str, Any], tuple[Any, ...]]
 
 # How long a worker has to stop after it was told to, beyond the shutdown grace.
 STOP_MARGIN_S = 5.0
+# How long a worker has to start serving (Python's start-up and egressd's imports take about a second).
+START_WAIT_S = 30.0
 # How long a /metrics scrape waits for a worker's counters.
 METRICS_WAIT_S = 1.0
 # A worker that dies this soon after it started is started again only after as long (no crash loop).
@@ -84,11 +87,13 @@ class WorkerPool:
         inspector: Inspector | None,
         screen: Screen,
         listeners: dict[str, Listener],
+        dns: DnsServer | None,
         bound: dict[str, int],
         chain: SharedChain,
         audit: AuditSink,
         audit_stream: int | None,
         say: Callable[[str], None],
+        observers: list[Callable[[dict[str, object]], None]],
     ) -> None:
         self._settings = settings
         self._runs = runs
@@ -96,10 +101,12 @@ class WorkerPool:
         self._inspector = inspector
         self._screen = screen
         self._listeners = listeners
+        self._dns = dns
         self._bound = bound
         self._chain = chain
         self._audit = audit
         self._say = say  # the owner's decision lines: a worker's are printed the same way
+        self._observers = observers  # the owner's recorder's: who watches egress records as they end
         self._audit_stream = audit_stream  # the founder's standard-output stream (``--audit-log -``)
         self._workers: dict[int, _Worker] = {}
         self._push: asyncio.Handle | None = None
@@ -107,10 +114,6 @@ class WorkerPool:
         self._closing = False
         self._numbers = itertools.count(1)
         self.deaths = 0
-
-    @property
-    def pids(self) -> list[int]:
-        return [worker.process.pid for worker in self._workers.values()]
 
     async def start(self) -> None:
         """Start every worker; each says it is serving before this returns. OSError or RuntimeError if one cannot."""
@@ -128,6 +131,10 @@ class WorkerPool:
             args = ["--index", str(index), "--channel", str(theirs.fileno()), "--chain", str(self._chain.fd)]
             for setting, sock in sockets:
                 args += ["--listener", f"{setting}={sock.fileno()}"]
+            if self._dns is not None:
+                udp, tcp = self._dns.group_sockets()
+                sockets += [("dns_listen", udp), ("dns_listen", tcp)]
+                args += ["--dns", f"{udp.fileno()},{tcp.fileno()}"]
             process = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "egressd.cli.wiring.worker", *args,
                 pass_fds=[theirs.fileno(), self._chain.fd, *(sock.fileno() for _, sock in sockets)],
@@ -156,11 +163,15 @@ class WorkerPool:
         values = {name: getattr(self._settings, name) for name in type(self._settings).model_fields}
         channel.send(("start", values, self._bound, self._image()))
         waiting: asyncio.Future[Any] = asyncio.ensure_future(process.wait())
-        done, _ = await asyncio.wait({ready, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({ready, waiting}, timeout=START_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
         if ready not in done:
             channel.close()
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+                raise RuntimeError(f"worker {index} did not say it served within {START_WAIT_S:g}s")
             raise RuntimeError(f"worker {index} exited with status {process.returncode} before it served")
-        waiting.cancel()
         self._workers[index] = worker
         watcher = loop.create_task(self._watch(worker))
         self._watchers.add(watcher)
@@ -178,7 +189,7 @@ class WorkerPool:
             return
         self._workers.pop(worker.index, None)
         self.deaths += 1
-        log.error("egressd: worker %d (pid %d) died (status %s); its %d open connections were cut",
+        log.error("worker %d (pid %d) died (status %s); its %d open connections were cut",
                   worker.index, worker.process.pid, status, len(worker.open))  # fmt: skip
         self._end_lost(worker)
         if asyncio.get_running_loop().time() - worker.started < MIN_LIFE_S:
@@ -188,7 +199,7 @@ class WorkerPool:
         try:
             await self._start_one(worker.index)
         except (OSError, RuntimeError) as exc:
-            log.error("egressd: worker %d could not be started again: %s", worker.index, exc)
+            log.error("worker %d could not be started again: %s", worker.index, exc)
 
     def _end_lost(self, worker: _Worker) -> None:
         """An ``egress.end`` (``worker_lost``) for each connection the dead worker had open: no record left unended."""
@@ -204,7 +215,9 @@ class WorkerPool:
 
     def _received(self, worker: _Worker, message: Any) -> None:
         if isinstance(message, Change):
-            apply_change(self._runs, message)
+            if apply_change(self._runs, message) and message.what == "keep_event":
+                for observer in self._observers:  # the approvals page's tail of egress, as for the owner's own
+                    observer(message.args[0])
         elif message[0] == "metrics":
             waiting = worker.metrics.pop(message[1], None)
             if waiting is not None and not waiting.done():
@@ -290,7 +303,7 @@ class WorkerPool:
             try:
                 await asyncio.wait_for(worker.process.wait(), grace_s + STOP_MARGIN_S)
             except TimeoutError:
-                log.error("egressd: worker %d did not stop; killing it", worker.index)
+                log.error("worker %d did not stop; killing it", worker.index)
                 with contextlib.suppress(ProcessLookupError):
                     worker.process.kill()
                 await worker.process.wait()

@@ -255,19 +255,30 @@ class DnsServer:
             raise RuntimeError("the DNS server is not started")
         return self._address
 
-    async def start(self, host: str, port: int) -> None:
-        """Bind UDP, then TCP on the same port (port 0: any port free for both)."""
+    async def start(self, host: str, port: int, *, shared: bool = False) -> None:
+        """Bind UDP, then TCP on the same port (port 0: any port free for both).
+
+        ``shared``: other processes of this egressd answer on the port too
+        (SO_REUSEPORT, ``group_sockets``); a port anyone else holds is still
+        refused (it is first bound alone).
+        """
         loop = asyncio.get_running_loop()
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        if shared and port != 0:
+            for kind in (socket.SOCK_DGRAM, socket.SOCK_STREAM):
+                with socket.socket(family, kind) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, kind == socket.SOCK_STREAM)
+                    probe.bind((host, port))
         for _ in range(_BIND_ATTEMPTS if port == 0 else 1):
             udp, _protocol = await loop.create_datagram_endpoint(
-                lambda: _UdpDns(self), local_addr=(host, port), family=family
+                lambda: _UdpDns(self), local_addr=(host, port), family=family, reuse_port=shared or None
             )
             bound = udp.get_extra_info("sockname")[1]
             try:
                 self._tcp = await loop.create_server(
-                    lambda: _TcpDns(self), host, bound, family=family, reuse_address=True, backlog=128
-                )
+                    lambda: _TcpDns(self), host, bound, family=family, reuse_address=True, backlog=128,
+                    reuse_port=shared or None,
+                )  # fmt: skip
             except OSError as exc:
                 udp.close()
                 if port == 0 and exc.errno == errno.EADDRINUSE:
@@ -278,6 +289,35 @@ class DnsServer:
             self._timer = loop.call_later(self.summary_interval_s, self._tick)
             return
         raise OSError(errno.EADDRINUSE, "no port free for both UDP and TCP")
+
+    def group_sockets(self) -> tuple[socket.socket, socket.socket]:
+        """A UDP and a TCP socket in this server's SO_REUSEPORT groups, bound and listening (for a worker)."""
+        assert self._udp is not None and self._tcp is not None, "not started"
+        made: list[socket.socket] = []
+        try:
+            for own in (self._udp.get_extra_info("socket"), self._tcp.sockets[0]):
+                sock = socket.socket(own.family, own.type)
+                made.append(sock)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                if own.family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(own.getsockname())
+            made[1].listen(128)
+        except BaseException:
+            for sock in made:
+                sock.close()
+            raise
+        return made[0], made[1]
+
+    async def start_on(self, udp: socket.socket, tcp: socket.socket) -> None:
+        """Answer on sockets made elsewhere (a worker's, made by the owner: ``group_sockets``)."""
+        loop = asyncio.get_running_loop()
+        self._udp, _protocol = await loop.create_datagram_endpoint(lambda: _UdpDns(self), sock=udp)
+        self._tcp = await loop.create_server(lambda: _TcpDns(self), sock=tcp, backlog=128)
+        host, port = udp.getsockname()[:2]
+        self._address = (host, port)
+        self._timer = loop.call_later(self.summary_interval_s, self._tick)
 
     async def close(self) -> None:
         """Stop answering, close every TCP connection, write the last summaries."""

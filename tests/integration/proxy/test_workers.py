@@ -21,6 +21,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from dnslib import RCODE, DNSRecord
 
 from egressd.audit.chain import verify_files
 from tests.conftest import HttpsOrigin, Listener
@@ -359,3 +361,42 @@ async def test_a_reload_that_takes_back_a_private_range_holds_in_the_worker(
             (403, "private_address")
         }
         assert echo_origin.connections == arrived
+
+
+async def _query(port: int, name: str, timeout_s: float) -> DNSRecord | None:
+    """One UDP query from a fresh socket (a fresh source port: the kernel may pick either process); None: no reply."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, ("127.0.0.1", port))
+        await loop.sock_sendall(sock, DNSRecord.question(name).pack())
+        return DNSRecord.parse(await asyncio.wait_for(loop.sock_recv(sock, 4096), timeout_s))
+    except TimeoutError:
+        return None
+    finally:
+        sock.close()
+
+
+async def test_dns_is_answered_by_both_processes_under_the_one_policy(
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener
+) -> None:
+    strict = ("--dns-listen", "127.0.0.1:0", "--dns-strict", "--no-ask")  # a name the run cannot reach: NXDOMAIN
+    async with serving(tmp_path, dns, "--allow", "origin.test", *strict) as serve:
+        port = serve.ports["dns"]
+        worker = serve.worker
+        os.kill(worker, signal.SIGSTOP)  # the worker's share of the queries goes unanswered while it is stopped
+        try:
+            stopped = await asyncio.gather(*(_query(port, "origin.test", 1.0) for _ in range(SPREAD)))
+        finally:
+            os.kill(worker, signal.SIGCONT)
+        unanswered = sum(reply is None for reply in stopped)
+        assert 0 < unanswered < SPREAD  # both processes have a share
+        answered = await asyncio.gather(*(_query(port, "origin.test", 5.0) for _ in range(SPREAD)))
+        refused = await asyncio.gather(*(_query(port, "leak.test", 5.0) for _ in range(SPREAD // 4)))
+        assert all(reply is not None and reply.header.rcode == RCODE.NOERROR and reply.rr for reply in answered)
+        assert all(reply is not None and reply.header.rcode == RCODE.NXDOMAIN for reply in refused), refused[0]
+        await wait_until(lambda: sum(r.get("kind") == "dns" for r in serve.records()) >= SPREAD * 2, 10)
+    queries = [r for r in serve.records() if r.get("kind") == "dns"]
+    assert sum(r["host"] == "leak.test" and r["decision"] == "deny" for r in queries) == SPREAD // 4
+    assert verify_files([serve.log]).ok
