@@ -67,6 +67,7 @@ from egressd.proxy.core.dns import TCP_LENGTH_PREFIX, DnsQueryError, qtype_text,
 from egressd.proxy.core.dnsanswer import Answers, unreachable_reason
 from egressd.proxy.core.memo import remember
 from egressd.proxy.core.runs import Run, RunRegistry, source_address
+from egressd.proxy.net.listener import twin
 from egressd.proxy.net.recorder import Recorder
 from egressd.vocabulary.egress import Decision, EgressKind
 from egressd.vocabulary.reasons import Reason
@@ -293,22 +294,14 @@ class DnsServer:
     def group_sockets(self) -> tuple[socket.socket, socket.socket]:
         """A UDP and a TCP socket in this server's SO_REUSEPORT groups, bound and listening (for a worker)."""
         assert self._udp is not None and self._tcp is not None, "not started"
-        made: list[socket.socket] = []
+        udp = twin(self._udp.get_extra_info("socket"))
         try:
-            for own in (self._udp.get_extra_info("socket"), self._tcp.sockets[0]):
-                sock = socket.socket(own.family, own.type)
-                made.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                if own.family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(own.getsockname())
-            made[1].listen(128)
+            tcp = twin(self._tcp.sockets[0])
         except BaseException:
-            for sock in made:
-                sock.close()
+            udp.close()
             raise
-        return made[0], made[1]
+        tcp.listen(128)
+        return udp, tcp
 
     async def start_on(self, udp: socket.socket, tcp: socket.socket) -> None:
         """Answer on sockets made elsewhere (a worker's, made by the owner: ``group_sockets``)."""

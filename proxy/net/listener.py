@@ -28,6 +28,21 @@ from egressd.proxy.net.stream import Peer
 from egressd.proxy.net.tunnel import Tunnel
 
 
+def twin(own: socket.socket) -> socket.socket:
+    """A socket bound where ``own`` is, in its SO_REUSEPORT group (a TCP one not listening yet)."""
+    sock = socket.socket(own.family, own.type)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if own.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(own.getsockname())
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
 class Listener:
     """Accepts clients on one listening socket and serves each in a task until it is spliced or closed.
 
@@ -118,14 +133,8 @@ class Listener:
         made: list[socket.socket] = []
         try:
             for own in self._sockets:
-                sock = socket.socket(own.family, socket.SOCK_STREAM)
-                made.append(sock)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-                if own.family == socket.AF_INET6:
-                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-                sock.bind(own.getsockname())
-                sock.listen(1024)
+                made.append(twin(own))
+                made[-1].listen(1024)
         except BaseException:
             for sock in made:
                 sock.close()

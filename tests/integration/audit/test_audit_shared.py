@@ -106,6 +106,15 @@ class Members:
         for proc in procs if wait else ():
             assert proc.wait(timeout=30) == 0
 
+    def alongside(self, sink: JsonlAuditSink, count: int) -> None:
+        """Members "a" and "b" and the founder's ``sink`` each write ``count`` records at once, to their end."""
+        procs = [self.start(tag, "write", count) for tag in ("a", "b")]
+        self.go(procs, wait=False)
+        for n in range(count):
+            sink.write_ahead({"event": "w", "who": "founder", "n": n})
+        for proc in procs:
+            assert proc.wait(timeout=30) == 0
+
     def stop(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -143,12 +152,7 @@ def test_three_processes_writing_at_once_make_one_chain_with_every_record(
     founded: tuple[JsonlAuditSink, Members],
 ) -> None:
     sink, members = founded
-    procs = [members.start(tag, "write", 400) for tag in ("a", "b")]
-    members.go(procs, wait=False)
-    for n in range(400):
-        sink.write_ahead({"event": "w", "who": "founder", "n": n})
-    for proc in procs:
-        assert proc.wait(timeout=30) == 0
+    members.alongside(sink, 400)
     report = verify_files([members.log])
     assert report.ok, report.problem
     records = _records(members.log)
@@ -166,12 +170,7 @@ def test_rotation_by_any_process_is_followed_by_the_others_and_the_chain_crosses
     members = Members(chain, log, max_bytes=4096)
     try:
         with JsonlAuditSink(log, shared=chain, max_bytes=4096, keep=50) as sink:
-            procs = [members.start(tag, "write", 300) for tag in ("a", "b")]
-            members.go(procs, wait=False)
-            for n in range(300):
-                sink.write_ahead({"event": "w", "who": "founder", "n": n})
-            for proc in procs:
-                assert proc.wait(timeout=30) == 0
+            members.alongside(sink, 300)
     finally:
         members.stop()
         chain.close()

@@ -65,6 +65,10 @@ class Serve:
     def records(self) -> list[dict[str, object]]:
         return [json.loads(line) for line in self.log.read_bytes().splitlines()]
 
+    def ended(self) -> int:
+        """How many egress.end records the log holds."""
+        return sum(r["event"] == "egress.end" for r in self.records())
+
 
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
@@ -177,7 +181,7 @@ async def test_both_processes_serve_the_port_and_write_one_chain(
         assert f"egressd_connections_open {SPREAD}" in text, text
         for writer in writers:
             writer.close()
-        await wait_until(lambda: sum(r["event"] == "egress.end" for r in serve.records()) == SPREAD, 10)
+        await wait_until(lambda: serve.ended() == SPREAD, 10)
     records = serve.records()
     assert sum(r["event"] == "egress" and r["decision"] == "allow" for r in records) == SPREAD
     assert verify_files([serve.log]).ok
@@ -225,7 +229,7 @@ async def test_a_question_from_either_process_is_answered_through_the_owner_and_
         assert {status for status, _, _, _ in answers} == {200}
         for _, _, _, writer in answers:
             writer.close()
-        await wait_until(lambda: sum(r["event"] == "egress.end" for r in serve.records()) == SPREAD, 10)
+        await wait_until(lambda: serve.ended() == SPREAD, 10)
         # The run's approval is in both processes: nobody is asked again, on either.
         owner, worker = serve.proc.pid, serve.worker
         before = _sockets(owner), _sockets(worker)
@@ -259,7 +263,7 @@ async def test_kill_9_of_the_worker_ends_its_tunnels_as_worker_lost_and_the_owne
             writer.close()
         for writer in await _hold_tunnels(serve, target, SPREAD):  # both processes serve again
             writer.close()
-        await wait_until(lambda: sum(r["event"] == "egress.end" for r in serve.records()) == 2 * SPREAD, 10)
+        await wait_until(lambda: serve.ended() == 2 * SPREAD, 10)
     records = serve.records()
     opened = {r["id"] for r in records if r["event"] == "egress"}
     ended = [r["id"] for r in records if r["event"] == "egress.end"]
