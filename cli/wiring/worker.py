@@ -90,11 +90,14 @@ class Worker:
         self.screen: Screen | None = None
         self.metrics: Metrics | None = None
         self._resolver: Resolver | None = None
+        self._latest: Image | None = None  # the owner's last image: followed once the proxy is built
 
     def on_message(self, message: Any) -> None:
         kind = message[0]
         if kind == "image":
-            self.follow(message[1:])
+            self._latest = message[1:]
+            if self.screen is not None:  # built: follow now; else ``build`` follows the latest
+                self.follow(self._latest)
         elif kind == "metrics?" and self.channel is not None and self.metrics is not None:
             self.channel.send(("metrics", message[1], self.metrics, len(asyncio.all_tasks())))
         elif kind == "answer" and self.approver is not None:
@@ -104,6 +107,7 @@ class Worker:
         elif kind == "start" and not self.started.done():
             # The owner's values as they are: read and checked there (nothing here reads the environment again).
             settings = Settings.model_construct(**message[1])
+            self._latest = message[3]
             self.started.set_result((settings, message[2], message[3]))
         elif kind == "stop" and not self.stop.done():
             self.stop.set_result(float(message[1]))
@@ -135,7 +139,7 @@ class Worker:
         self.inspector = inspector
         own = own_endpoints(s, bound)
         self.screen = Screen(allow_private=s.allow_private_networks, own=own, is_local=bound_locally)
-        self.follow(image)
+        self.follow(self._latest or image)  # an image sent while this process started is newer than the first
         self.metrics = Metrics()
         recorder = ReportingRecorder(
             audit=self.audit, metrics=self.metrics, refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)

@@ -173,6 +173,8 @@ class WorkerPool:
                 raise RuntimeError(f"worker {index} did not say it served within {START_WAIT_S:g}s")
             raise RuntimeError(f"worker {index} exited with status {process.returncode} before it served")
         self._workers[index] = worker
+        # The runs again: a change made while it started was pushed only to the workers already serving.
+        channel.send(("image", *self._image()))
         watcher = loop.create_task(self._watch(worker))
         self._watchers.add(watcher)
         watcher.add_done_callback(self._watchers.discard)

@@ -404,3 +404,22 @@ async def test_dns_is_answered_by_both_processes_under_the_one_policy(
     queries = [r for r in serve.records() if r.get("kind") == "dns"]
     assert sum(r["host"] == "leak.test" and r["decision"] == "deny" for r in queries) == SPREAD // 4
     assert verify_files([serve.log]).ok
+
+
+async def test_a_change_made_while_a_worker_starts_holds_in_it(
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener
+) -> None:
+    target = f"origin.test:{echo_origin.port}"
+    async with serving(tmp_path, dns, "--allow", target) as serve:
+        worker = serve.worker
+        os.kill(worker, signal.SIGKILL)
+        await wait_until(lambda: serve.workers not in ([], [worker]), 15)  # its replacement is starting
+        # Sent while the new worker loads (it says it serves about a second later): the change must reach it.
+        status, _ = await _control(serve, "PATCH", "/runs/default", {"deny": {"add": ["origin.test"]}})
+        assert status == 200
+        await wait_until(lambda: _sockets(serve.worker) >= 3, 15)  # serving: its listener, channel, resolver
+        await asyncio.sleep(1.0)
+        answers = await asyncio.gather(*(_connect(serve.ports["proxy"], target) for _ in range(SPREAD)))
+        for _, _, _, writer in answers:
+            writer.close()
+        assert {(status, headers["x-egress-reason"]) for status, headers, _, _ in answers} == {(403, "denylisted")}
