@@ -59,6 +59,7 @@ class Listener:
     connections: int = 0
     server: asyncio.AbstractServer | None = None
     received: list[bytes] = field(default_factory=list)
+    bytes_in: int = 0  # a sink's: every byte it read, on every connection
 
 
 async def _start(
@@ -97,6 +98,22 @@ async def _record(listener: Listener) -> Callable[[asyncio.StreamReader, asyncio
 @pytest.fixture
 async def echo_origin() -> AsyncIterator[Listener]:
     listener = await _start(Listener(ORIGIN), _echo)
+    yield listener
+    assert listener.server is not None
+    listener.server.close()
+    await listener.server.wait_closed()
+
+
+@pytest.fixture
+async def sink_origin() -> AsyncIterator[Listener]:
+    """An origin on ORIGIN that reads and counts every byte (``bytes_in``), answering nothing."""
+    listener = Listener(ORIGIN)
+
+    async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            listener.bytes_in += len(data)
+
+    await _start(listener, take)
     yield listener
     assert listener.server is not None
     listener.server.close()

@@ -9,13 +9,19 @@ never in egressd) and a person is asked whether the run may go on; an allow
 grants another budget's worth, anything else cuts the connection. Every
 connection of the run to the domain that goes over while the question is
 open waits for the same answer (``asking``). Pure: no I/O.
+
+With ``--workers`` the owner process keeps each run's budgets; a worker's
+budget starts at nothing and is *lent* bytes by the owner as it needs them
+(``lend``), a share at a time, so that the processes together never send
+more than the run's budget before a person is asked. A share lent and not
+yet used makes the question come early, never late.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["Budget"]
+__all__ = ["Budget", "lend"]
 
 
 class Budget:
@@ -23,10 +29,10 @@ class Budget:
 
     __slots__ = ("site", "sent", "limit", "grant", "asking")
 
-    def __init__(self, site: str, grant: int) -> None:
+    def __init__(self, site: str, grant: int, limit: int | None = None) -> None:
         self.site = site
         self.sent = 0
-        self.limit = grant  # what may be sent before the next question
+        self.limit = grant if limit is None else limit  # what may be sent before the next question (or loan)
         self.grant = grant  # what each allow adds
         self.asking: Any = None  # the open question's future (the shell's), shared by every waiting connection
 
@@ -47,6 +53,22 @@ class Budget:
         """Nothing more may be sent before a person is asked."""
         return self.sent >= self.limit
 
-    def granted(self) -> None:
-        """A person let the run go on: another budget's worth, from what it has sent."""
-        self.limit = self.sent + self.grant
+    def short(self, more: int) -> int:
+        """How far ``more`` bytes would take the run past what it may send (0: they fit)."""
+        return max(0, self.sent + more - self.limit)
+
+    def granted(self, more: int = 0) -> None:
+        """A person let the run go on: another budget's worth, from what it has sent and the ``more`` it is about
+        to send (a request's declared body)."""
+        self.limit = self.sent + more + self.grant
+
+
+def lend(budget: Budget, need: int, share: int) -> int | None:
+    """Lend a worker ``need`` bytes of ``budget`` (the owner's), and up to ``share`` while the budget has them;
+    None when it has not ``need`` left (a person is asked first)."""
+    left = budget.limit - budget.sent
+    if need > left:
+        return None
+    lent = min(max(need, share), left)
+    budget.sent += lent
+    return lent

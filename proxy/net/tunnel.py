@@ -85,7 +85,7 @@ class Tunnel:
     __slots__ = ("client", "upstream", "bytes_up", "bytes_down", "_client_eof", "_upstream_eof", "ended",
                  "_on_end", "_timer", "_idle_timeout_s", "last", "_loop", "error", "idle_expired",
                  "_check", "_check_timeout_s", "_check_timer", "budget", "on_over_budget", "held_for_budget",
-                 "_kernel", "_kernel_wanted", "spliced")
+                 "_unsent", "_kernel", "_kernel_wanted", "spliced")
 
     def __init__(self, client: Peer, upstream: Peer, *, idle_timeout_s: float,
                  on_end: Callable[[Tunnel], None] | None = None,
@@ -113,6 +113,9 @@ class Tunnel:
         self.budget: Budget | None = None
         self.on_over_budget: Callable[[Tunnel], None] | None = None
         self.held_for_budget = False
+        # The client's bytes read but past the budget: sent when the answer lets the run go on. One read
+        # at most (the client is not read while held): the budget is never passed, whatever the client does.
+        self._unsent = b""
         # splice: once nothing is left to look at, the bytes move in the kernel (``kernelrelay``).
         self._kernel: KernelRelay | None = None
         self._kernel_wanted = splice and AVAILABLE
@@ -187,18 +190,34 @@ class Tunnel:
         target = self.upstream if source is self.client else self.client
         if target.closed or target.transport is None:
             return
-        target.transport.write(data)
-        self.last = time.monotonic()
         if source is self.client:
-            self.bytes_up += len(data)
             budget = self.budget
-            if budget is not None and not budget.spend(len(data)) and not self.held_for_budget:
-                self._hold_for_budget()
+            if budget is not None:
+                if self.held_for_budget:
+                    self._unsent += data
+                    return
+                room = budget.limit - budget.sent
+                if len(data) > room:
+                    # What fits goes; the rest waits for the answer, and the client is not read meanwhile.
+                    room = max(0, room)
+                    self._unsent = data[room:]
+                    data = data[:room]
+                    if data:
+                        target.transport.write(data)
+                        self.bytes_up += len(data)
+                        budget.spend(len(data))
+                    self._hold_for_budget()
+                    return
+                budget.spend(len(data))
+            target.transport.write(data)
+            self.bytes_up += len(data)
         else:
+            target.transport.write(data)
             self.bytes_down += len(data)
+        self.last = time.monotonic()
 
     def _hold_for_budget(self) -> None:
-        """Past the run's upload budget: stop reading from the client until a person answers."""
+        """At the run's upload budget: stop reading from the client until a person answers."""
         self.held_for_budget = True
         if self.client.transport is not None and not self.client.closed:
             self.client.transport.pause_reading()
@@ -206,9 +225,17 @@ class Tunnel:
             self.on_over_budget(self)
 
     def release_budget(self) -> None:
-        """The run may go on: read the client again (unless its side is over)."""
+        """The run may go on: what waited goes first, then the client is read again (unless its side is over)."""
         self.held_for_budget = False
-        if not self.ended and not self._client_eof and self.client.transport is not None and not self.client.closed:
+        unsent, self._unsent = self._unsent, b""
+        if unsent:
+            self._send(self.client, unsent)
+            if self.held_for_budget:  # past the budget again at once: asked again
+                return
+        if self._client_eof:
+            self._forward_eof(self.upstream)  # it came while the last bytes waited
+            return
+        if not self.ended and self.client.transport is not None and not self.client.closed:
             self.client.transport.resume_reading()
 
     def peer_eof(self, source: Peer) -> None:
@@ -216,10 +243,15 @@ class Tunnel:
             self._release()  # a half-close ends the check: relay what there is, then the EOF
         if source is self.client:
             self._client_eof = True
+            if self.held_for_budget:
+                return  # its last bytes wait for the answer: the EOF goes after them (``release_budget``)
             target = self.upstream
         else:
             self._upstream_eof = True
             target = self.client
+        self._forward_eof(target)
+
+    def _forward_eof(self, target: Peer) -> None:
         if target.transport is not None and not target.transport.is_closing() and target.transport.can_write_eof():
             target.transport.write_eof()
         if self._client_eof and self._upstream_eof:

@@ -10,16 +10,14 @@ about before a body that would pass the budget is sent.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
 from egressd.vocabulary.reasons import Answer
-from tests.conftest import MakeEgressd
-from tests.harness import ORIGIN, read_response
+from tests.conftest import Listener, MakeEgressd
+from tests.harness import read_response
 from tests.integration.proxy.test_faults import kernel_queue_bound
 
 pytestmark = pytest.mark.timeout(60)
@@ -31,29 +29,6 @@ BUDGET = 64 * 1024
 # buffers autotune up to tcp_rmem's and tcp_wmem's maxima, and sooner where the kernel remembers a fast
 # path to the address), so its writes must block once egressd stops reading.
 PAST_EVERY_BUFFER = kernel_queue_bound()
-
-
-@dataclass
-class Sink:
-    port: int
-    received: list[int] = field(default_factory=lambda: [0])
-
-
-@pytest.fixture
-async def sink() -> AsyncIterator[Sink]:
-    """An origin on ORIGIN that reads and counts every byte, answering nothing."""
-    state = Sink(0)
-
-    async def take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(65536):
-            state.received[0] += len(data)
-        writer.close()
-
-    server = await asyncio.start_server(take, ORIGIN, 0)
-    state.port = server.sockets[0].getsockname()[1]
-    yield state
-    server.close()
-    await server.wait_closed()
 
 
 class Reviewer:
@@ -85,27 +60,28 @@ async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
 
 
 async def test_a_tunnel_past_its_budget_is_paused_and_a_person_lets_it_go_on_or_ends_it(
-    make_egressd: MakeEgressd, sink: Sink
+    make_egressd: MakeEgressd, sink_origin: Listener
 ) -> None:
     reviewer = Reviewer()
-    svc = await make_egressd(allow=[f"origin.test:{sink.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
-    _, writer = await _tunnel(svc, sink.port)
+    svc = await make_egressd(allow=[f"origin.test:{sink_origin.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
+    _, writer = await _tunnel(svc, sink_origin.port)
     # Plain HTTP in the tunnel (its head is checked, then its body flows): one large upload.
-    writer.write(f"PUT /big HTTP/1.1\r\nHost: origin.test:{sink.port}\r\nContent-Length: {8 << 20}\r\n\r\n".encode())
+    host = f"origin.test:{sink_origin.port}"
+    writer.write(f"PUT /big HTTP/1.1\r\nHost: {host}\r\nContent-Length: {8 << 20}\r\n\r\n".encode())
     chunk = b"x" * 16384
     # The attack: keep writing, far past the budget, while the question is open.
     writing = asyncio.ensure_future(_write(writer, chunk, PAST_EVERY_BUFFER))
     await _until(lambda: len(reviewer.asked) == 1)
     (asked,) = reviewer.asked
     assert (asked.host, asked.uploaded is not None) == ("origin.test", True)
-    assert asked.uploaded is not None and BUDGET < asked.uploaded <= BUDGET + 256 * 1024
+    assert asked.uploaded == BUDGET  # a read is cut where the budget ends: the rest waits for the answer
     await asyncio.sleep(0.5)
-    held = sink.received[0]
-    assert held <= BUDGET + 256 * 1024, held  # nothing more went through while paused
+    held = sink_origin.bytes_in
+    assert held == BUDGET, held  # nothing more went through while paused
     assert not writing.done()  # the client's writes block: its bytes wait in its own socket, not in egressd
     reviewer.answers.put_nowait(Answer.ALLOW)
     await _until(lambda: len(reviewer.asked) == 2, 20)  # went on, passed the next budget's worth, asked again
-    assert sink.received[0] > held
+    assert sink_origin.bytes_in > held
     reviewer.answers.put_nowait(Answer.DENY)
     with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
         await asyncio.wait_for(writing, 10)
@@ -113,6 +89,49 @@ async def test_a_tunnel_past_its_budget_is_paused_and_a_person_lets_it_go_on_or_
     (end,) = [r for r in svc.audit_records if r.get("event") == "egress.end"]
     assert end["end"] == "denied" and "upload budget" in end["detail"], end
     assert end["bytes_up"] <= 2 * BUDGET + 2 * 256 * 1024
+
+
+async def test_many_tunnels_together_send_not_one_byte_past_the_budget(
+    make_egressd: MakeEgressd, sink_origin: Listener
+) -> None:
+    """The attack: every tunnel opened past the budget used to send its first read before the budget was
+    looked at, so 30 tunnels passed it by 30 reads. Now each read is cut where the budget ends."""
+    reviewer = Reviewer()
+    svc = await make_egressd(allow=[f"origin.test:{sink_origin.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
+    tunnels = [await _tunnel(svc, sink_origin.port) for _ in range(30)]
+    for _, writer in tunnels:
+        writer.write(b"y" * 32768)  # 30 x 32 KiB against a 64 KiB budget
+    await _until(lambda: len(reviewer.asked) == 1)
+    await asyncio.sleep(0.5)
+    assert sink_origin.bytes_in == BUDGET, sink_origin.bytes_in
+    assert len(reviewer.asked) == 1 and reviewer.asked[0].uploaded == BUDGET  # one question for all of them
+    reviewer.answers.put_nowait(Answer.DENY)
+    # The first two filled the budget and passed nothing: they go on. Every other one waited, and is cut.
+    for reader, _ in tunnels[2:]:
+        with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            await asyncio.wait_for(reader.readexactly(1), 10)
+    for _, writer in tunnels:
+        writer.close()
+    await _until(lambda: sum(r.get("event") == "egress.end" for r in svc.audit_records) == 30)
+    ends = [r for r in svc.audit_records if r.get("event") == "egress.end"]
+    assert sorted(r["end"] == "denied" for r in ends) == [False] * 2 + [True] * 28, ends
+    assert sum(r["bytes_up"] for r in ends) == BUDGET == sink_origin.bytes_in
+
+
+async def test_a_client_that_closes_while_held_has_its_last_bytes_and_its_close_sent_in_order(
+    make_egressd: MakeEgressd, echo_origin: Listener
+) -> None:
+    reviewer = Reviewer()
+    svc = await make_egressd(allow=[f"origin.test:{echo_origin.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
+    reader, writer = await _tunnel(svc, echo_origin.port)
+    data = bytes(range(256)) * (BUDGET // 256 + 64)  # 16 KiB past the budget
+    writer.write(data)
+    writer.write_eof()  # its FIN comes while the last bytes wait for the answer
+    await _until(lambda: len(reviewer.asked) == 1)
+    reviewer.answers.put_nowait(Answer.ALLOW)
+    # The echo sends back everything, then closes after the FIN: the bytes went before the close.
+    assert await asyncio.wait_for(reader.read(), 10) == data
+    writer.close()
 
 
 async def _write(writer: asyncio.StreamWriter, chunk: bytes, total: int) -> None:
@@ -165,19 +184,19 @@ async def _refused_in_the_middle(
 
 
 async def test_a_chunked_body_past_the_budget_is_paused_in_the_middle_and_a_denial_ends_it(
-    make_egressd: MakeEgressd, sink: Sink
+    make_egressd: MakeEgressd, sink_origin: Listener
 ) -> None:
     """The attack: a body that declares no length, so nothing can be asked before it; it keeps writing."""
     reviewer = Reviewer()
-    svc = await make_egressd(allow=[f"origin.test:{sink.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
+    svc = await make_egressd(allow=[f"origin.test:{sink_origin.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
     reader, writer = await asyncio.open_connection("127.0.0.1", svc.proxy_address[1])
-    head = (f"POST http://origin.test:{sink.port}/up HTTP/1.1\r\nHost: origin.test:{sink.port}\r\n"
+    head = (f"POST http://origin.test:{sink_origin.port}/up HTTP/1.1\r\nHost: origin.test:{sink_origin.port}\r\n"
             "Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
     writing = asyncio.ensure_future(_chunked_upload(writer, head, PAST_EVERY_BUFFER))
     await _until(lambda: len(reviewer.asked) == 1)
     assert reviewer.asked[0].uploaded == BUDGET  # paused at the budget's last byte, head included
     await asyncio.sleep(0.5)
-    assert sink.received[0] == BUDGET  # not one byte past it reached the origin
+    assert sink_origin.bytes_in == BUDGET  # not one byte past it reached the origin
     assert not writing.done()  # the client's writes block: egressd no longer reads it
     reviewer.answers.put_nowait(Answer.DENY)
     await _refused_in_the_middle(reader, writer, writing)
@@ -187,13 +206,14 @@ async def test_a_chunked_body_past_the_budget_is_paused_in_the_middle_and_a_deni
 
 
 async def test_a_request_body_past_the_cap_on_an_inspected_name_is_asked_about_with_the_request_shown(
-    make_egressd: MakeEgressd, sink: Sink
+    make_egressd: MakeEgressd, sink_origin: Listener
 ) -> None:
     reviewer = Reviewer()
-    svc = await make_egressd(allow=[f"origin.test:{sink.port}/**"], request_body_cap_mb=BUDGET_MB,
+    svc = await make_egressd(allow=[f"origin.test:{sink_origin.port}/**"], request_body_cap_mb=BUDGET_MB,
                              approver=reviewer)  # fmt: skip
     reader, writer = await asyncio.open_connection("127.0.0.1", svc.proxy_address[1])
-    head = (f"POST http://origin.test:{sink.port}/v1/files?name=x HTTP/1.1\r\nHost: origin.test:{sink.port}\r\n"
+    host = f"origin.test:{sink_origin.port}"
+    head = (f"POST http://{host}/v1/files?name=x HTTP/1.1\r\nHost: {host}\r\n"
             "Content-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
     writing = asyncio.ensure_future(_chunked_upload(writer, head, PAST_EVERY_BUFFER))
     await _until(lambda: len(reviewer.asked) == 1)
@@ -202,11 +222,11 @@ async def test_a_request_body_past_the_cap_on_an_inspected_name_is_asked_about_w
     assert asked.request.query_names == ("name",)  # as the question of a request no rule covers shows it
     assert asked.uploaded == BUDGET
     await asyncio.sleep(0.3)
-    first = sink.received[0]
+    first = sink_origin.bytes_in
     assert BUDGET < first < BUDGET + 1024  # the head and the cap's worth of body, no more
     reviewer.answers.put_nowait(Answer.ALLOW)  # another cap's worth, then asked again
     await _until(lambda: len(reviewer.asked) == 2)
-    assert reviewer.asked[1].uploaded == 2 * BUDGET and sink.received[0] == first + BUDGET
+    assert reviewer.asked[1].uploaded == 2 * BUDGET and sink_origin.bytes_in == first + BUDGET
     reviewer.answers.put_nowait(Answer.DENY)
     await _refused_in_the_middle(reader, writer, writing)
     await _until(lambda: any(r.get("event") == "egress.end" for r in svc.audit_records))
