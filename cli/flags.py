@@ -142,7 +142,8 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--workers", "workers",
      {"type": int, "metavar": "N",
       "help": "processes serving the proxy's listeners and DNS (SO_REUSEPORT); the first also holds the runs, "
-      "approvals and the control API, and the connection caps are shared out among them (default 1)"}),
+      "approvals and the control API, and the connection caps are shared out among them "
+      "(default 0: one per core; 1: a single process)"}),
     ("--max-connections", "max_connections",
      {"type": int, "metavar": "N", "help": "open client connections overall (default 10000)"}),
     ("--max-connections-per-run", "max_connections_per_run",

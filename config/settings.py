@@ -346,11 +346,12 @@ class Settings(BaseSettings):
         "64 KiB have moved and no upload budget counts them (--no-splice: copy them through egressd)",
     )
     workers: int = Field(
-        1,
-        ge=1,
+        0,
+        ge=0,
         le=64,
         description="processes serving the proxy's listeners and DNS (SO_REUSEPORT); the first also holds the runs, "
-        "approvals, channels and the control API, and the connection caps are shared out among them",
+        "approvals, channels and the control API, and the connection caps are shared out among them "
+        "(0: one per core this process may use, by its affinity and cgroup quota, at most 64)",
     )
     max_connections: int = Field(10000, ge=1, le=1_000_000, description="open client connections overall")
     max_connections_per_run: int = Field(1000, ge=1, le=1_000_000, description="open client connections per run")

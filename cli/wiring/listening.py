@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from egressd.config.settings import Settings, parse_hostport
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
+from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.modes import ListenerLimits
 
 from .errors import StartupError
@@ -119,3 +120,9 @@ def listener_limits(settings: Settings, share: int = 1) -> ListenerLimits:
         max_connections_per_run=max(1, s.max_connections_per_run // share),
         splice=s.splice,
     )
+
+
+def refusal_budget(settings: Settings, share: int = 1) -> RefusalBudget:
+    """A process's flood budget (``floods``): with workers, its share of each run's refusal records per interval
+    (rounded down, at least one), so that the processes together write no more than the setting says."""
+    return RefusalBudget(max(1, settings.max_refusal_records // share), settings.refusal_interval_s)

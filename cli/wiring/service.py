@@ -41,7 +41,6 @@ from egressd.control.api import PUBLIC_PATHS, build_app
 from egressd.proxy.core.addresses import forbidden_reason
 from egressd.proxy.core.decision import Screen, private_hint
 from egressd.proxy.core.entries import EntryChange, LiveMerge, entry_diff
-from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, SOCKS, ListenerLimits, transparent_http, transparent_tls
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
@@ -62,8 +61,8 @@ from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_direct
 from .declared import SecretSettingError, secrets_from_settings
 from .errors import StartupError
 from .lasting import lasting_answers
-from .listening import dns_answers, listener_limits, own_endpoints
-from .workers import WorkerPool
+from .listening import dns_answers, listener_limits, own_endpoints, refusal_budget
+from .workers import WorkerPool, process_count
 
 log = logging.getLogger("egressd")
 
@@ -179,8 +178,11 @@ class EgressService:
         workers: bool = False,
     ) -> None:
         self.settings = settings
-        # ``egressd serve``'s: start ``settings.workers - 1`` worker processes (an embedded egressd has none).
-        self._with_workers = workers and settings.workers > 1
+        # ``egressd serve``'s: worker processes besides this one (an embedded egressd has none); how many is
+        # decided at the start (``process_count``).
+        self._serve_workers = workers
+        self._processes = 1
+        self._with_workers = False
         self.workers: WorkerPool | None = None
         self._approver = approver
         self._terminal_output = terminal_output  # a sandboxed command's output, held back during a prompt
@@ -353,6 +355,8 @@ class EgressService:
 
         audit = self._audit
         chain: SharedChain | None = None
+        self._processes = process_count(s) if self._serve_workers else 1
+        self._with_workers = self._processes > 1
         if self._with_workers:
             if audit is not None:
                 raise StartupError("bad setting workers: workers write egressd's own audit log, and a sink was given")
@@ -393,7 +397,7 @@ class EgressService:
             raise StartupError(f"bad setting inspect_origin_ca_file: {exc}") from None
         self.path = EgressPath(
             recorder=Recorder(
-                audit=audit, metrics=Metrics(), refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
+                audit=audit, metrics=Metrics(), refusals=refusal_budget(s, share=self._processes)
             ),
             dialer=Dialer(origin_tls=inspector.origin_context),
             approver=approver,
@@ -419,7 +423,7 @@ class EgressService:
         # The operator's deny entries apply to the runs created through the control API too.
         self.runs = RunRegistry(default=default, learn=s.learn, global_deny=deny)
 
-        limits = listener_limits(s, share=s.workers if self._with_workers else 1)
+        limits = listener_limits(s, share=self._processes)
         self.proxy = Listener(path=self.path, runs=self.runs, limits=limits, mode=EXPLICIT)
         try:
             await self.proxy.start(listen_host, listen_port, shared=self._with_workers)
@@ -483,8 +487,9 @@ class EgressService:
         listeners = {"listen": self.proxy, "transparent_tls": self.transparent_tls,
                      "transparent_http": self.transparent_http, "socks": self.socks}  # fmt: skip
         self.workers = WorkerPool(
-            settings=self.settings, runs=self.runs, approver=self.path.approver, inspector=self.path.inspector,
-            screen=self.path.screen, say=self.path.recorder.say, observers=self.path.recorder.observers,
+            settings=self.settings, processes=self._processes, runs=self.runs, approver=self.path.approver,
+            inspector=self.path.inspector, screen=self.path.screen, secrets=self.path.secrets,
+            say=self.path.recorder.say, observers=self.path.recorder.observers,
             listeners={name: listener for name, listener in listeners.items() if listener is not None}, dns=self.dns,
             bound=dict(self._bound), chain=chain, audit=audit,
             audit_stream=audit.descriptor if audit.path == STDOUT else None,

@@ -31,11 +31,11 @@ from egressd.audit.log import AuditError, JsonlAuditSink
 from egressd.audit.shared import SharedChain
 from egressd.config.settings import Settings
 from egressd.proxy.core.decision import Screen
-from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, SOCKS, Mode, transparent_http, transparent_tls
 from egressd.proxy.core.replica import follow
 from egressd.proxy.core.runs import RunRegistry
+from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.channel import Channel
 from egressd.proxy.net.dialer import Dialer, bound_locally
 from egressd.proxy.net.dnsserver import DnsServer
@@ -47,9 +47,8 @@ from egressd.proxy.net.runner import EgressPath
 
 from ..logformat import setup_logging
 from .errors import StartupError
-from .listening import dns_answers, listener_limits, own_endpoints
+from .listening import dns_answers, listener_limits, own_endpoints, refusal_budget
 from .loop import run_async
-from .service import declared_secrets, entries_from_settings
 from .workers import Image
 
 log = logging.getLogger("egressd")
@@ -78,7 +77,7 @@ class Worker:
         self._dns_sockets = dns
         self.dns: DnsServer | None = None
         self.channel: Channel | None = None
-        self.started: asyncio.Future[tuple[Settings, dict[str, int], Image]] = (
+        self.started: asyncio.Future[tuple[Settings, dict[str, int], Image, Secrets | None]] = (
             asyncio.get_running_loop().create_future()
         )
         self.stop: asyncio.Future[float] = asyncio.get_running_loop().create_future()
@@ -102,13 +101,16 @@ class Worker:
             self.channel.send(("metrics", message[1], self.metrics, len(asyncio.all_tasks())))
         elif kind == "answer" and self.approver is not None:
             self.approver.answered(message[1], message[2])
+        elif kind == "lent" and self.approver is not None:
+            self.approver.lent(message[1], message[2], message[3])
         elif kind == "late" and self.approver is not None:
             self.approver.late(message[1], message[2])
         elif kind == "start" and not self.started.done():
             # The owner's values as they are: read and checked there (nothing here reads the environment again).
+            # The declared secrets too: their placeholders are the ones the owner handed to the runs.
             settings = Settings.model_construct(**message[1])
             self._latest = message[3]
-            self.started.set_result((settings, message[2], message[3]))
+            self.started.set_result((settings, message[2], message[3], message[4]))
         elif kind == "stop" and not self.stop.done():
             self.stop.set_result(float(message[1]))
 
@@ -120,7 +122,7 @@ class Worker:
         self.inspector.take(cas)
         self.screen.set_allow_private(allow_private)
 
-    async def build(self, settings: Settings, bound: dict[str, int], image: Image) -> None:
+    async def build(self, settings: Settings, bound: dict[str, int], image: Image, secrets: Secrets | None) -> None:
         """The proxy as the owner's, on this worker's sockets; StartupError naming what failed."""
         s = settings
         assert self.channel is not None
@@ -142,7 +144,7 @@ class Worker:
         self.follow(self._latest or image)  # an image sent while this process started is newer than the first
         self.metrics = Metrics()
         recorder = ReportingRecorder(
-            audit=self.audit, metrics=self.metrics, refusals=RefusalBudget(s.max_refusal_records, s.refusal_interval_s)
+            audit=self.audit, metrics=self.metrics, refusals=refusal_budget(s, share=s.workers)
         )
         recorder.tell_now, recorder.tell = self.channel.send_now, self.channel.send
         path = EgressPath(
@@ -152,7 +154,8 @@ class Worker:
             resolver=self._resolver,
             screen=self.screen,
             inspector=inspector,
-            secrets=declared_secrets(s, None if s.require_auth else entries_from_settings(s)[0]),
+            secrets=secrets,
+            lender=self.approver,
         )
         path.recorder.say = self._say
         limits = listener_limits(s, share=s.workers)
@@ -201,11 +204,11 @@ async def _serve(args: argparse.Namespace) -> int:
     done, _ = await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
     if worker.started not in done:
         return 1  # the owner went away before it said how to start
-    settings, bound, image = worker.started.result()
+    settings, bound, image, secrets = worker.started.result()
     setup_logging(settings.log_level, settings.log_format)
     logging.root.handlers = [_OwnerLog(worker.channel, logging.root.handlers[0])]
     try:
-        await worker.build(settings, bound, image)
+        await worker.build(settings, bound, image, secrets)
     except StartupError as exc:
         log.error("worker %d: %s", args.index, exc)
         await worker.close(0)

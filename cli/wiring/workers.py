@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import socket
 import sys
 import time
@@ -35,16 +36,23 @@ from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approv
 from egressd.audit.log import AuditError, AuditSink
 from egressd.audit.records import EgressEnded
 from egressd.audit.shared import SharedChain
+from egressd.config.cores import usable_cores
 from egressd.config.settings import Settings
 from egressd.proxy.core.decision import Screen
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.replica import Change, RegistryImage, apply_change, image_of
 from egressd.proxy.core.runs import RunRegistry
+from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.channel import Channel
 from egressd.proxy.net.dnsserver import DnsServer
 from egressd.proxy.net.inspector import Inspector
 from egressd.proxy.net.listener import Listener
+from egressd.proxy.net.owner import lend_budget
 from egressd.vocabulary.egress import End
+from egressd.vocabulary.reasons import Answer
+
+from .errors import StartupError
+from .listening import listener_limits
 
 log = logging.getLogger("egressd")
 
@@ -58,6 +66,8 @@ STOP_MARGIN_S = 5.0
 START_WAIT_S = 30.0
 # How long a /metrics scrape waits for a worker's counters.
 METRICS_WAIT_S = 1.0
+# The least of a run's upload budget a worker is lent at once: a loan is a round trip to the owner.
+LEAST_SHARE = 64 * 1024
 # A worker that dies this soon after it started is started again only after as long (no crash loop).
 MIN_LIFE_S = 2.0
 
@@ -75,6 +85,24 @@ class _Worker:
     metrics: dict[int, asyncio.Future[tuple[Metrics, int]]] = field(default_factory=dict)
 
 
+def process_count(settings: Settings) -> int:
+    """How many processes serve: ``workers``, 0 meaning one per core (``cores.usable_cores``).
+
+    A worker is Python started again (``sys.executable``). Where this user
+    cannot run it (an interpreter under a directory it may not enter), the
+    default gives one process and says why; a number asked for is a
+    StartupError.
+    """
+    wanted = settings.workers or min(64, usable_cores())
+    if wanted == 1 or os.access(sys.executable, os.X_OK):
+        return wanted
+    why = f"this user cannot run {sys.executable or 'Python'} to start them"
+    if settings.workers:
+        raise StartupError(f"bad setting workers: {settings.workers} processes asked for, and {why}")
+    log.warning("egressd: serving from one process, not %d: %s", wanted, why)
+    return 1
+
+
 class WorkerPool:
     """The N-1 workers of an owner: ``start`` them, ``close`` them; ``deaths`` counts the ones lost."""
 
@@ -82,10 +110,12 @@ class WorkerPool:
         self,
         *,
         settings: Settings,
+        processes: int,
         runs: RunRegistry,
         approver: Approver,
         inspector: Inspector | None,
         screen: Screen,
+        secrets: Secrets | None,
         listeners: dict[str, Listener],
         dns: DnsServer | None,
         bound: dict[str, int],
@@ -96,10 +126,12 @@ class WorkerPool:
         observers: list[Callable[[dict[str, object]], None]],
     ) -> None:
         self._settings = settings
+        self._processes = processes  # the owner and its workers
         self._runs = runs
         self._approver = approver
         self._inspector = inspector
         self._screen = screen
+        self._secrets = secrets  # the owner's, placeholders and values: a run's placeholder works in every process
         self._listeners = listeners
         self._dns = dns
         self._bound = bound
@@ -114,11 +146,15 @@ class WorkerPool:
         self._closing = False
         self._numbers = itertools.count(1)
         self.deaths = 0
+        # The runs' upload budgets are the owner's; a worker is lent a share at a time (a quarter of the
+        # budget over the processes: at most that much each, unused, makes the person's question early).
+        self._budget = listener_limits(settings).upload_budget_bytes
+        self._share = max(LEAST_SHARE, self._budget // (4 * processes))
 
     async def start(self) -> None:
         """Start every worker; each says it is serving before this returns. OSError or RuntimeError if one cannot."""
         self._runs.watch = self._changed
-        for index in range(1, self._settings.workers):
+        for index in range(1, self._processes):
             await self._start_one(index)
 
     async def _start_one(self, index: int) -> None:
@@ -161,7 +197,8 @@ class WorkerPool:
         worker_ref.append(worker)
         # The settings' values, not the object: its class is made per read (``load_settings``) and does not pickle.
         values = {name: getattr(self._settings, name) for name in type(self._settings).model_fields}
-        channel.send(("start", values, self._bound, self._image()))
+        values["workers"] = self._processes  # resolved: a worker takes its share of the caps from it
+        channel.send(("start", values, self._bound, self._image(), self._secrets))
         waiting: asyncio.Future[Any] = asyncio.ensure_future(process.wait())
         done, _ = await asyncio.wait({ready, waiting}, timeout=START_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
         waiting.cancel()
@@ -237,6 +274,9 @@ class WorkerPool:
             _, ask_id, request = message
             task = asyncio.get_running_loop().create_task(self._ask(worker, ask_id, request))
             worker.asks[ask_id] = task
+        elif message[0] == "lend":
+            task = asyncio.get_running_loop().create_task(self._lend(worker, *message[1:]))
+            worker.asks[message[1]] = task
         elif message[0] == "withdraw":
             asked = worker.asks.get(message[1])
             if asked is not None:
@@ -258,6 +298,21 @@ class WorkerPool:
         finally:
             worker.asks.pop(ask_id, None)
         channel.send(("answer", ask_id, outcome))
+
+    async def _lend(self, worker: _Worker, ask_id: int, run_id: str, site: str, port: int, need: int) -> None:
+        """A worker's loan of a run's upload budget (``owner.lend_budget``); nothing for a run that has ended."""
+        run = self._runs.get(run_id)
+        try:
+            if run is None:
+                outcome, lent = ApprovalOutcome(Answer.NO_APPROVER), 0
+            else:
+                outcome, lent = await lend_budget(run, site, port, need, grant=self._budget, share=self._share,
+                                                  ask=self._approver.ask)  # fmt: skip
+        except asyncio.CancelledError:
+            return  # withdrawn: the client gave up, and nothing was lent
+        finally:
+            worker.asks.pop(ask_id, None)
+        worker.channel.send(("lent", ask_id, outcome, lent))
 
     async def metrics(self) -> list[tuple[Metrics, int]]:
         """Every worker's metrics and task count now (``/metrics``); one that does not answer in time is left out."""

@@ -83,6 +83,20 @@ class Ask(NamedTuple):
     on_eof: bool
 
 
+class Extend(NamedTuple):
+    """More of the run's upload budget, for ``more`` bytes about to be sent → the ``ApprovalOutcome``.
+
+    A person is asked when the run has no more (an allow grants another
+    budget's worth); in a worker, the owner lends it from the run's budget
+    and asks the person only when that is spent (``budget.lend``). The
+    client going away stops the wait as it stops ``Ask``.
+    """
+
+    attempt: Attempt
+    budget: Budget
+    more: int
+
+
 class Resolve(NamedTuple):
     """The addresses ``host`` resolves to → a sequence of addresses; ResolveError. The client going
     away stops it as it stops ``Ask``."""

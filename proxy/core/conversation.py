@@ -38,9 +38,9 @@ from egressd.proxy.core.attempt import Admission, Attempt, DialError, Seen
 from egressd.proxy.core.budget import Budget
 from egressd.proxy.core.commands import (
     STALE,
-    Ask,
     Close,
     Dial,
+    Extend,
     Finish,
     Intercept,
     InterceptFailed,
@@ -53,7 +53,7 @@ from egressd.proxy.core.commands import (
     Upstream,
     WriteAhead,
 )
-from egressd.proxy.core.decision import Screen, budget_approval, conclude, decide, decide_request
+from egressd.proxy.core.decision import Screen, conclude, decide, decide_request
 from egressd.proxy.core.exchange import Exchange
 from egressd.proxy.core.http1.destination import Destination
 from egressd.proxy.core.http1.syntax import HttpError
@@ -451,15 +451,12 @@ class Conversation:
         budget = run.budget(registrable_domain(admission.host) or admission.host, grant)
         declared = exchange.request.get("Content-Length")
         length = int(declared) if declared is not None and declared.isdigit() else 0
-        if budget.sent + length > budget.limit:
-            outcome: ApprovalOutcome = yield Ask(budget_approval(run, budget.site, admission.port, budget.sent), False)
+        if budget.short(length):
+            outcome: ApprovalOutcome = yield Extend(attempt, budget, length)
             if not outcome.allowed:
                 attempt.deny(ANSWER_REASONS[outcome.answer], f"past the run's upload budget ({budget.sent} bytes sent "
                              f"to {budget.site})")
                 raise Refused(attempt, Refusal(ANSWER_REASONS[outcome.answer]))
-            budget.sent += length
-            budget.granted()
-            budget.sent -= length
         return budget
 
     # -- refusals -----------------------------------------------------------------------------

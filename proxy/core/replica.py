@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from egressd.names.addresses import IPAddress
+from egressd.proxy.core.budget import Budget
 from egressd.proxy.core.policy import Entry
 from egressd.proxy.core.runs import Run, RunRegistry
 
@@ -119,6 +120,13 @@ class ReplicaRun(Run):
     def deny_request(self, method: str, host: str, prefix: str) -> None:
         super().deny_request(method, host, prefix)
         self.tell(Change(self.id, "deny_request", (method, host, prefix)))
+
+    def budget(self, site: str, grant: int) -> Budget:
+        """Starts at nothing: the owner keeps the run's budget and lends this process bytes of it (``budget.lend``)."""
+        budget = self.budgets.get(site)
+        if budget is None:
+            budget = self.budgets[site] = Budget(site, grant, limit=0)
+        return budget
 
     def keep_event(self, record: dict[str, Any]) -> None:
         """Not kept here: the owner's run keeps the events (the control API and ``run.end`` read them there)."""

@@ -13,6 +13,11 @@ connection whose ``egress`` record it wrote ahead, before the dial, and of
 its end: if the worker dies, the owner ends each one still open with an
 ``egress.end`` record (``worker_lost``), so no record of what went out is
 left without its end.
+
+The owner also keeps the runs' upload budgets: a worker's budget is lent
+to it by the owner (``lend``), so the processes together send no more than
+the run's budget before a person is asked (``lend_budget`` is the owner's
+side).
 """
 
 from __future__ import annotations
@@ -20,12 +25,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
 from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest
 from egressd.proxy.core.attempt import Attempt
+from egressd.proxy.core.budget import Budget, lend
+from egressd.proxy.core.decision import budget_approval
+from egressd.proxy.core.runs import Run
 from egressd.proxy.net.recorder import Recorder
 from egressd.vocabulary.reasons import Answer
 
@@ -41,6 +49,7 @@ class OwnerApprover:
         self._ids = itertools.count(1)
         self._open: dict[int, asyncio.Future[ApprovalOutcome]] = {}
         self._late: OrderedDict[int, Callable[[ApprovalOutcome], None]] = OrderedDict()
+        self._loans: dict[int, asyncio.Future[tuple[ApprovalOutcome, int]]] = {}
         self._gone = False
 
     async def ask(self, request: ApprovalRequest) -> ApprovalOutcome:
@@ -63,6 +72,27 @@ class OwnerApprover:
         self._late.pop(ask_id, None)
         return outcome
 
+    async def lend(self, run_id: str, site: str, port: int, need: int) -> tuple[ApprovalOutcome, int]:
+        """``need`` bytes or more of the run's upload budget to ``site``, from the owner (``runner.Lender``)."""
+        if self._gone:
+            return ApprovalOutcome(Answer.NO_APPROVER), 0
+        ask_id = next(self._ids)
+        loan = self._loans[ask_id] = asyncio.get_running_loop().create_future()
+        self._send(("lend", ask_id, run_id, site, port, need))
+        try:
+            return await loan
+        except asyncio.CancelledError:
+            self._send(("withdraw", ask_id))
+            raise
+        finally:
+            del self._loans[ask_id]
+
+    def lent(self, ask_id: int, outcome: ApprovalOutcome, amount: int) -> None:
+        """The owner's answer to loan ``ask_id``."""
+        waiting = self._loans.get(ask_id)
+        if waiting is not None and not waiting.done():
+            waiting.set_result((outcome, amount))
+
     def answered(self, ask_id: int, outcome: ApprovalOutcome) -> None:
         """The owner's answer to question ``ask_id``."""
         waiting = self._open.get(ask_id)
@@ -81,6 +111,9 @@ class OwnerApprover:
         for waiting in self._open.values():
             if not waiting.done():
                 waiting.set_result(ApprovalOutcome(Answer.NO_APPROVER))
+        for loan in self._loans.values():
+            if not loan.done():
+                loan.set_result((ApprovalOutcome(Answer.NO_APPROVER), 0))
         self._late.clear()
 
 
@@ -103,3 +136,47 @@ class ReportingRecorder(Recorder):
         super().finish(attempt)
         if ending:
             self.tell(("ended", attempt.id))
+
+
+async def lend_budget(
+    run: Run,
+    site: str,
+    port: int,
+    need: int,
+    *,
+    grant: int,
+    share: int,
+    ask: Callable[[ApprovalRequest], Awaitable[ApprovalOutcome]],
+) -> tuple[ApprovalOutcome, int]:
+    """The owner's side of a worker's loan: ``need`` bytes or more of ``run``'s upload budget to ``site``
+    (``share`` when it has them) → (the outcome, the bytes lent).
+
+    When the budget has not ``need`` left, a person is asked first, through
+    the question every connection waiting on the budget shares (``asking``:
+    the owner's own connections' too); an allow grants another budget's
+    worth, as it does without workers.
+    """
+    budget = run.budget(site, grant)
+    outcome = ApprovalOutcome(Answer.ALLOW)
+    while (lent := lend(budget, need, share)) is None:
+        # Asked again when others spent what an allow granted before this loan's turn came.
+        if budget.asking is None:
+            budget.asking = asyncio.ensure_future(_ask_budget(run, budget, port, need, ask))
+        outcome = await asyncio.shield(budget.asking)
+        if not outcome.allowed:
+            return outcome, 0
+    return outcome, lent
+
+
+async def _ask_budget(
+    run: Run, budget: Budget, port: int, need: int, ask: Callable[[ApprovalRequest], Awaitable[ApprovalOutcome]]
+) -> ApprovalOutcome:
+    try:
+        outcome = await ask(budget_approval(run, budget.site, port, budget.sent))
+    except Exception:  # fail closed: a question that broke allowed nothing
+        outcome = ApprovalOutcome(Answer.NO_APPROVER)
+    finally:
+        budget.asking = None
+    if outcome.allowed:
+        budget.granted(need)  # room for what the asker needs (a body declared larger than a budget) and a budget
+    return outcome

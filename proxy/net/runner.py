@@ -38,6 +38,7 @@ from egressd.proxy.core.commands import (
     Ask,
     Close,
     Dial,
+    Extend,
     Fill,
     Finish,
     Intercept,
@@ -89,6 +90,16 @@ class EgressPath:
     screen: Screen
     inspector: Inspector | None = None  # the TLS ends of inspected connections (None: nothing is inspected)
     secrets: Secrets | None = None  # declared secrets (None: none)
+    # A worker's (``--workers``): the owner keeps the runs' upload budgets and lends this process bytes of them.
+    lender: Lender | None = None
+
+
+class Lender(Protocol):
+    """Where a worker's upload budgets come from: the owner process (``owner.OwnerApprover``)."""
+
+    async def lend(self, run_id: str, site: str, port: int, need: int) -> tuple[ApprovalOutcome, int]:
+        """``need`` bytes or more of the run's budget to ``site`` → (the outcome, the bytes lent when allowed)."""
+        ...
 
 
 class Shared(Protocol):
@@ -187,6 +198,9 @@ class Runner:
                     elif kind is Ask:
                         with self._gone(command.on_eof):
                             result = await self._ask(command.request)
+                    elif kind is Extend:
+                        with self._gone(False):
+                            result = await self._extend(command.attempt, command.budget, command.more)
                     elif kind is Fill:
                         result = await client.fill(command.deadline)
                     elif kind is Close:
@@ -339,14 +353,32 @@ class Runner:
         budget.asking.add_done_callback(lambda asked: self._budget_answered(tunnel, attempt, asked))
 
     async def _ask_budget(self, attempt: Attempt, budget: Budget) -> ApprovalOutcome:
-        run = attempt.run
-        assert run is not None and attempt.port is not None
+        """The question every connection over ``budget`` waits on (``asking``)."""
         try:
-            outcome = await self._ask(budget_approval(run, budget.site, attempt.port, budget.sent))
+            return await self._extend(attempt, budget, 0)
         finally:
             budget.asking = None
+
+    async def _extend(self, attempt: Attempt, budget: Budget, more: int) -> ApprovalOutcome:
+        """Make room in ``budget`` for ``more`` bytes past what was sent: a person's allow, or the owner's loan."""
+        run = attempt.run
+        assert run is not None and attempt.port is not None
+        lender = self.path.lender
+        if lender is None:
+            outcome = await self._ask(budget_approval(run, budget.site, attempt.port, budget.sent))
+            if outcome.allowed:
+                budget.granted(more)
+            return outcome
+        try:
+            # At least a byte: a connection asks when it cannot send its next one.
+            outcome, lent = await lender.lend(run.id, budget.site, attempt.port, max(1, budget.short(more)))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # fail closed: nothing was lent
+            log.exception("the owner's loan of %s's budget for %s failed; denying", run.id, budget.site)
+            return ApprovalOutcome(Answer.NO_APPROVER)
         if outcome.allowed:
-            budget.granted()
+            budget.limit += lent
         return outcome
 
     def _budget_answered(self, tunnel: Tunnel, attempt: Attempt, asked: asyncio.Task[ApprovalOutcome]) -> None:

@@ -78,13 +78,15 @@ def _env(tmp_path: Path) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def serving(tmp_path: Path, dns: FakeDns, *args: str, private: bool = True) -> AsyncIterator[Serve]:
+async def serving(
+    tmp_path: Path, dns: FakeDns, *args: str, private: bool = True, env: dict[str, str] | None = None
+) -> AsyncIterator[Serve]:
     log = tmp_path / "audit.jsonl"
     proc = await asyncio.create_subprocess_exec(
         EGRESSD, "serve", "--workers", "2", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
         "--upstream-dns", f"127.0.0.1:{dns.address[1]}", *(("--allow-private", ORIGIN_RANGE) if private else ()),
         "--audit-log", str(log), *args,
-        env=_env(tmp_path), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env=_env(tmp_path) | (env or {}), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     seen: list[str] = []
     assert proc.stderr is not None
@@ -345,6 +347,44 @@ async def test_inspected_https_is_served_by_either_process_with_the_runs_one_ca(
     assert sorted(r["decision"] for r in https) == ["allow"] * (SPREAD // 2) + ["deny"] * 4
 
 
+async def test_a_declared_secret_is_put_in_by_either_process_for_the_placeholder_the_run_was_given(
+    tmp_path: Path, dns: FakeDns, https_origin: HttpsOrigin
+) -> None:
+    """Each process made its own placeholders: a run's placeholder, sent through the worker, reached the
+    origin as it was and the secret was never put in. The workers take the owner's."""
+    require(have("curl"), "curl is not installed")
+    name = f"origin.test:{https_origin.port}"
+    value = "real-" + os.urandom(8).hex()
+    async with serving(tmp_path, dns, "--inspect-origin-ca-file", str(https_origin.ca_file), "--require-auth",
+                       "--secret", f"ORIGIN_TOKEN@{name}", env={"ORIGIN_TOKEN": value}) as serve:  # fmt: skip
+        status, created = await _control(serve, "POST", "/runs", {"task": "t", "allow": [f"GET {name}/docs/**"]})
+        assert status == 201, created
+        assert isinstance(created, dict)
+        run, token, mark = created["id"], created["token"], created["secrets"]["ORIGIN_TOKEN"]
+        url = f"http://127.0.0.1:{serve.ports['control']}/runs/{run}/ca"
+        async with aiohttp.ClientSession(trust_env=False) as session:
+            async with session.get(url, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+                assert resp.status == 200
+                ca = tmp_path / "run-ca.pem"
+                ca.write_bytes(await resp.read())
+
+        async def curl() -> str:
+            proc = await asyncio.create_subprocess_exec(
+                "curl", "-sS", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "10", "--noproxy", "",
+                "-x", f"http://{run}:{token}@127.0.0.1:{serve.ports['proxy']}", "--cacert", str(ca),
+                "-H", f"Authorization: Bearer {mark}", f"https://{name}/docs/a",
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            out, err = await proc.communicate()
+            return out.decode() or err.decode()
+
+        got = await asyncio.gather(*(curl() for _ in range(SPREAD // 2)))  # spread over both processes
+        assert got == ["200"] * (SPREAD // 2), got
+    assert [headers.get("Authorization") for _, _, headers in https_origin.requests] == [f"Bearer {value}"] * (
+        SPREAD // 2)
+    assert value not in serve.log.read_text()
+
+
 async def test_a_reload_that_takes_back_a_private_range_holds_in_the_worker(
     tmp_path: Path, dns: FakeDns, echo_origin: Listener
 ) -> None:
@@ -423,3 +463,49 @@ async def test_a_change_made_while_a_worker_starts_holds_in_it(
         for _, _, _, writer in answers:
             writer.close()
         assert {(status, headers["x-egress-reason"]) for status, headers, _, _ in answers} == {(403, "denylisted")}
+
+
+async def test_a_runs_upload_budget_is_one_budget_across_the_processes(
+    tmp_path: Path, dns: FakeDns, sink_origin: Listener
+) -> None:
+    """The attack: tunnels spread over both processes, each process counting alone, would send the budget
+    twice before anyone was asked. The owner keeps the budget and lends each worker bytes of it."""
+    target = f"origin.test:{sink_origin.port}"
+    budget = 256 * 1024
+    async with serving(tmp_path, dns, "--allow", target, "--upload-budget-mb", "0.25", "--approver", "web",
+                       "--web-inbox") as serve:  # fmt: skip
+        owner, worker = serve.proc.pid, serve.worker
+        before = _sockets(owner), _sockets(worker)
+        opened = await asyncio.gather(*(_connect(serve.ports["proxy"], target) for _ in range(SPREAD)))
+        during = _sockets(owner), _sockets(worker)
+        assert during[0] > before[0] and during[1] > before[1], (before, during)  # both hold some
+        for status, _, _, writer in opened:
+            assert status == 200
+            writer.write(b"z" * 32768)  # 40 x 32 KiB against a 256 KiB budget
+        for answer, reached in (("allow", budget), ("deny", 2 * budget)):
+            # Asked once for the run's budget, whichever process holds each client; an allow grants one more.
+            question = await _one_question(serve)
+            await asyncio.sleep(0.5)  # any byte past the budget would be at the origin by now
+            assert sink_origin.bytes_in == reached, (answer, sink_origin.bytes_in)
+            assert (await _control(serve, "GET", "/approvals"))[1]["approvals"] == [question]  # type: ignore[index]
+            status, _ = await _control(serve, "POST", f"/approvals/{question['id']}/{answer}", {})
+            assert status == 200
+        # Every tunnel that waited is cut; one that fitted whole in the budgets (16 of 32 KiB at most) goes on.
+        await wait_until(lambda: serve.ended() >= SPREAD - 2 * budget // 32768, 10)
+        for _, _, _, writer in opened:
+            writer.close()
+        await wait_until(lambda: serve.ended() == SPREAD, 10)
+    ends = [r for r in serve.records() if r["event"] == "egress.end"]
+    assert sum(r["end"] == "denied" for r in ends) >= SPREAD - 2 * budget // 32768, ends
+    assert sum(r["bytes_up"] for r in ends) == 2 * budget == sink_origin.bytes_in
+
+
+async def _one_question(serve: Serve) -> dict[str, object]:
+    """The one approval the owner's page lists, once it lists one."""
+    for _ in range(100):
+        listed = (await _control(serve, "GET", "/approvals"))[1]["approvals"]  # type: ignore[index]
+        if listed:
+            assert len(listed) == 1, listed
+            return listed[0]  # type: ignore[no-any-return]
+        await asyncio.sleep(0.1)
+    raise AssertionError("no question in 10 s")

@@ -228,6 +228,11 @@ async def test_a_full_disk_lets_no_request_out_unrecorded(make_egressd, http_ori
         await svc.close(grace_s=0)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes ``pid`` started (its workers), read before it is killed."""
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def _env(tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")}
     env["XDG_STATE_HOME"] = str(tmp_path / "state")
@@ -237,6 +242,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 async def test_kill_9_leaves_a_valid_log_that_holds_every_dialled_connection(tmp_path: Path, dns) -> None:
     log = tmp_path / "audit.jsonl"
     tunnels = 20
+    workers: list[int] = []
     async with watching_origin(log, http=False) as origin:
         proc = subprocess.Popen(  # noqa: ASYNC220 - started once, its ports read in a thread
             [EGRESSD, "serve", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
@@ -257,8 +263,11 @@ async def test_kill_9_leaves_a_valid_log_that_holds_every_dialled_connection(tmp
                 writer.write(b"payload")
                 assert await reader.readexactly(7) == b"payload"
             assert len(origin.seen_at_accept) == tunnels
+            workers = _children(proc.pid)
             proc.send_signal(signal.SIGKILL)
             proc.wait(10)
+            # A worker outlives its owner only to cut its tunnels (recording how they ended) and exit.
+            await wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in workers), 15)
         finally:
             for writer in writers:
                 writer.close()
@@ -270,14 +279,19 @@ async def test_kill_9_leaves_a_valid_log_that_holds_every_dialled_connection(tmp
     assert log.read_bytes().endswith(b"\n")  # whole lines only: each batch is one write
     records = file_records(log)
     assert len(allowed(records)) == tunnels
-    assert not [r for r in records if r["event"] == "egress.end"]  # it never saw them end
+    ends = [r for r in records if r["event"] == "egress.end"]
+    # The killed process never saw its tunnels end; a surviving worker ends its own as a shutdown.
+    assert {r["end"] for r in ends} <= {"shutdown"}, ends
+    assert bool(ends) == bool(workers)  # 20 tunnels spread over the processes (1 in 2**20 all on one)
+    assert len({r["id"] for r in ends}) == len(ends) and {r["id"] for r in ends} <= {r["id"] for r in allowed(records)}
     shown = await asyncio.to_thread(
         subprocess.run,
         [EGRESSD, "audit", "--audit-log", str(log), "--json"], env=_env(tmp_path),
         capture_output=True, text=True, timeout=30, check=True,
     )  # fmt: skip
     lines = [json.loads(line) for line in shown.stdout.splitlines()]
-    assert [r["end"] for r in lines if r["event"] == "egress"] == ["open"] * tunnels
+    shown_ends = sorted(r["end"] for r in lines if r["event"] == "egress")
+    assert shown_ends == sorted(["open"] * (tunnels - len(ends)) + ["shutdown"] * len(ends))
     verified = await asyncio.to_thread(
         subprocess.run,
         [EGRESSD, "audit", "verify", str(log)], env=_env(tmp_path), capture_output=True, text=True, timeout=30,
