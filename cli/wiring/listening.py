@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from egressd.config.settings import Settings, parse_hostport
 from egressd.names.addresses import IPAddress
 from egressd.proxy.core.addresses import OwnEndpoints
 from egressd.proxy.core.floods import RefusalBudget
 from egressd.proxy.core.modes import ListenerLimits
+from egressd.proxy.net.dnsserver import DEFAULT_BURST, DEFAULT_MAX_NAMES_PER_RUN, DEFAULT_RATE_QPS
 
 from .errors import StartupError
 
@@ -126,3 +128,19 @@ def refusal_budget(settings: Settings, share: int = 1) -> RefusalBudget:
     """A process's flood budget (``floods``): with workers, its share of each run's refusal records per interval
     (rounded down, at least one), so that the processes together write no more than the setting says."""
     return RefusalBudget(max(1, settings.max_refusal_records // share), settings.refusal_interval_s)
+
+
+
+class DnsLimits(NamedTuple):
+    """The DNS server's rate per client and names recorded one by one per run (``dnsserver``)."""
+
+    rate_qps: float
+    burst: int
+    max_names_per_run: int
+
+
+def dns_limits(share: int = 1) -> DnsLimits:
+    """``DnsLimits``; with workers each process's share (rounded down, at least one), so that the processes
+    together allow no more than one would."""
+    names = max(1, DEFAULT_MAX_NAMES_PER_RUN // share)
+    return DnsLimits(DEFAULT_RATE_QPS / share, max(1, DEFAULT_BURST // share), names)

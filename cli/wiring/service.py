@@ -61,7 +61,7 @@ from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_direct
 from .declared import SecretSettingError, secrets_from_settings
 from .errors import StartupError
 from .lasting import lasting_answers
-from .listening import dns_answers, listener_limits, own_endpoints, refusal_budget
+from .listening import dns_answers, dns_limits, listener_limits, own_endpoints, refusal_budget
 from .workers import WorkerPool, process_count
 
 log = logging.getLogger("egressd")
@@ -473,7 +473,8 @@ class EgressService:
         if s.dns_listen is not None:
             answer4, answer6 = dns_answers(s)
             self.dns = DnsServer(
-                recorder=self.path.recorder, runs=self.runs, answer4=answer4, answer6=answer6, strict=s.dns_strict
+                recorder=self.path.recorder, runs=self.runs, answer4=answer4, answer6=answer6, strict=s.dns_strict,
+                **dns_limits(self._processes)._asdict(),
             )
             await self._listen(self.dns, "dns_listen", s.dns_listen)
 

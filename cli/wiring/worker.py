@@ -47,7 +47,7 @@ from egressd.proxy.net.runner import EgressPath
 
 from ..logformat import setup_logging
 from .errors import StartupError
-from .listening import dns_answers, listener_limits, own_endpoints, refusal_budget
+from .listening import dns_answers, dns_limits, listener_limits, own_endpoints, refusal_budget
 from .loop import run_async
 from .workers import Image
 
@@ -166,7 +166,7 @@ class Worker:
         if self._dns_sockets is not None:
             answer4, answer6 = dns_answers(s)
             self.dns = DnsServer(recorder=recorder, runs=self.runs, answer4=answer4, answer6=answer6,
-                                 strict=s.dns_strict)  # fmt: skip
+                                 strict=s.dns_strict, **dns_limits(s.workers)._asdict())  # fmt: skip
             await self.dns.start_on(*self._dns_sockets)
 
     def _say(self, line: str) -> None:

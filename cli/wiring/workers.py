@@ -38,7 +38,7 @@ from egressd.audit.records import EgressEnded
 from egressd.audit.shared import SharedChain
 from egressd.config.cores import usable_cores
 from egressd.config.settings import Settings
-from egressd.proxy.core.decision import Screen
+from egressd.proxy.core.decision import Screen, settled_meanwhile
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.replica import Change, RegistryImage, apply_change, image_of
 from egressd.proxy.core.runs import RunRegistry
@@ -291,6 +291,12 @@ class WorkerPool:
         run = self._runs.get(request.run_id)
         if run is not None:  # the command running now, as the owner knows it (a worker's copy may lag)
             request = replace(request, command=run.command, task=run.task)
+            if request.request is None and request.uploaded is None:  # a new domain's question
+                settled = settled_meanwhile(run, request.host, request.port)
+                if settled is not None:  # answered for the run while this question was on its way
+                    worker.asks.pop(ask_id, None)
+                    channel.send(("answer", ask_id, settled))
+                    return
         try:
             outcome = await self._approver.ask(replace(request, on_late_answer=late))
         except asyncio.CancelledError:

@@ -253,6 +253,16 @@ def cap_approval(run: Run, host: str, port: int, shown: HeldRequest, sent: int) 
                      uploaded=sent)
 
 
+def settled_meanwhile(run: Run, host: str, port: int) -> ApprovalOutcome | None:
+    """What answers a worker's question about ``host``:``port`` that reached the owner after the run's answer
+    (``--workers``: it asked from its copy of the run): allowed, once (the run holds the approval already), or
+    denied; None while a person is still to be asked."""
+    verdict = run.decide(host, port).verdict
+    if verdict is _ASK:
+        return None
+    return ApprovalOutcome(Answer.DENY if verdict is _DENY else Answer.ALLOW, scope=ApprovalScope.ONCE)
+
+
 def apply_answer(run: Run, host: str, port: int, outcome: ApprovalOutcome) -> Reason | None:
     """What an answer does to the run; the reason the request is refused with, None when it goes on."""
     if not outcome.allowed:

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import pickle
 
+from egressd.approvals.interface import ApprovalScope
+from egressd.proxy.core.decision import settled_meanwhile
 from egressd.proxy.core.policy import Verdict, parse_entry
 from egressd.proxy.core.replica import Change, ReplicaRun, apply_change, follow, image_of
 from egressd.proxy.core.runs import Run, RunRegistry
+from egressd.vocabulary.reasons import Answer
 
 
 def _entries(*texts: str) -> tuple:  # type: ignore[type-arg]
@@ -111,3 +114,19 @@ def test_a_change_for_an_ended_run_or_an_unknown_method_is_dropped() -> None:
     assert not apply_change(owner, Change("default", "end", ()))  # only what a copy may report
     assert not apply_change(owner, Change("default", "__class__", ()))
     assert owner.get("default") is not None
+
+
+def test_a_question_that_reaches_the_owner_after_the_runs_answer_is_answered_by_it() -> None:
+    """A worker asks from its copy; the owner's run may have been answered while the question travelled
+    (a client of another process asked the same): the question is not put to the person again."""
+    owner = _owner()
+    run = owner.get("default")
+    assert run is not None
+    assert settled_meanwhile(run, "b.example", 443) is None  # still to be asked
+    run.approve("b.example", 443)
+    allowed = settled_meanwhile(run, "b.example", 443)
+    assert allowed is not None and allowed.answer is Answer.ALLOW and allowed.scope is ApprovalScope.ONCE
+    run.deny_host("c.example")
+    denied = settled_meanwhile(run, "c.example", 443)
+    assert denied is not None and denied.answer is Answer.DENY
+    assert settled_meanwhile(run, "d.example", 443) is None

@@ -407,12 +407,13 @@ async def test_a_reload_that_takes_back_a_private_range_holds_in_the_worker(
         assert echo_origin.connections == arrived
 
 
-async def _query(port: int, name: str, timeout_s: float) -> DNSRecord | None:
+async def _query(port: int, name: str, timeout_s: float, source: str = "127.0.0.1") -> DNSRecord | None:
     """One UDP query from a fresh socket (a fresh source port: the kernel may pick either process); None: no reply."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     sock.setblocking(False)
     try:
+        sock.bind((source, 0))
         await loop.sock_connect(sock, ("127.0.0.1", port))
         await loop.sock_sendall(sock, DNSRecord.question(name).pack())
         return DNSRecord.parse(await asyncio.wait_for(loop.sock_recv(sock, 4096), timeout_s))
@@ -444,6 +445,27 @@ async def test_dns_is_answered_by_both_processes_under_the_one_policy(
     queries = [r for r in serve.records() if r.get("kind") == "dns"]
     assert sum(r["host"] == "leak.test" and r["decision"] == "deny" for r in queries) == SPREAD // 4
     assert verify_files([serve.log]).ok
+
+
+async def test_a_runs_distinct_names_are_recorded_one_by_one_up_to_one_cap_across_the_processes(
+    tmp_path: Path, dns: FakeDns
+) -> None:
+    """The attack: a run enumerating names (1,200 distinct ones) past the per-run cap of 1,000 that stops
+    them going to the log one by one; with each process keeping its own ledger, all 1,200 were written.
+    The processes now keep a share of the cap each."""
+    async with serving(tmp_path, dns, "--dns-listen", "127.0.0.1:0", "--allow", "origin.test") as serve:
+        port = serve.ports["dns"]
+        # From 12 loopback addresses, 100 queries each: every client within its rate, whichever process.
+        sources = [f"127.0.{index}.9" for index in range(1, 13)]
+        for batch in range(100):
+            replies = await asyncio.gather(
+                *(_query(port, f"n{batch}-{index}.enumerate.test", 5.0, source) for index, source in enumerate(sources))
+            )
+            assert all(reply is not None for reply in replies)
+        await wait_until(lambda: sum(r.get("kind") == "dns" for r in serve.records()) >= 900, 10)
+        await asyncio.sleep(0.5)
+        named = [r for r in serve.records() if r.get("kind") == "dns" and r.get("host")]
+        assert 900 <= len(named) <= 1000, len(named)
 
 
 async def test_a_change_made_while_a_worker_starts_holds_in_it(
