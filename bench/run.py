@@ -60,6 +60,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -163,6 +164,8 @@ class Proxy:
         self._dir = tempfile.TemporaryDirectory(prefix=f"bench-{self.name}-")
         self.workdir = Path(self._dir.name)
         self.proc = self.start(self.port, self.workdir)
+        if self.proc.stderr is not None:
+            wait_serving(self.proc)
         wait_port("127.0.0.1", self.port)
         return self
 
@@ -185,6 +188,27 @@ CONTROL_TOKEN = "bench-control-token"
 C_TOOLS: list[ctools.CTools] = []
 
 
+def wait_serving(proc: subprocess.Popen, timeout_s: float = 60.0) -> None:  # type: ignore[type-arg]
+    """Until egressd says "serving:" (its worker processes serve by then: its port alone accepts before they
+    do, and a load started then lands on the first process only), then its stderr is drained unread."""
+    assert proc.stderr is not None
+    ready = threading.Event()
+
+    def drain() -> None:  # in large reads: the decision lines that follow cost the machine next to nothing
+        assert proc.stderr is not None
+        fd, seen = proc.stderr.fileno(), b""
+        while chunk := os.read(fd, 1 << 20):
+            if not ready.is_set():
+                seen += chunk
+                if b"serving:" in seen:
+                    ready.set()
+        ready.set()  # it exited: the port check says why
+
+    threading.Thread(target=drain, daemon=True).start()
+    if not ready.wait(timeout_s):
+        raise RuntimeError(f"egressd did not say it was serving within {timeout_s:g}s")
+
+
 def start_egressd(port: int, workdir: Path, extra: tuple[str, ...] = ()) -> subprocess.Popen:  # type: ignore[type-arg]
     egressd = str(Path(PY).with_name("egressd"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": str(workdir)}
@@ -201,7 +225,7 @@ def start_egressd(port: int, workdir: Path, extra: tuple[str, ...] = ()) -> subp
                  "--max-pending-approvals", "5000", "--max-approvals-per-run", "5000",
                  "--max-connections", "100000"]
     argv += [*EGRESSD_ARGS, *extra]
-    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
 def held_requests(workdir: Path) -> int:
