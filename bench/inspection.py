@@ -178,7 +178,7 @@ async def _egressd(
     proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before anything is timed
         [egressd, "serve", "--listen", f"{HOST}:{port}", "--control", f"{HOST}:{control}", "--approver", "deny",
          "--allow", f"GET {NAME}:{origin}/**", "--allow-private", f"{HOST}/32", "--inspect-origin-ca-file", str(ca),
-         "--audit-log", str(work / "audit.jsonl"), "--log-level", "warning"],
+         "--audit-log", str(work / "audit.jsonl"), "--log-level", "warning", "--workers", "1"],  # as its peers
         env=os.environ | {"EGRESSD_CONTROL_TOKEN": "bench-token"}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     await _wait_listening(port, proc, "egressd")

@@ -133,6 +133,7 @@ async def measure(
                 *runner, "serve", "--listen", "127.0.0.1:0", "--control", "unix:" + str(Path(tmp) / "control.sock"),
                 "--allow", f"{ORIGIN}:*", "--allow-private", f"{ORIGIN}/32", "--audit-log", str(Path(tmp) / "a.jsonl"),
                 "--log-level", "info",  # serve's default, and how its "serving:" line (the bound port) is seen
+                "--workers", "1",  # cachegrind counts one process: every tunnel in it
                 stdout=asyncio.subprocess.DEVNULL, stderr=stderr, env=env,
             )  # fmt: skip
         try:

@@ -470,6 +470,8 @@ class Egressd:
             str(workdir / "audit.jsonl"),
             "--log-level",
             "info",
+            "--workers",  # one process: its memory and held requests are read from its /proc
+            "1",
             "--approver",
             "webhook",
             "--webhook-url",

@@ -59,7 +59,8 @@ def _serve(extra: list[str], workdir: str) -> tuple[subprocess.Popen[str], int]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("EGRESSD_")} | {"XDG_STATE_HOME": workdir}
     proc = subprocess.Popen(
         [egressd, "serve", "--listen", "127.0.0.1:0", "--control", f"unix:{workdir}/control.sock",
-         "--allow", f"{ORIGIN}:*", "--allow-private", f"{ORIGIN}/32", "--audit-log", f"{workdir}/audit.jsonl", *extra],
+         "--allow", f"{ORIGIN}:*", "--allow-private", f"{ORIGIN}/32", "--audit-log", f"{workdir}/audit.jsonl",
+         "--workers", "1", *extra],  # one process: its CPU per GiB is the relay's
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert proc.stderr is not None
