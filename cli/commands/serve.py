@@ -59,9 +59,10 @@ async def serve(settings: Settings, open_files: tuple[int, int], read: Callable[
     run = service.default_run
     host, port = service.proxy_address
     logging.getLogger("egressd").info(
-        "serving: proxy %s:%d, control %s, audit log %s, %s%s",
+        "serving: proxy %s:%d, control %s, audit log %s, %s, %s%s",
         host, port, service.control_address,
         "standard output" if str(settings.audit_path) == "-" else settings.audit_path,
+        "1 process" if service.processes == 1 else f"{service.processes} processes",
         f"default run allows {', '.join(e.text for e in run.allow) or 'nothing'}" if run else "runs need credentials",
         " (LEARN MODE: the allowlist is not enforced; deny entries, IP literals and private addresses still are)"
         if settings.learn else "",

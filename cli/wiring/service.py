@@ -478,6 +478,11 @@ class EgressService:
             )
             await self._listen(self.dns, "dns_listen", s.dns_listen)
 
+    @property
+    def processes(self) -> int:
+        """How many processes serve the proxy's listeners: this one and its workers (known once started)."""
+        return self._processes
+
     async def _workers_metrics(self) -> list[tuple[Metrics, int]]:
         return await self.workers.metrics() if self.workers is not None else []
 
