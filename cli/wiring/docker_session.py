@@ -110,6 +110,8 @@ SIDECAR_OWN = frozenset({
     "audit_log", "audit_max_bytes", "audit_keep",
     # a host path: the file's contents go to the container as one of its files (``sidecar_files``)
     "inspect_origin_ca_file",
+    # one process: it serves one sandbox, and one per core of a large host would not fit its memory limit
+    "workers",
 })
 # The container's files besides the secret settings' (``sidecar_files``): a declared secret's value is
 # ``declared.NAME``, named to egressd there by NAME_FILE; the CA for inspected origins is ORIGIN_CA.
@@ -173,6 +175,7 @@ def sidecar_environment(
             "EGRESSD_SOCKS": f"{egressd_ip}:{SOCKS_PORT}",
             "EGRESSD_DNS_ANSWER": egressd_ip,
             "EGRESSD_CONTROL": f"{control_ip}:{CONTROL_PORT}",
+            "EGRESSD_WORKERS": "1",
             "EGRESSD_REQUIRE_AUTH": "true",
             "EGRESSD_AUDIT_LOG": f"{EGRESSD_STATE}/audit.jsonl",
         }

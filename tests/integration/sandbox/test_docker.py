@@ -244,7 +244,7 @@ def test_a_run_that_inspects_binds_its_ca_bundle_read_only_over_the_standard_one
 def test_the_sidecar_gets_our_policy_settings_but_its_own_listeners() -> None:
     settings = load_settings({"allow_private": ["169.254.64.16/28"], "approver": ["terminal", "webhook"],
                               "webhook_url": "http://h/hook", "unsafe_webhook_http": True,
-                              "webhook_secret": "whsec_AAAA", "listen": "127.0.0.1:9"})
+                              "webhook_secret": "whsec_AAAA", "listen": "127.0.0.1:9", "workers": 4})
     env = sidecar_environment(settings, egressd_ip="169.254.64.2", control_ip="169.254.64.18", token="t")
     assert env["EGRESSD_ALLOW_PRIVATE"] == "169.254.64.16/28" and env["EGRESSD_APPROVER"] == "webhook"
     assert env["EGRESSD_UNSAFE_WEBHOOK_HTTP"] == "true"  # the terminal relay's plain http to the gateway
@@ -253,6 +253,7 @@ def test_the_sidecar_gets_our_policy_settings_but_its_own_listeners() -> None:
     assert "EGRESSD_WEBHOOK_SECRET" not in env and "EGRESSD_CONTROL_TOKEN" not in env  # files: not in docker inspect
     assert env["EGRESSD_LISTEN"] == "169.254.64.2:3128" and env["EGRESSD_CONTROL"] == "169.254.64.18:3129"
     assert env["EGRESSD_SOCKS"] == "169.254.64.2:1080"
+    assert env["EGRESSD_WORKERS"] == "1"  # one sandbox's: one process, whatever serve's setting says
     assert "EGRESSD_ALLOW" not in env  # the allowlist is the run's, sent with POST /runs
 
 
