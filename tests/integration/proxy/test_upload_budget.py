@@ -51,6 +51,15 @@ async def _tunnel(svc: Any, port: int) -> tuple[asyncio.StreamReader, asyncio.St
     return reader, writer
 
 
+async def _budgeted_tunnel(
+    make_egressd: MakeEgressd, port: int
+) -> tuple[Reviewer, Any, tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """An egressd holding runs to BUDGET, its reviewer, and one tunnel through it to origin.test:``port``."""
+    reviewer = Reviewer()
+    svc = await make_egressd(allow=[f"origin.test:{port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
+    return reviewer, svc, await _tunnel(svc, port)
+
+
 async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
     for _ in range(int(timeout_s / 0.02)):
         if predicate():
@@ -62,9 +71,7 @@ async def _until(predicate: Any, timeout_s: float = 10.0) -> None:
 async def test_a_tunnel_past_its_budget_is_paused_and_a_person_lets_it_go_on_or_ends_it(
     make_egressd: MakeEgressd, sink_origin: Listener
 ) -> None:
-    reviewer = Reviewer()
-    svc = await make_egressd(allow=[f"origin.test:{sink_origin.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
-    _, writer = await _tunnel(svc, sink_origin.port)
+    reviewer, svc, (_, writer) = await _budgeted_tunnel(make_egressd, sink_origin.port)
     # Plain HTTP in the tunnel (its head is checked, then its body flows): one large upload.
     host = f"origin.test:{sink_origin.port}"
     writer.write(f"PUT /big HTTP/1.1\r\nHost: {host}\r\nContent-Length: {8 << 20}\r\n\r\n".encode())
@@ -121,9 +128,7 @@ async def test_many_tunnels_together_send_not_one_byte_past_the_budget(
 async def test_a_client_that_closes_while_held_has_its_last_bytes_and_its_close_sent_in_order(
     make_egressd: MakeEgressd, echo_origin: Listener
 ) -> None:
-    reviewer = Reviewer()
-    svc = await make_egressd(allow=[f"origin.test:{echo_origin.port}"], upload_budget_mb=BUDGET_MB, approver=reviewer)
-    reader, writer = await _tunnel(svc, echo_origin.port)
+    reviewer, _, (reader, writer) = await _budgeted_tunnel(make_egressd, echo_origin.port)
     data = bytes(range(256)) * (BUDGET // 256 + 64)  # 16 KiB past the budget
     writer.write(data)
     writer.write_eof()  # its FIN comes while the last bytes wait for the answer

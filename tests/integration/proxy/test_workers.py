@@ -150,6 +150,16 @@ async def _control(serve: Serve, method: str, path: str, body: object = None) ->
             return resp.status, await resp.json(content_type=None)
 
 
+async def _run_ca(serve: Serve, run: str, path: Path) -> Path:
+    """The run's CA certificate, from the control API, written to ``path``."""
+    url = f"http://127.0.0.1:{serve.ports['control']}/runs/{run}/ca"
+    async with aiohttp.ClientSession(trust_env=False) as session:
+        async with session.get(url, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
+            assert resp.status == 200
+            await asyncio.to_thread(path.write_bytes, await resp.read())
+    return path
+
+
 async def _hold_tunnels(serve: Serve, target: str, count: int) -> list[asyncio.StreamWriter]:
     """``count`` open tunnels, each checked with an echo: the writers, to close."""
     opened = await asyncio.gather(*(_connect(serve.ports["proxy"], target) for _ in range(count)))
@@ -322,12 +332,7 @@ async def test_inspected_https_is_served_by_either_process_with_the_runs_one_ca(
     async with serving(tmp_path, dns, "--allow", rule, "--inspect-origin-ca-file", str(https_origin.ca_file)) as serve:
         status, _ = await _control(serve, "GET", "/runs/default")
         assert status == 200
-        url = f"http://127.0.0.1:{serve.ports['control']}/runs/default/ca"
-        async with aiohttp.ClientSession(trust_env=False) as session:
-            async with session.get(url, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
-                assert resp.status == 200
-                ca = tmp_path / "run-ca.pem"
-                ca.write_bytes(await resp.read())
+        ca = await _run_ca(serve, "default", tmp_path / "run-ca.pem")
 
         async def curl(method: str) -> str:
             proc = await asyncio.create_subprocess_exec(
@@ -361,12 +366,7 @@ async def test_a_declared_secret_is_put_in_by_either_process_for_the_placeholder
         assert status == 201, created
         assert isinstance(created, dict)
         run, token, mark = created["id"], created["token"], created["secrets"]["ORIGIN_TOKEN"]
-        url = f"http://127.0.0.1:{serve.ports['control']}/runs/{run}/ca"
-        async with aiohttp.ClientSession(trust_env=False) as session:
-            async with session.get(url, headers={"Authorization": f"Bearer {TOKEN}"}) as resp:
-                assert resp.status == 200
-                ca = tmp_path / "run-ca.pem"
-                ca.write_bytes(await resp.read())
+        ca = await _run_ca(serve, run, tmp_path / "run-ca.pem")
 
         async def curl() -> str:
             proc = await asyncio.create_subprocess_exec(
