@@ -130,7 +130,6 @@ def refusal_budget(settings: Settings, share: int = 1) -> RefusalBudget:
     return RefusalBudget(max(1, settings.max_refusal_records // share), settings.refusal_interval_s)
 
 
-
 class DnsLimits(NamedTuple):
     """The DNS server's rate per client and names recorded one by one per run (``dnsserver``)."""
 
