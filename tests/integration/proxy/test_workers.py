@@ -100,7 +100,13 @@ async def serving(
         with contextlib.suppress(OSError):
             workers = Serve(proc, {}, log, seen).workers
         if proc.returncode is None:
-            proc.kill()
+            # Stopped as an operator stops it: every process writes what it holds (a refusal's record
+            # follows its answer in the loop turn's batch, which a kill -9 would lose), then exits.
+            proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                proc.kill()
         await proc.wait()
         for worker in workers:  # ours: the children of the owner this test started
             with contextlib.suppress(ProcessLookupError):
@@ -203,7 +209,8 @@ async def test_a_revocation_made_in_the_owner_holds_in_the_worker_from_the_next_
     tmp_path: Path, dns: FakeDns, echo_origin: Listener
 ) -> None:
     target = f"origin.test:{echo_origin.port}"
-    async with serving(tmp_path, dns, "--allow", target) as serve:
+    # Every refusal one by one: each process writes its share of --max-refusal-records (a flood's cap).
+    async with serving(tmp_path, dns, "--allow", target, "--max-refusal-records", "1000") as serve:
         for writer in await _hold_tunnels(serve, target, SPREAD):
             writer.close()
         arrived = echo_origin.connections
