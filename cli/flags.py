@@ -154,6 +154,11 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
       "record per interval (default 50)"}),
     ("--refusal-interval-s", "refusal_interval_s",
      {"type": float, "metavar": "S", "help": "the interval of --max-refusal-records (default 10)"}),
+    ("--state", "state",
+     {"metavar": "URI",
+      "help": "postgresql://USER@HOST/DATABASE: share approvals and the list of instances with every egressd "
+      "of a fleet through this database (migrate it first: egressd state migrate; docs/fleet.md) "
+      f"{visible('state')}"}),
     ("--log-level", "log_level",
      {"choices": ["debug", "info", "warning", "error"], "help": "stderr log level (default info)"}),
     ("--log-format", "log_format",
@@ -164,10 +169,11 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
 
 # Where egressd listens and who may use it: ``serve``'s to choose. ``run`` and
 # ``agent`` fix them for their sandbox (a private socket, the run's own
-# addresses, credentials required), so they do not offer these flags.
+# addresses, credentials required), so they do not offer these flags. A
+# fleet's state database is ``serve``'s alone for now (docs/fleet.md).
 SERVICE_ONLY = frozenset(
     {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "socks", "require_auth",
-     "workers"}
+     "workers", "state", "state_file"}
 )
 
 
@@ -178,6 +184,7 @@ _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("listen", "control", "control_token", "transparent_", "socks", "require_auth", "workers")),
     ("approvals", ("approver", "approval_", "max_pending_", "max_approvals_", "webhook_", "slack_", "public_url")),
     ("DNS", ("dns_", "upstream_dns")),
+    ("a fleet's shared state", ("state",)),
     ("audit log", ("audit_", "max_refusal_", "refusal_")),
     ("limits and logging", ("max_", "head_", "connect_", "idle_", "splice", "log_level", "log_format")),
 )

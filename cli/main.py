@@ -203,6 +203,12 @@ def cmd_agent_run(args: argparse.Namespace) -> int:
     return cmd_agent(args, settings)
 
 
+def cmd_state(args: argparse.Namespace) -> int:
+    from .commands.state import run_state
+
+    return run_state(args, _settings(args))
+
+
 def cmd_doctor_checks(args: argparse.Namespace) -> int:
     from .commands.doctor import cmd_doctor
 
@@ -327,6 +333,23 @@ def build_parser(only: str | None = ALL) -> argparse.ArgumentParser:
         _add_control_arguments(policy)
         add_policy_arguments(policy)
     policy.set_defaults(func=cmd_policy)
+
+    state = sub.add_parser("state", help="a fleet's state database: migrate its schema, list its instances",
+                           description="The PostgreSQL database a fleet of egressd instances shares (serve --state; "
+                           "docs/fleet.md). migrate: apply the schema migrations it lacks (serve never does); "
+                           "status: its schema version and the instances listed in it (exit 1 unless it is at this "
+                           "egressd's version).")
+    state_sub = state.add_subparsers(dest="state_action", required=True, metavar="ACTION")
+    for action, text in (("migrate", "apply the schema migrations the database lacks, one at a time across the fleet"),
+                         ("status", "the schema version and the instances: serving, silent or stopped")):
+        acting = state_sub.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
+        acting.add_argument("--config", metavar="FILE", help="TOML config file (for state)")
+        acting.add_argument("--state", dest="state", default=None, metavar="URI",
+                            help=f"postgresql://USER@HOST/DATABASE {visible('state')}")
+        acting.add_argument("--state-file", dest="state_file", default=None, metavar="FILE",
+                            help="read the URI from FILE: a regular file of yours (or root's) that no one else "
+                            "may read or write (mode 600)")
+        acting.set_defaults(func=cmd_state)
 
     doctor = sub.add_parser("doctor", help="say which sandbox backends and features work here, and why not",
                             description="Try each feature egressd run needs (bubblewrap, network namespaces, nftables, "

@@ -42,6 +42,7 @@ from pydantic_settings import (
 )
 
 from egressd.config.trusted import UntrustedFile, read_trusted
+from egressd.fleet import dsn
 from egressd.names.addresses import unmapped
 from egressd.names.authority import AuthorityError, Colons, parse_authority
 
@@ -65,6 +66,7 @@ SECRET_SETTINGS = (
     "slack_signing_secret",
     "webhook_secret",
     "webhook_callback_secret",
+    "state",
 )
 # A token or key is a line; anything much longer is the wrong file.
 MAX_SECRET_BYTES = 64 * 1024
@@ -262,6 +264,12 @@ class Settings(BaseSettings):
         description="where approval requests are POSTed: https, or plain http only to a loopback address written "
         "as one (`127.0.0.1`, `[::1]`)",
     )
+    state: SecretStr | None = Field(
+        None,
+        description="postgresql://USER@HOST/DATABASE: the database a fleet of egressd instances shares "
+        "(docs/fleet.md); unset: this egressd keeps everything to itself",
+    )
+    state_file: Path | None = Field(None, description="a file holding state (a URI with its password)")
     webhook_secret: SecretStr | None = Field(None, description="whsec_ key signing outgoing webhooks")
     webhook_secret_file: Path | None = Field(None, description="a file holding webhook_secret")
     webhook_callback_secret: SecretStr | None = Field(None, description="whsec_ key the callback must be signed with")
@@ -482,6 +490,16 @@ class Settings(BaseSettings):
                 errors.append(f"{name}_file: {exc}")
         if errors:
             raise ValueError("; ".join(errors))
+        return self
+
+    @model_validator(mode="after")
+    def _check_state(self) -> Settings:
+        # After the file is read: the URI it holds is checked the same way (and never shown with its password).
+        if self.state is not None:
+            try:
+                dsn.check(self.state.get_secret_value())
+            except ValueError as exc:
+                raise ValueError(f"state: {exc}") from None
         return self
 
     @classmethod

@@ -26,7 +26,7 @@ cd "$(dirname "$0")/.."
 CACHE=${EGRESSD_DOCKER_CACHE:-/var/cache/egressd-docker}
 # egressd's package folders, the image's inputs (tests/project/test_imports.py
 # checks this list and the Dockerfile's COPY lines against pyproject.toml).
-EGRESSD_FOLDERS="names vocabulary proxy control approvals config audit sandbox agent cli"
+EGRESSD_FOLDERS="names vocabulary proxy control approvals config audit sandbox agent cli fleet"
 SUITE=bookworm
 IMAGE_PYTHON=3.11  # bookworm's python3: the wheels must fit it
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -103,7 +103,7 @@ import tomllib
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
 # The images are Linux: every environment marker (uvloop's) holds there, so it is dropped
 # and the requirement kept whole (a marker's spaces would split it in the shell).
-wanted = project["dependencies"] + project["optional-dependencies"]["speed"] + ["setuptools>=68", "wheel"]
+wanted = project["dependencies"] + project["optional-dependencies"]["speed"] + project["optional-dependencies"]["fleet"] + ["setuptools>=68", "wheel"]
 print(" ".join(sorted({req.split(";")[0].replace(" ", "") for req in wanted})))
 EOF
 )

@@ -20,7 +20,7 @@ extras="speed"
 link=0
 for arg in "$@"; do
     case "$arg" in
-        --test) extras="speed,test" ;;
+        --test) extras="speed,fleet,test" ;;
         --link) link=1 ;;
         -h|--help) sed -n '2,15s/^# \{0,1\}//p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown option $arg (--test, --link, --help)" >&2; exit 2 ;;

@@ -15,6 +15,9 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     # The system's pip: pip inside the sandbox downloads from an inspected package index
     # (tests/integration/sandbox/test_inspection_sandbox.py).
     /usr/bin/python3 -m pip --version >/dev/null 2>&1 || need+=(python3-pip)
+    # PostgreSQL's server: the fleet tests start their own (initdb in a temporary directory, a unix
+    # socket, no port) as the postgres user the package makes (tests/integration/fleet).
+    compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null || need+=(postgresql)
     # The Docker tests: debootstrap makes the images' base (docker/build.sh),
     # and the compose example needs a compose (the plugin or docker-compose).
     if command -v docker >/dev/null; then

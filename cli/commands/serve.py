@@ -12,6 +12,8 @@ from collections.abc import Callable
 from egressd.audit import native
 from egressd.config.settings import Settings, SettingsError, token_path
 
+from ..wiring.errors import StartupError
+from ..wiring.fleet import FleetPresence
 from ..wiring.instances import register_quietly
 from ..wiring.service import EgressService, ReloadError
 
@@ -31,8 +33,14 @@ def reload(service: EgressService, read: Callable[[], Settings]) -> None:
 
 
 async def serve(settings: Settings, open_files: tuple[int, int], read: Callable[[], Settings]) -> int:
+    fleet = await FleetPresence.open(settings)  # checked before anything listens
     service = EgressService(settings, workers=True)
-    await service.start()
+    try:
+        await service.start()
+    except BaseException:
+        if fleet is not None:
+            await fleet.leave()
+        raise
     # Said once started: a setting egressd refuses is the one line a bad start prints.
     logging.getLogger("egressd").info("open files: up to %d (hard limit %d)", *open_files)
     logging.getLogger("egressd").info("audit line: %s", native.DESCRIPTION)
@@ -58,6 +66,15 @@ async def serve(settings: Settings, open_files: tuple[int, int], read: Callable[
         logging.getLogger("egressd").info("sandbox-facing: %s", ", ".join(sandbox_facing))
     run = service.default_run
     host, port = service.proxy_address
+    if fleet is not None:
+        try:
+            instance = await fleet.join(f"proxy {host}:{port}, control {service.control_address}")
+        except StartupError:
+            await service.close()
+            await fleet.leave()
+            raise
+        logging.getLogger("egressd").info("fleet: state database %s, this egressd listed as %s", fleet.shown,
+                                          instance.id)  # fmt: skip
     logging.getLogger("egressd").info(
         "serving: proxy %s:%d, control %s, audit log %s, %s, %s%s",
         host, port, service.control_address,
@@ -77,4 +94,6 @@ async def serve(settings: Settings, open_files: tuple[int, int], read: Callable[
             registration.remove()
         logging.getLogger("egressd").info("shutting down (grace %.0fs)", settings.shutdown_grace_s)
         await service.close()
+        if fleet is not None:
+            await fleet.leave()
     return 0

@@ -32,6 +32,8 @@ SERVICE_ONLY = [
     ["--transparent-http", "127.0.0.1:1"],
     ["--socks", "127.0.0.1:1"],
     ["--require-auth"],
+    ["--state", "postgresql://127.0.0.1/egressd"],
+    ["--state-file", "/nonexistent"],
 ]
 
 

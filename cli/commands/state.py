@@ -1,0 +1,78 @@
+"""``egressd state migrate`` and ``egressd state status``: a fleet's database, its schema and its instances."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from datetime import UTC, datetime
+
+from egressd.config.settings import Settings
+from egressd.fleet.schema import LATEST
+from egressd.fleet.store import InstanceRow, StateError, Store
+
+from ..wiring.fleet import HEARTBEAT_S
+
+
+def run_state(args: argparse.Namespace, settings: Settings) -> int:
+    """0: done (migrate) or at this egressd's version (status); 1: the database cannot be used; 2: no database."""
+    if settings.state is None:
+        print("egressd state: name the database: --state postgresql://USER@HOST/DATABASE "
+              "(or --state-file, EGRESSD_STATE, state in the config file)", file=sys.stderr)  # fmt: skip
+        return 2
+    action = _migrate if args.state_action == "migrate" else _status
+    try:
+        return asyncio.run(action(settings.state.get_secret_value()))
+    except StateError as exc:
+        print(f"egressd state: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _migrate(dsn: str) -> int:
+    store = await Store.open(dsn)
+    try:
+        before, after = await store.migrate()
+    finally:
+        await store.close()
+    if before == after:
+        print(f"{store.shown}: at schema version {after}, the latest this egressd knows; nothing to do")
+    else:
+        print(f"{store.shown}: migrated from schema version {before} to {after}")
+    return 0
+
+
+async def _status(dsn: str) -> int:
+    store = await Store.open(dsn)
+    try:
+        current = await store.version()
+        rows = await store.instances() if current >= 1 else []
+    finally:
+        await store.close()
+    verdict = (
+        "this egressd's" if current == LATEST
+        else f"this egressd needs {LATEST}: run egressd state migrate" if current < LATEST
+        else f"newer than this egressd ({LATEST})"
+    )  # fmt: skip
+    print(f"{store.shown}: schema version {current} ({verdict})")
+    now = datetime.now(UTC)
+    for line in describe(rows, now):
+        print(line)
+    return 0 if current == LATEST else 1
+
+
+def describe(rows: list[InstanceRow], now: datetime) -> list[str]:
+    """The instances, one line each: serving (a heartbeat within three beats), silent, or stopped."""
+    if not rows:
+        return ["no instances"]
+    lines = [f"{len(rows)} instance{'s' if len(rows) != 1 else ''}:"]
+    for row in rows:
+        i = row.instance
+        beat = (now - row.heartbeat_at).total_seconds()
+        if row.stopped_at is not None:
+            state = f"stopped {row.stopped_at:%Y-%m-%d %H:%M:%S}Z"
+        elif beat <= 3 * HEARTBEAT_S:
+            state = f"serving, last heartbeat {beat:.0f}s ago"
+        else:
+            state = f"SILENT for {beat:.0f}s (gone without stopping?)"
+        lines.append(f"  {i.id}  {i.host} pid {i.pid}  egressd {i.egressd_version}  {i.serving}  {state}")
+    return lines
