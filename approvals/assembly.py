@@ -29,6 +29,7 @@ from egressd.config.settings import Settings, token_path
 from .broker import ApprovalBroker
 from .commandoutput import TerminalOutput
 from .deny import DenyApprover, NoApprover
+from .fleetchannel import FleetChannel
 from .interface import Approver, Channel, SetupError
 from .signing import SigningError, parse_secret
 from .slack import SlackChannel
@@ -98,14 +99,22 @@ def approver_from_settings(
     clock: Callable[[], float] = time.time,
     tty_path: str = "/dev/tty",
     terminal_output: TerminalOutput | None = None,
+    fleet_instance: str | None = None,
 ) -> Approver:
     """Steps 1-3 of the module docstring. A returned broker is not started yet.
 
     ``terminal_output`` is what else is relayed to the terminal (a sandboxed
     command's output): the terminal channel holds it back while it prompts.
+    ``fleet_instance``: this egressd's id in its fleet (``serve --state``):
+    the fleet is one more channel, and the control API lists and answers
+    what the other instances hold; with no other channel, the fleet's people
+    answer.
     """
     names = list(settings.approver)
-    if not names:
+    fleet = None
+    if fleet_instance is not None and settings.state is not None and "deny" not in names:
+        fleet = FleetChannel(settings.state.get_secret_value(), fleet_instance)
+    if not names and fleet is None:
         return NoApprover()
     if "deny" in names:
         if len(names) > 1:
@@ -128,6 +137,8 @@ def approver_from_settings(
                                        token_file=str(token_path(settings)) if written else None))
         else:
             raise SetupError(f"bad setting approver: unknown approver {name!r}")
+    if fleet is not None:
+        channels.append(fleet)
     return ApprovalBroker(
         channels,
         audit=audit,
@@ -136,4 +147,5 @@ def approver_from_settings(
         max_requests_per_run=settings.max_approvals_per_run,
         clock=clock,
         allow_file=settings.allow_file,
+        elsewhere=fleet,
     )

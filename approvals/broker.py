@@ -80,6 +80,7 @@ from .interface import (
     Channel,
     ChannelUnavailable,
     Choice,
+    Elsewhere,
     Notice,
     PendingApproval,
     Route,
@@ -139,6 +140,7 @@ class ApprovalBroker:
         start_timeout_s: float = START_TIMEOUT_S,
         settle_timeout_s: float = SETTLE_TIMEOUT_S,
         allow_file: Path | None = None,
+        elsewhere: Elsewhere | None = None,
     ) -> None:
         names = [c.name for c in channels]
         if len(set(names)) != len(names):
@@ -153,6 +155,8 @@ class ApprovalBroker:
         self._settle_timeout_s = settle_timeout_s
         # Where *always* answers are appended (--allow-file); None: *always* is not offered.
         self.allow_file = allow_file
+        # A fleet's other instances (--state): their approvals listed and answered through the control API.
+        self._elsewhere = elsewhere
         self._ledger = Ledger(max_pending_per_run=max_pending_per_run, max_requests_per_run=max_requests_per_run)
         self._held: dict[str, _Held] = {}
         # Called with each approval as it opens, before any channel shows it (``egressd run``'s
@@ -247,7 +251,8 @@ class ApprovalBroker:
 
     def routes(self) -> list[Route]:
         """The control API's approval routes and every configured channel's own."""
-        return control_routes(self) + [route for channel in self._configured for route in channel.routes()]
+        own = [route for channel in self._configured for route in channel.routes()]
+        return control_routes(self, self._elsewhere) + own
 
     # -- the Approver -------------------------------------------------------------
 

@@ -29,6 +29,13 @@ every run, so only the global token may.
 ``by`` is the caller's free text; the ``approval.decided`` record names the
 credential apart from it, as ``auth`` (``Scope.auth``: ``global token`` or
 ``run token of r-1``).
+
+In a fleet (``serve --state``, an ``Elsewhere``), the list also holds the
+approvals the other instances hold (each with its ``instance``), and an
+answer to one of them is passed to its holder, which decides: the same
+answers come back, and 503 when the holder did not take it in time
+(nothing was decided). A run's token acts on its own run's approvals
+fleet-wide, and on no other's.
 """
 
 from __future__ import annotations
@@ -43,7 +50,19 @@ from aiohttp import web
 from egressd.audit.records import rfc3339
 from egressd.vocabulary.egress import Decision
 
-from .interface import Answerer, AnswerResult, ApprovalScope, Choice, PendingApproval, Route, parse_scope, settled_text
+from .interface import (
+    Answered,
+    Answerer,
+    AnswerResult,
+    ApprovalScope,
+    ChannelError,
+    Choice,
+    Elsewhere,
+    PendingApproval,
+    Route,
+    parse_scope,
+    settled_text,
+)
 
 CHANNEL = "control"
 DEFAULT_BY = "cli"
@@ -86,14 +105,42 @@ def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
-def control_routes(answerer: Answerer) -> list[Route]:
-    """The three routes of the module docstring, bound to ``answerer``."""
+def _answered(approval_id: str, answered: Answered, scope: ApprovalScope, by: str) -> web.Response:
+    """What became of an answer, as the control API says it."""
+    if answered.result is AnswerResult.NOT_OFFERED:
+        why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
+        return _error(400, f"scope {scope.value} is not offered for approval {approval_id}{why}")
+    if answered.result is AnswerResult.UNKNOWN:
+        return _error(404, f"no pending approval {approval_id}")
+    if answered.result is AnswerResult.SETTLED:
+        how = settled_text(answered.settlement) if answered.settlement else "settled"
+        return _error(409, f"approval {approval_id} was already settled: {how}")
+    if answered.result is AnswerResult.NOT_APPLIED:
+        return _error(503, f"approval {approval_id} is held by another instance of the fleet, which did not take "
+                           "the answer in time: nothing was decided; answer again")
+    settlement = answered.settlement
+    return web.json_response(
+        {
+            "id": approval_id,
+            "decision": Decision.ALLOW if settlement is None or settlement.reason is None else Decision.DENY,
+            "by": settlement.by if settlement else by,
+            "scope": settlement.scope.value if settlement and settlement.scope else None,
+            "entry": settlement.entry if settlement else None,
+            "scope_error": settlement.scope_error if settlement else None,
+        }
+    )
+
+
+def control_routes(answerer: Answerer, elsewhere: Elsewhere | None = None) -> list[Route]:
+    """The three routes of the module docstring, bound to ``answerer``; with ``elsewhere`` (a fleet), the
+    approvals other instances hold are listed too, and an answer to one is passed to its holder."""
 
     async def list_pending(request: web.Request) -> web.Response:
         scope = request[SCOPE]
-        return web.json_response(
-            {"approvals": [describe(a) for a in answerer.pending() if scope.covers(a.request.run_id)]}
-        )
+        listed = [describe(a) for a in answerer.pending() if scope.covers(a.request.run_id)]
+        if elsewhere is not None:
+            listed += [listing for run, listing in await elsewhere.listed() if scope.covers(run)]
+        return web.json_response({"approvals": listed})
 
     async def decide(request: web.Request, decision: Choice) -> web.Response:
         approval_id = request.match_info["approval_id"]
@@ -121,6 +168,18 @@ def control_routes(answerer: Answerer) -> list[Route]:
         reach = request[SCOPE]
         if decision is Choice.ALLOW and scope is ApprovalScope.ALWAYS and not reach.outlives_runs:
             return _error(403, f"scope always outlives run {reach.run_id}: it needs the global control token")
+        if elsewhere is not None and approval_id not in {a.id for a in answerer.pending()}:
+            try:
+                run = await elsewhere.run_of(approval_id)
+                if run is not None:  # another instance holds it: it decides, this one passes the answer on
+                    if not reach.covers(run):
+                        return _error(403, f"approval {approval_id} is not of run {reach.run_id}: "
+                                           "this token acts on its own run only")
+                    passed = await elsewhere.answer(approval_id, decision, channel=CHANNEL, by=by, scope=scope,
+                                                    auth=reach.auth)  # fmt: skip
+                    return _answered(approval_id, passed, scope, by)
+            except ChannelError as exc:
+                return _error(503, f"approval {approval_id}: {exc}")
         if reach.run_id is not None:
             # Checked after the body is read, with no await until answer(): nothing is settled in between.
             runs = {a.id: a.request.run_id for a in answerer.pending()}
@@ -130,25 +189,7 @@ def control_routes(answerer: Answerer) -> list[Route]:
                 return _error(403, f"approval {approval_id} is not of run {reach.run_id}: "
                                    "this token acts on its own run only")
         answered = answerer.answer(approval_id, decision, channel=CHANNEL, by=by, scope=scope, auth=reach.auth)
-        if answered.result is AnswerResult.NOT_OFFERED:
-            why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
-            return _error(400, f"scope {scope.value} is not offered for approval {approval_id}{why}")
-        if answered.result is AnswerResult.UNKNOWN:
-            return _error(404, f"no pending approval {approval_id}")
-        if answered.result is AnswerResult.SETTLED:
-            how = settled_text(answered.settlement) if answered.settlement else "settled"
-            return _error(409, f"approval {approval_id} was already settled: {how}")
-        settlement = answered.settlement
-        return web.json_response(
-            {
-                "id": approval_id,
-                "decision": Decision.ALLOW if settlement is None or settlement.reason is None else Decision.DENY,
-                "by": settlement.by if settlement else by,
-                "scope": settlement.scope.value if settlement and settlement.scope else None,
-                "entry": settlement.entry if settlement else None,
-                "scope_error": settlement.scope_error if settlement else None,
-            }
-        )
+        return _answered(approval_id, answered, scope, by)
 
     async def allow(request: web.Request) -> web.Response:
         return await decide(request, Choice.ALLOW)

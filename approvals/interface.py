@@ -130,6 +130,8 @@ class AnswerResult(enum.Enum):
     SETTLED = "settled"  # the approval was already decided (by someone else, a timeout, shutdown)
     UNKNOWN = "unknown"  # no such approval (a wrong or long-forgotten id)
     NOT_OFFERED = "not_offered"  # the scope asked for is not offered (always, with no allow file): still open
+    # Another instance of the fleet holds it and did not take the answer in time: nothing was decided.
+    NOT_APPLIED = "not_applied"
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +289,32 @@ class Answerer(Protocol):
 
     def pending(self) -> Sequence[PendingApproval]:
         """The approvals still waiting, oldest first."""
+        ...
+
+
+class Elsewhere(Protocol):
+    """The approvals other instances of a fleet hold (``--state``), as this instance's control API sees them.
+
+    The holder decides each one; an answer given here is passed to it, and
+    what it says comes back as ``Answered`` (``NOT_APPLIED`` when it did not
+    take the answer in time: nothing was decided).
+    """
+
+    async def listed(self) -> Sequence[tuple[str, dict[str, Any]]]:
+        """(run id, the approval as the control API lists it) of each open approval held elsewhere."""
+        ...
+
+    async def run_of(self, approval_id: str) -> str | None:
+        """The run of an approval held elsewhere, open or settled; None when no other instance holds it.
+        ``ChannelError`` when that cannot be known now (the database is gone)."""
+        ...
+
+    async def answer(
+        self, approval_id: str, decision: Choice, *, channel: str, by: str | None, scope: ApprovalScope,
+        auth: str | None,
+    ) -> Answered:
+        """Pass a person's answer to the approval's holder and say what became of it; ``ChannelError``
+        (its message says whether anything may have been decided) when the database went away."""
         ...
 
 

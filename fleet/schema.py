@@ -51,6 +51,43 @@ MIGRATIONS: tuple[Migration, ...] = (
             """,
         ),
     ),
+    Migration(
+        2,
+        "approvals: every held request of the fleet, and the answers given for it on other instances",
+        (
+            # A held request as its holder listed it (``listing``: what the control API shows; no secret is in
+            # it, as none is in the audit log), and how it ended. The holder alone writes a row.
+            """
+            CREATE TABLE egressd_approvals (
+                id text PRIMARY KEY,
+                instance text NOT NULL,
+                run text NOT NULL,
+                listing jsonb NOT NULL,
+                created_at timestamptz NOT NULL DEFAULT now(),
+                expires_at timestamptz NOT NULL,
+                settled_at timestamptz,
+                settlement jsonb
+            )
+            """,
+            "CREATE INDEX egressd_approvals_open ON egressd_approvals (expires_at) WHERE settled_at IS NULL",
+            # An answer given on another instance: a letter to the holder, which alone decides (its own
+            # ledger, exactly once). ``state``: NULL (posted), taken (the holder has it), withdrawn (the
+            # answerer gave up waiting: the holder will not apply it), replied (``reply`` says what became of it).
+            """
+            CREATE TABLE egressd_answers (
+                seq bigserial PRIMARY KEY,
+                approval text NOT NULL REFERENCES egressd_approvals (id) ON DELETE CASCADE,
+                holder text NOT NULL,
+                given jsonb NOT NULL,
+                from_instance text NOT NULL,
+                given_at timestamptz NOT NULL DEFAULT now(),
+                state text,
+                reply jsonb
+            )
+            """,
+            "CREATE INDEX egressd_answers_posted ON egressd_answers (holder) WHERE state IS NULL",
+        ),
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

@@ -38,7 +38,7 @@ class InstanceRow:
     stopped_at: datetime | None
 
 
-def _asyncpg() -> Any:
+def asyncpg_module() -> Any:
     try:
         import asyncpg
     except ImportError:
@@ -55,7 +55,7 @@ class Store:
 
     @classmethod
     async def open(cls, dsn: str, *, timeout_s: float = 10.0) -> Store:
-        asyncpg = _asyncpg()
+        asyncpg = asyncpg_module()
         shown = dsns.shown(dsn)
         try:
             connection = await asyncpg.connect(dsns.check(dsn), timeout=timeout_s)

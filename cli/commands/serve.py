@@ -34,7 +34,7 @@ def reload(service: EgressService, read: Callable[[], Settings]) -> None:
 
 async def serve(settings: Settings, open_files: tuple[int, int], read: Callable[[], Settings]) -> int:
     fleet = await FleetPresence.open(settings)  # checked before anything listens
-    service = EgressService(settings, workers=True)
+    service = EgressService(settings, workers=True, fleet_instance=fleet.id if fleet is not None else None)
     try:
         await service.start()
     except BaseException:

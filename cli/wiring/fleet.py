@@ -47,6 +47,7 @@ class FleetPresence:
         self._store: Store | None = store
         self._dsn = dsn
         self.shown = store.shown
+        self.id = instance_id()  # known before serving: the approvals this egressd lists carry it
         self.instance: Instance | None = None
         self._beats: asyncio.Task[None] | None = None
         self._failing = False
@@ -70,7 +71,7 @@ class FleetPresence:
 
     async def join(self, serving: str) -> Instance:
         """List this egressd as serving ``serving``, then beat every ``HEARTBEAT_S``."""
-        instance = Instance(instance_id(), socket.gethostname(), os.getpid(), _egressd_version(), serving)
+        instance = Instance(self.id, socket.gethostname(), os.getpid(), _egressd_version(), serving)
         assert self._store is not None
         try:
             await self._store.register(instance)

@@ -155,11 +155,13 @@ def _describe_change(entries: EntryChange, changed: tuple[str, ...]) -> str:
 
 
 def approver_from_settings(
-    settings: Settings, *, audit: AuditSink, terminal_output: TerminalOutput | None = None
+    settings: Settings, *, audit: AuditSink, terminal_output: TerminalOutput | None = None,
+    fleet_instance: str | None = None,
 ) -> Approver:
     """The approver the settings name (a broker is not started yet); StartupError naming a bad setting."""
     try:
-        return _approvals_from_settings(settings, audit=audit, terminal_output=terminal_output)
+        return _approvals_from_settings(settings, audit=audit, terminal_output=terminal_output,
+                                        fleet_instance=fleet_instance)  # fmt: skip
     except SetupError as exc:
         raise StartupError(str(exc)) from None
 
@@ -176,8 +178,10 @@ class EgressService:
         audit: AuditSink | None = None,
         terminal_output: TerminalOutput | None = None,
         workers: bool = False,
+        fleet_instance: str | None = None,
     ) -> None:
         self.settings = settings
+        self._fleet_instance = fleet_instance  # this egressd's id in its fleet (serve --state): approvals shared
         # ``egressd serve``'s: worker processes besides this one (an embedded egressd has none); how many is
         # decided at the start (``process_count``).
         self._serve_workers = workers
@@ -382,7 +386,8 @@ class EgressService:
                 resolver = SystemResolver()
         approver = self._approver
         if approver is None:
-            approver = approver_from_settings(s, audit=audit, terminal_output=self._terminal_output)
+            approver = approver_from_settings(s, audit=audit, terminal_output=self._terminal_output,
+                                              fleet_instance=self._fleet_instance)  # fmt: skip
             if isinstance(approver, ManagedApprover):
                 self._approvals = approver
                 try:

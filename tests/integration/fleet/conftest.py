@@ -20,7 +20,6 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,11 +29,55 @@ from tests.harness import require
 PASSWORD = "fleet-test-" + secrets.token_hex(8)
 
 
-@dataclass(frozen=True)
 class Postgres:
-    bindir: Path
-    socket_dir: Path
-    run_as: dict[str, object]  # subprocess's user/group for the server's tools
+    """A PostgreSQL server of the tests' own, in ``base``: stopped and started again at will (an outage)."""
+
+    def __init__(self, bindir: Path, base: Path, run_as: dict[str, object]) -> None:
+        self.bindir = bindir
+        self.socket_dir = base
+        self.run_as = run_as  # subprocess's user/group for the server and its tools
+        self._server: subprocess.Popen[bytes] | None = None
+        self._logs = contextlib.ExitStack()
+
+    def init(self) -> None:
+        subprocess.run(
+            [str(self.bindir / "initdb"), "-D", str(self.socket_dir / "data"), "-U", "egressd",
+             "--auth-local=trust", "--auth-host=reject", "-E", "UTF8", "--no-sync", "--locale=C"],
+            capture_output=True, text=True, timeout=120, check=True, **self.run_as,  # type: ignore[arg-type]
+        )  # fmt: skip
+        # The `secret` role is asked its password; every other role is trusted on this private socket.
+        (self.socket_dir / "data" / "pg_hba.conf").write_text("local all secret scram-sha-256\nlocal all all trust\n")
+
+    def start(self) -> None:
+        log = self._logs.enter_context((self.socket_dir / "server.log").open("ab"))  # a pipe nobody reads would fill
+        self._server = subprocess.Popen(
+            [str(self.bindir / "postgres"), "-D", str(self.socket_dir / "data"), "-k", str(self.socket_dir),
+             "-c", "listen_addresses=", "-c", "fsync=off", "-c", "synchronous_commit=off",
+             "-c", "full_page_writes=off"],
+            stdout=subprocess.DEVNULL, stderr=log, **self.run_as,  # type: ignore[arg-type]
+        )  # fmt: skip
+        deadline = time.monotonic() + 30
+        while not (self.socket_dir / ".s.PGSQL.5432").exists() or self._not_ready():
+            if self._server.poll() is not None or time.monotonic() > deadline:
+                said = (self.socket_dir / "server.log").read_text(errors="replace")
+                raise AssertionError(f"PostgreSQL did not start: {said[-2000:]}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None and server.poll() is None:
+            server.send_signal(2)  # SIGINT: the fast shutdown (every session cut)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        self._logs.close()
+
+    def _not_ready(self) -> bool:
+        done = subprocess.run([str(self.bindir / "pg_isready"), "-q", "-h", str(self.socket_dir)], timeout=10,
+                              check=False)  # fmt: skip
+        return done.returncode != 0
 
     def psql(self, sql: str, database: str = "postgres") -> str:
         done = subprocess.run(
@@ -55,63 +98,38 @@ def _bindir() -> Path | None:
     return Path(found[-1]).parent if found else None
 
 
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[Postgres]:
+@contextlib.contextmanager
+def running_postgres() -> Iterator[Postgres]:
+    """A fresh server in a temporary directory, removed after."""
     bindir = _bindir()
     require(bindir is not None, "PostgreSQL's server is not installed (apt-get install postgresql)")
     assert bindir is not None
     run_as: dict[str, object] = {}
-    base = Path(tempfile.mkdtemp(prefix="egressd-pg-"))
     if os.geteuid() == 0:
         try:
             user = pwd.getpwnam("postgres")
         except KeyError:
-            shutil.rmtree(base)
             require(False, "no postgres user to run the server as (apt-get install postgresql makes one)")
             raise
         run_as = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []}
-        os.chown(base, user.pw_uid, user.pw_gid)
-    data = base / "data"
-    server = None
-    stack = contextlib.ExitStack()
+    base = Path(tempfile.mkdtemp(prefix="egressd-pg-"))
+    if run_as:
+        os.chown(base, int(run_as["user"]), int(run_as["group"]))  # type: ignore[call-overload]
+    server = Postgres(bindir, base, run_as)
     try:
-        subprocess.run(
-            [str(bindir / "initdb"), "-D", str(data), "-U", "egressd", "--auth-local=trust", "--auth-host=reject",
-             "-E", "UTF8", "--no-sync", "--locale=C"],
-            capture_output=True, text=True, timeout=120, check=True, **run_as,  # type: ignore[arg-type]
-        )  # fmt: skip
-        # The `secret` role is asked its password; every other role is trusted on this private socket.
-        (data / "pg_hba.conf").write_text("local all secret scram-sha-256\nlocal all all trust\n")
-        log = stack.enter_context((base / "server.log").open("wb"))  # a pipe nobody reads would fill and stop it
-        server = subprocess.Popen(
-            [str(bindir / "postgres"), "-D", str(data), "-k", str(base), "-c", "listen_addresses=",
-             "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
-            stdout=subprocess.DEVNULL, stderr=log, **run_as,  # type: ignore[arg-type]
-        )  # fmt: skip
-        found = Postgres(bindir, base, run_as)
-        deadline = time.monotonic() + 30
-        while not (base / ".s.PGSQL.5432").exists() or _not_ready(found):
-            if server.poll() is not None or time.monotonic() > deadline:
-                said = (base / "server.log").read_text(errors="replace")
-                raise AssertionError(f"PostgreSQL did not start: {said[-2000:]}")
-            time.sleep(0.1)
-        found.psql(f"CREATE ROLE secret LOGIN PASSWORD '{PASSWORD}'")
-        yield found
+        server.init()
+        server.start()
+        server.psql(f"CREATE ROLE secret LOGIN PASSWORD '{PASSWORD}'")
+        yield server
     finally:
-        if server is not None and server.poll() is None:
-            server.send_signal(2)  # SIGINT: the fast shutdown
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
-        stack.close()
+        server.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 
-def _not_ready(pg: Postgres) -> bool:
-    done = subprocess.run([str(pg.bindir / "pg_isready"), "-q", "-h", str(pg.socket_dir)], timeout=10, check=False)
-    return done.returncode != 0
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Postgres]:
+    with running_postgres() as server:
+        yield server
 
 
 @pytest.fixture
