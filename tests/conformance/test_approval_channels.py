@@ -17,6 +17,10 @@ Each check runs once per way a person answers an approval, under a real
 - ``control``   the control API's ``/approvals`` routes through egressd's own
   control client (what ``egressd pending|allow|deny`` use), behind a
   bearer-token check on loopback, answering approvals a silent channel holds;
+- ``fleet``     a fleet on a real PostgreSQL (``serve --state``): the
+  approval is held by an instance whose one channel is the fleet, and
+  answered through another instance's control API; the holder decides
+  (recorded as ``control@answerer-instance``);
 - ``nobody``    no channel attached (a terminal configured, none there): the
   request is refused at once as ``no_approver``, no approval is opened, and
   ``egressd allow|deny`` finds nothing to answer.
@@ -26,9 +30,10 @@ checks are the same for all. What one channel does and another does not is
 a failure here, whatever the channel's own tests say. Where a check cannot
 be put to a channel at all, it is not generated for it (``drivers``, no
 skips): the terminal's answer names no approval (no unknown id to type);
-the control API and nobody are no channel that could go away; nobody is
+the control API and nobody are no channel that could go away (the fleet's
+database going away is the fleet tests' outage test); nobody is
 itself the never-attached case. Only Slack, the page (signed in with a
-run's own token) and the control API bind an answer to one run, so only
+run's own token), the control API and the fleet bind an answer to one run, so only
 they are handed another run's approval to answer.
 """
 
@@ -38,6 +43,7 @@ import asyncio
 import html
 import json
 import re
+import secrets
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import replace
@@ -48,6 +54,7 @@ import pytest
 
 from egressd.approvals.broker import ApprovalBroker
 from egressd.approvals.control import Scope
+from egressd.approvals.fleetchannel import FleetChannel
 from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, ApprovalScope, Channel, Choice, SetupError
 from egressd.approvals.message import UNRELATED, is_invisible, render
 from egressd.approvals.prompt import BOLD, CLEAR_LINE, RESET, SANE, WARN
@@ -62,6 +69,7 @@ from egressd.approvals.webview import DECISIONS
 from egressd.audit.log import MemoryAuditSink
 from egressd.cli.wiring.control_client import ControlClient
 from egressd.config.allowfile import read_allow_file
+from egressd.fleet.store import Store
 from egressd.vocabulary.reasons import Answer
 from tests.fakes.control import control_server
 from tests.fakes.slack import FakeSlack, block_actions
@@ -70,8 +78,10 @@ from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import listening_socket, refused_port, wait_until
 from tests.integration.approvals.test_broker import RecordingChannel
 from tests.integration.approvals.webclient import EventReader, PageClient
+from tests.postgres import Postgres, postgres  # noqa: F401 (the fleet driver's server: a session fixture)
 
 UNKNOWN_ID = "a-doesnotexist0000"
+HOLDER, ANSWERER = "holder-instance", "answerer-instance"  # the fleet driver's two instances
 
 
 def request(host: str = "evil.example", run: str = "r-1") -> ApprovalRequest:
@@ -801,6 +811,49 @@ class NobodyDriver(ControlDriver):
         raise AssertionError(f"nobody is attached: approval {approval_id} cannot be shown")
 
 
+class FleetDriver(ControlDriver):
+    """The fleet (``serve --state``): the approval is held by one instance whose only channel is the fleet
+    (a sidecar), and a person answers it through another instance's control API; the holder decides.
+
+    Both instances are brokers here, on one real PostgreSQL (tests/postgres.py), each with its
+    ``FleetChannel``; the answerer serves its control routes, which list what the holder holds.
+    """
+
+    channel = f"control@{ANSWERER}"
+    goes_away = (
+        "the fleet's database going away is tests/integration/fleet/test_approvals.py's outage test "
+        "(a server of its own, stopped and started)"
+    )
+    postgres: ClassVar[Postgres | None] = None  # set by the ``driver`` fixture
+
+    async def start(self, timeout_s: float) -> ApprovalBroker:
+        dsn = await self._database()
+        holder = await self.broker([FleetChannel(dsn, HOLDER)], timeout_s)
+        fleet = FleetChannel(dsn, ANSWERER)
+        answerer = ApprovalBroker([fleet], audit=MemoryAuditSink(), timeout_s=timeout_s, elsewhere=fleet)
+        self.stack.push_async_callback(answerer.close)
+        await answerer.start()
+        await self._serve(answerer)
+        return holder
+
+    async def _database(self) -> str:
+        assert self.postgres is not None
+        name = "c_" + secrets.token_hex(6)
+        self.postgres.psql(f"CREATE DATABASE {name}")
+        self.stack.callback(self.postgres.psql, f"DROP DATABASE {name} WITH (FORCE)")
+        dsn = self.postgres.dsn(name)
+        store = await Store.open(dsn)
+        try:
+            await store.migrate()
+        finally:
+            await store.close()
+        return dsn
+
+    async def never_attached(self) -> ApprovalBroker:
+        # The database is not there: start-up stops, naming the setting.
+        return await self.broker([FleetChannel(f"postgresql://egressd@/none?host={self.tmp_path}", HOLDER)], 30.0)
+
+
 DRIVERS: dict[str, type[Driver]] = {
     "terminal": TerminalDriver,
     "slack": SlackDriver,
@@ -808,6 +861,7 @@ DRIVERS: dict[str, type[Driver]] = {
     "web": PageDriver,
     "control": ControlDriver,
     "nobody": NobodyDriver,
+    "fleet": FleetDriver,
 }
 
 
@@ -818,6 +872,8 @@ def drivers(applies: Callable[[type[Driver]], bool]) -> Any:
 
 @pytest.fixture(params=list(DRIVERS))
 async def driver(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Driver]:
+    if DRIVERS[request.param] is FleetDriver:
+        FleetDriver.postgres = request.getfixturevalue("postgres")
     async with AsyncExitStack() as stack:
         yield DRIVERS[request.param](stack, tmp_path)
 

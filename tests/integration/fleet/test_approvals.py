@@ -27,8 +27,7 @@ from egressd.fleet.store import Store
 from tests.conftest import Listener
 from tests.fakes.dns import FakeDns
 from tests.harness import ORIGIN_RANGE, aserve_ports
-
-from .conftest import Postgres, running_postgres
+from tests.postgres import Postgres, running_postgres
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 TOKEN = "fleet-test-token"
@@ -83,7 +82,8 @@ async def _serve(home: Path, dns: FakeDns, dsn: str, extra: tuple[str, ...] = ()
     log = home / "audit.jsonl"
     proc = await asyncio.create_subprocess_exec(
         EGRESSD, "serve", "--workers", "1", "--listen", "127.0.0.1:0", "--control", "127.0.0.1:0",
-        "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--allow-private", ORIGIN_RANGE, "--audit-log", str(log), *extra,
+        "--upstream-dns", f"127.0.0.1:{dns.address[1]}", "--allow-private", ORIGIN_RANGE, "--audit-log", str(log),
+        *extra,
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )  # fmt: skip
     assert proc.stderr is not None

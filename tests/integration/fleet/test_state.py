@@ -1,4 +1,4 @@
-"""``egressd state`` and ``serve --state`` against a real PostgreSQL (tests/integration/fleet/conftest.py).
+"""``egressd state`` and ``serve --state`` against a real PostgreSQL (tests/postgres.py).
 
 The schema is migrated only when asked, once however many ask at once;
 serve refuses a database it cannot use before it listens, and says why
@@ -20,8 +20,7 @@ import asyncpg
 from egressd.fleet.schema import LATEST, MIGRATIONS
 from egressd.fleet.store import Store
 from tests.harness import aserve_ports, wait_until
-
-from .conftest import PASSWORD, Postgres
+from tests.postgres import PASSWORD, Postgres
 
 EGRESSD = str(Path(sys.executable).with_name("egressd"))
 
