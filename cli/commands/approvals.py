@@ -168,6 +168,8 @@ def _print_pending(approvals: list[dict[str, Any]]) -> None:
             domain += " " + (request[:60] + "…" if len(request) > 60 else request)
         if a.get("abandoned"):
             domain += " (client gave up)"  # still answerable: the answer applies to the run
+        if a.get("instance"):  # a fleet's: another instance holds it, and decides when answered here
+            domain += f" (held on {escape(str(a['instance']))})"
         command = escape(str(a.get("command") or "-"))
         rows.append(
             (

@@ -154,6 +154,11 @@ async def test_a_request_held_on_one_instance_is_answered_on_another_and_let_thr
         approval = await _listed(b, holder=a)
         assert (await _listed(c, holder=a))["id"] == approval["id"]  # every instance lists it
         assert approval["host"] == "origin.test" and not held.done()
+        listed = await asyncio.to_thread(
+            subprocess.run, [EGRESSD, "pending", "--control", f"127.0.0.1:{b.ports['control']}"],
+            capture_output=True, text=True, timeout=60, env=os.environ | {"EGRESSD_CONTROL_TOKEN": TOKEN},
+        )  # fmt: skip
+        assert approval["id"] in listed.stdout and f"(held on {a.id})" in listed.stdout, listed
         arrived = echo_origin.connections
         assert arrived == 0  # held: nothing went out
         status, body = await b.control("POST", f"/approvals/{approval['id']}/allow", {"by": "ops", "scope": "run"})
