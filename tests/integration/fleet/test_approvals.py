@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from egressd.fleet.store import Store
 from tests.conftest import Listener
@@ -121,6 +122,14 @@ async def _connect(port: int, target: str) -> tuple[int, dict[str, str], asyncio
     return int(lines[0].split(" ")[1]), headers, reader, writer
 
 
+@pytest.fixture
+async def dsn(postgres: Postgres, database: str) -> str:
+    """A fresh database of the session's server, migrated: the fleet's."""
+    uri = postgres.dsn(database)
+    await _migrated(uri)
+    return uri
+
+
 async def _migrated(dsn: str) -> None:
     store = await Store.open(dsn)
     try:
@@ -144,10 +153,8 @@ async def _listed(instance: Instance, holder: Instance | None = None) -> dict[st
 
 
 async def test_a_request_held_on_one_instance_is_answered_on_another_and_let_through_there(
-    tmp_path: Path, dns: FakeDns, echo_origin: Listener, postgres: Postgres, database: str
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener, dsn: str, postgres: Postgres, database: str
 ) -> None:
-    dsn = postgres.dsn(database)
-    await _migrated(dsn)
     target = f"origin.test:{echo_origin.port}"
     async with fleet(tmp_path, dns, dsn) as (a, b, c):
         held = asyncio.create_task(_connect(a.ports["proxy"], target))
@@ -180,10 +187,8 @@ async def test_a_request_held_on_one_instance_is_answered_on_another_and_let_thr
 
 
 async def test_two_answers_racing_on_two_instances_decide_once_and_the_loser_is_told_who_won(
-    tmp_path: Path, dns: FakeDns, echo_origin: Listener, postgres: Postgres, database: str
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener, dsn: str
 ) -> None:
-    dsn = postgres.dsn(database)
-    await _migrated(dsn)
     target = f"origin.test:{echo_origin.port}"
     async with fleet(tmp_path, dns, dsn) as (a, b, c):
         held = asyncio.create_task(_connect(a.ports["proxy"], target))
@@ -209,10 +214,8 @@ async def test_two_answers_racing_on_two_instances_decide_once_and_the_loser_is_
 
 
 async def test_an_answer_the_holder_cannot_take_is_reported_as_not_applied(
-    tmp_path: Path, dns: FakeDns, echo_origin: Listener, postgres: Postgres, database: str
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener, dsn: str, postgres: Postgres, database: str
 ) -> None:
-    dsn = postgres.dsn(database)
-    await _migrated(dsn)
     target = f"origin.test:{echo_origin.port}"
     async with fleet(tmp_path, dns, dsn, count=2) as (a, b):
         held = asyncio.create_task(_connect(a.ports["proxy"], target))
@@ -236,10 +239,8 @@ async def test_an_answer_the_holder_cannot_take_is_reported_as_not_applied(
 
 
 async def test_a_run_token_acts_on_its_own_run_only_across_the_fleet(
-    tmp_path: Path, dns: FakeDns, echo_origin: Listener, postgres: Postgres, database: str
+    tmp_path: Path, dns: FakeDns, echo_origin: Listener, dsn: str
 ) -> None:
-    dsn = postgres.dsn(database)
-    await _migrated(dsn)
     target = f"origin.test:{echo_origin.port}"
     async with fleet(tmp_path, dns, dsn, count=2) as (a, b):
         status, run = await b.control("POST", "/runs", {"task": "another run"})
