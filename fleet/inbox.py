@@ -22,12 +22,14 @@ import contextlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from .store import StateError, asyncpg_module
 
 ANSWERS = "egressd_answers"  # payload: "HOLDER SEQ"
+# An instance without a heartbeat for this long is not listed as holding anything (three 10 s beats).
+SILENT_S = 30.0
 REPLIES = "egressd_replies"  # payload: "SEQ"
 
 
@@ -165,12 +167,18 @@ class FleetInbox:
     # -- any instance ---------------------------------------------------------------
 
     async def open_elsewhere(self) -> list[Listed]:
-        """The approvals other instances hold, open and not expired, oldest first."""
+        """The approvals other instances hold, open and not expired, oldest first.
+
+        Not those of an instance listed as stopped or silent for three heartbeats (killed, cut off):
+        nobody there could take an answer.
+        """
         rows = await self._pool.fetch(
-            "SELECT id, instance, run, listing FROM egressd_approvals WHERE settled_at IS NULL AND expires_at > now() "
-            "AND instance <> $1 ORDER BY created_at, id",
-            self.instance,
-        )
+            "SELECT a.id, a.instance, a.run, a.listing FROM egressd_approvals a WHERE a.settled_at IS NULL "
+            "AND a.expires_at > now() AND a.instance <> $1 AND NOT EXISTS (SELECT 1 FROM egressd_instances i "
+            "WHERE i.id = a.instance AND (i.stopped_at IS NOT NULL OR i.heartbeat_at < now() - $2::interval)) "
+            "ORDER BY a.created_at, a.id",
+            self.instance, timedelta(seconds=SILENT_S),
+        )  # fmt: skip
         return [Listed(row["id"], row["instance"], row["run"], json.loads(row["listing"])) for row in rows]
 
     async def find(self, approval: str) -> tuple[Listed, dict[str, Any] | None] | None:

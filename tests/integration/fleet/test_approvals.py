@@ -224,6 +224,13 @@ async def test_an_answer_the_holder_cannot_take_is_reported_as_not_applied(
         try:
             status, body = await b.control("POST", f"/approvals/{approval['id']}/allow", {"by": "ops"})
             assert status == 503 and "nothing was decided" in str(body["error"]), body
+            # Silent for three heartbeats (as if 30 s had passed): nobody there could take an answer, so
+            # the others stop listing what it holds.
+            postgres.psql(f"UPDATE egressd_instances SET heartbeat_at = now() - interval '31 seconds' "
+                          f"WHERE id = '{a.id}'", database)  # fmt: skip
+            assert await b.pending() == []
+            postgres.psql(f"UPDATE egressd_instances SET heartbeat_at = now() WHERE id = '{a.id}'", database)
+            assert [x["id"] for x in await b.pending()] == [approval["id"]]
         finally:
             a.proc.send_signal(18)  # SIGCONT
         # Withdrawn: the holder, running again, does not apply it; the request stays held until answered.
