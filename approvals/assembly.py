@@ -20,6 +20,7 @@ both.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -139,6 +140,10 @@ def approver_from_settings(
             raise SetupError(f"bad setting approver: unknown approver {name!r}")
     if fleet is not None:
         channels.append(fleet)
+        for channel in channels:
+            if isinstance(channel, SlackChannel):  # a click Slack hands to this instance for another's approval
+                channel.forward = functools.partial(fleet.forward, "slack")
+                fleet.handlers["slack"] = channel.forwarded_click
     return ApprovalBroker(
         channels,
         audit=audit,

@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from egressd.fleet.inbox import FleetInbox, Listed, NotSent, OutcomeUnknown
@@ -42,6 +42,7 @@ from .interface import (
     Route,
     Settlement,
     SetupError,
+    settled_text,
 )
 
 log = logging.getLogger("egressd.approvals.fleet")
@@ -89,6 +90,9 @@ class FleetChannel:
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._failing = False
+        # What a channel of this instance does with what another instance passed on for an approval held
+        # here, by kind (``"slack"``: a click Slack handed to the other instance); set by approvals.assembly.
+        self.handlers: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = {}
 
     # -- Channel --------------------------------------------------------------------
 
@@ -145,6 +149,14 @@ class FleetChannel:
             if letter is None or self._answerer is None:
                 return  # taken by a sweep already, withdrawn, or not ours
             given = letter.given
+            handler = self.handlers.get(str(given.get("kind"))) if "kind" in given else None
+            if "kind" in given:
+                if handler is not None and isinstance(given.get("payload"), dict):
+                    await handler(given["payload"])
+                    await self._inbox.reply(seq, {"result": "handled"})
+                else:
+                    await self._inbox.reply(seq, {"result": AnswerResult.UNKNOWN.value})
+                return
             try:
                 decision, scope = Choice(given["choice"]), ApprovalScope(given["scope"])
             except (KeyError, ValueError):
@@ -177,6 +189,29 @@ class FleetChannel:
             if self._failing:
                 log.warning("fleet: the state database is back")
                 self._failing = False
+
+    async def forward(self, kind: str, approval_id: str, payload: dict[str, Any]) -> str | None:
+        """Pass ``payload`` (of ``kind``) to the instance that holds ``approval_id``; None once it took it,
+        else why it could not (for the person whose action it was)."""
+        try:
+            found = await self._inbox.find(approval_id)
+        except Exception as exc:  # noqa: BLE001
+            return f"the fleet's database cannot be reached ({exc}); try again"
+        if found is None:
+            return "no instance of this egressd fleet holds this approval (it is long gone)"
+        approval, settled = found
+        if settled is not None:
+            how = settlement_from(settled)
+            return f"this request was already settled ({settled_text(how) if how else 'settled'})"
+        try:
+            reply = await self._inbox.post(approval, {"kind": kind, "payload": payload}, self._reply_wait_s)
+        except (NotSent, OutcomeUnknown) as exc:
+            return f"the fleet's database went away while it was passed on ({exc}); look before trying again"
+        if reply is None:
+            return f"instance {approval.instance}, which holds it, did not take it in time; try again"
+        if reply.get("result") != "handled":
+            return f"instance {approval.instance}, which holds it, could not take it"
+        return None
 
     # -- Elsewhere: what the other instances hold ---------------------------------------
 

@@ -33,7 +33,12 @@ counts only when (``SlackChannel._click``):
 1. its button names this egressd instance (every button's value is
    ``INSTANCE:APPROVAL``): Slack hands a Socket Mode click to any one of the
    instances connected to the app, so another instance's click is answered
-   "this approval belongs to another egressd instance", never "too late";
+   "this approval belongs to another egressd instance", never "too late".
+   In a fleet (``serve --state``: ``forward`` is set) it is passed instead to
+   the instance that holds the approval, which checks it as its own
+   (``forwarded_click``: steps 2 and 3 are the holder's, who posted the
+   message) and counts it; so every click counts, whichever instance Slack
+   hands it to, and only the holder's message is updated;
 2. it comes from the very message (channel and ts) this instance posted for
    that approval, not from a copy elsewhere;
 3. the user is in ``--slack-approvers`` (U…/W…) or in a user group named
@@ -59,7 +64,7 @@ import secrets
 import time
 import urllib.parse
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -224,6 +229,10 @@ class SlackChannel:
         self._group_members: dict[str, tuple[float, frozenset[str]]] = {}
         self._name_cache_s = name_cache_s
         self._names: OrderedDict[str, tuple[float, str]] = OrderedDict()
+        # In a fleet (serve --state): passes a click for another instance's approval to the instance that
+        # holds it, which checks and counts it as its own (``forwarded_click``); returns why it could not,
+        # or None once the holder took it. Set by ``approvals.assembly``.
+        self.forward: Callable[[str, dict[str, Any]], Awaitable[str | None]] | None = None
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -437,6 +446,16 @@ class SlackChannel:
     ) -> None:
         """Steps 1-3 of the module docstring, then the answer."""
         parsed = parse_button_value(value)
+        if parsed is not None and parsed[0] != self.instance and self.forward is not None:
+            click = {"value": value, "decision": decision.value, "user_id": user_id, "name": name,
+                     "channels": sorted(map(str, channels)), "stamps": sorted(map(str, stamps)),
+                     "reply_to": reply_to, "scope": scope.value}  # fmt: skip
+            why = await self.forward(parsed[1], click)
+            if why is not None:
+                log.warning("Slack click from %s for %s could not be passed to the instance that holds it: %s",
+                            bounded(user_id, 40), bounded(parsed[1], 40), why)  # fmt: skip
+                await self._ephemeral(reply_to, user_id, f"Your click did not count: {why}")
+            return
         if parsed is None or parsed[0] != self.instance:
             owner = parsed[0] if parsed is not None else "an older egressd"
             log.info(
@@ -507,6 +526,19 @@ class SlackChannel:
             await self._ephemeral(
                 reply_to, user_id, f"Too late: this request was already settled ({code_span(how)})."
             )
+
+    async def forwarded_click(self, click: dict[str, Any]) -> None:
+        """A click another instance of the fleet received for an approval this one holds: checked and counted
+        as if Slack had handed it here (steps 1-3 of the module docstring)."""
+        try:
+            decision, scope = Choice(click["decision"]), ApprovalScope(click["scope"])
+            value, user_id, reply_to = str(click["value"]), str(click["user_id"]), str(click["reply_to"])
+        except (KeyError, ValueError, TypeError):
+            log.warning("a malformed Slack click from another instance of the fleet was ignored")
+            return
+        name = click.get("name") if isinstance(click.get("name"), str) else None
+        channels, stamps = set(click.get("channels") or ()), set(click.get("stamps") or ())
+        await self._click(value, decision, user_id, name, channels, stamps, reply_to, scope)
 
     async def _may_answer(self, user_id: str) -> bool:
         if user_id in self._users:
