@@ -144,6 +144,8 @@ def approver_from_settings(
             if isinstance(channel, SlackChannel):  # a click Slack hands to this instance for another's approval
                 channel.forward = functools.partial(fleet.forward, "slack")
                 fleet.handlers["slack"] = channel.forwarded_click
+            elif isinstance(channel, WebChannel):  # the page shows and answers what the others hold too
+                channel.elsewhere = fleet
     return ApprovalBroker(
         channels,
         audit=audit,

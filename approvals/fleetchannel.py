@@ -29,7 +29,7 @@ from egressd.fleet.inbox import FleetInbox, Listed, NotSent, OutcomeUnknown
 from egressd.fleet.store import StateError
 from egressd.vocabulary.reasons import Answer
 
-from .control import describe
+from .control import Scope, describe
 from .interface import (
     Answered,
     Answerer,
@@ -44,6 +44,7 @@ from .interface import (
     SetupError,
     settled_text,
 )
+from .webview import approval_event
 
 log = logging.getLogger("egressd.approvals.fleet")
 
@@ -105,7 +106,8 @@ class FleetChannel:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep(), name="fleet letters")
 
     async def deliver(self, approval: PendingApproval) -> None:
-        listing = describe(approval) | {"instance": self.instance}
+        # The page's card too, drawn here as the holder's own page draws it (what another instance's page shows).
+        listing = describe(approval) | {"instance": self.instance, "page": approval_event(approval, Scope(None))}
         try:
             await self._inbox.publish(approval.id, approval.request.run_id, listing, approval.expires_at)
         except Exception as exc:  # noqa: BLE001 (asyncpg's errors are many; each one means "not delivered")

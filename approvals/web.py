@@ -97,10 +97,10 @@ from egressd.names.shown import escape
 from .control import Scope
 from .interface import (
     Answerer,
-    AnswerResult,
     ApprovalScope,
     ChannelUnavailable,
     Choice,
+    Elsewhere,
     Notice,
     PendingApproval,
     Route,
@@ -109,6 +109,7 @@ from .interface import (
     settled_text,
 )
 from .message import ABANDONED_TEXT
+from .webanswer import answer_elsewhere, answer_flash, waiting_elsewhere
 from .webcontrol import CONTROL_VIEW, Bound, RevokeError
 from .webpage import (
     CHANGE_SITES,
@@ -138,6 +139,8 @@ RETRY_MS = 2000
 # A stream with nothing to say sends a comment this often: a closed page is
 # noticed, and the runs' rows are refreshed when they changed.
 KEEPALIVE_S = 5.0
+# In a fleet, how often an open page looks again for what the other instances hold.
+FLEET_POLL_S = 1.0
 # Events queued for one stream; a page that does not read them is cut off
 # (it reconnects and starts from a fresh snapshot).
 STREAM_QUEUE = 1024
@@ -228,6 +231,9 @@ class WebChannel:
         self._streams: set[_Stream] = set()
         self._closed = False
         self._history: deque[tuple[str, dict[str, Any]]] = deque(maxlen=HISTORY)  # (run, row), newest last
+        # A fleet's other instances (serve --state): their approvals shown and answered here too; set by
+        # approvals.assembly.
+        self.elsewhere: Elsewhere | None = None
         self._script = _static("app.js")
         self._style = _static("style.css")
 
@@ -426,7 +432,7 @@ class WebChannel:
         answerer = self._answerer
         approvals = [
             approval_event(a, scope) for a in (answerer.pending() if answerer else ()) if scope.covers(a.request.run_id)
-        ]
+        ] + await waiting_elsewhere(self.elsewhere, scope)
         flash, session.flash = session.flash, None
         body = page_html(
             session=session,
@@ -526,6 +532,14 @@ class WebChannel:
         answerer = self._answerer
         if answerer is None:
             return self._html(503, "Not ready", "The approvals page is not started.")
+        if approval_id not in {a.id for a in answerer.pending()}:
+            passed = await answer_elsewhere(self.elsewhere, approval_id, choice, scope, session=session.scope,
+                                            by=session.name, auth=session.auth, shown_id=shown_id, channel=CHANNEL)
+            if passed is not None:  # another instance of the fleet holds it, and decided (or not: said)
+                if not passed[0]:
+                    return self._html(403, "Refused", passed[1])
+                session.flash = passed[1]
+                return _redirect(f"{self.prefix}/")
         if session.scope.run_id is not None:
             # As the control API: a run's session answers its own run's approvals only (no await until answer()).
             runs = {a.id: a.request.run_id for a in answerer.pending()}
@@ -540,18 +554,7 @@ class WebChannel:
         answered = answerer.answer(
             approval_id, choice, channel=CHANNEL, by=session.name, scope=scope, auth=session.auth
         )
-        if answered.result is AnswerResult.NOT_OFFERED:
-            why = ": egressd has no allow file (--allow-file)" if scope is ApprovalScope.ALWAYS else ""
-            session.flash = f"Not answered: {scope.value} is not offered for {shown_id}{why}."
-        elif answered.result is AnswerResult.ACCEPTED:
-            session.flash = f"{choice.value.capitalize()}ed {what}."
-            if answered.settlement is not None:
-                session.flash = f"{what}: {settled_text(answered.settlement)}."
-        elif answered.result is AnswerResult.SETTLED:
-            how = settled_text(answered.settlement) if answered.settlement else "settled"
-            session.flash = f"Approval {shown_id} was already settled: {how}."
-        else:
-            session.flash = f"No pending approval {shown_id}."
+        session.flash = answer_flash(answered, choice, scope, shown_id, what)
         return _redirect(f"{self.prefix}/")
 
     async def _revoke(self, request: web.Request) -> web.StreamResponse:
@@ -616,6 +619,10 @@ class WebChannel:
                 if scope.covers(approval.request.run_id):
                     await response.write(_frame("approval", approval_event(approval, scope)))
                     shown.add(approval.id)
+            for held in await waiting_elsewhere(self.elsewhere, scope):
+                await response.write(_frame("approval", held))
+                shown.add(held["id"])
+            tick = min(self._keepalive_s, FLEET_POLL_S) if self.elsewhere is not None else self._keepalive_s
             # The latest records again: one written between the page's first view and this stream is not lost
             # (the page shows each record once, by its id).
             for row in bound.recent(scope, TAIL_BACKLOG):
@@ -628,7 +635,7 @@ class WebChannel:
             await response.write(_frame("ready", {}))
             while True:
                 try:
-                    async with asyncio.timeout(self._keepalive_s):
+                    async with asyncio.timeout(tick):
                         item = await stream.queue.get()
                 except TimeoutError:
                     item = ("", None)
@@ -649,6 +656,12 @@ class WebChannel:
                 # Settled where this channel was not told (it could not deliver when it was asked):
                 # gone from the pending list, so marked on the page all the same.
                 waiting = {a.id for a in answerer.pending()} if answerer else set()
+                # A fleet's other instances: what they hold now shown, what they no longer hold marked below.
+                for held in await waiting_elsewhere(self.elsewhere, scope):
+                    waiting.add(held["id"])
+                    if held["id"] not in shown:
+                        await response.write(_frame("approval", held))
+                        shown.add(held["id"])
                 for gone in sorted(shown - waiting):
                     shown.discard(gone)
                     await response.write(_frame("settled", {"id": gone, "text": NO_LONGER_WAITING}))

@@ -21,6 +21,8 @@ Each check runs once per way a person answers an approval, under a real
   approval is held by an instance whose one channel is the fleet, and
   answered through another instance's control API; the holder decides
   (recorded as ``control@answerer-instance``);
+- ``fleet-web`` the same, answered on the approvals page another instance
+  serves (recorded as ``web@answerer-instance``);
 - ``nobody``    no channel attached (a terminal configured, none there): the
   request is refused at once as ``no_approver``, no approval is opened, and
   ``egressd allow|deny`` finds nothing to answer.
@@ -827,7 +829,8 @@ class FleetDriver(ControlDriver):
     postgres: ClassVar[Postgres | None] = None  # set by the ``driver`` fixture
 
     async def start(self, timeout_s: float) -> ApprovalBroker:
-        dsn = await self._database()
+        assert self.postgres is not None
+        dsn = await fleet_database(self.postgres, self.stack)
         holder = await self.broker([FleetChannel(dsn, HOLDER)], timeout_s)
         fleet = FleetChannel(dsn, ANSWERER)
         answerer = ApprovalBroker([fleet], audit=MemoryAuditSink(), timeout_s=timeout_s, elsewhere=fleet)
@@ -836,22 +839,59 @@ class FleetDriver(ControlDriver):
         await self._serve(answerer)
         return holder
 
-    async def _database(self) -> str:
-        assert self.postgres is not None
-        name = "c_" + secrets.token_hex(6)
-        self.postgres.psql(f"CREATE DATABASE {name}")
-        self.stack.callback(self.postgres.psql, f"DROP DATABASE {name} WITH (FORCE)")
-        dsn = self.postgres.dsn(name)
-        store = await Store.open(dsn)
-        try:
-            await store.migrate()
-        finally:
-            await store.close()
-        return dsn
-
     async def never_attached(self) -> ApprovalBroker:
         # The database is not there: start-up stops, naming the setting.
         return await self.broker([FleetChannel(f"postgresql://egressd@/none?host={self.tmp_path}", HOLDER)], 30.0)
+
+
+class FleetPageDriver(PageDriver):
+    """The approvals page of another instance of the fleet: the approval is held by an instance whose one
+    channel is the fleet; a person answers it on the page another instance serves (``WebChannel.elsewhere``,
+    as approvals.assembly wires it); the holder decides. A page that is not the holder's says an approval
+    was settled as "no longer waiting": the holder's page and records say how."""
+
+    channel = f"web@{ANSWERER}"
+    marks: ClassVar[dict[str, str]] = {kind: "no longer waiting" for kind in ("allow", "deny", "timeout")}
+    goes_away = FleetDriver.goes_away
+    postgres: ClassVar[Postgres | None] = None  # set by the ``driver`` fixture
+
+    async def _serve(self, timeout_s: float) -> ApprovalBroker:
+        assert self.postgres is not None
+        dsn = await fleet_database(self.postgres, self.stack)
+        holder = await self.broker([FleetChannel(dsn, HOLDER)], timeout_s)
+        self.web = WebChannel(presence_grace_s=0.0, keepalive_s=0.05)
+        fleet = FleetChannel(dsn, ANSWERER)
+        self.web.elsewhere = fleet
+        answerer = ApprovalBroker([self.web, fleet], audit=MemoryAuditSink(), timeout_s=timeout_s, elsewhere=fleet)
+        self.stack.push_async_callback(answerer.close)
+        await answerer.start()
+        view = ControlView(
+            sign_in=self.TOKENS.get,
+            runs=lambda: [{"id": "r-1"}, {"id": "r-2"}],
+            recent=lambda n: [],
+            observers=[],
+        )
+        self.base = await self.stack.enter_async_context(
+            control_server(answerer.routes, listening_socket(), view=view)
+        )
+        return holder
+
+    async def never_attached(self) -> ApprovalBroker:
+        return await self.broker([FleetChannel(f"postgresql://egressd@/none?host={self.tmp_path}", HOLDER)], 30.0)
+
+
+async def fleet_database(server: Postgres, stack: AsyncExitStack) -> str:
+    """A fresh database of the session's server, migrated, dropped when ``stack`` closes: a fleet's."""
+    name = "c_" + secrets.token_hex(6)
+    server.psql(f"CREATE DATABASE {name}")
+    stack.callback(server.psql, f"DROP DATABASE {name} WITH (FORCE)")
+    dsn = server.dsn(name)
+    store = await Store.open(dsn)
+    try:
+        await store.migrate()
+    finally:
+        await store.close()
+    return dsn
 
 
 DRIVERS: dict[str, type[Driver]] = {
@@ -862,6 +902,7 @@ DRIVERS: dict[str, type[Driver]] = {
     "control": ControlDriver,
     "nobody": NobodyDriver,
     "fleet": FleetDriver,
+    "fleet-web": FleetPageDriver,
 }
 
 
@@ -872,8 +913,8 @@ def drivers(applies: Callable[[type[Driver]], bool]) -> Any:
 
 @pytest.fixture(params=list(DRIVERS))
 async def driver(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Driver]:
-    if DRIVERS[request.param] is FleetDriver:
-        FleetDriver.postgres = request.getfixturevalue("postgres")
+    if DRIVERS[request.param] in (FleetDriver, FleetPageDriver):
+        DRIVERS[request.param].postgres = request.getfixturevalue("postgres")  # type: ignore[attr-defined]
     async with AsyncExitStack() as stack:
         yield DRIVERS[request.param](stack, tmp_path)
 
