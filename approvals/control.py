@@ -139,7 +139,9 @@ def control_routes(answerer: Answerer, elsewhere: Elsewhere | None = None) -> li
         scope = request[SCOPE]
         listed = [describe(a) for a in answerer.pending() if scope.covers(a.request.run_id)]
         if elsewhere is not None:
-            listed += [listing for run, listing in await elsewhere.listed() if scope.covers(run)]
+            # As this instance lists its own (the card another instance's page draws from is the page's).
+            listed += [{k: v for k, v in listing.items() if k != "page"}
+                       for run, listing in await elsewhere.listed() if scope.covers(run)]  # fmt: skip
         return web.json_response({"approvals": listed})
 
     async def decide(request: web.Request, decision: Choice) -> web.Response:

@@ -160,6 +160,8 @@ async def test_a_request_held_on_one_instance_is_answered_on_another_and_let_thr
         held = asyncio.create_task(_connect(a.ports["proxy"], target))
         approval = await _listed(b, holder=a)
         assert (await _listed(c, holder=a))["id"] == approval["id"]  # every instance lists it
+        mine = await _listed(a)
+        assert set(approval) == set(mine) | {"instance"}, (approval, mine)  # as the holder lists it, and where
         assert approval["host"] == "origin.test" and not held.done()
         listed = await asyncio.to_thread(
             subprocess.run, [EGRESSD, "pending", "--control", f"127.0.0.1:{b.ports['control']}"],
