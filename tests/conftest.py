@@ -33,6 +33,7 @@ from egressd.config.settings import load_settings
 from tests.fakes.dns import FakeDns
 from tests.fakes.tls import make_pki
 from tests.harness import LEAK, NET, ORIGIN, ORIGIN_RANGE
+from tests.postgres import database, postgres  # noqa: F401 (one PostgreSQL server per session, for every test)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Callable[[], Any]]:

@@ -80,7 +80,7 @@ from tests.fakes.webhook import WebhookReceiver, make_secret
 from tests.harness import listening_socket, refused_port, wait_until
 from tests.integration.approvals.test_broker import RecordingChannel
 from tests.integration.approvals.webclient import EventReader, PageClient
-from tests.postgres import Postgres, postgres  # noqa: F401 (the fleet driver's server: a session fixture)
+from tests.postgres import Postgres
 
 UNKNOWN_ID = "a-doesnotexist0000"
 HOLDER, ANSWERER = "holder-instance", "answerer-instance"  # the fleet driver's two instances

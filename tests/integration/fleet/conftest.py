@@ -1,5 +1,1 @@
-"""The fleet tests' PostgreSQL: tests/postgres.py."""
-
-from tests.postgres import PASSWORD, Postgres, database, postgres, running_postgres
-
-__all__ = ["PASSWORD", "Postgres", "database", "postgres", "running_postgres"]
+"""The fleet tests' PostgreSQL: tests/postgres.py (its fixtures are the root conftest's, one server per session)."""
