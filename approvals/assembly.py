@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from egressd.audit.log import AuditSink
+from egressd.config.allowfile import Approved
 from egressd.config.settings import Settings, token_path
 
 from .broker import ApprovalBroker
@@ -101,6 +102,7 @@ def approver_from_settings(
     tty_path: str = "/dev/tty",
     terminal_output: TerminalOutput | None = None,
     fleet_instance: str | None = None,
+    keep: Callable[[Approved], None] | None = None,
 ) -> Approver:
     """Steps 1-3 of the module docstring. A returned broker is not started yet.
 
@@ -109,7 +111,8 @@ def approver_from_settings(
     ``fleet_instance``: this egressd's id in its fleet (``serve --state``):
     the fleet is one more channel, and the control API lists and answers
     what the other instances hold; with no other channel, the fleet's people
-    answer.
+    answer. ``keep``: where *always* answers are kept instead of the allow
+    file (the fleet's rules).
     """
     names = list(settings.approver)
     fleet = None
@@ -154,5 +157,6 @@ def approver_from_settings(
         max_requests_per_run=settings.max_approvals_per_run,
         clock=clock,
         allow_file=settings.allow_file,
+        keep=keep,
         elsewhere=fleet,
     )

@@ -37,9 +37,10 @@ run). An allow carries its scope (``ApprovalScope``): ``once`` and ``run``
 are the gate's to apply; for ``always`` the broker appends the request's
 lasting entry (``ApprovalRequest.lasting``, exact ``host:port``) to the
 allowlist file as one ``[[approved]]`` table before the decision is
-recorded, once per approval however many requests wait on it. *always* is
-offered only with an allowlist file (``allow_file``); asked for without
-one it is ``NOT_OFFERED`` and decides nothing. When the request has no
+recorded, once per approval however many requests wait on it; in a fleet
+(``keep``) it is handed to the fleet's rules instead. *always* is
+offered only with an allowlist file (``allow_file``) or ``keep``; asked
+for without one it is ``NOT_OFFERED`` and decides nothing. When the request has no
 lasting entry, or the file cannot be appended to, the answer still allows,
 for the run only: one log line and the record's ``scope_error`` say why.
 The append is one small write and fsync under the file's lock, done in the
@@ -66,7 +67,7 @@ from typing import Any
 from egressd.audit.approvalrecords import approval_abandoned_record, approval_decided_record, approval_requested_record
 from egressd.audit.log import AuditError, AuditSink
 from egressd.audit.records import rfc3339
-from egressd.config.allowfile import AllowFileError, Approved, append_approved
+from egressd.config.allowfile import Approved, LastingError, append_approved
 from egressd.vocabulary.egress import Decision
 from egressd.vocabulary.reasons import Answer
 
@@ -140,6 +141,7 @@ class ApprovalBroker:
         start_timeout_s: float = START_TIMEOUT_S,
         settle_timeout_s: float = SETTLE_TIMEOUT_S,
         allow_file: Path | None = None,
+        keep: Callable[[Approved], None] | None = None,
         elsewhere: Elsewhere | None = None,
     ) -> None:
         names = [c.name for c in channels]
@@ -155,6 +157,8 @@ class ApprovalBroker:
         self._settle_timeout_s = settle_timeout_s
         # Where *always* answers are appended (--allow-file); None: *always* is not offered.
         self.allow_file = allow_file
+        # Where *always* answers are kept instead (a fleet's rules, ``serve --state``); LastingError: not kept.
+        self._keep_to = keep
         # A fleet's other instances (--state): their approvals listed and answered through the control API.
         self._elsewhere = elsewhere
         self._ledger = Ledger(max_pending_per_run=max_pending_per_run, max_requests_per_run=max_requests_per_run)
@@ -175,7 +179,7 @@ class ApprovalBroker:
     @property
     def scopes(self) -> tuple[ApprovalScope, ...]:
         """The scopes every approval offers: *always* only with an allowlist file."""
-        if self.allow_file is None:
+        if self.allow_file is None and self._keep_to is None:
             return (ApprovalScope.ONCE, ApprovalScope.RUN)
         return (ApprovalScope.ONCE, ApprovalScope.RUN, ApprovalScope.ALWAYS)
 
@@ -390,7 +394,7 @@ class ApprovalBroker:
                     approval_id,
                     scope.value,
                     channel,
-                    " (no --allow-file)" if self.allow_file is None else "",
+                    " (no --allow-file)" if self.allow_file is None and self._keep_to is None else "",
                 )
                 return Answered(AnswerResult.NOT_OFFERED)
         shown_by = bounded(by, MAX_BY_CHARS) if by else None
@@ -473,7 +477,7 @@ class ApprovalBroker:
         return settlement
 
     def _keep(self, approval_id: str, request: ApprovalRequest, settlement: Settlement) -> Settlement:
-        """An *always* allow: append the request's lasting entry to the allowlist file.
+        """An *always* allow: append the request's lasting entry to the allowlist file (or hand it to ``keep``).
 
         Returns the settlement as applied: with ``entry`` when it was
         appended; else scope RUN and ``scope_error`` (the answer is never
@@ -482,7 +486,7 @@ class ApprovalBroker:
         path, entry = self.allow_file, request.lasting
         if not self._audit.healthy:
             return settlement  # the allow cannot be recorded and becomes a denial: nothing lasting is written
-        if path is None:
+        if path is None and self._keep_to is None:
             error = "no allow file (--allow-file) to append to"
         elif entry is None:
             error = f"no lasting entry for this host ({request.lasting_error or 'none'})"
@@ -497,11 +501,17 @@ class ApprovalBroker:
                 auth=settlement.auth,
             )
             try:
-                append_approved(path, approved)
-            except AllowFileError as exc:
-                error = f"could not append to the allow file: {exc}"
+                if self._keep_to is not None:
+                    self._keep_to(approved)
+                else:
+                    assert path is not None
+                    append_approved(path, approved)
+            except LastingError as exc:
+                error = f"could not keep it: {exc}" if self._keep_to is not None else \
+                    f"could not append to the allow file: {exc}"
             else:
-                log.info("approval %s: %s appended to %s (always)", approval_id, entry, path)
+                log.info("approval %s: %s kept in %s (always)", approval_id, entry,
+                         "the fleet's rules" if self._keep_to is not None else path)
                 return replace(settlement, entry=entry)
         log.error("approval %s: allowed for this run only, not always: %s", approval_id, bounded(error, 300))
         return replace(settlement, scope=ApprovalScope.RUN, scope_error=error)

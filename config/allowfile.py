@@ -46,14 +46,18 @@ from pathlib import Path
 from egressd.config.trusted import UntrustedFile, open_trusted, read_trusted
 from egressd.names.shown import toml_string
 
-__all__ = ["AllowFile", "AllowFileError", "Approved", "Revoked", "append_approved", "append_revoked",
+__all__ = ["AllowFile", "AllowFileError", "Approved", "LastingError", "Revoked", "append_approved", "append_revoked",
            "read_allow_file"]
 
 _APPROVED_KEYS = ("entry", "at", "approval", "by", "channel", "run", "auth")
 _REVOKED_KEYS = ("entry", "at", "by", "channel", "auth")
 
 
-class AllowFileError(Exception):
+class LastingError(Exception):
+    """An *always* answer could not be kept, or taken back, where lasting answers are kept; the message says why."""
+
+
+class AllowFileError(LastingError):
     """An allowlist file could not be read or appended to; the message names the file and why."""
 
 

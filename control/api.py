@@ -74,7 +74,7 @@ from egressd.approvals.control import RUN_SCOPED_ROUTES, SCOPE, Scope
 from egressd.approvals.webcontrol import CONTROL_VIEW, ControlView, RevokeError
 from egressd.audit.log import AuditError
 from egressd.audit.records import run_changed_record, run_record
-from egressd.config.allowfile import AllowFileError, Approved
+from egressd.config.allowfile import Approved, LastingError
 from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.names.hosts import normalised, split_port
 from egressd.proxy.core.addresses import forbidden_reason
@@ -92,7 +92,8 @@ class Lasting:
 
     ``standing``: the answers no revocation took back; ``revoke(entries,
     by, channel, auth)``: append a ``[[revoked]]`` table per entry and apply
-    the file again to the running policy; AllowFileError changes nothing.
+    the file again to the running policy; LastingError changes nothing. In a fleet (``serve --state``)
+    the fleet's rules are listed and revoked too (``egressd.cli.wiring.fleetlasting``).
     """
 
     standing: Callable[[], Sequence[Approved]]
@@ -372,7 +373,7 @@ async def change_run(request: web.Request) -> web.Response:
     failure = None
     try:
         take_back_always(request.app, always, by=None, channel=None, auth=None)
-    except AllowFileError as exc:  # the run's own changes are made; of the always entries, what the file took
+    except LastingError as exc:  # the run's own changes are made; of the always entries, what was taken back
         lasting = request.app[LASTING]
         standing = {a.entry for a in lasting.standing()} if lasting is not None else set()
         failure, always = str(exc), [entry for entry in always if entry not in standing]
@@ -454,7 +455,7 @@ def page_revoke(app: web.Application, run_id: str | None, texts: Sequence[str], 
             if run is None:
                 raise RevokeError(f"no live run {run_id}")
             revoked, always = run.revoke(texts), []
-    except (RunError, AllowFileError) as exc:
+    except (RunError, LastingError) as exc:
         raise RevokeError(str(exc)) from None
     record = run_changed_record(ts=time.time(), run=run_id, revoked=revoked, always_revoked=always, auth=auth)
     _write_audit(app, record)

@@ -88,6 +88,33 @@ MIGRATIONS: tuple[Migration, ...] = (
             "CREATE INDEX egressd_answers_posted ON egressd_answers (holder) WHERE state IS NULL",
         ),
     ),
+    Migration(
+        3,
+        "rules: the fleet's always answers, applied by every instance, and their revocations",
+        (
+            # One row per *always* answer (its approval's id: written once however often the holder
+            # retries), as an allow file's [[approved]] table holds it; a revocation marks it.
+            """
+            CREATE TABLE egressd_rules (
+                approval text PRIMARY KEY,
+                entry text NOT NULL,
+                at text NOT NULL,
+                instance text NOT NULL,
+                run text,
+                by text,
+                channel text,
+                auth text,
+                kept_at timestamptz NOT NULL DEFAULT now(),
+                revoked_at timestamptz,
+                revoked_by text,
+                revoked_channel text,
+                revoked_auth text,
+                revoked_on text
+            )
+            """,
+            "CREATE INDEX egressd_rules_standing ON egressd_rules (entry) WHERE revoked_at IS NULL",
+        ),
+    ),
 )
 
 LATEST = MIGRATIONS[-1].version

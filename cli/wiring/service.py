@@ -37,14 +37,14 @@ from egressd.audit.shared import SharedChain
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
 from egressd.config.settings import Settings, parse_hostport, token_path
-from egressd.control.api import PUBLIC_PATHS, build_app
+from egressd.control.api import PUBLIC_PATHS, Lasting, build_app
 from egressd.proxy.core.addresses import forbidden_reason
 from egressd.proxy.core.decision import Screen, private_hint
 from egressd.proxy.core.entries import EntryChange, LiveMerge, entry_diff
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.modes import EXPLICIT, SOCKS, ListenerLimits, transparent_http, transparent_tls
 from egressd.proxy.core.policy import Entry, EntryError, parse_entry
-from egressd.proxy.core.runs import DEFAULT_RUN_ID, Run, RunRegistry, new_control_token
+from egressd.proxy.core.runs import DEFAULT_RUN_ID, Run, RunError, RunRegistry, new_control_token
 from egressd.proxy.core.secrets import Secrets
 from egressd.proxy.net.dialer import Dialer, bound_locally
 from egressd.proxy.net.dnsserver import DnsServer
@@ -60,6 +60,7 @@ from .anchor import say_head, say_heads
 from .controltoken import TokenFileError, UntrustedEndpoint, check_socket_directory, write_token_file
 from .declared import SecretSettingError, secrets_from_settings
 from .errors import StartupError
+from .fleetlasting import FleetLasting
 from .lasting import lasting_answers
 from .listening import dns_answers, dns_limits, listener_limits, own_endpoints, refusal_budget
 from .workers import WorkerPool, process_count
@@ -156,12 +157,13 @@ def _describe_change(entries: EntryChange, changed: tuple[str, ...]) -> str:
 
 def approver_from_settings(
     settings: Settings, *, audit: AuditSink, terminal_output: TerminalOutput | None = None,
-    fleet_instance: str | None = None,
+    fleet_instance: str | None = None, keep: FleetLasting | None = None,
 ) -> Approver:
     """The approver the settings name (a broker is not started yet); StartupError naming a bad setting."""
     try:
         return _approvals_from_settings(settings, audit=audit, terminal_output=terminal_output,
-                                        fleet_instance=fleet_instance)  # fmt: skip
+                                        fleet_instance=fleet_instance,
+                                        keep=keep.keep if keep is not None else None)  # fmt: skip
     except SetupError as exc:
         raise StartupError(str(exc)) from None
 
@@ -182,6 +184,7 @@ class EgressService:
     ) -> None:
         self.settings = settings
         self._fleet_instance = fleet_instance  # this egressd's id in its fleet (serve --state): approvals shared
+        self._fleet_rules: FleetLasting | None = None  # and the fleet's always answers, applied here
         # ``egressd serve``'s: worker processes besides this one (an embedded egressd has none); how many is
         # decided at the start (``process_count``).
         self._serve_workers = workers
@@ -283,7 +286,7 @@ class EgressService:
         old = self.settings
         try:
             # The allow file read is the one named at start (a new path needs a restart).
-            allow, deny = entries_from_settings(settings.model_copy(update={"allow_file": old.allow_file}))
+            allow, deny = self._entries(settings.model_copy(update={"allow_file": old.allow_file}))
         except StartupError as exc:
             self.refuse_reload(str(exc))
             raise ReloadError(str(exc)) from None
@@ -348,9 +351,34 @@ class EgressService:
             await self.close(grace_s=0)
             raise
 
+    def _entries(self, settings: Settings) -> tuple[tuple[Entry, ...], tuple[Entry, ...]]:
+        """``entries_from_settings``, with the fleet's standing *always* entries allowed too."""
+        allow, deny = entries_from_settings(settings)
+        if self._fleet_rules is None:
+            return allow, deny
+        kept: list[Entry] = []
+        for text in self._fleet_rules.entries():
+            try:
+                kept.append(parse_entry(text))
+            except EntryError as exc:  # a row another egressd wrote: this one does not apply what it cannot read
+                log.warning("fleet: the always entry %r is not applied here: %s", text, exc)
+        return allow + tuple(kept), deny
+
+    def _take_back(self, entries: Sequence[str]) -> None:
+        """Always entries revoked on another instance: every live run's own approval for each goes too."""
+        assert self.runs is not None
+        for run in self.runs:
+            for entry in entries:
+                with contextlib.suppress(RunError):
+                    run.revoke([entry])
+
     async def _start(self) -> None:
         s = self.settings
-        allow, deny = entries_from_settings(s)
+        if self._fleet_instance is not None and s.state is not None:
+            self._fleet_rules = FleetLasting(s.state.get_secret_value(), self._fleet_instance)
+            await self._fleet_rules.open()  # the standing rules are part of the first policy
+            self._stack.push_async_callback(self._fleet_rules.close)
+        allow, deny = self._entries(s)
         self._allow, self._deny = allow, deny
         for entry in allow:  # allowed, and refused all the same at the address check: said now, not at the first try
             if entry.address is not None and forbidden_reason(entry.address, s.allow_private_networks) is not None:
@@ -387,7 +415,7 @@ class EgressService:
         approver = self._approver
         if approver is None:
             approver = approver_from_settings(s, audit=audit, terminal_output=self._terminal_output,
-                                              fleet_instance=self._fleet_instance)  # fmt: skip
+                                              fleet_instance=self._fleet_instance, keep=self._fleet_rules)  # fmt: skip
             if isinstance(approver, ManagedApprover):
                 self._approvals = approver
                 try:
@@ -549,7 +577,7 @@ class EgressService:
             token=self.control_token,
             inspector=self.path.inspector,
             placeholders={s.name: s.placeholder for s in self.path.secrets.declared} if self.path.secrets else None,
-            lasting=lasting_answers(s.allow_file, lambda: self.reload(self.settings)),
+            lasting=self._lasting(),
             more_metrics=self._workers_metrics if self._with_workers else None,
         )
         pages: list[str] = []  # the approvals page's own random path, printed with its URL
@@ -600,6 +628,15 @@ class EgressService:
         assert self.path is not None
         with contextlib.suppress(AuditError):
             self.path.recorder.audit.write(record)
+
+    def _lasting(self) -> Lasting:
+        """The *always* answers the control API lists and revokes: the allow file's, and the fleet's."""
+        in_file = lasting_answers(self.settings.allow_file, lambda: self.reload(self.settings))
+        if self._fleet_rules is None:
+            return in_file
+        self._fleet_rules.apply = lambda: self.reload(self.settings)
+        self._fleet_rules.take_back = self._take_back
+        return self._fleet_rules.lasting(in_file)
 
     async def close(self, grace_s: float | None = None) -> None:
         """Stop accepting, let tunnels finish within the grace period, flush the log."""

@@ -1,0 +1,117 @@
+"""The fleet's lasting rules in PostgreSQL: *always* answers as rows every instance applies, and revocations.
+
+A row is written by the instance whose person answered *always*, keyed by
+the approval's id, so writing it again (a retry after a lost reply) changes
+nothing. A revocation marks the standing rows for an entry; the row stays,
+as an allow file's ``[[approved]]`` table stays after its ``[[revoked]]``.
+Every write is followed, in its transaction, by a ``NOTIFY`` on ``RULES``:
+each instance reads the standing rules again and applies them. A missed
+notification is caught by the instance's next periodic read.
+
+Values cross as plain fields; this module knows rows, not policies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .store import StateError, asyncpg_module
+
+RULES = "egressd_rules"  # payload: what changed ("kept" or "revoked")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One standing *always* answer of the fleet."""
+
+    approval: str
+    entry: str
+    at: str  # RFC 3339 time of the answer
+    instance: str  # where it was answered and held
+    run: str | None = None
+    by: str | None = None
+    channel: str | None = None
+    auth: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Revocation:
+    """Standing rules for ``entries`` taken back, and by whom (``on``: the instance it was done on)."""
+
+    entries: tuple[str, ...]
+    on: str
+    by: str | None = None
+    channel: str | None = None
+    auth: str | None = None
+
+
+class FleetRules:
+    """The rules table through a small pool, and a connection that listens for changes."""
+
+    def __init__(self, dsn: str, on_change: Callable[[], None]) -> None:
+        self._dsn = dsn
+        self._on_change = on_change  # called as a notification arrives (the caller reads the rules again)
+        self._pool: Any = None
+        self._listener: Any = None
+
+    async def open(self, timeout_s: float = 10.0) -> None:
+        asyncpg = asyncpg_module()
+        try:
+            self._pool = await asyncpg.create_pool(self._dsn, min_size=1, max_size=2, timeout=timeout_s)
+            await self.listen()
+        except Exception as exc:
+            await self.close()
+            raise StateError(f"the fleet's rules: {exc}") from None
+
+    async def listen(self) -> None:
+        """(Re)connect the listening connection, if it is not listening."""
+        if self._listener is not None and not self._listener.is_closed():
+            return
+        listener = await asyncpg_module().connect(self._dsn, timeout=10)
+        await listener.add_listener(RULES, self._notified)
+        self._listener = listener
+
+    def _notified(self, _connection: Any, _pid: int, _channel: str, _payload: str) -> None:
+        self._on_change()
+
+    async def close(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            with contextlib.suppress(Exception):
+                await listener.close()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            with contextlib.suppress(Exception):
+                await pool.close()
+
+    async def standing(self) -> list[Rule]:
+        """Every rule no revocation took back, oldest first."""
+        rows = await self._pool.fetch(
+            "SELECT approval, entry, at, instance, run, by, channel, auth FROM egressd_rules "
+            "WHERE revoked_at IS NULL ORDER BY kept_at, approval"
+        )
+        return [Rule(**dict(row)) for row in rows]
+
+    async def keep(self, rule: Rule) -> None:
+        async with self._pool.acquire() as db, db.transaction():
+            await db.execute(
+                "INSERT INTO egressd_rules (approval, entry, at, instance, run, by, channel, auth) "
+                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8) ON CONFLICT (approval) DO NOTHING",
+                rule.approval, rule.entry, rule.at, rule.instance, rule.run, rule.by, rule.channel, rule.auth,
+            )  # fmt: skip
+            await db.execute("SELECT pg_notify($1, 'kept')", RULES)
+
+    async def revoke(self, revocation: Revocation) -> Sequence[str]:
+        """Mark the standing rules for the entries revoked; the entries that had one."""
+        async with self._pool.acquire() as db, db.transaction():
+            rows = await db.fetch(
+                "UPDATE egressd_rules SET revoked_at = now(), revoked_by = $2, revoked_channel = $3, "
+                "revoked_auth = $4, revoked_on = $5 WHERE entry = ANY($1::text[]) AND revoked_at IS NULL "
+                "RETURNING entry",
+                list(revocation.entries), revocation.by, revocation.channel, revocation.auth, revocation.on,
+            )  # fmt: skip
+            await db.execute("SELECT pg_notify($1, 'revoked')", RULES)
+        return sorted({row["entry"] for row in rows})
