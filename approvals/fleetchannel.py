@@ -91,6 +91,7 @@ class FleetChannel:
         self._tasks: set[asyncio.Task[None]] = set()
         self._sweeper: asyncio.Task[None] | None = None
         self._failing = False
+        self._unlisted = False  # the last look at the others' approvals failed (said once)
         # What a channel of this instance does with what another instance passed on for an approval held
         # here, by kind (``"slack"``: a click Slack handed to the other instance); set by approvals.assembly.
         self.handlers: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = {}
@@ -219,10 +220,16 @@ class FleetChannel:
 
     async def listed(self) -> Sequence[tuple[str, dict[str, Any]]]:
         try:
-            return [(row.run, row.listing) for row in await self._inbox.open_elsewhere()]
-        except Exception as exc:  # noqa: BLE001 (listed without them; said)
-            log.warning("fleet: cannot list the other instances' approvals: %s", exc)
+            rows = await self._inbox.open_elsewhere()
+        except Exception as exc:  # noqa: BLE001 (listed without them; said once, not at every page's look)
+            if not self._unlisted:
+                log.warning("fleet: cannot list the other instances' approvals: %s", exc)
+            self._unlisted = True
             return []
+        if self._unlisted:
+            log.warning("fleet: the other instances' approvals are listed again")
+            self._unlisted = False
+        return [(row.run, row.listing) for row in rows]
 
     async def run_of(self, approval_id: str) -> str | None:
         try:
