@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from egressd.audit.log import AuditSink
 from egressd.config.allowfile import Approved
@@ -32,7 +32,7 @@ from .broker import ApprovalBroker
 from .commandoutput import TerminalOutput
 from .deny import DenyApprover, NoApprover
 from .fleetchannel import FleetChannel
-from .interface import Approver, Channel, SetupError
+from .interface import Approver, Channel, PendingApproval, Settlement, SetupError
 from .signing import SigningError, parse_secret
 from .slack import SlackChannel
 from .terminal import TerminalChannel
@@ -103,6 +103,7 @@ def approver_from_settings(
     terminal_output: TerminalOutput | None = None,
     fleet_instance: str | None = None,
     keep: Callable[[Approved], None] | None = None,
+    share_denial: Callable[[PendingApproval, Settlement], Awaitable[None]] | None = None,
 ) -> Approver:
     """Steps 1-3 of the module docstring. A returned broker is not started yet.
 
@@ -112,12 +113,14 @@ def approver_from_settings(
     the fleet is one more channel, and the control API lists and answers
     what the other instances hold; with no other channel, the fleet's people
     answer. ``keep``: where *always* answers are kept instead of the allow
-    file (the fleet's rules).
+    file (the fleet's rules); ``share_denial``: told each settlement the fleet
+    listed (a denial shared with a task or group).
     """
     names = list(settings.approver)
     fleet = None
     if fleet_instance is not None and settings.state is not None and "deny" not in names:
         fleet = FleetChannel(settings.state.get_secret_value(), fleet_instance)
+        fleet.shared = share_denial
     if not names and fleet is None:
         return NoApprover()
     if "deny" in names:

@@ -92,6 +92,8 @@ class FleetChannel:
         self._sweeper: asyncio.Task[None] | None = None
         self._failing = False
         self._unlisted = False  # the last look at the others' approvals failed (said once)
+        # Told each settlement listed here (a denial shared with the task or group); set by approvals.assembly.
+        self.shared: Callable[[PendingApproval, Settlement], Awaitable[None]] | None = None
         # What a channel of this instance does with what another instance passed on for an approval held
         # here, by kind (``"slack"``: a click Slack handed to the other instance); set by approvals.assembly.
         self.handlers: dict[str, Callable[[dict[str, Any]], Awaitable[None]]] = {}
@@ -115,7 +117,11 @@ class FleetChannel:
             raise ChannelError(f"the fleet's database: {exc}") from None
 
     async def settle(self, approval: PendingApproval, settlement: Settlement) -> None:
-        await self._inbox.settled(approval.id, settlement_fields(settlement))
+        try:
+            await self._inbox.settled(approval.id, settlement_fields(settlement))
+        finally:
+            if self.shared is not None:
+                await self.shared(approval, settlement)
 
     async def notify(self, notice: Notice) -> None:
         return None  # a run's notice is its own instance's to show

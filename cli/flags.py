@@ -159,6 +159,14 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
       "help": "postgresql://USER@HOST/DATABASE: share approvals and the list of instances with every egressd "
       "of a fleet through this database (migrate it first: egressd state migrate; docs/fleet.md) "
       f"{visible('state')}"}),
+    ("--share-denials", "share_denials",
+     {"choices": ["run", "task", "group"],
+      "help": "in a fleet (--state), how far a person's denial reaches: run (default, as without a fleet), task "
+      "(every run with the same task on every instance), group (every instance of the same --group); it covers "
+      "the host's registered domain for 24 hours"}),
+    ("--group", "group",
+     {"metavar": "NAME", "help": "this egressd's policy group in its fleet, for --share-denials group "
+      "(default: default)"}),
     ("--log-level", "log_level",
      {"choices": ["debug", "info", "warning", "error"], "help": "stderr log level (default info)"}),
     ("--log-format", "log_format",
@@ -173,7 +181,7 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
 # fleet's state database is ``serve``'s alone for now (docs/fleet.md).
 SERVICE_ONLY = frozenset(
     {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "socks", "require_auth",
-     "workers", "state", "state_file"}
+     "workers", "state", "state_file", "share_denials", "group"}
 )
 
 
@@ -184,7 +192,7 @@ _HELP_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("listen", "control", "control_token", "transparent_", "socks", "require_auth", "workers")),
     ("approvals", ("approver", "approval_", "max_pending_", "max_approvals_", "webhook_", "slack_", "public_url")),
     ("DNS", ("dns_", "upstream_dns")),
-    ("a fleet's shared state", ("state",)),
+    ("a fleet's shared state", ("state", "share_denials", "group")),
     ("audit log", ("audit_", "max_refusal_", "refusal_")),
     ("limits and logging", ("max_", "head_", "connect_", "idle_", "splice", "log_level", "log_format")),
 )

@@ -338,11 +338,18 @@ def build_parser(only: str | None = ALL) -> argparse.ArgumentParser:
                            description="The PostgreSQL database a fleet of egressd instances shares (serve --state; "
                            "docs/fleet.md). migrate: apply the schema migrations it lacks (serve never does); "
                            "status: its schema version and the instances listed in it (exit 1 unless it is at this "
-                           "egressd's version).")
+                           "egressd's version); denials: the denials shared with a task or group (--share-denials) "
+                           "standing now; lift HOST...: lift them, for runs that start from now on.")
     state_sub = state.add_subparsers(dest="state_action", required=True, metavar="ACTION")
     for action, text in (("migrate", "apply the schema migrations the database lacks, one at a time across the fleet"),
-                         ("status", "the schema version and the instances: serving, silent or stopped")):
+                         ("status", "the schema version and the instances: serving, silent or stopped"),
+                         ("denials", "the denials shared with a task or group (--share-denials) standing now"),
+                         ("lift", "lift the shared denials of HOST (as it was denied), for every task and group: runs "
+                          "that start from now on are asked again; a live run keeps its denial")):
         acting = state_sub.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
+        if action == "lift":
+            acting.add_argument("hosts", nargs="+", metavar="HOST", help="a host as it was denied")
+            acting.add_argument("--by", metavar="WHO", help="who lifts them (kept in the database)")
         acting.add_argument("--config", metavar="FILE", help="TOML config file (for state)")
         acting.add_argument("--state", dest="state", default=None, metavar="URI",
                             help=f"postgresql://USER@HOST/DATABASE {visible('state')}")

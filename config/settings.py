@@ -270,6 +270,17 @@ class Settings(BaseSettings):
         "(docs/fleet.md); unset: this egressd keeps everything to itself",
     )
     state_file: Path | None = Field(None, description="a file holding state (a URI with its password)")
+    share_denials: Literal["run", "task", "group"] = Field(
+        "run",
+        description="how far a person's denial reaches in a fleet (needs state): run (the run that asked, as "
+        "without a fleet), task (every run with the same task on every instance), group (every run of every "
+        "instance of the same group); it covers the host's registered domain for 24 hours (docs/fleet.md)",
+    )
+    group: str = Field(
+        "default",
+        description="this egressd's policy group in its fleet: with share_denials group, a denial given for one "
+        "instance of the group covers them all",
+    )
     webhook_secret: SecretStr | None = Field(None, description="whsec_ key signing outgoing webhooks")
     webhook_secret_file: Path | None = Field(None, description="a file holding webhook_secret")
     webhook_callback_secret: SecretStr | None = Field(None, description="whsec_ key the callback must be signed with")
@@ -500,6 +511,11 @@ class Settings(BaseSettings):
                 dsn.check(self.state.get_secret_value())
             except ValueError as exc:
                 raise ValueError(f"state: {exc}") from None
+        elif self.share_denials != "run":
+            raise ValueError(f"share_denials: {self.share_denials} shares denials through a fleet's database: it "
+                             "needs state")  # fmt: skip
+        if not self.group or len(self.group) > 100 or not self.group.isprintable():
+            raise ValueError("group: a name of 1 to 100 printable characters")
         return self
 
     @classmethod

@@ -90,7 +90,7 @@ MIGRATIONS: tuple[Migration, ...] = (
     ),
     Migration(
         3,
-        "rules: the fleet's always answers, applied by every instance, and their revocations",
+        "rules: the fleet's always answers and shared denials, applied by every instance",
         (
             # One row per *always* answer (its approval's id: written once however often the holder
             # retries), as an allow file's [[approved]] table holds it; a revocation marks it.
@@ -113,6 +113,25 @@ MIGRATIONS: tuple[Migration, ...] = (
             )
             """,
             "CREATE INDEX egressd_rules_standing ON egressd_rules (entry) WHERE revoked_at IS NULL",
+            # A denial shared beyond its run (share_denials): it covers ``host``'s registered domain for the
+            # runs with the same task (``reach`` task, ``key`` the task) or on the instances of the same group.
+            """
+            CREATE TABLE egressd_denials (
+                approval text PRIMARY KEY,
+                reach text NOT NULL CHECK (reach IN ('task', 'group')),
+                key text NOT NULL,
+                host text NOT NULL,
+                at text NOT NULL,
+                instance text NOT NULL,
+                run text,
+                by text,
+                channel text,
+                denied_at timestamptz NOT NULL DEFAULT now(),
+                lifted_at timestamptz,
+                lifted_by text
+            )
+            """,
+            "CREATE INDEX egressd_denials_standing ON egressd_denials (denied_at) WHERE lifted_at IS NULL",
         ),
     ),
 )

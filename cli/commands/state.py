@@ -1,4 +1,5 @@
-"""``egressd state migrate`` and ``egressd state status``: a fleet's database, its schema and its instances."""
+"""``egressd state migrate|status|denials|lift``: a fleet's database, its schema, its instances, its shared
+denials."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from datetime import UTC, datetime
 
 from egressd.config.settings import Settings
+from egressd.fleet.rules import DENIAL_HOURS, FleetRules
 from egressd.fleet.schema import LATEST
 from egressd.fleet.store import InstanceRow, StateError, Store
 
@@ -15,14 +17,18 @@ from ..wiring.fleet import HEARTBEAT_S
 
 
 def run_state(args: argparse.Namespace, settings: Settings) -> int:
-    """0: done (migrate) or at this egressd's version (status); 1: the database cannot be used; 2: no database."""
+    """0: done (migrate, denials, lift) or at this egressd's version (status); 1: the database cannot be used, or
+    nothing to lift; 2: no database."""
     if settings.state is None:
         print("egressd state: name the database: --state postgresql://USER@HOST/DATABASE "
               "(or --state-file, EGRESSD_STATE, state in the config file)", file=sys.stderr)  # fmt: skip
         return 2
-    action = _migrate if args.state_action == "migrate" else _status
+    dsn = settings.state.get_secret_value()
+    actions = {"migrate": _migrate, "status": _status, "denials": _denials}
     try:
-        return asyncio.run(action(settings.state.get_secret_value()))
+        if args.state_action == "lift":
+            return asyncio.run(_lift(dsn, args.hosts, args.by))
+        return asyncio.run(actions[args.state_action](dsn))
     except StateError as exc:
         print(f"egressd state: {exc}", file=sys.stderr)
         return 1
@@ -76,3 +82,44 @@ def describe(rows: list[InstanceRow], now: datetime) -> list[str]:
             state = f"SILENT for {beat:.0f}s (gone without stopping?)"
         lines.append(f"  {i.id}  {i.host} pid {i.pid}  egressd {i.egressd_version}  {i.serving}  {state}")
     return lines
+
+
+async def _usable(dsn: str) -> FleetRules:
+    """The rules of a database at this egressd's schema version (StateError otherwise), not listening."""
+    store = await Store.open(dsn)
+    try:
+        await store.require_latest()
+    finally:
+        await store.close()
+    rules = FleetRules(dsn, None)
+    await rules.open()
+    return rules
+
+
+async def _denials(dsn: str) -> int:
+    rules = await _usable(dsn)
+    try:
+        standing = await rules.denials()
+    finally:
+        await rules.close()
+    if not standing:
+        print(f"no shared denial standing (each stands for {DENIAL_HOURS} hours unless lifted)")
+    for d in standing:
+        print(f"{d.host}  {d.reach} {d.key!r}  denied {d.at} by {d.by or '-'} via {d.channel or '-'} on {d.instance}"
+              f"  (approval {d.approval})")
+    return 0
+
+
+async def _lift(dsn: str, hosts: list[str], by: str | None) -> int:
+    rules = await _usable(dsn)
+    try:
+        lifted = await rules.lift(hosts, by)
+    finally:
+        await rules.close()
+    for d in lifted:
+        print(f"lifted: {d.host} ({d.reach} {d.key!r}, approval {d.approval}): runs that start from now on are "
+              "asked again")
+    missing = sorted(set(hosts) - {d.host for d in lifted})
+    for host in missing:
+        print(f"egressd state: no standing shared denial of {host}", file=sys.stderr)
+    return 1 if missing else 0

@@ -1,4 +1,4 @@
-"""``serve --state``: the fleet's *always* answers, as this instance keeps, lists, applies and takes them back.
+"""``serve --state``: the fleet's *always* answers and shared denials, as this instance keeps, lists and applies them.
 
 - ``keep`` (the broker's, at the answer): the rule counts here at once
   (the running policy is applied again) and goes into an outbox that a
@@ -13,6 +13,13 @@
   applies the running policy again (a ``policy.reloaded`` record on every
   instance), and an entry revoked is taken back from every live run here.
 
+With ``share_denials`` task or group, a person's denial given here is also
+written to the database (``share``, as the broker tells its channels), and
+every instance denies the host's registered domain, for 24 hours, to its
+runs with the same task, or to all its runs when it is of the same group:
+the live runs at once, a run that starts later when it starts. A denial
+that cannot be written stays the run's own (said).
+
 The outbox lives in this process: an answer kept in the last moments
 before a crash, with the database away, is lost with it (the holder's
 ``approval.decided`` record still says *always*).
@@ -26,9 +33,13 @@ import logging
 from collections import deque
 from collections.abc import Callable, Sequence
 
+from egressd.approvals.interface import PendingApproval, Settlement
+from egressd.audit.records import rfc3339
 from egressd.config.allowfile import Approved, LastingError
 from egressd.control.api import Lasting
-from egressd.fleet.rules import FleetRules, Revocation, Rule
+from egressd.fleet.rules import Denial, FleetRules, Revocation, Rule
+from egressd.proxy.core.runs import Run, RunRegistry
+from egressd.vocabulary.reasons import Answer
 
 from .errors import StartupError
 
@@ -42,8 +53,10 @@ RETRY_S = 1.0
 class FleetLasting:
     """The fleet's rules as this instance sees them: read, plus what its outbox has not written yet."""
 
-    def __init__(self, dsn: str, instance: str) -> None:
+    def __init__(self, dsn: str, instance: str, *, share_denials: str = "run", group: str = "default") -> None:
         self.instance = instance
+        self.share_denials = share_denials  # run: denials stay with their run; task or group: shared that far
+        self.group = group
         self._rules = FleetRules(dsn, self._wake)
         self._stored: list[Rule] = []  # as last read from the database
         self._outbox: deque[Rule | Revocation] = deque()
@@ -51,6 +64,9 @@ class FleetLasting:
         self._task: asyncio.Task[None] | None = None
         self._failing = False
         self._applied: frozenset[str] = frozenset()
+        self._denials: list[Denial] = []  # the standing shared denials of this instance's reach, as last read
+        self._denied: set[str] = set()  # those applied to the live runs (by approval)
+        self._runs: RunRegistry | None = None
         # Set by the service once it serves: apply the running policy again; take entries back from the live runs.
         self.apply: Callable[[], object] = lambda: None
         self.take_back: Callable[[Sequence[str]], None] = lambda _entries: None
@@ -60,11 +76,61 @@ class FleetLasting:
         try:
             await self._rules.open()
             self._stored = await self._rules.standing()
+            self._denials = self._mine(await self._rules.denials())
         except Exception as exc:  # noqa: BLE001 (asyncpg's errors are many; each one means "not usable")
             await self._rules.close()
             raise StartupError(f"bad setting state: the fleet's rules: {exc}") from None
         self._applied = frozenset(self.entries())
         self._task = asyncio.get_running_loop().create_task(self._follow(), name="fleet rules")
+
+    def attach(self, runs: RunRegistry) -> None:
+        """Deny what the fleet's shared denials cover to ``runs``' live runs now, and to each run as it starts."""
+        self._runs = runs
+        runs.joined.append(self._deny_to)
+        self._apply_denials()
+
+    def _mine(self, denials: Sequence[Denial]) -> list[Denial]:
+        if self.share_denials == "group":
+            return [d for d in denials if d.reach == "group" and d.key == self.group]
+        return [d for d in denials if d.reach == self.share_denials]
+
+    def _covers(self, denial: Denial, run: Run) -> bool:
+        return denial.reach == "group" or run.task == denial.key
+
+    def _deny_to(self, run: Run) -> None:
+        for denial in self._denials:
+            if self._covers(denial, run):
+                run.deny_host(denial.host)
+
+    def _apply_denials(self) -> None:
+        fresh = [d for d in self._denials if d.approval not in self._denied]
+        if self._runs is None or not fresh:
+            return
+        for denial in fresh:
+            self._denied.add(denial.approval)
+            covered = [run.id for run in self._runs if self._covers(denial, run)]
+            for run_id in covered:
+                run = self._runs.get(run_id)
+                if run is not None:
+                    run.deny_host(denial.host)
+            log.info("fleet: %s denied by %s (%s %s, approval %s) for runs here: %s", denial.host,
+                     denial.by or "someone", denial.reach, denial.key, denial.approval,
+                     ", ".join(covered) or "none live now")  # fmt: skip
+
+    async def share(self, approval: PendingApproval, settlement: Settlement) -> None:
+        """A person's denial of ``approval``, held here, written for the task or group (share_denials)."""
+        request = approval.request
+        key = self.group if self.share_denials == "group" else request.task
+        if settlement.answer is not Answer.DENY or self.share_denials == "run" or not key:
+            return
+        denial = Denial(approval=approval.id, reach=self.share_denials, key=key, host=request.host,
+                        at=rfc3339(settlement.at), instance=self.instance, run=request.run_id, by=settlement.by,
+                        channel=settlement.channel)  # fmt: skip
+        try:
+            await self._rules.deny(denial)
+        except Exception as exc:  # noqa: BLE001 (asyncpg's errors are many; each one means "not shared")
+            log.warning("fleet: the denial of %s (approval %s) stays with its run: the fleet's database: %s",
+                        request.host, approval.id, exc)  # fmt: skip
 
     def entries(self) -> tuple[str, ...]:
         """The standing entries, each once, in the order they were kept."""
@@ -103,6 +169,7 @@ class FleetLasting:
 
     def _changed(self) -> None:
         """Apply the standing entries here when they changed; take a revoked one back from the live runs."""
+        self._apply_denials()
         now = frozenset(self.entries())
         gone = sorted(self._applied - now)
         if now == self._applied:
@@ -128,6 +195,7 @@ class FleetLasting:
                 await self._rules.listen()  # again, if the connection dropped
                 await self._flush()
                 self._stored = await self._rules.standing()
+                self._denials = self._mine(await self._rules.denials())
             except Exception as exc:  # noqa: BLE001 (asyncpg's errors are many; every one means "not now")
                 if not self._failing:
                     log.warning("fleet: the state database is unreachable (%s): always answers here are for the "

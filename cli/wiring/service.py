@@ -162,8 +162,8 @@ def approver_from_settings(
     """The approver the settings name (a broker is not started yet); StartupError naming a bad setting."""
     try:
         return _approvals_from_settings(settings, audit=audit, terminal_output=terminal_output,
-                                        fleet_instance=fleet_instance,
-                                        keep=keep.keep if keep is not None else None)  # fmt: skip
+                                        fleet_instance=fleet_instance, keep=keep.keep if keep is not None else None,
+                                        share_denial=keep.share if keep is not None else None)  # fmt: skip
     except SetupError as exc:
         raise StartupError(str(exc)) from None
 
@@ -375,7 +375,8 @@ class EgressService:
     async def _start(self) -> None:
         s = self.settings
         if self._fleet_instance is not None and s.state is not None:
-            self._fleet_rules = FleetLasting(s.state.get_secret_value(), self._fleet_instance)
+            self._fleet_rules = FleetLasting(s.state.get_secret_value(), self._fleet_instance,
+                                             share_denials=s.share_denials, group=s.group)  # fmt: skip
             await self._fleet_rules.open()  # the standing rules are part of the first policy
             self._stack.push_async_callback(self._fleet_rules.close)
         allow, deny = self._entries(s)
@@ -455,6 +456,8 @@ class EgressService:
             )
         # The operator's deny entries apply to the runs created through the control API too.
         self.runs = RunRegistry(default=default, learn=s.learn, global_deny=deny)
+        if self._fleet_rules is not None:
+            self._fleet_rules.attach(self.runs)
 
         limits = listener_limits(s, share=self._processes)
         self.proxy = Listener(path=self.path, runs=self.runs, limits=limits, mode=EXPLICIT)

@@ -6,10 +6,10 @@
 # See also: https://github.com/scop/bash-completion/blob/main/doc/configuration.md
 
 _shtab_egressd_audit_subparsers=(verify suggest)
-_shtab_egressd_state_subparsers=(migrate status)
+_shtab_egressd_state_subparsers=(migrate status denials lift)
 _shtab_egressd_subparsers=(serve audit run agent pending allow deny policy state doctor)
 
-_shtab_egressd_serve_option_strings=(-h --help --config --listen --control --control-token --allow --deny --preset --allow-file --allow-private --secret --inspect-origin-ca-file --approver --approval-timeout --max-pending-approvals --max-approvals-per-run --webhook-url --webhook-secret --webhook-callback-secret --public-url --slack-bot-token --slack-app-token --slack-signing-secret --slack-channel --slack-approvers --slack-api-url --upstream-dns --dns-listen --dns-answer --dns-answer6 --dns-strict --transparent-tls --transparent-http --socks --audit-log --audit-max-bytes --audit-keep --max-head-bytes --head-timeout-s --connect-timeout-s --upload-budget-mb --request-body-cap-mb --idle-timeout-s --workers --max-connections --max-connections-per-run --max-refusal-records --refusal-interval-s --state --log-level --log-format --control-token-file --slack-bot-token-file --slack-app-token-file --slack-signing-secret-file --webhook-secret-file --webhook-callback-secret-file --state-file --no-ask --require-auth --web-inbox --no-web-inbox --no-splice --learn)
+_shtab_egressd_serve_option_strings=(-h --help --config --listen --control --control-token --allow --deny --preset --allow-file --allow-private --secret --inspect-origin-ca-file --approver --approval-timeout --max-pending-approvals --max-approvals-per-run --webhook-url --webhook-secret --webhook-callback-secret --public-url --slack-bot-token --slack-app-token --slack-signing-secret --slack-channel --slack-approvers --slack-api-url --upstream-dns --dns-listen --dns-answer --dns-answer6 --dns-strict --transparent-tls --transparent-http --socks --audit-log --audit-max-bytes --audit-keep --max-head-bytes --head-timeout-s --connect-timeout-s --upload-budget-mb --request-body-cap-mb --idle-timeout-s --workers --max-connections --max-connections-per-run --max-refusal-records --refusal-interval-s --state --share-denials --group --log-level --log-format --control-token-file --slack-bot-token-file --slack-app-token-file --slack-signing-secret-file --webhook-secret-file --webhook-callback-secret-file --state-file --no-ask --require-auth --web-inbox --no-web-inbox --no-splice --learn)
 _shtab_egressd_audit_verify_option_strings=(-h --help --config --audit-log --head)
 _shtab_egressd_audit_suggest_option_strings=(-h --help --config --audit-log --run --include-dns)
 _shtab_egressd_audit_option_strings=(-h --help --config --audit-log --run --decision --host --since --follow -f --json)
@@ -21,6 +21,8 @@ _shtab_egressd_deny_option_strings=(-h --help --config --control --control-token
 _shtab_egressd_policy_option_strings=(-h --help --config --control --control-token --control-token-file --allow --deny --remove-allow --remove-deny --revoke)
 _shtab_egressd_state_migrate_option_strings=(-h --help --config --state --state-file)
 _shtab_egressd_state_status_option_strings=(-h --help --config --state --state-file)
+_shtab_egressd_state_denials_option_strings=(-h --help --config --state --state-file)
+_shtab_egressd_state_lift_option_strings=(-h --help --by --config --state --state-file)
 _shtab_egressd_state_option_strings=(-h --help)
 _shtab_egressd_doctor_option_strings=(-h --help --clean)
 _shtab_egressd_option_strings=(-h --help --version)
@@ -28,6 +30,7 @@ _shtab_egressd_option_strings=(-h --help --version)
 
 
 _shtab_egressd_serve___approver_choices=(terminal slack webhook web deny)
+_shtab_egressd_serve___share_denials_choices=(run task group)
 _shtab_egressd_serve___log_level_choices=(debug info warning error)
 _shtab_egressd_serve___log_format_choices=(text json)
 _shtab_egressd_audit_pos_0_choices=(verify suggest)
@@ -41,7 +44,7 @@ _shtab_egressd_agent___log_level_choices=(debug info warning error)
 _shtab_egressd_agent___log_format_choices=(text json)
 _shtab_egressd_agent___backend_choices=(bwrap docker)
 _shtab_egressd_allow___scope_choices=(once run always)
-_shtab_egressd_state_pos_0_choices=(migrate status)
+_shtab_egressd_state_pos_0_choices=(migrate status denials lift)
 _shtab_egressd_pos_0_choices=(serve audit run agent pending allow deny policy state doctor)
 
 _shtab_egressd_serve__h_nargs=0
@@ -94,6 +97,11 @@ _shtab_egressd_state_migrate__h_nargs=0
 _shtab_egressd_state_migrate___help_nargs=0
 _shtab_egressd_state_status__h_nargs=0
 _shtab_egressd_state_status___help_nargs=0
+_shtab_egressd_state_denials__h_nargs=0
+_shtab_egressd_state_denials___help_nargs=0
+_shtab_egressd_state_lift_pos_0_nargs=+
+_shtab_egressd_state_lift__h_nargs=0
+_shtab_egressd_state_lift___help_nargs=0
 _shtab_egressd_state_pos_0_nargs=A...
 _shtab_egressd_state__h_nargs=0
 _shtab_egressd_state___help_nargs=0

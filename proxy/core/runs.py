@@ -515,6 +515,8 @@ class RunRegistry:
         if default is not None:
             self._runs[default.id] = default
         self._watch: Callable[[], None] | None = None
+        # Called with each run ``create`` made (a fleet's shared denials reach it as it starts).
+        self.joined: list[Callable[[Run], None]] = []
 
     @property
     def watch(self) -> Callable[[], None] | None:
@@ -575,6 +577,8 @@ class RunRegistry:
             started=started,
         )
         self.add(run)
+        for callback in self.joined:
+            callback(run)
         return run
 
     def add(self, run: Run) -> None:

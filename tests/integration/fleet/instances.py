@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -99,9 +100,16 @@ async def drain(stream: asyncio.StreamReader, said: list[str]) -> None:
         said.append(line.decode(errors="replace"))
 
 
-async def connect(port: int, target: str) -> tuple[int, dict[str, str], asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect(
+    port: int, target: str, run: dict[str, object] | None = None
+) -> tuple[int, dict[str, str], asyncio.StreamReader, asyncio.StreamWriter]:
+    """A CONNECT to ``target`` (for ``run``, as ``POST /runs`` made it, when given): the status and headers."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+    auth = ""
+    if run is not None:
+        creds = base64.b64encode(f"{run['id']}:{run['token']}".encode()).decode()
+        auth = f"Proxy-Authorization: Basic {creds}\r\n"
+    writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n".encode())
     await writer.drain()
     # Held for as long as a person takes (read_response gives a head 5 s): the head, then the rest.
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
