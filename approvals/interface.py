@@ -304,6 +304,11 @@ class Elsewhere(Protocol):
         """(run id, the approval as the control API lists it) of each open approval held elsewhere."""
         ...
 
+    async def runs(self) -> Sequence[tuple[str, dict[str, Any]]]:
+        """(instance, the run as ``GET /runs`` lists it) of each live run of the other instances; empty when
+        that cannot be known now."""
+        ...
+
     async def run_of(self, approval_id: str) -> str | None:
         """The run of an approval held elsewhere, open or settled; None when no other instance holds it.
         ``ChannelError`` when that cannot be known now (the database is gone)."""

@@ -109,7 +109,7 @@ from .interface import (
     settled_text,
 )
 from .message import ABANDONED_TEXT
-from .webanswer import answer_elsewhere, answer_flash, waiting_elsewhere
+from .webanswer import answer_elsewhere, answer_flash, runs_elsewhere, waiting_elsewhere
 from .webcontrol import CONTROL_VIEW, Bound, RevokeError
 from .webpage import (
     CHANGE_SITES,
@@ -437,7 +437,7 @@ class WebChannel:
         body = page_html(
             session=session,
             approvals=approvals,
-            runs=view.runs(scope),
+            runs=view.runs(scope) + await runs_elsewhere(self.elsewhere, scope),
             tail=view.recent(scope, TAIL_BACKLOG),
             now=self._clock(),
             flash=flash,
@@ -628,7 +628,7 @@ class WebChannel:
             for row in bound.recent(scope, TAIL_BACKLOG):
                 await response.write(_frame("egress", row))
             await response.write(_frame("history", self.history(scope)))
-            runs, always = bound.runs(scope), bound.always(scope)
+            runs, always = bound.runs(scope) + await runs_elsewhere(self.elsewhere, scope), bound.always(scope)
             await response.write(_frame("runs", runs))
             if always is not None:
                 await response.write(_frame("always", always))
@@ -665,7 +665,8 @@ class WebChannel:
                 for gone in sorted(shown - waiting):
                     shown.discard(gone)
                     await response.write(_frame("settled", {"id": gone, "text": NO_LONGER_WAITING}))
-                now_runs, now_always = bound.runs(scope), bound.always(scope)
+                now_runs = bound.runs(scope) + await runs_elsewhere(self.elsewhere, scope)
+                now_always = bound.always(scope)
                 if now_runs != runs:
                     runs = now_runs
                     await response.write(_frame("runs", runs))

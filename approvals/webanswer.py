@@ -7,6 +7,7 @@ from typing import Any
 
 from .control import Scope
 from .interface import Answered, AnswerResult, ApprovalScope, ChannelError, Choice, Elsewhere, settled_text
+from .webview import run_row, shown
 
 
 def answer_flash(answered: Answered, choice: Choice, scope: ApprovalScope, shown_id: str, what: str) -> str:
@@ -43,6 +44,14 @@ async def waiting_elsewhere(elsewhere: Elsewhere | None, scope: Scope) -> list[d
         return []
     shown = (remote_event(listing, scope) for run, listing in await elsewhere.listed() if scope.covers(run))
     return [event for event in shown if event is not None]
+
+
+async def runs_elsewhere(elsewhere: Elsewhere | None, scope: Scope) -> list[dict[str, Any]]:
+    """The other instances' live runs, as the page's runs table shows them, with their ``instance``; for a
+    session of the global token only (a run's session sees its own run)."""
+    if elsewhere is None or not scope.outlives_runs:
+        return []
+    return [run_row(run) | {"instance": shown(instance)} for instance, run in await elsewhere.runs()]
 
 
 async def answer_elsewhere(

@@ -261,16 +261,24 @@ def _entries(values: Iterable[object] | None, revoke: tuple[str, str] | None = N
     return "".join(f'<span class="entry"><code>{esc(v)}</code>{revoke_form(csrf, str(v), run)}</span>' for v in items)
 
 
+def _on(run: Mapping[str, Any]) -> str:
+    """Where a run of another instance of the fleet lives, after its id."""
+    return f' <span class="instance">on {esc(run["instance"])}</span>' if run.get("instance") else ""
+
+
+def _revoking(run: Mapping[str, Any], column: str, csrf: str) -> tuple[str, str] | None:
+    """A cell's Revoke buttons: the approved hosts of this instance's own runs, for a session that may."""
+    return (csrf, str(run["id"])) if column == "approved" and csrf and not run.get("instance") else None
+
+
 def runs_html(runs: Sequence[Mapping[str, Any]], csrf: str = "") -> str:
     if not runs:
         return '<p class="none">No run is live.</p>'
+    # A fleet's other instances' runs (``instance``) are shown, not revoked here: they are theirs.
     rows = "".join(
-        f'<tr data-run="{esc(r["id"])}"><td>{esc(r["id"])}</td><td>{esc(r.get("task") or "")}</td>'
+        f'<tr data-run="{esc(r["id"])}"><td>{esc(r["id"])}{_on(r)}</td><td>{esc(r.get("task") or "")}</td>'
         f"<td>{esc(r.get('command') or '')}</td>"
-        + "".join(
-            f"<td>{_entries(r.get(name), (csrf, str(r['id'])) if name == 'approved' and csrf else None)}</td>"
-            for name in LIST_COLUMNS
-        )
+        + "".join(f"<td>{_entries(r.get(name), _revoking(r, name, csrf))}</td>" for name in LIST_COLUMNS)
         + "</tr>"
         for r in runs
     )

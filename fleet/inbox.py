@@ -181,6 +181,15 @@ class FleetInbox:
         )  # fmt: skip
         return [Listed(row["id"], row["instance"], row["run"], json.loads(row["listing"])) for row in rows]
 
+    async def runs_elsewhere(self) -> list[tuple[str, dict[str, Any]]]:
+        """(instance, run) of the other serving instances' live runs, as their last heartbeat listed them."""
+        rows = await self._pool.fetch(
+            "SELECT id, runs FROM egressd_instances WHERE id <> $1 AND stopped_at IS NULL "
+            "AND heartbeat_at >= now() - $2::interval ORDER BY started_at, id",
+            self.instance, timedelta(seconds=SILENT_S),
+        )  # fmt: skip
+        return [(row["id"], run) for row in rows for run in json.loads(row["runs"]) if isinstance(run, dict)]
+
     async def find(self, approval: str) -> tuple[Listed, dict[str, Any] | None] | None:
         """Another instance's approval by id: (it, how it was settled or None while open); None if unknown."""
         row = await self._pool.fetchrow(

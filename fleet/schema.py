@@ -132,6 +132,9 @@ MIGRATIONS: tuple[Migration, ...] = (
             )
             """,
             "CREATE INDEX egressd_denials_standing ON egressd_denials (denied_at) WHERE lifted_at IS NULL",
+            # Each instance's live runs as its last heartbeat listed them (``GET /runs``' fields, no token):
+            # what the approvals page of any instance shows as the fleet's runs.
+            "ALTER TABLE egressd_instances ADD COLUMN runs jsonb NOT NULL DEFAULT '[]'::jsonb",
         ),
     ),
 )

@@ -7,7 +7,8 @@ says what to do and never holds the password (the URI is shown by
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -36,6 +37,7 @@ class InstanceRow:
     started_at: datetime
     heartbeat_at: datetime
     stopped_at: datetime | None
+    runs: list[dict[str, Any]] = field(default_factory=list)  # its live runs at its last heartbeat
 
 
 def asyncpg_module() -> Any:
@@ -131,24 +133,31 @@ class Store:
             instance.id, instance.host, instance.pid, instance.egressd_version, instance.serving,
         )  # fmt: skip
 
-    async def heartbeat(self, instance_id: str) -> None:
-        await self._db.execute("UPDATE egressd_instances SET heartbeat_at = now() WHERE id = $1", instance_id)
+    async def heartbeat(self, instance_id: str, runs: list[dict[str, Any]] | None = None) -> None:
+        """Alive now; with ``runs``, its live runs as they are now (each as ``GET /runs`` lists it)."""
+        if runs is None:
+            await self._db.execute("UPDATE egressd_instances SET heartbeat_at = now() WHERE id = $1", instance_id)
+        else:
+            await self._db.execute("UPDATE egressd_instances SET heartbeat_at = now(), runs = $2 WHERE id = $1",
+                                   instance_id, json.dumps(runs))  # fmt: skip
 
     async def stopped(self, instance_id: str) -> None:
         await self._db.execute(
-            "UPDATE egressd_instances SET stopped_at = now(), heartbeat_at = now() WHERE id = $1", instance_id
+            "UPDATE egressd_instances SET stopped_at = now(), heartbeat_at = now(), runs = '[]' WHERE id = $1",
+            instance_id,
         )
 
-    async def instances(self) -> list[InstanceRow]:
-        """Every instance ever registered, the latest started first."""
+    async def instances(self, *, with_runs: bool = True) -> list[InstanceRow]:
+        """Every instance ever registered, the latest started first (``with_runs``: schema version 3 on)."""
+        runs = "runs" if with_runs else "'[]'::jsonb"
         rows = await self._db.fetch(
-            "SELECT id, host, pid, egressd_version, serving, started_at, heartbeat_at, stopped_at "
-            "FROM egressd_instances ORDER BY started_at DESC, id"
+            "SELECT id, host, pid, egressd_version, serving, started_at, heartbeat_at, stopped_at, "
+            f"{runs} AS runs FROM egressd_instances ORDER BY started_at DESC, id"
         )
         return [
             InstanceRow(
                 Instance(row["id"], row["host"], row["pid"], row["egressd_version"], row["serving"]),
-                row["started_at"], row["heartbeat_at"], row["stopped_at"],
+                row["started_at"], row["heartbeat_at"], row["stopped_at"], json.loads(row["runs"]),
             )  # fmt: skip
             for row in rows
         ]

@@ -273,8 +273,11 @@
     for (const r of runs) {
       const row = el("tr");
       row.dataset.run = r.id;
-      row.append(el("td", null, r.id), el("td", null, r.task || ""), el("td", null, r.command || ""),
-        entries(r.allow), entries(r.approved, r.id), entries(r.denied), entries(r.deny));
+      // A run of another instance of the fleet: where it lives, and no Revoke (it is that instance's).
+      const id = el("td", null, r.id);
+      if (r.instance) id.append(" ", el("span", "instance", "on " + r.instance));
+      row.append(id, el("td", null, r.task || ""), el("td", null, r.command || ""),
+        entries(r.allow), entries(r.approved, r.instance ? undefined : r.id), entries(r.denied), entries(r.deny));
       body.appendChild(row);
     }
     runsBox.appendChild(table);

@@ -68,6 +68,8 @@ async def serve(settings: Settings, open_files: tuple[int, int], read: Callable[
     host, port = service.proxy_address
     if fleet is not None:
         try:
+            registry = service.runs
+            fleet.runs = lambda: [run.describe() for run in registry or ()]
             instance = await fleet.join(f"proxy {host}:{port}, control {service.control_address}")
         except StartupError:
             await service.close()

@@ -12,6 +12,7 @@ from egressd.config.settings import Settings
 from egressd.fleet.rules import DENIAL_HOURS, FleetRules
 from egressd.fleet.schema import LATEST
 from egressd.fleet.store import InstanceRow, StateError, Store
+from egressd.names.shown import logged
 
 from ..wiring.fleet import HEARTBEAT_S
 
@@ -51,7 +52,7 @@ async def _status(dsn: str) -> int:
     store = await Store.open(dsn)
     try:
         current = await store.version()
-        rows = await store.instances() if current >= 1 else []
+        rows = await store.instances(with_runs=current >= 3) if current >= 1 else []
     finally:
         await store.close()
     verdict = (
@@ -67,7 +68,8 @@ async def _status(dsn: str) -> int:
 
 
 def describe(rows: list[InstanceRow], now: datetime) -> list[str]:
-    """The instances, one line each: serving (a heartbeat within three beats), silent, or stopped."""
+    """The instances, one line each: serving (a heartbeat within three beats), silent, or stopped; under a
+    serving one, its live runs at its last heartbeat."""
     if not rows:
         return ["no instances"]
     lines = [f"{len(rows)} instance{'s' if len(rows) != 1 else ''}:"]
@@ -81,6 +83,11 @@ def describe(rows: list[InstanceRow], now: datetime) -> list[str]:
         else:
             state = f"SILENT for {beat:.0f}s (gone without stopping?)"
         lines.append(f"  {i.id}  {i.host} pid {i.pid}  egressd {i.egressd_version}  {i.serving}  {state}")
+        if row.stopped_at is None and beat <= 3 * HEARTBEAT_S:
+            for run in row.runs:
+                task = f"  task {logged(str(run['task']), 80)}" if run.get("task") else ""
+                command = f"  running {logged(str(run['command']), 80)}" if run.get("command") else ""
+                lines.append(f"    run {logged(str(run.get('id')), 40)}{task}{command}")
     return lines
 
 

@@ -16,8 +16,11 @@ import logging
 import os
 import secrets
 import socket
+from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
+from egressd.approvals.webview import RUN_FIELDS
 from egressd.config.settings import Settings
 from egressd.fleet.store import Instance, StateError, Store
 
@@ -26,6 +29,8 @@ from .errors import StartupError
 log = logging.getLogger("egressd.fleet")
 
 HEARTBEAT_S = 10.0
+# How often the live runs are looked at: a change is written at once, not at the next heartbeat.
+RUNS_S = 1.0
 
 
 def _egressd_version() -> str:
@@ -51,6 +56,9 @@ class FleetPresence:
         self.instance: Instance | None = None
         self._beats: asyncio.Task[None] | None = None
         self._failing = False
+        # This egressd's live runs as the fleet lists them (set once serving); written with each beat.
+        self.runs: Callable[[], list[dict[str, Any]]] = list
+        self._written: list[dict[str, Any]] | None = None
 
     @classmethod
     async def open(cls, settings: Settings) -> FleetPresence | None:
@@ -82,9 +90,22 @@ class FleetPresence:
         return instance
 
     async def _beat(self) -> None:
+        waited = 0.0
         while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            await self._heartbeat()
+            await asyncio.sleep(RUNS_S)
+            waited += RUNS_S
+            # While the database is away, tried again at each heartbeat only.
+            if waited >= HEARTBEAT_S or (not self._failing and self._runs_now() != self._written):
+                waited = 0.0
+                await self._heartbeat()
+
+    def _runs_now(self) -> list[dict[str, Any]] | None:
+        try:
+            # What the fleet is told of each run: the fields the approvals page shows (never a token).
+            return [{name: run.get(name) for name in RUN_FIELDS} for run in self.runs()]
+        except Exception:  # the beat goes on without them; said
+            log.exception("fleet: this egressd's runs could not be listed")
+            return None
 
     async def _heartbeat(self) -> None:
         assert self.instance is not None
@@ -92,8 +113,9 @@ class FleetPresence:
             if self._store is None:
                 self._store = await Store.open(self._dsn)
                 await self._store.register(self.instance)  # listed again: the database may have been restored
-            else:
-                await self._store.heartbeat(self.instance.id)
+            runs = self._runs_now()
+            await self._store.heartbeat(self.instance.id, runs)
+            self._written = runs
         except Exception as exc:  # noqa: BLE001 (asyncpg's errors are many; every one means "not now")
             if not self._failing:
                 log.warning("state database %s: heartbeat failed (%s); trying again every %.0fs", self.shown,

@@ -10,11 +10,14 @@ record says so in its own audit log).
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 from pathlib import Path
 
 from tests.conftest import Listener
 from tests.fakes.dns import FakeDns
-from tests.integration.fleet.instances import Instance, connect, fleet, listed, migrated
+from tests.integration.approvals.webclient import PageClient
+from tests.integration.fleet.instances import EGRESSD, TOKEN, Instance, connect, fleet, listed, migrated, serve
 from tests.postgres import Postgres, running_postgres
 
 
@@ -139,3 +142,37 @@ async def _always_has(instance: Instance, entry: str) -> bool:
 
 async def _always_lacks(instance: Instance, entry: str) -> bool:
     return entry not in await _always(instance)
+
+
+async def test_the_fleets_runs_are_listed_on_any_instances_page_and_by_state_status(
+    tmp_path: Path, dns: FakeDns, dsn: str
+) -> None:
+    async with fleet(tmp_path, dns, dsn, count=1, extra=("--approver", "web")) as (a,), \
+            serve(tmp_path / "b", dns, dsn) as b:  # fmt: skip
+        status, run = await b.control("POST", "/runs", {"task": "build the docs"})
+        assert status == 201, run
+        page = next(line for line in a.said if "approvals page: " in line).split("approvals page: ")[1].split()[0]
+        base, prefix = page.rstrip("/").split("/web", 1)
+        async with PageClient(base, "/web" + prefix) as browser:
+            await browser.sign_in(token=TOKEN)
+
+            async def listed_on_the_page() -> bool:
+                return f"{run['id']} <span class=\"instance\">on {b.id}</span>" in (await browser.get())[2]
+
+            await _until(listed_on_the_page, "B's run on A's page")
+            html = (await browser.get())[2]
+            row = html.split(f'data-run="{run["id"]}"')[1].split("</tr>")[0]
+            assert "build the docs" in row and "Revoke" not in row  # shown, not revoked there: B's own
+            shown = await asyncio.to_thread(
+                subprocess.run, [EGRESSD, "state", "status"], capture_output=True, text=True, timeout=60,
+                env=os.environ | {"EGRESSD_STATE": dsn},
+            )  # fmt: skip
+            assert f"    run {run['id']}  task build the docs" in shown.stdout, shown
+            assert shown.stdout.index(b.id) < shown.stdout.index(f"run {run['id']}"), shown.stdout
+            status, _ = await b.control("DELETE", f"/runs/{run['id']}")
+            assert status in (200, 204)
+
+            async def gone_from_the_page() -> bool:
+                return f'data-run="{run["id"]}"' not in (await browser.get())[2]
+
+            await _until(gone_from_the_page, "B's ended run gone from A's page")
