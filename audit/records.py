@@ -52,12 +52,14 @@ __all__ = [
     "ENDS",
     "EGRESS_KINDS",
     "EGRESS_SUPPRESSED",
+    "FLEET_STATE",
     "POLICY_RELOADED",
     "RUN_CHANGED",
     "RUN_END",
     "RUN_START",
     "new_request_id",
     "rfc3339",
+    "fleet_state_record",
     "policy_reloaded_record",
     "run_changed_record",
     "run_record",
@@ -77,6 +79,8 @@ EGRESS_SUPPRESSED = "egress.suppressed"
 # Not in the design's list: live policy changes (SIGHUP, PATCH /runs/ID).
 POLICY_RELOADED = "policy.reloaded"
 RUN_CHANGED = "run.changed"
+# Not in the design's list: a fleet's database lost and found again (``serve --state``).
+FLEET_STATE = "fleet.state"
 
 # The design fixes these keys and their order; every egress record carries
 # all of them, null when not applicable, so readers never need .get().
@@ -441,6 +445,14 @@ def _edit_lists(value: Mapping[str, Mapping[str, Sequence[str]]] | None) -> dict
             raise RecordError(f"{kind} edits are added and removed, not {', '.join(strange)}")
         lists[kind] = {key: [str(text) for text in part.get(key, ())] for key in ("added", "removed")}
     return lists
+
+
+def fleet_state_record(*, ts: float, instance: str, reachable: bool, error: str | None = None) -> dict[str, object]:
+    """Build the ``fleet.state`` record: this instance lost its fleet's database (``reachable`` false, ``error``
+    why: nothing secret, the URI is never in it) or found it again (``error`` null)."""
+    if reachable == (error is not None):
+        raise RecordError("a fleet.state record has an error exactly when the database is unreachable")
+    return {"event": FLEET_STATE, "ts": rfc3339(ts), "instance": instance, "reachable": reachable, "error": error}
 
 
 def run_changed_record(

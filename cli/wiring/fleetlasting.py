@@ -70,6 +70,8 @@ class FleetLasting:
         # Set by the service once it serves: apply the running policy again; take entries back from the live runs.
         self.apply: Callable[[], object] = lambda: None
         self.take_back: Callable[[Sequence[str]], None] = lambda _entries: None
+        # Told when the database is lost (with why) and found again (None): a record in the audit log.
+        self.state_changed: Callable[[str | None], None] = lambda _error: None
 
     async def open(self) -> None:
         """Read the standing rules (before the policy is made) and follow them; StartupError."""
@@ -200,12 +202,20 @@ class FleetLasting:
                 if not self._failing:
                     log.warning("fleet: the state database is unreachable (%s): always answers here are for the "
                                 "run only, and revocations are refused, until it is back", exc)  # fmt: skip
+                    self._tell((str(exc) or type(exc).__name__)[:300])
                 self._failing = True
                 continue
             if self._failing:
                 log.warning("fleet: the state database is back: the fleet's rules are followed again")
                 self._failing = False
+                self._tell(None)
             self._changed()
+
+    def _tell(self, error: str | None) -> None:
+        try:
+            self.state_changed(error)
+        except Exception:  # said; the loop goes on
+            log.exception("fleet: the database's state could not be recorded")
 
     async def _flush(self) -> None:
         while self._outbox:

@@ -32,7 +32,7 @@ from egressd.approvals.assembly import web_inbox
 from egressd.approvals.commandoutput import TerminalOutput
 from egressd.approvals.interface import Approver, ManagedApprover, SetupError
 from egressd.audit.log import STDOUT, AuditError, AuditSink, JsonlAuditSink
-from egressd.audit.records import policy_reloaded_record, run_record
+from egressd.audit.records import fleet_state_record, policy_reloaded_record, run_record
 from egressd.audit.shared import SharedChain
 from egressd.config.allowfile import AllowFileError, read_allow_file
 from egressd.config.presets import UnknownPreset, preset_entries
@@ -639,6 +639,9 @@ class EgressService:
             return in_file
         self._fleet_rules.apply = lambda: self.reload(self.settings)
         self._fleet_rules.take_back = self._take_back
+        instance = self._fleet_rules.instance
+        self._fleet_rules.state_changed = lambda error: self._write_run_record(fleet_state_record(
+            ts=time.time(), instance=instance, reachable=error is None, error=error))  # fmt: skip
         return self._fleet_rules.lasting(in_file)
 
     async def close(self, grace_s: float | None = None) -> None:

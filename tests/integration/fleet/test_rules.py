@@ -128,6 +128,10 @@ async def test_with_the_database_gone_always_is_for_the_run_only_and_a_revoke_is
             await asyncio.to_thread(own.start)
             await _until(lambda: _said(a, "the fleet's rules are followed again"), "the database back on a")
             assert await _always(a) == [standing] and await _always(b) == [standing]
+            # The outage and the recovery are in the audit log, once each, and the database's URI is not.
+            states = [(r["reachable"], r["instance"]) for r in a.records("fleet.state")]
+            assert states == [(False, a.id), (True, a.id)], states
+            assert a.records("fleet.state")[0]["error"] and dsn not in a.log.read_text()
         rows = own.psql("SELECT entry FROM egressd_rules WHERE revoked_at IS NULL", "rules")
         assert rows.split() == [standing], rows
 
