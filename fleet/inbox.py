@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from .store import StateError, asyncpg_module
+from .store import StateError, asyncpg_module, close_quietly
 
 ANSWERS = "egressd_answers"  # payload: "HOLDER SEQ"
 # An instance without a heartbeat for this long is not listed as holding anything (three 10 s beats).
@@ -109,14 +109,8 @@ class FleetInbox:
                 waiting.set_result(None)
 
     async def close(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(Exception):
-                await listener.close()
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(pool.close(), 5)
+        listener, self._listener, pool, self._pool = self._listener, None, self._pool, None
+        await close_quietly(listener, pool)
 
     # -- the holder ---------------------------------------------------------------
 

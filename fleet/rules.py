@@ -15,12 +15,11 @@ Values cross as plain fields; this module knows rows, not policies.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .store import StateError, asyncpg_module
+from .store import StateError, asyncpg_module, close_quietly
 
 RULES = "egressd_rules"  # payload: what changed ("kept", "revoked", "denied" or "lifted")
 # How long a shared denial stands: a denial for a run ends with it; one shared with a task or group needs an end.
@@ -100,14 +99,8 @@ class FleetRules:
             self._on_change()
 
     async def close(self) -> None:
-        listener, self._listener = self._listener, None
-        if listener is not None:
-            with contextlib.suppress(Exception):
-                await listener.close()
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            with contextlib.suppress(Exception):
-                await pool.close()
+        listener, self._listener, pool, self._pool = self._listener, None, self._pool, None
+        await close_quietly(listener, pool)
 
     async def standing(self) -> list[Rule]:
         """Every rule no revocation took back, oldest first."""

@@ -7,6 +7,8 @@ says what to do and never holds the password (the URI is shown by
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -38,6 +40,17 @@ class InstanceRow:
     heartbeat_at: datetime
     stopped_at: datetime | None
     runs: list[dict[str, Any]] = field(default_factory=list)  # its live runs at its last heartbeat
+
+
+async def close_quietly(listener: Any, pool: Any) -> None:
+    """Close a listening connection and a pool (either may be None); an error closing them is no one's concern,
+    and a pool gets 5 s to give its connections back."""
+    if listener is not None:
+        with contextlib.suppress(Exception):
+            await listener.close()
+    if pool is not None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(pool.close(), 5)
 
 
 def asyncpg_module() -> Any:

@@ -30,9 +30,9 @@ import yaml
 from egressd.cli.main import build_parser
 from egressd.config.settings import Settings, read_config_file
 from tests import REPO
-from tests.harness import require, wait_serve_ports
+from tests.harness import wait_serve_ports
 from tests.postgres import Postgres
-from tests.project.test_kubernetes import KUBERNETES_VERSION, _offline
+from tests.project.test_kubernetes import validated
 
 BASE = REPO / "deploy" / "kubernetes"
 FLEET = BASE / "fleet"
@@ -78,17 +78,9 @@ def _sidecar_args() -> list[str]:
 
 
 def test_every_resource_and_the_patched_sidecars_pass_strict_validation(tmp_path: Path) -> None:
-    validate = BIN / "kubernetes-validate"
-    require(validate.exists(), "kubernetes-validate is not installed (pip install -e '.[test]')")
     patched = tmp_path / "deployment.yaml"
     patched.write_text(yaml.safe_dump(_patched_sidecars()))
-    files = [str(FLEET / name) for name in RESOURCES] + [str(patched)]
-    result = subprocess.run(
-        _offline([str(validate), "--strict", "--kubernetes-version", KUBERNETES_VERSION, *files]),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("passed") == len(files), result.stdout
+    validated([str(FLEET / name) for name in RESOURCES] + [str(patched)])
 
 
 def test_the_kustomization_lists_every_file_and_patches_the_sidecar_deployment() -> None:
