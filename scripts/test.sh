@@ -59,25 +59,47 @@ if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
 else
     echo "test.sh: no Docker Engine answers here: the Docker tests will say so" >&2
 fi
-# Both passes run whatever the first one says (a failure in one must not hide
-# the other's); the script fails if either did.
+# Every pass runs whatever the others say (a failure in one must not hide
+# another's); the script fails if any did.
 status=0
-.venv/bin/python -m pytest -q -p no:cacheprovider "$@" || status=$?
-# The proxy's tests once more on uvloop, the loop `egressd serve` runs on
-# (the two loops' transports buffer, pause and call back differently).
-if [ $# -eq 0 ]; then
+failed() { local rc=$1; [ "$status" -ne 0 ] || status=$rc; }
+beside_log=$(mktemp)
+trap 'rm -f "$beside_log"' EXIT
+# A pass in the background, its output kept for after the foreground pass's (two pytest
+# processes share the machine: each takes a loopback /24 of its own, tests/harness.py, and
+# the sandbox tests spend most of their time waiting on bubblewrap and Docker).
+beside() { "$@" >"$beside_log" 2>&1; }
+shown_beside() {
+    local rc=0
+    wait "$1" || rc=$?
+    echo "test.sh: the pass run beside it: $2 (exit $rc)" >&2
+    cat "$beside_log"
+    [ "$rc" -eq 0 ] || failed "$rc"
+}
+if [ $# -gt 0 ]; then
+    .venv/bin/python -m pytest -q -p no:cacheprovider "$@" || failed $?
+else
+    beside .venv/bin/python -m pytest -q -p no:cacheprovider tests/integration/sandbox tests/conformance &
+    sandboxes=$!
+    .venv/bin/python -m pytest -q -p no:cacheprovider --ignore=tests/integration/sandbox \
+        --ignore=tests/conformance || failed $?
+    shown_beside "$sandboxes" "tests/integration/sandbox and tests/conformance"
+    # The audit log's tests once more on the Python audit line (the first passes write with the
+    # compiled one, which CI builds): the fallback a machine without cargo gets is tested too.
+    beside env EGRESSD_NATIVE=0 .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/test_audit_*.py \
+        tests/integration/audit tests/integration/proxy/test_write_ahead.py &
+    python_line=$!
+    # The proxy's tests once more on uvloop, the loop `egressd serve` runs on
+    # (the two loops' transports buffer, pause and call back differently).
     proxy=tests/integration/proxy
     EGRESSD_TEST_LOOP=uvloop .venv/bin/python -m pytest -q -p no:cacheprovider \
         "$proxy"/test_{proxy,transparent,attacks,control,dnsserver,own_addresses,policy_edges,ech}.py \
         "$proxy"/test_{body_idle,run_tokens,write_ahead,faults,flood_attacks,abandoned,precision,socks,learn,live_policy,resolver}.py \
         "$proxy"/test_{inspection,inspection_ways,tlslayer,upload_budget,websocket,splice}.py \
-        tests/integration/approvals/test_approvals_e2e.py tests/unit/test_exchange.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
-    # The audit log's tests once more on the Python audit line (the first passes write with the
-    # compiled one, which CI builds): the fallback a machine without cargo gets is tested too.
-    EGRESSD_NATIVE=0 .venv/bin/python -m pytest -q -p no:cacheprovider tests/unit/test_audit_*.py \
-        tests/integration/audit tests/integration/proxy/test_write_ahead.py || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+        tests/integration/approvals/test_approvals_e2e.py tests/unit/test_exchange.py || failed $?
+    shown_beside "$python_line" "the audit tests on the Python audit line"
 fi
 if [ "$status" -ne 0 ]; then
-    echo "test.sh: a test pass failed (exit $status); both passes ran, see above" >&2
+    echo "test.sh: a test pass failed (exit $status); every pass ran, see above" >&2
 fi
 exit "$status"
