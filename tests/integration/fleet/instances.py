@@ -109,10 +109,14 @@ async def connect(
     if run is not None:
         creds = base64.b64encode(f"{run['id']}:{run['token']}".encode()).decode()
         auth = f"Proxy-Authorization: Basic {creds}\r\n"
-    writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n".encode())
-    await writer.drain()
-    # Held for as long as a person takes (read_response gives a head 5 s): the head, then the rest.
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+    try:
+        writer.write(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n{auth}\r\n".encode())
+        await writer.drain()
+        # Held for as long as a person takes (read_response gives a head 5 s): the head, then the rest.
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+    except BaseException:  # cancelled, or no answer: the connection is not left for the collector
+        writer.close()
+        raise
     lines = head.decode("latin-1").split("\r\n")
     headers = {name.strip().lower(): value.strip() for name, _, value in (line.partition(":") for line in lines[1:])}
     return int(lines[0].split(" ")[1]), headers, reader, writer
@@ -124,6 +128,16 @@ async def migrated(dsn: str) -> None:
         await store.migrate()
     finally:
         await store.close()
+
+
+async def settled_everywhere(*instances: Instance) -> None:
+    """Until none of ``instances`` lists an open approval: a holder writes a settlement to the database just
+    after deciding, so another instance may list it for a moment longer."""
+    for _ in range(150):
+        if not any([await i.pending() for i in instances]):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"still listed: {[await i.pending() for i in instances]}")
 
 
 async def listed(instance: Instance, holder: Instance | None = None) -> dict[str, object]:

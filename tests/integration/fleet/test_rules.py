@@ -17,7 +17,17 @@ from pathlib import Path
 from tests.conftest import Listener
 from tests.fakes.dns import FakeDns
 from tests.integration.approvals.webclient import PageClient
-from tests.integration.fleet.instances import EGRESSD, TOKEN, Instance, connect, fleet, listed, migrated, serve
+from tests.integration.fleet.instances import (
+    EGRESSD,
+    TOKEN,
+    Instance,
+    connect,
+    fleet,
+    listed,
+    migrated,
+    serve,
+    settled_everywhere,
+)
 from tests.postgres import Postgres, running_postgres
 
 
@@ -78,6 +88,7 @@ async def test_always_on_one_instance_is_applied_by_the_others_and_a_revoke_anyw
             await _until(lambda i=instance: _always_lacks(i, target), f"{target} revoked on {instance.id}")
         before = echo_origin.connections
         for instance in (a, b):
+            await settled_everywhere(a, b, c)  # the approval answered before is no longer listed
             again = asyncio.create_task(connect(instance.ports["proxy"], target))
             asked = await listed(c, holder=instance)  # held for a person again: nothing let through
             status, body = await c.control("POST", f"/approvals/{asked['id']}/deny", {"by": "ops"})
