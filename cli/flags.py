@@ -178,10 +178,11 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
 # Where egressd listens and who may use it: ``serve``'s to choose. ``run`` and
 # ``agent`` fix them for their sandbox (a private socket, the run's own
 # addresses, credentials required), so they do not offer these flags. A
-# fleet's state database is ``serve``'s alone for now (docs/fleet.md).
+# fleet's state database is everyone's: ``run`` joins the fleet with it
+# (the bubblewrap backend; docs/fleet.md).
 SERVICE_ONLY = frozenset(
     {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "socks", "require_auth",
-     "workers", "state", "state_file", "share_denials", "group"}
+     "workers"}
 )
 
 

@@ -329,6 +329,9 @@ class DockerSession(SessionBase[_SessionBox]):
         return self
 
     async def _enter(self) -> None:
+        if self.settings.state is not None:
+            raise StartupError("bad setting state: the Docker backend's egressd runs in a container of its own and "
+                               "does not join a fleet yet: use --backend bwrap, or egressd serve --state")  # fmt: skip
         entries_from_settings(self.settings)  # a bad entry stops us before anything is created
         # Declared secrets' values and the origins' CA, for the sidecar: a missing one stops us here.
         self._files = {} if self.connect else sidecar_files(self.settings, os.environ)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -54,6 +55,7 @@ from egressd.sandbox.network import (
 )
 from egressd.sandbox.seccomp import SeccompUnsupported, check_machine
 
+from .fleet import FleetPresence
 from .instances import register_quietly
 from .service import EgressService, StartupError, declared_secrets, entries_from_settings
 
@@ -260,6 +262,13 @@ class SandboxSession(SessionBase[BwrapSandbox]):
             declared_secrets(self.settings, allow)
         except StartupError as exc:
             raise SessionError(str(exc)) from None
+        # In a fleet (--state): the database checked before anything is made, the run listed with it after.
+        try:
+            fleet = await FleetPresence.open(self.settings)
+        except StartupError as exc:
+            raise SessionError(str(exc)) from None
+        if fleet is not None:
+            self._stack.push_async_callback(fleet.leave)
         uid, gid = self._take_workdir()
         # bwrap runs as the owner and opens the directory itself (Docker's engine binds it as root).
         if not await owner_reaches(self.workdir, uid, gid):
@@ -288,7 +297,8 @@ class SandboxSession(SessionBase[BwrapSandbox]):
                 "require_auth": True,
             }
         )
-        self.service = EgressService(service_settings, terminal_output=self.terminal_output)
+        self.service = EgressService(service_settings, terminal_output=self.terminal_output,
+                                     fleet_instance=fleet.id if fleet is not None else None)  # fmt: skip
         try:
             await self.service.start()
         except StartupError as exc:
@@ -306,6 +316,15 @@ class SandboxSession(SessionBase[BwrapSandbox]):
                                deny=[e.text for e in deny], sources=[str(self.network.plan.sandbox_ip)],
                                **({"learn": True} if run.learn else {})))
         stack.callback(self._end_run)
+        if fleet is not None:
+            registry = self.service.runs
+            fleet.runs = lambda: [r.describe() for r in registry]
+            try:
+                joined = await fleet.join(f"egressd run {run.id}, control {self.service.control_address}")
+            except StartupError as exc:
+                raise SessionError(str(exc)) from None
+            logging.getLogger("egressd").info("fleet: state database %s, this run's egressd listed as %s",
+                                              fleet.shown, joined.id)  # fmt: skip
         # In the registry of running instances: `egressd pending|allow|deny` find this run's private socket.
         registration = register_quietly(
             kind=self.kind, control=self.service.control_address, task=self.task,

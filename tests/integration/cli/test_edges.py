@@ -32,8 +32,6 @@ SERVICE_ONLY = [
     ["--transparent-http", "127.0.0.1:1"],
     ["--socks", "127.0.0.1:1"],
     ["--require-auth"],
-    ["--state", "postgresql://127.0.0.1/egressd"],
-    ["--state-file", "/nonexistent"],
 ]
 
 
@@ -173,3 +171,14 @@ def test_an_egressd_variable_no_setting_reads_is_warned_about_with_the_one_meant
     assert said == ["egressd: warning: EGRESSD_ALOW is no setting of egressd and is ignored (did you mean "
                     "EGRESSD_ALLOW?)",
                     "egressd: warning: EGRESSD_NOTHING_LIKE_IT is no setting of egressd and is ignored"], done.stderr
+
+
+def test_run_on_docker_refuses_a_fleet_before_asking_the_engine_anything(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [EGRESSD, "run", "--backend", "docker", "--state", "postgresql://egressd@/fleet?host=/nonexistent", "--",
+         "true"],
+        capture_output=True, text=True, timeout=60,
+        env=_env(tmp_path) | {"DOCKER_HOST": f"unix://{tmp_path}/no-engine.sock"},
+    )  # fmt: skip
+    assert done.returncode != 0 and "does not join a fleet yet: use --backend bwrap" in done.stderr, done.stderr
+    assert "no-engine.sock" not in done.stderr  # refused before the engine was dialled

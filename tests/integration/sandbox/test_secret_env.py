@@ -202,7 +202,7 @@ def test_every_secret_flag_warns_of_the_process_list_and_names_its_file_form() -
     commands = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     for command in ("serve", "run", "agent", "pending", "allow", "deny"):
         helps = {flag: action.help or "" for action in commands[command]._actions for flag in action.option_strings}
-        # run and agent leave out serve's own settings (the fleet's state database among them: SERVICE_ONLY).
+        # run and agent leave out serve's own settings (SERVICE_ONLY); the fleet's state database is theirs too.
         named = [n for n in SECRET_SETTINGS if command == "serve" or n not in SERVICE_ONLY]
         for name in named if command in ("serve", "run", "agent") else ("control_token",):
             flag = "--" + name.replace("_", "-")
