@@ -35,6 +35,7 @@ from .fleetchannel import FleetChannel
 from .interface import Approver, Channel, PendingApproval, Settlement, SetupError
 from .signing import SigningError, parse_secret
 from .slack import SlackChannel
+from .slackrelay import SlackRelay
 from .terminal import TerminalChannel
 from .web import WebChannel
 from .webhook import WebhookChannel
@@ -146,10 +147,14 @@ def approver_from_settings(
             raise SetupError(f"bad setting approver: unknown approver {name!r}")
     if fleet is not None:
         channels.append(fleet)
+        # Without Slack here, each row carries the message for the instance that relays Slack (slack_relay).
+        fleet.stores_slack = not any(isinstance(c, SlackChannel) for c in channels)
         for channel in channels:
             if isinstance(channel, SlackChannel):  # a click Slack hands to this instance for another's approval
                 channel.forward = functools.partial(fleet.forward, "slack")
                 fleet.handlers["slack"] = channel.forwarded_click
+                if settings.slack_relay:
+                    channel.relay = SlackRelay(fleet)
             elif isinstance(channel, WebChannel):  # the page shows and answers what the others hold too
                 channel.elsewhere = fleet
     return ApprovalBroker(

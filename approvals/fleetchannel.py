@@ -44,6 +44,7 @@ from .interface import (
     SetupError,
     settled_text,
 )
+from .slackblocks import fallback_text, request_blocks
 from .webview import approval_event
 
 log = logging.getLogger("egressd.approvals.fleet")
@@ -92,6 +93,9 @@ class FleetChannel:
         self._sweeper: asyncio.Task[None] | None = None
         self._failing = False
         self._unlisted = False  # the last look at the others' approvals failed (said once)
+        # This instance has no Slack of its own: its rows carry the message its Slack channel would post, for
+        # the instance that relays Slack for the fleet (approvals.slackrelay). Set by approvals.assembly.
+        self.stores_slack = True
         # Told each settlement listed here (a denial shared with the task or group); set by approvals.assembly.
         self.shared: Callable[[PendingApproval, Settlement], Awaitable[None]] | None = None
         # What a channel of this instance does with what another instance passed on for an approval held
@@ -111,6 +115,9 @@ class FleetChannel:
     async def deliver(self, approval: PendingApproval) -> None:
         # The page's card too, drawn here as the holder's own page draws it (what another instance's page shows).
         listing = describe(approval) | {"instance": self.instance, "page": approval_event(approval, Scope(None))}
+        if self.stores_slack:  # for the instance that relays Slack for the fleet (approvals.slackrelay)
+            blocks = request_blocks(approval, instance=self.instance)
+            listing["slack"] = {"text": fallback_text(approval), "blocks": blocks}
         try:
             await self._inbox.publish(approval.id, approval.request.run_id, listing, approval.expires_at)
         except Exception as exc:  # noqa: BLE001 (asyncpg's errors are many; each one means "not delivered")
@@ -242,6 +249,13 @@ class FleetChannel:
             return await self._inbox.runs_elsewhere()
         except Exception:  # noqa: BLE001 (listed without them: the failed look at the approvals says why, once)
             return []
+
+    async def outcome(self, approval_id: str) -> Settlement | None:
+        try:
+            found = await self._inbox.find(approval_id)
+        except Exception as exc:  # noqa: BLE001 (asyncpg's errors are many: each one means "cannot say")
+            raise ChannelError(f"the fleet's database cannot be reached ({exc})") from None
+        return settlement_from(found[1]) if found is not None and found[1] is not None else None
 
     async def run_of(self, approval_id: str) -> str | None:
         try:

@@ -309,6 +309,11 @@ class Elsewhere(Protocol):
         that cannot be known now."""
         ...
 
+    async def outcome(self, approval_id: str) -> Settlement | None:
+        """How an approval held elsewhere ended; None while it is open, or when no other instance holds it.
+        ``ChannelError`` when that cannot be known now."""
+        ...
+
     async def run_of(self, approval_id: str) -> str | None:
         """The run of an approval held elsewhere, open or settled; None when no other instance holds it.
         ``ChannelError`` when that cannot be known now (the database is gone)."""

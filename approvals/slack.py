@@ -110,6 +110,7 @@ from .slackblocks import (
     settled_blocks,
     settled_word,
 )
+from .slackrelay import SlackRelay
 
 log = logging.getLogger("egressd.approvals.slack")
 # slack-sdk logs every retry at INFO unless its logger has a level of its own
@@ -233,6 +234,8 @@ class SlackChannel:
         # holds it, which checks and counts it as its own (``forwarded_click``); returns why it could not,
         # or None once the holder took it. Set by ``approvals.assembly``.
         self.forward: Callable[[str, dict[str, Any]], Awaitable[str | None]] | None = None
+        # In a fleet, with slack_relay: the approvals of instances without Slack, posted and answered here.
+        self.relay: SlackRelay | None = None
 
     # -- lifetime -----------------------------------------------------------------
 
@@ -275,6 +278,20 @@ class SlackChannel:
             raise SetupError(f"bad setting slack_api_url: cannot reach Slack at {self._api_url}: {exc}") from None
         if self._app_token is not None:
             await self._connect_socket_mode(self._app_token)
+        if self.relay is not None:
+            self.relay.start(self._relay_post, self._relay_update)
+
+    async def _relay_post(self, text: str, blocks: list[dict[str, Any]]) -> tuple[str, str]:
+        response = await self._post(text, blocks)
+        return str(response.get("channel") or self.channel), str(response["ts"])
+
+    async def _relay_update(self, channel: str, ts: str, text: str, blocks: list[dict[str, Any]]) -> None:
+        assert self._web is not None
+        try:
+            await self._web.chat_update(channel=channel, ts=ts, text=text, blocks=blocks, parse="none",
+                                        link_names=False)  # fmt: skip
+        except SlackApiError as exc:
+            raise ChannelError(f"chat.update failed: {_slack_error(exc)}") from None
 
     async def _connect_socket_mode(self, app_token: str) -> None:
         assert self._web is not None
@@ -293,6 +310,8 @@ class SlackChannel:
         await socket.connect()
 
     async def close(self) -> None:
+        if self.relay is not None:
+            await self.relay.close()
         if self._socket is not None:
             await self._socket.close()
             self._socket = None
@@ -446,6 +465,9 @@ class SlackChannel:
     ) -> None:
         """Steps 1-3 of the module docstring, then the answer."""
         parsed = parse_button_value(value)
+        if parsed is not None and self.relay is not None and self.relay.holds(parsed[1], channels, stamps):
+            await self._relayed_click(parsed[1], decision, user_id, name, reply_to, scope)
+            return
         if parsed is not None and parsed[0] != self.instance and self.forward is not None:
             click = {"value": value, "decision": decision.value, "user_id": user_id, "name": name,
                      "channels": sorted(map(str, channels)), "stamps": sorted(map(str, stamps)),
@@ -526,6 +548,19 @@ class SlackChannel:
             await self._ephemeral(
                 reply_to, user_id, f"Too late: this request was already settled ({code_span(how)})."
             )
+
+    async def _relayed_click(self, approval_id: str, decision: Choice, user_id: str, name: str | None,
+                             reply_to: str, scope: ApprovalScope) -> None:  # fmt: skip
+        """A click on a message relayed here: an approver's is passed to the holder (``approvals.slackrelay``)."""
+        assert self.relay is not None
+        if not await self._may_answer(user_id):
+            await self._ephemeral(reply_to, user_id, "You are not one of egressd's approvers, so your click did not "
+                                                     "count. The request stays open for an approver.")  # fmt: skip
+            return
+        name = await self._display_name(user_id) or name
+        why = await self.relay.answer(approval_id, decision, scope, f"@{name} ({user_id})" if name else user_id)
+        if why is not None:
+            await self._ephemeral(reply_to, user_id, why)
 
     async def forwarded_click(self, click: dict[str, Any]) -> None:
         """A click another instance of the fleet received for an approval this one holds: checked and counted

@@ -92,6 +92,10 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
     ("--slack-approvers", "slack_approvers",
      {"action": "append", "metavar": "ID",
       "help": "Slack approver: a user id (U…) or user-group id (S…) who may answer (repeatable)"}),
+    ("--slack-relay", "slack_relay",
+     {"action": "store_const", "const": True,
+      "help": "in a fleet (--state): post to Slack, and answer through their holders, the approvals of the "
+      "instances that have no Slack of their own (one instance of the fleet)"}),
     ("--slack-api-url", "slack_api_url",
      {"metavar": "URL", "help": "Slack Web API base URL (default https://slack.com/api/)"}),
     ("--upstream-dns", "upstream_dns",
@@ -182,7 +186,7 @@ COMMON: list[tuple[str, str, dict[str, Any]]] = [
 # (the bubblewrap backend; docs/fleet.md).
 SERVICE_ONLY = frozenset(
     {"listen", "control", "dns_listen", "dns_answer", "transparent_tls", "transparent_http", "socks", "require_auth",
-     "workers"}
+     "workers", "slack_relay"}
 )
 
 

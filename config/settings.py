@@ -299,6 +299,11 @@ class Settings(BaseSettings):
         default_factory=list, description="Slack user ids (U…) or user-group ids (S…) who may answer"
     )
     slack_api_url: str | None = Field(None, description="Slack Web API base URL (tests point it at a fake)")
+    slack_relay: bool = Field(
+        False,
+        description="in a fleet (state): post to Slack, and answer through their holders, the approvals of the "
+        "instances that have no Slack of their own; give it to one instance (docs/fleet.md)",
+    )
 
     # The sandbox-facing DNS server and transparent listeners.
     dns_listen: str | None = Field(None, description="DNS server HOST:PORT (UDP and TCP)")
@@ -511,6 +516,10 @@ class Settings(BaseSettings):
                 dsn.check(self.state.get_secret_value())
             except ValueError as exc:
                 raise ValueError(f"state: {exc}") from None
+            if self.slack_relay and "slack" not in self.approver:
+                raise ValueError("slack_relay: it relays through this instance's Slack: it needs approver slack")
+        elif self.slack_relay:
+            raise ValueError("slack_relay: it relays the approvals of a fleet's other instances: it needs state")
         elif self.share_denials != "run":
             raise ValueError(f"share_denials: {self.share_denials} shares denials through a fleet's database: it "
                              "needs state")  # fmt: skip

@@ -9,7 +9,7 @@ _shtab_egressd_audit_subparsers=(verify suggest)
 _shtab_egressd_state_subparsers=(migrate status denials lift)
 _shtab_egressd_subparsers=(serve audit run agent pending allow deny policy state doctor)
 
-_shtab_egressd_serve_option_strings=(-h --help --config --listen --control --control-token --allow --deny --preset --allow-file --allow-private --secret --inspect-origin-ca-file --approver --approval-timeout --max-pending-approvals --max-approvals-per-run --webhook-url --webhook-secret --webhook-callback-secret --public-url --slack-bot-token --slack-app-token --slack-signing-secret --slack-channel --slack-approvers --slack-api-url --upstream-dns --dns-listen --dns-answer --dns-answer6 --dns-strict --transparent-tls --transparent-http --socks --audit-log --audit-max-bytes --audit-keep --max-head-bytes --head-timeout-s --connect-timeout-s --upload-budget-mb --request-body-cap-mb --idle-timeout-s --workers --max-connections --max-connections-per-run --max-refusal-records --refusal-interval-s --state --share-denials --group --log-level --log-format --control-token-file --slack-bot-token-file --slack-app-token-file --slack-signing-secret-file --webhook-secret-file --webhook-callback-secret-file --state-file --no-ask --require-auth --web-inbox --no-web-inbox --no-splice --learn)
+_shtab_egressd_serve_option_strings=(-h --help --config --listen --control --control-token --allow --deny --preset --allow-file --allow-private --secret --inspect-origin-ca-file --approver --approval-timeout --max-pending-approvals --max-approvals-per-run --webhook-url --webhook-secret --webhook-callback-secret --public-url --slack-bot-token --slack-app-token --slack-signing-secret --slack-channel --slack-approvers --slack-relay --slack-api-url --upstream-dns --dns-listen --dns-answer --dns-answer6 --dns-strict --transparent-tls --transparent-http --socks --audit-log --audit-max-bytes --audit-keep --max-head-bytes --head-timeout-s --connect-timeout-s --upload-budget-mb --request-body-cap-mb --idle-timeout-s --workers --max-connections --max-connections-per-run --max-refusal-records --refusal-interval-s --state --share-denials --group --log-level --log-format --control-token-file --slack-bot-token-file --slack-app-token-file --slack-signing-secret-file --webhook-secret-file --webhook-callback-secret-file --state-file --no-ask --require-auth --web-inbox --no-web-inbox --no-splice --learn)
 _shtab_egressd_audit_verify_option_strings=(-h --help --config --audit-log --head)
 _shtab_egressd_audit_suggest_option_strings=(-h --help --config --audit-log --run --include-dns)
 _shtab_egressd_audit_option_strings=(-h --help --config --audit-log --run --decision --host --since --follow -f --json)
@@ -51,6 +51,7 @@ _shtab_egressd_pos_0_choices=(serve audit run agent pending allow deny policy st
 
 _shtab_egressd_serve__h_nargs=0
 _shtab_egressd_serve___help_nargs=0
+_shtab_egressd_serve___slack_relay_nargs=0
 _shtab_egressd_serve___dns_strict_nargs=0
 _shtab_egressd_serve___no_ask_nargs=0
 _shtab_egressd_serve___require_auth_nargs=0

@@ -211,3 +211,16 @@ def _until_listed(port: int, token: str) -> dict[str, Any]:
             return approvals[0]
         time.sleep(0.1)
     raise AssertionError("the sidecar's held request was never listed on the approvals instance")
+
+
+def test_the_approvals_slack_lines_are_egressds_settings(tmp_path: Path) -> None:
+    toml = _load(FLEET / "approvals-configmap.yaml")["data"]["egressd.toml"]
+    slack = toml.split("# Slack for the whole fleet", 1)[1].splitlines()[2:]  # the commented settings
+    assert slack and all(line.strip().startswith("# ") and " = " in line for line in slack), slack
+    uncommented = "\n".join(line for line in toml.splitlines() if not line.strip().startswith("approver ="))
+    uncommented += "\n" + "\n".join(line.strip().removeprefix("# ") for line in slack)
+    path = tmp_path / "slack.toml"
+    path.write_text(uncommented)
+    values = read_config_file(path)
+    assert set(values) <= set(Settings.model_fields), set(values) - set(Settings.model_fields)
+    assert values["slack_relay"] is True and values["approver"] == ["web", "slack"]

@@ -19,6 +19,7 @@ import pytest
 
 from egressd.approvals.assembly import approver_from_settings
 from egressd.approvals.broker import ApprovalBroker
+from egressd.approvals.interface import AnswerResult, Choice
 from egressd.audit.log import MemoryAuditSink
 from egressd.config.settings import load_settings
 from egressd.fleet.store import Store
@@ -48,17 +49,21 @@ async def instances(
     await store.close()
     made: list[ApprovalBroker] = []
 
-    async def make(name: str) -> tuple[ApprovalBroker, MemoryAuditSink]:
-        settings = load_settings({
-            "approver": ["slack"], "slack_bot_token": fake_slack.bot_token, "slack_app_token": fake_slack.app_token,
-            "slack_channel": CHANNEL, "slack_approvers": [ALICE], "slack_api_url": fake_slack.api_url, "state": dsn,
-        })  # fmt: skip
+    async def make(name: str, *, slack: bool = True, relay: bool = False) -> tuple[ApprovalBroker, MemoryAuditSink]:
+        values: dict[str, Any] = {"state": dsn, "approver": []}
+        if slack:
+            values |= {
+                "approver": ["slack"], "slack_bot_token": fake_slack.bot_token, "slack_app_token": fake_slack.app_token,
+                "slack_channel": CHANNEL, "slack_approvers": [ALICE], "slack_api_url": fake_slack.api_url,
+                "slack_relay": relay,
+            }  # fmt: skip
+        settings = load_settings(values)
         audit = MemoryAuditSink()
         broker = approver_from_settings(settings, audit=audit, fleet_instance=name)
         assert isinstance(broker, ApprovalBroker)
         made.append(broker)
         await broker.start()
-        await fake_slack.wait_sockets(len(made))
+        await fake_slack.wait_sockets(sum(1 for b in made if "slack" in b.attached))
         return broker, audit
 
     yield make
@@ -112,3 +117,47 @@ async def test_a_forwarded_click_is_checked_by_the_holder_as_its_own(
     await fake_slack.click(post, "deny", user=ALICE, socket=1)
     outcome = await asyncio.wait_for(held, 15)
     assert not outcome.allowed and [r["decision"] for r in decided(holder_audit)] == ["deny"]
+
+
+async def test_one_instance_relays_slack_for_instances_without_it_and_the_holder_decides(
+    fake_slack: FakeSlack, instances: Callable[..., Any]
+) -> None:
+    holder, holder_audit = await instances("sidecar", slack=False)  # no Slack of its own: the fleet only
+    relay, relay_audit = await instances("approvals", relay=True)
+    held = asyncio.create_task(holder.ask(request()))
+    await wait_until(lambda: fake_slack.posted, 10)
+    [post] = fake_slack.posted  # posted once, by the relaying instance, drawn by the holder
+    assert "egressd sidecar" in str(post["blocks"]), post
+    # Someone who is not an approver: refused here, nothing passed on.
+    await fake_slack.click(post, "allow", user=MALLORY)
+    await wait_until(lambda: fake_slack.called("chat.postEphemeral"), 10)
+    assert "not one of egressd's approvers" in fake_slack.called("chat.postEphemeral")[0]["text"]
+    await asyncio.sleep(0.3)
+    assert not held.done() and decided(holder_audit) == []
+    await fake_slack.click(post, "allow", user=ALICE)
+    outcome = await asyncio.wait_for(held, 15)
+    assert outcome.allowed and outcome.channel == "slack@approvals", outcome
+    [record] = decided(holder_audit)
+    assert record["channel"] == "slack@approvals" and ALICE in str(record["by"]), record
+    assert decided(relay_audit) == []
+    # The message is updated once: how it ended, and no buttons.
+    await wait_until(lambda: fake_slack.called("chat.update"), 10)
+    await asyncio.sleep(1.5)  # the relay's next looks do not update it again
+    [update] = fake_slack.called("chat.update")
+    assert "allowed by" in update["text"] and "actions" not in str(update["blocks"]), update
+    assert len(fake_slack.posted) == 1
+
+
+async def test_a_relayed_message_is_closed_when_the_approval_is_settled_elsewhere(
+    fake_slack: FakeSlack, instances: Callable[..., Any]
+) -> None:
+    holder, _ = await instances("sidecar", slack=False)
+    await instances("approvals", relay=True)
+    held = asyncio.create_task(holder.ask(request()))
+    await wait_until(lambda: fake_slack.posted, 10)
+    [approval] = holder.pending()
+    assert holder.answer(approval.id, Choice.DENY, channel="control", by="ops").result is AnswerResult.ACCEPTED
+    assert not (await asyncio.wait_for(held, 15)).allowed
+    await wait_until(lambda: fake_slack.called("chat.update"), 10)
+    [update] = fake_slack.called("chat.update")
+    assert "denied by ops via control" in update["text"] and "actions" not in str(update["blocks"]), update
