@@ -157,6 +157,8 @@ def approver_from_settings(
                     channel.relay = SlackRelay(fleet)
             elif isinstance(channel, WebChannel):  # the page shows and answers what the others hold too
                 channel.elsewhere = fleet
+            elif isinstance(channel, WebhookChannel):  # a callback for another instance's approval goes to it
+                channel.elsewhere = fleet
     return ApprovalBroker(
         channels,
         audit=audit,

@@ -66,6 +66,7 @@ from .interface import (
     ApprovalScope,
     ChannelError,
     Choice,
+    Elsewhere,
     Notice,
     PendingApproval,
     Route,
@@ -196,6 +197,9 @@ class WebhookChannel:
         self._replays = ReplayGuard()
         self._session: aiohttp.ClientSession | None = None
         self._answerer: Answerer | None = None
+        # In a fleet (serve --state): a callback for an approval another instance holds (one callback URL
+        # for the fleet, behind a load balancer) is passed to that instance, which decides. Set by assembly.
+        self.elsewhere: Elsewhere | None = None
 
     async def start(self, answerer: Answerer) -> None:
         self._answerer = answerer
@@ -357,6 +361,17 @@ class WebhookChannel:
             return web.json_response({"error": "not started"}, status=503)
         decision, by, scope = answer
         answered = self._answerer.answer(data["id"], decision, channel=self.name, by=by or "webhook", scope=scope)
+        if answered.result is AnswerResult.UNKNOWN and self.elsewhere is not None:
+            try:
+                if await self.elsewhere.run_of(data["id"]) is not None:
+                    answered = await self.elsewhere.answer(data["id"], decision, channel=self.name,
+                                                           by=by or "webhook", scope=scope, auth=None)  # fmt: skip
+            except ChannelError as exc:
+                return web.json_response({"error": str(exc)}, status=503)
+            if answered.result is AnswerResult.NOT_APPLIED:
+                return web.json_response({"error": "another instance of the fleet holds it and did not take the "
+                                                   "answer in time: nothing was decided; send it again"},
+                                         status=503)  # fmt: skip
         if answered.result is AnswerResult.NOT_OFFERED:
             log.warning(
                 "webhook callback from %s for %s refused: scope %s is not offered",
