@@ -148,8 +148,8 @@ async def lend_budget(
     share: int,
     ask: Callable[[ApprovalRequest], Awaitable[ApprovalOutcome]],
 ) -> tuple[ApprovalOutcome, int]:
-    """The owner's side of a worker's loan: ``need`` bytes or more of ``run``'s upload budget to ``site``
-    (``share`` when it has them) → (the outcome, the bytes lent).
+    """The owner's side of a worker's loan: ``need`` bytes or more (at least one) of ``run``'s upload budget
+    to ``site`` (``share`` when it has them) → (the outcome, the bytes lent).
 
     When the budget has not ``need`` left, a person is asked first, through
     the question every connection waiting on the budget shares (``asking``:
@@ -158,7 +158,9 @@ async def lend_budget(
     """
     budget = run.budget(site, grant)
     outcome = ApprovalOutcome(Answer.ALLOW)
-    while (lent := lend(budget, need, share)) is None:
+    # At least a byte: a connection asks when it cannot send its next one. An allow grants room for ``need``
+    # only (a body declared past the loan) and a budget, as without workers: not for that one byte too.
+    while (lent := lend(budget, max(1, need), share)) is None:
         # Asked again when others spent what an allow granted before this loan's turn came.
         if budget.asking is None:
             budget.asking = asyncio.ensure_future(_ask_budget(run, budget, port, need, ask))

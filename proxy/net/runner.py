@@ -370,8 +370,8 @@ class Runner:
                 budget.granted(more)
             return outcome
         try:
-            # At least a byte: a connection asks when it cannot send its next one.
-            outcome, lent = await lender.lend(run.id, budget.site, attempt.port, max(1, budget.short(more)))
+            # What ``more`` needs past the loan (0 for a tunnel at its limit: the owner lends at least a byte).
+            outcome, lent = await lender.lend(run.id, budget.site, attempt.port, budget.short(more))
         except asyncio.CancelledError:
             raise
         except Exception:  # fail closed: nothing was lent

@@ -246,3 +246,30 @@ def test_the_cap_question_shows_the_request_and_says_what_an_allow_does() -> Non
                      request=HeldRequest("POST", "/v1/files", "/v1"), uploaded=BUDGET)  # fmt: skip
     assert "This request's body has sent 64.0 KiB to api.example.test, past the per-request cap" in message.text
     assert "Request: POST /v1/files" in message.text and "another cap's worth" in message.text
+
+
+async def test_an_allow_asked_for_through_a_workers_loan_grants_one_budget_not_a_byte_more() -> None:
+    """The attack (it showed in CI as 2 budgets + 1 byte at the origin): a worker at its loan's end asks for
+    the byte it cannot send; the owner's allow must grant a budget from what was sent, as without workers,
+    not the asker's byte on top of it."""
+    from egressd.approvals.interface import ApprovalOutcome
+    from egressd.proxy.core.runs import RunRegistry
+    from egressd.proxy.net.owner import lend_budget
+    from egressd.vocabulary.reasons import Answer
+
+    run = RunRegistry().create(task=None, allow=())
+    asked: list[object] = []
+
+    async def allow(request: object) -> ApprovalOutcome:
+        asked.append(request)
+        return ApprovalOutcome(Answer.ALLOW)
+
+    lent_in_all = lent = 0
+    for _ in range(50):  # lent until a person is asked a second time (a loan of nothing would never ask)
+        outcome, lent = await lend_budget(run, "example.com", 443, 0, grant=100, share=30, ask=allow)
+        assert outcome.allowed and lent > 0, (outcome, lent)
+        lent_in_all += lent
+        if len(asked) == 2:
+            break
+    # The first budget, then one allow's budget: 200 bytes lent before the second question, not 201.
+    assert lent_in_all - lent == 200, (lent_in_all, lent)
