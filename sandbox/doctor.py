@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import rootless
 from .limits import Limits, cgroup_mode
 from .seccomp import SeccompUnsupported, build_filter, check_machine
 
@@ -31,6 +32,7 @@ class Check:
     detail: str
     fix: str = ""
     required: bool = True  # needed by the bwrap backend
+    info: bool = False  # what this machine offers something not built yet: said, never a failure
 
 
 async def _run(*argv: str, pass_fds: tuple[int, ...] = ()) -> tuple[int, str]:
@@ -279,6 +281,21 @@ def clean_tmp(tmp: Path | None = None) -> list[str]:
     return removed
 
 
+async def check_rootless() -> list[Check]:
+    """What an ordinary user's ``egressd run`` could build on here (``rootless``; the backend is not built yet)."""
+    found = await rootless.probe()
+    parts = [
+        ("user namespaces", found.userns, "a user and network namespace of its own"),
+        ("nftables in a user namespace", found.nftables, "connections and DNS queries can be captured"),
+        ("cgroup delegation", found.cgroups, "memory and CPU limits in a delegated cgroup"),
+    ]
+    checks = [Check(f"rootless: {name}", why is None, works if why is None else why, required=False, info=True)
+              for name, why, works in parts]  # fmt: skip
+    checks.append(Check("rootless run", False, f"not built yet (issue 32; run needs root); an ordinary user would "
+                                               f"get {found.backend}", required=False, info=True))  # fmt: skip
+    return checks
+
+
 async def run_checks() -> list[Check]:
     return [
         await check_bwrap(),
@@ -287,6 +304,7 @@ async def run_checks() -> list[Check]:
         await check_seccomp(),
         await check_cgroups(),
         await check_docker(),
+        *await check_rootless(),
     ]
 
 
@@ -294,8 +312,8 @@ def render(checks: list[Check]) -> list[str]:
     width = max(len(c.name) for c in checks)
     lines = []
     for c in checks:
-        mark = "ok  " if c.ok else ("FAIL" if c.required else "no  ")
+        mark = "info" if c.info else "ok  " if c.ok else ("FAIL" if c.required else "no  ")
         lines.append(f"{c.name:<{width}}  {mark}  {c.detail}")
-        if not c.ok and c.fix:
+        if not c.ok and c.fix and not c.info:
             lines.append(f"{'':<{width}}        fix: {c.fix}")
     return lines

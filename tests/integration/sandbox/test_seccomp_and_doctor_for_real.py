@@ -48,8 +48,26 @@ def test_doctor_reports_every_feature_and_is_green_in_ci() -> None:
         [str(Path(sys.executable).with_name("egressd")), "doctor"], capture_output=True, text=True, timeout=60
     )
     features = ("bubblewrap", "network namespaces", "nftables", "seccomp", "cgroup memory limits", "docker",
-                "audit line")
+                "audit line", "rootless: user namespaces", "rootless: nftables in a user namespace",
+                "rootless: cgroup delegation", "rootless run")
     for name in features:
         assert name in out.stdout
     if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
         assert out.returncode == 0 and "FAIL" not in out.stdout and " no  " not in out.stdout, out.stdout
+
+
+def test_doctor_probes_what_an_ordinary_user_gets_as_that_user() -> None:
+    """The rootless probes drop to nobody when run as root: what they find is what a user gets, not root."""
+    import asyncio
+
+    from egressd.sandbox.rootless import probe
+
+    found = asyncio.run(probe())
+    # As nobody, an unshare without a user namespace needs CAP_SYS_ADMIN it has not: refused, whatever root may do.
+    refused = subprocess.run(["nsenter", "--setgid", "65534", "--setuid", "65534", "--", "unshare", "--net", "true"],
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+    if os.geteuid() == 0:
+        assert refused.returncode != 0, "nobody made a network namespace without a user namespace"
+    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):  # this machine's kind allows both
+        assert found.userns is None and found.nftables is None, found
+        assert found.backend.startswith("bubblewrap in a user and network namespace"), found.backend
