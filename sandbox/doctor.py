@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import rootless
 from .limits import Limits, cgroup_mode
+from .probe import run_probe as _run
 from .seccomp import SeccompUnsupported, build_filter, check_machine
 
 DOCKER_SOCKET = "/var/run/docker.sock"
@@ -33,17 +34,6 @@ class Check:
     fix: str = ""
     required: bool = True  # needed by the bwrap backend
     info: bool = False  # what this machine offers something not built yet: said, never a failure
-
-
-async def _run(*argv: str, pass_fds: tuple[int, ...] = ()) -> tuple[int, str]:
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, pass_fds=pass_fds
-        )
-    except OSError as exc:
-        return 127, str(exc)
-    out, _ = await proc.communicate()
-    return proc.returncode or 0, out.decode(errors="replace").strip()
 
 
 _BWRAP_PROBE = ["--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",

@@ -19,10 +19,11 @@ ordinary user gets.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 from dataclasses import dataclass
+
+from .probe import run_probe
 
 NOBODY = 65534
 
@@ -48,14 +49,7 @@ class Rootless:
 
 async def _as_user(*argv: str) -> tuple[int, str]:
     drop = ["nsenter", "--setgid", str(NOBODY), "--setuid", str(NOBODY), "--"] if os.geteuid() == 0 else []
-    try:
-        proc = await asyncio.create_subprocess_exec(
-            *drop, *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-        )
-    except OSError as exc:
-        return 127, str(exc)
-    out, _ = await proc.communicate()
-    return proc.returncode or 0, out.decode(errors="replace").strip()
+    return await run_probe(*drop, *argv)
 
 
 async def probe() -> Rootless:
