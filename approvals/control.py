@@ -139,8 +139,8 @@ def control_routes(answerer: Answerer, elsewhere: Elsewhere | None = None) -> li
         scope = request[SCOPE]
         listed = [describe(a) for a in answerer.pending() if scope.covers(a.request.run_id)]
         if elsewhere is not None:
-            # As this instance lists its own (the card another instance's page draws from is the page's).
-            listed += [{k: v for k, v in listing.items() if k != "page"}
+            # As this instance lists its own (the page's card and the Slack message are the page's and the relay's).
+            listed += [{k: v for k, v in listing.items() if k not in ("page", "slack")}
                        for run, listing in await elsewhere.listed() if scope.covers(run)]  # fmt: skip
         return web.json_response({"approvals": listed})
 

@@ -11,6 +11,7 @@ egressd is still kept off the file.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -112,8 +113,28 @@ class Members:
         self.go(procs, wait=False)
         for n in range(count):
             sink.write_ahead({"event": "w", "who": "founder", "n": n})
+            if n == count // 2:  # half-way, until both members write too (a loaded machine may start them late)
+                self._until_written(("a", "b"))
         for proc in procs:
             assert proc.wait(timeout=30) == 0
+
+    def _until_written(self, whos: tuple[str, ...], timeout_s: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            seen = set()
+            lines: list[str] = []
+            for path in self.log.parent.glob(self.log.name + "*"):  # the log, and the files it rotated to
+                with contextlib.suppress(FileNotFoundError):  # renamed as it is read: found again next time
+                    lines += path.read_text().splitlines()
+            for line in lines:
+                try:
+                    seen.add(json.loads(line).get("who"))
+                except ValueError:
+                    pass  # a line being written
+            if set(whos) <= seen:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"{whos} wrote nothing within {timeout_s}s")
 
     def stop(self) -> None:
         for proc in self.procs:
