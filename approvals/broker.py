@@ -166,6 +166,9 @@ class ApprovalBroker:
         # Called with each approval as it opens, before any channel shows it (``egressd run``'s
         # "answer from another terminal" line); a callback that raises is logged, never the ask's failure.
         self.opened: list[Callable[[PendingApproval], None]] = []
+        # Called with each settlement as it is recorded, before any waiting request wakes (``serve --workers``'
+        # owner applies it to its run at once: a worker's question already on its way finds it applied).
+        self.settled: list[Callable[[PendingApproval, Settlement], None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._started = False
         self._closed = False
@@ -470,6 +473,11 @@ class ApprovalBroker:
             settlement.by or "-",
             settlement.waited_s,
         )
+        for told in self.settled:  # before any waiter wakes: see ``settled``
+            try:
+                told(held.view, settlement)
+            except Exception:
+                log.exception("approval %s: a settlement callback failed", approval_id)
         if not held.future.done():
             held.future.set_result(settlement)
         if held.waiters == 0 and held.late:

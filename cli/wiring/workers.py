@@ -32,13 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approver
+from egressd.approvals.broker import ApprovalBroker
+from egressd.approvals.interface import ApprovalOutcome, ApprovalRequest, Approver, PendingApproval, Settlement
 from egressd.audit.log import AuditError, AuditSink
 from egressd.audit.records import EgressEnded
 from egressd.audit.shared import SharedChain
 from egressd.config.cores import usable_cores
 from egressd.config.settings import Settings
-from egressd.proxy.core.decision import Screen, settled_meanwhile
+from egressd.proxy.core.decision import Screen, late_answer, settled_meanwhile
 from egressd.proxy.core.metrics import Metrics
 from egressd.proxy.core.replica import Change, RegistryImage, apply_change, image_of
 from egressd.proxy.core.runs import RunRegistry
@@ -129,6 +130,8 @@ class WorkerPool:
         self._processes = processes  # the owner and its workers
         self._runs = runs
         self._approver = approver
+        if isinstance(approver, ApprovalBroker):
+            approver.settled.append(self._settled)
         self._inspector = inspector
         self._screen = screen
         self._secrets = secrets  # the owner's, placeholders and values: a run's placeholder works in every process
@@ -304,6 +307,20 @@ class WorkerPool:
         finally:
             worker.asks.pop(ask_id, None)
         channel.send(("answer", ask_id, outcome))
+
+    def _settled(self, approval: PendingApproval, settlement: Settlement) -> None:
+        """A new domain's approval settled: applied to the owner's run now, not when a worker reports it.
+
+        A worker applies an answer to its copy of the run and tells the owner; a question from another
+        worker already on its way would find the owner's run unchanged and open a second approval, which
+        nobody answers. Applied here first, ``settled_meanwhile`` answers it (the worker's report changes
+        nothing then).
+        """
+        request = approval.request
+        run = self._runs.get(request.run_id)
+        if run is None or request.request is not None or request.uploaded is not None:
+            return  # a request's or an upload budget's question: not a domain's
+        late_answer(run, request.host, request.port, ApprovalOutcome(settlement.answer, scope=settlement.scope))
 
     async def _lend(self, worker: _Worker, ask_id: int, run_id: str, site: str, port: int, need: int) -> None:
         """A worker's loan of a run's upload budget (``owner.lend_budget``); nothing for a run that has ended."""

@@ -665,3 +665,19 @@ async def test_a_waiter_leaving_in_the_instant_its_answer_came_still_hands_the_a
     assert waiting.cancelled()
     assert [o.answer for o in late] == [Answer.ALLOW]
     await broker.close()
+
+
+async def test_settlement_callbacks_run_before_any_waiting_request_wakes() -> None:
+    """``serve --workers``' owner applies a new domain's answer to its run here: a question on its way from a
+    worker must find it applied, not open a second approval nobody answers (seen once in CI under load)."""
+    channel = RecordingChannel()
+    broker = await make_broker(channel)
+    held = asyncio.create_task(broker.ask(request()))
+    told: list[tuple[str, bool]] = []
+    broker.settled.append(lambda approval, settlement: told.append((settlement.answer.value, held.done())))
+    broker.settled.append(lambda approval, settlement: 1 / 0)  # a broken callback changes nothing for the others
+    await wait_until(lambda: channel.delivered)
+    assert channel.answer(Choice.ALLOW, by="alice").result is AnswerResult.ACCEPTED
+    assert told == [("allow", False)]  # at once, inside the answer, while the request still waits
+    assert (await asyncio.wait_for(held, 1)).allowed
+    await broker.close()
